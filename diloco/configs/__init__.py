@@ -1,0 +1,31 @@
+"""Typed configuration: pydantic models and the YAML recipes (tiny, demo, bench)."""
+
+from diloco.configs.schema import (
+    Config,
+    ConfigError,
+    DataConfig,
+    EvalConfig,
+    InnerConfig,
+    LearnerConfig,
+    MergerConfig,
+    ModelConfig,
+    OuterConfig,
+    RunConfig,
+    load_config,
+    recipe_names,
+)
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "InnerConfig",
+    "LearnerConfig",
+    "MergerConfig",
+    "ModelConfig",
+    "OuterConfig",
+    "RunConfig",
+    "load_config",
+    "recipe_names",
+]

