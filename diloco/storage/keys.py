@@ -2,25 +2,62 @@
 
 Contract: names are validated before they become keys; no input can escape the run's prefix.
 """
-# STUB — to be implemented. Signatures are the contract.
 
 from __future__ import annotations
 
+import re
+import secrets
 from dataclasses import dataclass
+
+# `[a-z]` and `[0-9]` are ASCII-only here (no re.UNICODE digits); fullmatch rejects a trailing '\n'.
+_LEARNER_RE = re.compile(r"[a-z0-9-]{1,48}")
+_RUN_ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+_NONCE_RE = re.compile(r"[0-9a-f]{8,32}")
+_NAME_RE = re.compile(r"[a-z0-9_-][a-z0-9._-]{0,63}")  # checkpoint / event / control names
+_MANIFEST_RE = re.compile(r"(?:.*/)?versions/([0-9]{20})\.json")
+_DELTA_RE = re.compile(r"(?:.*/)?deltas/([a-z0-9-]{1,48})/([0-9]{12})\.delta")
+
+MAX_VERSION = 10**20 - 1  # the widest number that keeps `{version:020d}` sorting lexically
+MAX_SEQ = 10**12 - 1  # likewise for `{seq:012d}`
 
 
 class KeyError_(ValueError):
     """A learner name, run id, version, seq or nonce is invalid; the message names it."""
 
 
+def _check(pattern: re.Pattern[str], value: object, what: str, rule: str) -> str:
+    if not isinstance(value, str) or pattern.fullmatch(value) is None:
+        raise KeyError_(f"{what} {value!r} is invalid: must match {rule}")
+    return value
+
+
 def validate_learner_name(name: str) -> str:
     """`[a-z0-9-]{1,48}` or KeyError_ naming the bad value."""
-    raise NotImplementedError
+    return _check(_LEARNER_RE, name, "learner name", "[a-z0-9-]{1,48}")
 
 
 def validate_run_id(run_id: str) -> str:
     """`[a-z0-9][a-z0-9._-]{0,63}`, and not '.' / '..' — or KeyError_."""
-    raise NotImplementedError
+    _check(_RUN_ID_RE, run_id, "run id", "[a-z0-9][a-z0-9._-]{0,63}")
+    if ".." in run_id:
+        raise KeyError_(f"run id {run_id!r} is invalid: must not contain '..'")
+    return run_id
+
+
+def validate_name(name: str, what: str = "name") -> str:
+    """A checkpoint, event-source or control name: `[a-z0-9._-]{1,64}`, not starting with '.'."""
+    return _check(_NAME_RE, name, what, "[a-z0-9._-]{1,64} and not starting with '.'")
+
+
+def validate_nonce(nonce: str) -> str:
+    """`[0-9a-f]{8,32}` or KeyError_."""
+    return _check(_NONCE_RE, nonce, "nonce", "[0-9a-f]{8,32}")
+
+
+def _check_int(value: object, what: str, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
+        raise KeyError_(f"{what} {value!r} is invalid: must be an int in [0, {maximum}]")
+    return value
 
 
 @dataclass(frozen=True)
@@ -29,35 +66,88 @@ class RunKeys:
 
     run_id: str
 
-    def run_json(self) -> str: ...                       # <run>/run.json
-    def versions_prefix(self) -> str: ...                # <run>/versions/
-    def manifest(self, version: int) -> str: ...         # <run>/versions/<version:020d>.json
-    def params(self, version: int, nonce: str) -> str: ...   # <run>/global/<version:020d>-<nonce>.params
-    def update(self, version: int, nonce: str) -> str: ...   # <run>/global/<version:020d>-<nonce>.update
-    def outer(self, version: int, nonce: str) -> str: ...    # <run>/global/<version:020d>-<nonce>.outer
-    def deltas_prefix(self, learner: str | None = None) -> str: ...  # <run>/deltas/ or <run>/deltas/<learner>/
-    def delta(self, learner: str, seq: int) -> str: ...      # <run>/deltas/<learner>/<seq:012d>.delta
-    def learners_prefix(self) -> str: ...                # <run>/learners/
-    def status(self, learner: str) -> str: ...           # <run>/learners/<learner>/status.json
-    def checkpoint(self, learner: str, name: str) -> str: ...  # <run>/learners/<learner>/checkpoint/<name>
-    def eval(self, version: int) -> str: ...             # <run>/evals/<version:020d>.json
-    def evals_prefix(self) -> str: ...
-    def event(self, source: str, name: str) -> str: ...  # <run>/events/<source>/<name>.jsonl
-    def events_prefix(self) -> str: ...
-    def stop(self) -> str: ...                           # <run>/control/stop
-    def control(self, name: str) -> str: ...             # <run>/control/<name>
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+
+    def _version(self, version: int) -> str:
+        return f"{_check_int(version, 'version', MAX_VERSION):020d}"
+
+    def _global(self, version: int, nonce: str, suffix: str) -> str:
+        return f"{self.run_id}/global/{self._version(version)}-{validate_nonce(nonce)}.{suffix}"
+
+    def run_json(self) -> str:
+        return f"{self.run_id}/run.json"
+
+    def versions_prefix(self) -> str:
+        return f"{self.run_id}/versions/"
+
+    def manifest(self, version: int) -> str:
+        return f"{self.versions_prefix()}{self._version(version)}.json"
+
+    def global_prefix(self) -> str:
+        return f"{self.run_id}/global/"
+
+    def params(self, version: int, nonce: str) -> str:
+        return self._global(version, nonce, "params")
+
+    def update(self, version: int, nonce: str) -> str:
+        return self._global(version, nonce, "update")
+
+    def outer(self, version: int, nonce: str) -> str:
+        return self._global(version, nonce, "outer")
+
+    def deltas_prefix(self, learner: str | None = None) -> str:
+        if learner is None:
+            return f"{self.run_id}/deltas/"
+        return f"{self.run_id}/deltas/{validate_learner_name(learner)}/"
+
+    def delta(self, learner: str, seq: int) -> str:
+        return f"{self.deltas_prefix(learner)}{_check_int(seq, 'seq', MAX_SEQ):012d}.delta"
+
+    def learners_prefix(self) -> str:
+        return f"{self.run_id}/learners/"
+
+    def learner_prefix(self, learner: str) -> str:
+        return f"{self.learners_prefix()}{validate_learner_name(learner)}/"
+
+    def status(self, learner: str) -> str:
+        return f"{self.learner_prefix(learner)}status.json"
+
+    def checkpoint(self, learner: str, name: str) -> str:
+        return f"{self.learner_prefix(learner)}checkpoint/{validate_name(name, 'checkpoint name')}"
+
+    def eval(self, version: int) -> str:
+        return f"{self.evals_prefix()}{self._version(version)}.json"
+
+    def evals_prefix(self) -> str:
+        return f"{self.run_id}/evals/"
+
+    def event(self, source: str, name: str) -> str:
+        source = validate_name(source, "event source")
+        return f"{self.events_prefix()}{source}/{validate_name(name, 'event name')}.jsonl"
+
+    def events_prefix(self) -> str:
+        return f"{self.run_id}/events/"
+
+    def stop(self) -> str:
+        return self.control("stop")
+
+    def control(self, name: str) -> str:
+        return f"{self.run_id}/control/{validate_name(name, 'control name')}"
 
 
 def parse_manifest_key(key: str) -> int | None:
     """The version of a manifest key, or None if the key is not a manifest."""
-    raise NotImplementedError
+    match = _MANIFEST_RE.fullmatch(key) if isinstance(key, str) else None
+    return int(match.group(1)) if match else None
 
 
 def parse_delta_key(key: str) -> tuple[str, int] | None:
     """(learner, seq) of a delta key, or None if the key is not a well-formed delta key."""
-    raise NotImplementedError
+    match = _DELTA_RE.fullmatch(key) if isinstance(key, str) else None
+    return (match.group(1), int(match.group(2))) if match else None
 
 
 def new_nonce() -> str:
     """A fresh random nonce (16 hex chars) for objects written before a manifest."""
-    raise NotImplementedError
+    return secrets.token_hex(8)

@@ -7,15 +7,20 @@ written last with put_if_absent; the loser of a race gets Conflict and must relo
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from diloco.storage.errors import Conflict
+from diloco.storage.keys import RunKeys, parse_manifest_key
+from diloco.storage.store import ObjectStore
 
 SCHEMA_VERSION = 1
+KNOWN_SCHEMA_VERSIONS = (1,)
 
 
 class ManifestError(ValueError):
-    """A manifest object is malformed or has an unknown schema_version."""
+    """A manifest (or another JSON record of the run) is malformed or has an unknown schema_version."""
 
 
 class DeltaDecision(BaseModel):
@@ -68,12 +73,81 @@ class Manifest(BaseModel):
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
-        raise NotImplementedError  # STUB: parse, check schema_version, raise ManifestError
+        """Parse a stored manifest; ManifestError names what is wrong (never a pydantic error)."""
+        obj = _loads(data, "manifest")
+        if not isinstance(obj, dict):
+            raise ManifestError(f"manifest must be a JSON object, got {type(obj).__name__}")
+        schema = obj.get("schema_version")
+        if schema not in KNOWN_SCHEMA_VERSIONS:
+            raise ManifestError(
+                f"manifest schema_version {schema!r} is unknown (this code reads {KNOWN_SCHEMA_VERSIONS})"
+            )
+        try:
+            return cls.model_validate(obj)
+        except ValidationError as exc:
+            raise ManifestError(f"manifest is malformed: {exc}") from exc
 
 
-# STUB functions — to be implemented:
-# def commit(store, keys: RunKeys, manifest: Manifest) -> None        # put_if_absent; Conflict on loss
-# def read_manifest(store, keys, version: int) -> Manifest            # NotFound / ManifestError
-# def latest_version(store, keys) -> int | None                       # listing, never cached
-# def read_latest(store, keys) -> Manifest | None
-# def manifest_exists(store, keys, version: int) -> bool              # the cheap probe
+def _loads(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ManifestError(f"{what} is not valid JSON: {exc}") from exc
+
+
+def commit(store: ObjectStore, keys: RunKeys, manifest: Manifest) -> None:
+    """Commit a version: exclusive create of its manifest. Conflict if another writer got there first.
+
+    Everything the manifest references must already be written. On Conflict, reload the latest
+    version and start over; never retry the same version with different content.
+    """
+    if manifest.run_id != keys.run_id:
+        raise ManifestError(f"manifest run_id {manifest.run_id!r} does not match run {keys.run_id!r}")
+    key = keys.manifest(manifest.version)
+    try:
+        store.put_if_absent(key, manifest.to_bytes())
+    except Conflict as exc:
+        raise Conflict(f"version {manifest.version} of run {keys.run_id!r} is already committed") from exc
+
+
+def read_manifest(store: ObjectStore, keys: RunKeys, version: int) -> Manifest:
+    """The committed manifest of a version. NotFound if not committed; ManifestError if malformed."""
+    manifest = Manifest.from_bytes(store.get(keys.manifest(version)))
+    if manifest.version != version or manifest.run_id != keys.run_id:
+        raise ManifestError(
+            f"manifest at {keys.manifest(version)!r} says run {manifest.run_id!r} version "
+            f"{manifest.version}, expected run {keys.run_id!r} version {version}"
+        )
+    return manifest
+
+
+def latest_version(store: ObjectStore, keys: RunKeys) -> int | None:
+    """The highest committed version (a fresh listing, never cached), or None before version 0."""
+    versions = [parse_manifest_key(key) for key in store.list(keys.versions_prefix())]
+    found = [v for v in versions if v is not None]
+    return max(found) if found else None
+
+
+def read_latest(store: ObjectStore, keys: RunKeys) -> Manifest | None:
+    """The manifest of the latest committed version, or None if nothing is committed yet."""
+    version = latest_version(store, keys)
+    return None if version is None else read_manifest(store, keys, version)
+
+
+def manifest_exists(store: ObjectStore, keys: RunKeys, version: int) -> bool:
+    """The cheap probe a learner uses for 'is version v committed yet?' (one HEAD request)."""
+    return store.exists(keys.manifest(version))
+
+
+def write_json(store: ObjectStore, key: str, obj: Any, *, exclusive: bool = False) -> None:
+    """Store a JSON document (run.json, status.json, evals); exclusive=True means put_if_absent."""
+    data = json.dumps(obj, sort_keys=True, indent=1).encode()
+    if exclusive:
+        store.put_if_absent(key, data)
+    else:
+        store.put(key, data)
+
+
+def read_json(store: ObjectStore, key: str) -> Any:
+    """A stored JSON document. NotFound if absent; ManifestError if it is not valid JSON."""
+    return _loads(store.get(key), repr(key))

@@ -1,1 +1,1 @@
-
+"""Thin Prefect @task wrappers over the engine: retries on transient storage errors, artifacts."""

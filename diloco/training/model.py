@@ -2,46 +2,165 @@
 
 Contract: pure PyTorch; `param_names()` order is stable and defines every delta's tensor order.
 """
-# STUB — to be implemented.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from diloco.configs import ModelConfig
+
+INIT_STD = 0.02  # GPT-2's init; residual projections get INIT_STD / sqrt(2 * n_layer)
+EMBEDDING_PARAMS = ("wte.weight", "wpe.weight")  # token (tied with lm_head) and position embeddings
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # residual projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape  # (B, T, C)
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.proj(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=False)  # residual projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))  # (B, T, C) -> (B, T, 4C) -> (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))  # (B, T, C)
+        return x + self.drop(self.mlp(self.ln2(x)))  # (B, T, C)
 
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        raise NotImplementedError
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)  # token embedding, tied with lm_head
+        self.wpe = nn.Embedding(cfg.ctx_len, cfg.d_model)  # learned positions
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: named_parameters() lists it once, as wte.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx (B, T) int64 -> logits (B, T, V); with targets also the mean cross-entropy (nats/token)."""
-        raise NotImplementedError
+        B, T = idx.shape
+        if self.cfg.ctx_len < T:
+            raise ValueError(f"sequence length {T} exceeds model.ctx_len {self.cfg.ctx_len}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
+        return logits, loss
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
                  top_k: int | None = 40, generator: torch.Generator | None = None) -> torch.Tensor:
-        raise NotImplementedError
+        """Append max_new_tokens sampled bytes to idx (B, T); the context is cropped to ctx_len."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                logits, _ = self(idx[:, -self.cfg.ctx_len:])  # (B, T, V)
+                logits = logits[:, -1, :].float() / temperature  # (B, V)
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1)  # (B, V)
+                nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+                idx = torch.cat([idx, nxt], dim=1)  # (B, T+1)
+        finally:
+            self.train(was_training)
+        return idx
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> GPT:
     """Deterministic init from the seed (the initial global version 0)."""
-    raise NotImplementedError
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    resid_std = INIT_STD / math.sqrt(2 * cfg.n_layer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # stable order -> the same bits for the same seed
+            if name.endswith(".proj.weight"):
+                nn.init.normal_(p, 0.0, resid_std, generator=gen)
+            elif p.dim() >= 2:
+                nn.init.normal_(p, 0.0, INIT_STD, generator=gen)
+            elif name.endswith(".weight"):  # LayerNorm gain
+                nn.init.ones_(p)
+            else:  # LayerNorm bias
+                nn.init.zeros_(p)
+    return model
+
+
+def param_names(model: nn.Module) -> list[str]:
+    """Parameter names in their stable order (tied weights once): the tensor order of every delta."""
+    return [name for name, _ in model.named_parameters()]
 
 
 def model_fingerprint(model: nn.Module, cfg: ModelConfig) -> str:
     """Stable hash of parameter names, shapes and the model config."""
-    raise NotImplementedError
+    shapes = [[name, list(p.shape)] for name, p in model.named_parameters()]
+    blob = json.dumps({"params": shapes, "config": cfg.model_dump()}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def get_flat_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """name -> fp32 CPU clone of each parameter (tied weights appear once), in param order."""
-    raise NotImplementedError
+    return {name: p.detach().to(device="cpu", dtype=torch.float32).contiguous().clone()
+            for name, p in model.named_parameters()}
 
 
 def set_params(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
-    """Copy the given tensors into the model's parameters (dtype/device converted)."""
-    raise NotImplementedError
+    """Copy the given tensors into the model's parameters (dtype/device converted).
+
+    Raises ValueError (and changes nothing) when names or shapes differ from the model's.
+    """
+    own = dict(model.named_parameters())
+    if set(own) != set(params):
+        missing, extra = sorted(set(own) - set(params)), sorted(set(params) - set(own))
+        raise ValueError(f"parameter names differ: missing {missing}, unexpected {extra}")
+    for name, p in own.items():
+        if tuple(params[name].shape) != tuple(p.shape):
+            raise ValueError(f"parameter {name}: shape {tuple(params[name].shape)} != {tuple(p.shape)}")
+    with torch.no_grad():
+        for name, p in own.items():
+            p.copy_(params[name])

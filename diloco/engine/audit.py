@@ -1,0 +1,155 @@
+"""`audit`: prove a run's history — contiguous manifests, checksums, at-most-once merging, every
+delta decided, and a bit-for-bit replay of every merge from the stored objects.
+
+Contract: read-only; returns every problem found rather than stopping at the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.engine import tensors as T
+from diloco.engine.outer_step import LearnerGroup, OuterState, outer_step
+from diloco.engine.run import RunContext
+from diloco.storage import Manifest, StorageError, read_manifest
+from diloco.storage.codec import CodecError, object_checksum
+from diloco.storage.keys import parse_delta_key, parse_manifest_key
+
+
+@dataclass
+class AuditReport:
+    ok: bool = True
+    num_versions: int = 0
+    deltas_merged: int = 0
+    deltas_rejected: int = 0
+    deltas_lost: int = 0
+    deltas_pending: int = 0  # published after the last merge of a run that has ended
+    replay_ok: bool = True
+    problems: list[str] = field(default_factory=list)
+
+    def problem(self, text: str) -> None:
+        self.ok = False
+        self.problems.append(text)
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "num_versions": self.num_versions, "deltas_merged": self.deltas_merged,
+                "deltas_rejected": self.deltas_rejected, "deltas_lost": self.deltas_lost,
+                "deltas_pending": self.deltas_pending, "replay_ok": self.replay_ok, "problems": self.problems}
+
+
+def _check_object(ctx: RunContext, key: str, checksum: str, what: str, report: AuditReport) -> bytes | None:
+    try:
+        data = ctx.store.get(key)
+    except StorageError as err:
+        report.problem(f"{what}: cannot read {key}: {err}")
+        return None
+    if object_checksum(data) != checksum:
+        report.problem(f"{what}: checksum of {key} does not match the manifest")
+        return None
+    return data
+
+
+def load_chain(ctx: RunContext, report: AuditReport) -> list[Manifest]:
+    versions = sorted(v for v in (parse_manifest_key(k) for k in ctx.store.list(ctx.keys.versions_prefix()))
+                      if v is not None)
+    if versions != list(range(len(versions))):
+        report.problem(f"manifest chain is not contiguous from 0: {versions[:20]}")
+    chain = []
+    for v in versions:
+        try:
+            m = read_manifest(ctx.store, ctx.keys, v)
+        except (StorageError, ValueError) as err:
+            report.problem(f"version {v}: unreadable manifest: {err}")
+            continue
+        if m.version != v or (v > 0 and m.parent != v - 1):
+            report.problem(f"version {v}: manifest says version {m.version}, parent {m.parent}")
+        chain.append(m)
+    report.num_versions = len(chain)
+    return chain
+
+
+def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
+    decided: dict[tuple[str, int], int] = {}
+    cursors: dict[str, int] = {}
+    for m in chain:
+        for d in m.decisions:
+            key = (d.learner, d.seq)
+            if key in decided:
+                report.problem(f"delta {d.learner}/{d.seq} decided twice (versions {decided[key]} and {m.version})")
+            decided[key] = m.version
+            if d.status == "merged":
+                report.deltas_merged += 1
+                if d.seq <= cursors.get(d.learner, -1):
+                    report.problem(f"delta {d.learner}/{d.seq} merged at or below the cursor in version {m.version}")
+                _check_object(ctx, ctx.keys.delta(d.learner, d.seq), d.checksum, f"version {m.version}", report)
+            elif d.status == "rejected":
+                report.deltas_rejected += 1
+                if not d.reason:
+                    report.problem(f"delta {d.learner}/{d.seq} rejected without a reason")
+            else:
+                report.deltas_lost += 1
+        for learner, seq in m.cursors.items():
+            if seq < cursors.get(learner, -1):
+                report.problem(f"version {m.version}: cursor of {learner} went backwards")
+        cursors = dict(m.cursors)
+    for key in ctx.store.list(ctx.keys.deltas_prefix()):
+        parsed = parse_delta_key(key)
+        if parsed is None or parsed in decided:
+            continue
+        if parsed[1] > cursors.get(parsed[0], -1):
+            report.deltas_pending += 1
+        else:
+            report.problem(f"delta {parsed[0]}/{parsed[1]} is at or below the cursor but was never decided")
+
+
+def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
+    """Recompute every version from its parent, the parent's outer state and the stored deltas."""
+    for prev, m in zip(chain, chain[1:], strict=False):
+        try:
+            _, params = T.read_tensors(ctx.store, prev.params_key, checksum=prev.params_checksum)
+            if prev.outer_key:
+                _, raw = T.read_tensors(ctx.store, prev.outer_key, checksum=prev.outer_checksum)
+                outer = OuterState.from_tensors(raw, params)
+            else:
+                outer = OuterState.zeros_like(params)
+            groups: dict[str, LearnerGroup] = {}
+            for d in m.merged():
+                header, delta = T.read_tensors(ctx.store, ctx.keys.delta(d.learner, d.seq), checksum=d.checksum)
+                groups.setdefault(d.learner, LearnerGroup(d.learner)).add(d.seq, header, delta)
+            result = outer_step(params, outer, list(groups.values()), prev.version, ctx.cfg, ctx.fingerprint)
+        except (StorageError, CodecError, ValueError) as err:
+            report.replay_ok = False
+            report.problem(f"version {m.version}: replay could not read its inputs: {err}")
+            continue
+        _compare_replay(ctx, m, result, report)
+
+
+def _compare_replay(ctx: RunContext, m: Manifest, result, report: AuditReport) -> None:
+    if object_checksum(result.update_bytes) != m.update_checksum:
+        report.replay_ok = False
+        report.problem(f"version {m.version}: replayed update differs from the committed one")
+        return
+    _, stored = T.read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)
+    if any(not torch.equal(stored[k], result.params[k]) for k in stored):
+        report.replay_ok = False
+        report.problem(f"version {m.version}: replayed parameters differ from the committed ones")
+        return
+    _, raw = T.read_tensors(ctx.store, m.outer_key, checksum=m.outer_checksum)
+    if any(not torch.equal(raw[k], v) for k, v in result.outer.to_tensors().items()):
+        report.replay_ok = False
+        report.problem(f"version {m.version}: replayed outer state differs from the committed one")
+
+
+def audit_run(ctx: RunContext, do_replay: bool = True) -> AuditReport:
+    report = AuditReport()
+    chain = load_chain(ctx, report)
+    for m in chain:
+        _check_object(ctx, m.params_key, m.params_checksum, f"version {m.version} params", report)
+        if m.version > 0:
+            _check_object(ctx, m.update_key, m.update_checksum, f"version {m.version} update", report)
+    check_decisions(ctx, chain, report)
+    if do_replay:
+        replay(ctx, chain, report)
+    return report

@@ -1,0 +1,261 @@
+"""A learner: inner AdamW steps on its own shard, ship-and-carry deltas, install newer versions.
+
+Contract (DESIGN §5): shipped + carried = all local progress. A delta is `r - theta`; after
+shipping, `r -= dequantize(delta)` (error feedback); on a newer global `G`, `theta = G + (theta - r)`
+and `r = G`. The learner never waits for anyone, except in `sync` mode, the synchronous oracle.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.engine import tensors as T
+from diloco.engine.events import EventLog
+from diloco.engine.publisher import Publisher
+from diloco.engine.run import RunContext
+from diloco.storage import (
+    Manifest,
+    NotFound,
+    StorageError,
+    latest_version,
+    manifest_exists,
+    read_latest,
+    read_manifest,
+)
+from diloco.storage.codec import CodecError
+from diloco.storage.keys import parse_delta_key
+from diloco.training.data import Corpus, ShardSampler, shard_of
+from diloco.training.inner import InnerTrainer
+from diloco.training.model import build_model, get_flat_params, set_params
+
+log = logging.getLogger("diloco.learner")
+
+
+@dataclass
+class PhaseStats:
+    seq: int = -1
+    steps: int = 0
+    tokens: int = 0
+    loss: float = float("nan")
+    phase_time_s: float = 0.0
+    stall_s: float = 0.0
+    installs: list[int] = field(default_factory=list)
+    delta_bytes: int = 0
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("learner.device is 'cuda' but no CUDA device is available")
+    return name
+
+
+class Learner:
+    """One island of compute. Drive it with join(), then run_phase() + publish() in a loop."""
+
+    def __init__(self, ctx: RunContext, name: str, corpus: Corpus, *, events: EventLog | None = None,
+                 slowdown: float | None = None) -> None:
+        self.ctx, self.name, self.cfg = ctx, name, ctx.cfg
+        self.device = pick_device(self.cfg.learner.device)
+        self.corpus = corpus
+        self.events = events or EventLog(None, None, name)
+        self.slowdown = slowdown if slowdown is not None else self.cfg.learner.slowdown
+        self.publisher = Publisher(ctx.store, self.events)
+        self.model = build_model(self.cfg.model, seed=self.cfg.data.seed).to(self.device)
+        self.base = -1
+        self.seq = 0
+        self.glob: T.Tensors = {}
+        self.ref: T.Tensors = {}
+        self.tokens_since_publish = 0
+        self.steps_since_publish = 0
+        self.loss_ema = float("nan")
+        self.phase_t0 = time.time()
+
+    # ---- join / rejoin -------------------------------------------------------------------
+    def join(self) -> int:
+        """Start from the newest committed version; resume optimizer state and data cursor."""
+        manifest = read_latest(self.ctx.store, self.ctx.keys)
+        if manifest is None:
+            raise RuntimeError(f"run {self.ctx.run_id} has no committed version")
+        self._load_full(manifest)
+        self._set_theta(T.clone(self.glob))
+        self.seq = self._next_seq(manifest)
+        self.trainer = InnerTrainer(self.model, self.cfg.inner, device=self.device)
+        step, cursor = self._restore_checkpoint()
+        shard, num_shards = shard_of(self.name, self.ctx.learners)
+        self.sampler = ShardSampler(
+            self.corpus.train, shard, num_shards, self.cfg.data.batch_size, self.cfg.model.ctx_len,
+            self.cfg.data.seed, cursor=cursor,
+        )
+        self.events.emit("join", learner=self.name, version=self.base, seq=self.seq, cursor=cursor, step=step)
+        log.info("learner %s joined at version %d, next seq %d, data cursor %d, step %d",
+                 self.name, self.base, self.seq, cursor, step)
+        return self.base
+
+    def _next_seq(self, manifest: Manifest) -> int:
+        listed = [parse_delta_key(k) for k in self.ctx.store.list(self.ctx.keys.deltas_prefix(self.name))]
+        seqs = [p[1] for p in listed if p and p[0] == self.name]
+        return max([*seqs, manifest.cursors.get(self.name, -1)]) + 1
+
+    def _restore_checkpoint(self) -> tuple[int, int]:
+        if not self.cfg.learner.checkpoint:
+            return 0, 0
+        try:
+            header, state = T.read_tensors(self.ctx.store, self.ctx.keys.checkpoint(self.name, "state"))
+        except NotFound:
+            return 0, 0
+        except (CodecError, StorageError) as err:
+            log.warning("learner %s: checkpoint unreadable (%s); starting fresh state", self.name, err)
+            self.events.emit("checkpoint_unreadable", learner=self.name, reason=str(err))
+            return 0, 0
+        meta = header.meta
+        try:
+            self.trainer.import_state(state, meta.get("optimizer") or {})
+        except ValueError as err:
+            log.warning("learner %s: checkpoint does not fit (%s); starting fresh state", self.name, err)
+            self.events.emit("checkpoint_unreadable", learner=self.name, reason=str(err))
+            return 0, 0
+        self.events.emit("resume", learner=self.name, step=meta.get("step"), cursor=meta.get("cursor"),
+                         checkpoint_seq=meta.get("seq"))
+        return int(meta.get("step", 0)), int(meta.get("cursor", 0))
+
+    def _load_full(self, manifest: Manifest) -> None:
+        _, params = T.read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+                                   checksum=manifest.params_checksum)
+        self.glob = params
+        self.ref = T.clone(params)
+        self.base = manifest.version
+
+    def _set_theta(self, theta: T.Tensors) -> None:
+        set_params(self.model, theta)
+
+    def theta(self) -> T.Tensors:
+        return get_flat_params(self.model)
+
+    # ---- the inner phase -----------------------------------------------------------------
+    def run_phase(self) -> PhaseStats:
+        """H inner steps, probing for a newer global version every few steps."""
+        cfg = self.cfg
+        stats = PhaseStats()
+        t0 = time.time()
+        losses = []
+        for i in range(cfg.inner.steps_per_phase):
+            ts = time.time()
+            x, y = self.sampler.next_batch()
+            losses.append(self.trainer.train_step(x.to(self.device), y.to(self.device)))
+            if self.slowdown > 1.0:
+                time.sleep((time.time() - ts) * (self.slowdown - 1.0))
+            if (i + 1) % cfg.learner.probe_every_steps == 0 and cfg.learner.mode != "sync":
+                installed = self.maybe_install()
+                if installed is not None:
+                    stats.installs.append(installed)
+        stats.steps = cfg.inner.steps_per_phase
+        stats.tokens = stats.steps * cfg.data.batch_size * cfg.model.ctx_len
+        stats.loss = sum(losses) / len(losses)
+        stats.phase_time_s = time.time() - t0
+        self.tokens_since_publish += stats.tokens
+        self.steps_since_publish += stats.steps
+        self.loss_ema = stats.loss
+        self.events.emit("phase", learner=self.name, version=self.base, steps=stats.steps,
+                         tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss)
+        return stats
+
+    # ---- ship ----------------------------------------------------------------------------
+    def publish(self, stats: PhaseStats | None = None) -> int:
+        """Ship r - theta as delta `seq`; keep the quantization error in r (error feedback)."""
+        cfg = self.cfg
+        delta = T.sub(self.ref, self.theta())
+        seq = self.seq
+        meta = {
+            "learner": self.name, "seq": seq, "base_version": self.base,
+            "tokens": self.tokens_since_publish, "steps": self.steps_since_publish,
+            "phase_time_s": time.time() - self.phase_t0, "train_loss": self.loss_ema,
+            "created_at": time.time(),
+        }
+        data = T.encode_tensors(delta, codec_name=cfg.learner.codec, kind="delta",
+                                fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
+        _, shipped = T.decode_tensors(data)
+        T.add_(self.ref, shipped, alpha=-1.0)
+        checkpoint = self._checkpoint_bytes(seq) if cfg.learner.checkpoint else None
+        stall = self.publisher.submit(self.ctx.keys.delta(self.name, seq), data, seq=seq,
+                                      checkpoint=(self.ctx.keys.checkpoint(self.name, "state"), checkpoint))
+        self.seq += 1
+        self.tokens_since_publish = 0
+        self.steps_since_publish = 0
+        self.phase_t0 = time.time()
+        if stats is not None:
+            stats.seq, stats.stall_s, stats.delta_bytes = seq, stall, len(data)
+        self.events.emit("publish", learner=self.name, seq=seq, version=self.base, bytes=len(data),
+                         tokens=meta["tokens"], steps=meta["steps"], stall_s=stall)
+        return seq
+
+    def _checkpoint_bytes(self, seq: int) -> bytes:
+        tensors, opt_meta = self.trainer.export_state()
+        meta = {"learner": self.name, "seq": seq, "step": self.trainer.step, "cursor": self.sampler.cursor,
+                "base_version": self.base, "optimizer": opt_meta}
+        return T.encode_tensors(tensors, codec_name="fp32", kind="state",
+                                fingerprint=self.ctx.fingerprint, meta=meta)
+
+    # ---- carry ---------------------------------------------------------------------------
+    def maybe_install(self) -> int | None:
+        """Cheap probe for version base+1; on a newer version install it and return it."""
+        try:
+            if not manifest_exists(self.ctx.store, self.ctx.keys, self.base + 1):
+                return None
+            latest = latest_version(self.ctx.store, self.ctx.keys)
+            if latest is None or latest <= self.base:
+                return None
+            return self.install(latest)
+        except (StorageError, CodecError) as err:
+            log.warning("learner %s: probe/install failed (%s); training on", self.name, err)
+            self.events.emit("install_failed", learner=self.name, version=self.base, reason=str(err))
+            return None
+
+    def install(self, version: int) -> int:
+        """Move to `version`: theta = G + (theta - r) (carry) or G (overwrite); r = G."""
+        behind = version - self.base
+        if behind <= self.cfg.learner.max_updates_behind:
+            glob = T.clone(self.glob)
+            for v in range(self.base + 1, version + 1):
+                m = read_manifest(self.ctx.store, self.ctx.keys, v)
+                _, update = T.read_tensors(self.ctx.store, m.update_key, fingerprint=self.ctx.fingerprint,
+                                           checksum=m.update_checksum)
+                T.add_(glob, update)
+        else:
+            m = read_manifest(self.ctx.store, self.ctx.keys, version)
+            _, glob = T.read_tensors(self.ctx.store, m.params_key, fingerprint=self.ctx.fingerprint,
+                                     checksum=m.params_checksum)
+        theta = self.theta()
+        if self.cfg.learner.mode == "overwrite":
+            new_theta = T.clone(glob)
+        else:
+            new_theta = {k: glob[k] + (theta[k] - self.ref[k]) for k in glob}
+        self._set_theta(new_theta)
+        self.glob, self.ref = glob, T.clone(glob)
+        self.events.emit("install", learner=self.name, version=version, previous=self.base, behind=behind)
+        self.base = version
+        return version
+
+    def wait_for_decision(self, seq: int, timeout_s: float, should_stop=lambda: False) -> int | None:
+        """Sync mode: block until a version decides delta `seq`, then install it."""
+        self.publisher.drain()
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and not should_stop():
+            try:
+                m = read_latest(self.ctx.store, self.ctx.keys)
+                if m is not None and m.cursors.get(self.name, -1) >= seq:
+                    return self.install(m.version) if m.version > self.base else self.base
+            except StorageError as err:
+                log.warning("learner %s: waiting for version failed (%s)", self.name, err)
+            time.sleep(self.cfg.merger.poll_interval_s)
+        return None
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.publisher.close(timeout_s)
+        self.events.emit("stop", learner=self.name, seq=self.seq, version=self.base)
+        self.events.flush()

@@ -1,0 +1,167 @@
+"""The long-running loops of a learner and of the evaluator, plus the stop signals they share.
+
+Contract: a loop ends by itself when the run is stopped (control/stop), when the target version
+is committed, or after its count; storage trouble is logged and ridden out, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from diloco.engine import tensors as T
+from diloco.engine.events import EventLog
+from diloco.engine.learner import Learner, PhaseStats
+from diloco.engine.run import RunContext
+from diloco.storage import NotFound, StorageError, latest_version, read_manifest
+from diloco.training.data import Corpus, eval_batches
+from diloco.training.inner import evaluate
+from diloco.training.model import build_model, set_params
+
+log = logging.getLogger("diloco.loops")
+
+
+class StopSignal:
+    """`control/stop` in the bucket, or the target version committed; checked at most every `every_s`."""
+
+    def __init__(self, ctx: RunContext, target_version: int | None = None, every_s: float = 1.0) -> None:
+        self.ctx, self.target, self.every_s = ctx, target_version, every_s
+        self._last, self._stopped = 0.0, False
+
+    def __call__(self) -> bool:
+        if self._stopped:
+            return True
+        now = time.time()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
+        try:
+            if self.ctx.store.exists(self.ctx.keys.stop()):
+                self._stopped = True
+            elif self.target is not None:
+                latest = latest_version(self.ctx.store, self.ctx.keys)
+                self._stopped = latest is not None and latest >= self.target
+        except StorageError:
+            return False
+        return self._stopped
+
+
+def request_stop(ctx: RunContext, reason: str) -> None:
+    ctx.store.put(ctx.keys.stop(), json.dumps({"reason": reason, "t": time.time()}).encode())
+
+
+def write_status(learner: Learner, stats: PhaseStats, state: str) -> None:
+    status = {
+        "learner": learner.name, "state": state, "t": time.time(), "seq": learner.seq - 1,
+        "base_version": learner.base, "step": learner.trainer.step, "cursor": learner.sampler.cursor,
+        "loss": stats.loss, "steps_per_s": stats.steps / stats.phase_time_s if stats.phase_time_s else 0.0,
+        "tokens_per_phase": stats.tokens, "bytes_published": learner.publisher.bytes_published,
+        "stall_s": stats.stall_s,
+    }
+    try:
+        learner.ctx.store.put(learner.ctx.keys.status(learner.name), json.dumps(status).encode())
+    except StorageError as err:
+        log.warning("heartbeat of %s failed: %s", learner.name, err)
+
+
+def learner_step(learner: Learner, should_stop: Callable[[], bool]) -> PhaseStats:
+    """One phase + publish (+ wait in sync mode) + heartbeat: the unit a Prefect task wraps."""
+    stats = learner.run_phase()
+    seq = learner.publish(stats)
+    if learner.cfg.learner.mode == "sync":
+        learner.wait_for_decision(seq, timeout_s=learner.cfg.merger.quorum_timeout_s * 4, should_stop=should_stop)
+    write_status(learner, stats, "training")
+    learner.events.flush()
+    return stats
+
+
+def run_learner(learner: Learner, *, phases: int | None = None, should_stop: Callable[[], bool],
+                on_phase: Callable[[PhaseStats], None] | None = None,
+                step: Callable[[Learner, Callable[[], bool]], PhaseStats] = learner_step,
+                join: Callable[[Learner], int] = Learner.join) -> int:
+    """Join, then phases until stopped; returns the number of phases run. `step` and `join` are
+    the units a Prefect flow wraps as tasks."""
+    join(learner)
+    done = 0
+    try:
+        while not should_stop() and (phases is None or done < phases):
+            if learner.publisher.fenced.is_set():
+                raise RuntimeError(f"learner {learner.name}: another process publishes under this name")
+            stats = step(learner, should_stop)
+            done += 1
+            if on_phase:
+                on_phase(stats)
+    finally:
+        learner.close()
+    return done
+
+
+class Evaluator:
+    """Held-out loss of committed versions, written to evals/<version>.json."""
+
+    def __init__(self, ctx: RunContext, corpus: Corpus, events: EventLog | None = None) -> None:
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.model = build_model(self.cfg.model, seed=self.cfg.data.seed)
+        self.batches = eval_batches(corpus.heldout, self.cfg.eval.num_batches, self.cfg.eval.batch_size,
+                                    self.cfg.model.ctx_len, seed=self.cfg.data.seed)
+        self.events = events or EventLog(None, None, "evaluator")
+        self.done: set[int] = set()
+
+    def evaluate_version(self, version: int) -> dict:
+        manifest = read_manifest(self.ctx.store, self.ctx.keys, version)
+        _, params = T.read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+                                   checksum=manifest.params_checksum)
+        set_params(self.model, params)
+        loss = evaluate(self.model, self.batches)
+        record = {"version": version, "loss": loss, "bits_per_byte": loss / 0.6931471805599453,
+                  "tokens_total": manifest.tokens_total, "t": time.time(), "committed_at": manifest.created_at}
+        self.ctx.store.put(self.ctx.keys.eval(version), json.dumps(record).encode())
+        self.done.add(version)
+        return record
+
+    def due(self, latest: int, final: bool = False) -> int | None:
+        """The version to evaluate next: 0 first, then the newest on the cadence, the last at the end."""
+        if 0 not in self.done:
+            return 0
+        if latest in self.done:
+            return None
+        if final or latest % self.cfg.eval.every_versions == 0:
+            return latest
+        return None
+
+    def poll(self, final: bool = False) -> dict | None:
+        try:
+            latest = latest_version(self.ctx.store, self.ctx.keys)
+            version = None if latest is None else self.due(latest, final)
+            return None if version is None else self.evaluate_version(version)
+        except (StorageError, NotFound) as err:
+            log.warning("evaluation skipped: %s", err)
+            return None
+
+
+def read_evals(ctx: RunContext) -> list[dict]:
+    out = []
+    for key in ctx.store.list(ctx.keys.evals_prefix()):
+        try:
+            out.append(json.loads(ctx.store.get(key)))
+        except (StorageError, ValueError):
+            continue
+    return sorted(out, key=lambda r: r.get("version", -1))
+
+
+def run_evaluator(evaluator: Evaluator, *, should_stop: Callable[[], bool], poll_s: float = 0.5,
+                  evaluate_due: Callable[[Evaluator, bool], dict | None] | None = None) -> int:
+    """Evaluate committed versions until stopped, then the final one; returns how many."""
+    due = evaluate_due or (lambda ev, final: ev.poll(final))
+    count = 0
+    while not should_stop():
+        if due(evaluator, False) is not None:
+            count += 1
+        else:
+            time.sleep(poll_s)
+    while due(evaluator, True) is not None:  # version 0 and the final version, if still missing
+        count += 1
+    evaluator.events.flush()
+    return count

@@ -1,0 +1,109 @@
+"""Background publishing: deltas (then the checkpoint that follows them) uploaded in seq order.
+
+Contract: the next phase computes while uploads run; a delta is retried until it lands or the
+publisher is closed; time the caller waits for a full queue is returned as stall.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+
+from diloco.engine.events import EventLog
+from diloco.storage import Conflict, StorageError
+from diloco.storage.store import ObjectStore
+
+log = logging.getLogger("diloco.publisher")
+MAX_PENDING = 2  # deltas in flight before the learner stalls: overlap one phase, never pile up
+
+
+class Publisher:
+    """One upload thread per learner; FIFO, so deltas land in seq order."""
+
+    def __init__(self, store: ObjectStore, events: EventLog, max_backoff_s: float = 5.0) -> None:
+        self.store, self.events, self.max_backoff_s = store, events, max_backoff_s
+        self._queue: queue.Queue = queue.Queue()
+        self._pending = threading.Semaphore(MAX_PENDING)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+        self._thread.start()
+        self.published: list[int] = []
+        self.bytes_published = 0
+        self.fenced = threading.Event()  # another process published one of our seqs: we must stop
+
+    def submit(self, key: str, data: bytes, *, seq: int,
+               checkpoint: tuple[str, bytes | None] | None = None) -> float:
+        """Queue a delta (and the checkpoint to write after it); returns seconds stalled."""
+        t0 = time.time()
+        self._pending.acquire()
+        stall = time.time() - t0
+        self._queue.put((key, data, seq, checkpoint))
+        return stall
+
+    def drain(self, timeout_s: float = 600.0) -> bool:
+        """Wait until everything queued has landed."""
+        deadline = time.time() + timeout_s
+        while self._queue.unfinished_tasks and time.time() < deadline:
+            time.sleep(0.01)
+        return not self._queue.unfinished_tasks
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.drain(timeout_s)
+        self._closing.set()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            key, data, seq, checkpoint = item
+            try:
+                if self._put_with_retry(key, data, exclusive=True):
+                    self.published.append(seq)
+                    self.bytes_published += len(data)
+                    self.events.emit("published", key=key, seq=seq, bytes=len(data))
+                    if checkpoint and checkpoint[1] is not None:
+                        self._put_with_retry(checkpoint[0], checkpoint[1], attempts=3)
+            finally:
+                self._pending.release()
+                self._queue.task_done()
+
+    def _landed(self, key: str, data: bytes) -> bool:
+        try:
+            return self.store.get(key) == data
+        except StorageError:
+            return False
+
+    def _put_with_retry(self, key: str, data: bytes, attempts: int | None = None,
+                        exclusive: bool = False) -> bool:
+        delay, n = 0.1, 0
+        while not self._closing.is_set() and not self.fenced.is_set():
+            try:
+                if exclusive:
+                    self.store.put_if_absent(key, data)
+                else:
+                    self.store.put(key, data)
+                return True
+            except Conflict:
+                if n > 0 and self._landed(key, data):
+                    return True  # an earlier attempt succeeded but its answer was lost
+                log.error("%s already exists: another process publishes as this learner; stopping", key)
+                self.events.emit("fenced", key=key)
+                self.fenced.set()
+                return False
+            except StorageError as err:
+                n += 1
+                if attempts is not None and n >= attempts:
+                    log.warning("giving up on %s after %d attempts: %s", key, n, err)
+                    return False
+                log.warning("upload of %s failed (%s); retrying in %.1fs", key, err, delay)
+                self.events.emit("publish_retry", key=key, reason=str(err))
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.max_backoff_s)
+        return False

@@ -1,0 +1,97 @@
+"""What a run did, read back from the bucket: status of learners, the final summary, samples.
+
+Contract: read-only; every figure is computed from stored manifests, evals and heartbeats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+
+from diloco.engine import tensors as T
+from diloco.engine.loops import read_evals
+from diloco.engine.run import RunContext
+from diloco.storage import NotFound, StorageError, latest_version, read_manifest
+from diloco.storage.keys import parse_manifest_key
+from diloco.training.model import build_model, set_params
+
+
+def learner_status(ctx: RunContext) -> list[dict]:
+    names = set(ctx.learners)
+    for key in ctx.store.list(ctx.keys.learners_prefix()):
+        parts = key.split("/")
+        if len(parts) >= 3 and parts[-1] == "status.json":
+            names.add(parts[-2])
+    rows = []
+    for name in sorted(names):
+        try:
+            status = json.loads(ctx.store.get(ctx.keys.status(name)))
+            status["age_s"] = time.time() - float(status.get("t", 0))
+        except (NotFound, StorageError, ValueError):
+            status = {"learner": name, "state": "never reported"}
+        rows.append(status)
+    return rows
+
+
+def manifests(ctx: RunContext) -> list:
+    versions = sorted(v for v in (parse_manifest_key(k) for k in ctx.store.list(ctx.keys.versions_prefix()))
+                      if v is not None)
+    return [read_manifest(ctx.store, ctx.keys, v) for v in versions]
+
+
+def num_params(ctx: RunContext) -> int:
+    model = build_model(ctx.cfg.model, seed=ctx.cfg.data.seed)
+    return sum(p.numel() for p in model.parameters())
+
+
+def dp_bytes(num_params_: int, steps_per_learner: float, num_learners: int) -> float:
+    """Bytes a learner sends in ring all-reduce data-parallel: 2(M-1)/M x 4N per step."""
+    if num_learners < 2:
+        return 0.0
+    return steps_per_learner * 2 * (num_learners - 1) / num_learners * 4 * num_params_
+
+
+def summarize(ctx: RunContext) -> dict:
+    chain = manifests(ctx)
+    evals = read_evals(ctx)
+    merged = [d for m in chain for d in m.merged()]
+    rejected = [d for m in chain for d in m.rejected()]
+    bytes_published = sum(d.bytes for d in merged) + sum(d.bytes for d in rejected if d.bytes)
+    steps = sum(d.steps for d in merged)
+    m_learners = max(1, len(ctx.learners))
+    n = num_params(ctx)
+    dp_total = dp_bytes(n, steps / m_learners, m_learners) * m_learners
+    initial = next((e for e in evals if e["version"] == 0), None)
+    final = evals[-1] if evals else None
+    return {
+        "run_id": ctx.run_id, "storage": ctx.store.url,
+        "num_versions": (chain[-1].version if chain else 0), "num_learners": len(ctx.learners),
+        "initial_eval_loss": initial["loss"] if initial else None,
+        "final_eval_loss": final["loss"] if final else None,
+        "final_eval_version": final["version"] if final else None,
+        "deltas_merged": len(merged), "deltas_rejected": len(rejected),
+        "bytes_published": int(bytes_published), "dp_bytes_equivalent": int(dp_total),
+        "traffic_ratio_vs_dp": (dp_total / bytes_published) if bytes_published else None,
+        "tokens_merged": int(chain[-1].tokens_total if chain else 0), "num_params": n,
+        "rejections": sorted({d.reason.split(":")[0] for d in rejected}),
+    }
+
+
+def sample_text(ctx: RunContext, prompt: str = "ROMEO:\n", num_bytes: int = 240, seed: int = 0) -> str:
+    version = latest_version(ctx.store, ctx.keys) or 0
+    m = read_manifest(ctx.store, ctx.keys, version)
+    _, params = T.read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)
+    model = build_model(ctx.cfg.model, seed=ctx.cfg.data.seed)
+    set_params(model, params)
+    model.eval()
+    idx = torch.tensor([list(prompt.encode())], dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    out = model.generate(idx, num_bytes, temperature=0.8, top_k=40, generator=gen)
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def nats_to_bits(loss: float | None) -> float | None:
+    return None if loss is None else loss / math.log(2)

@@ -1,0 +1,114 @@
+"""A run in the bucket: run.json (resolved config + fingerprint) and version 0, created once.
+
+Contract: create_run is idempotent for the same config and refuses a different one; every
+process of a run reads its config from run.json, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+
+from diloco import __version__
+from diloco.configs import Config
+from diloco.engine import tensors as T
+from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, manifest_exists, open_store
+from diloco.storage.keys import new_nonce
+from diloco.storage.store import ObjectStore
+from diloco.training.model import build_model, get_flat_params, model_fingerprint
+
+RUN_SCHEMA_VERSION = 1
+
+
+class RunError(ValueError):
+    """The run does not exist, or exists with another configuration."""
+
+
+@dataclass
+class RunContext:
+    store: ObjectStore
+    keys: RunKeys
+    cfg: Config
+    fingerprint: str
+    learners: list[str]
+
+    @property
+    def run_id(self) -> str:
+        return self.keys.run_id
+
+
+def model_identity(cfg: Config) -> str:
+    model = build_model(cfg.model, seed=cfg.data.seed)
+    return model_fingerprint(model, cfg.model)
+
+
+def _run_record(cfg: Config, run_id: str, fingerprint: str, learners: list[str]) -> dict:
+    return {
+        "schema_version": RUN_SCHEMA_VERSION,
+        "run_id": run_id,
+        "created_at": time.time(),
+        "created_by": socket.gethostname(),
+        "diloco_version": __version__,
+        "fingerprint": fingerprint,
+        "learners": learners,
+        "config": cfg.model_dump(mode="json"),
+    }
+
+
+def create_run(store: ObjectStore, run_id: str, cfg: Config, learners: list[str] | None = None) -> RunContext:
+    """Create run.json and version 0, or join an existing run with the same config."""
+    keys = RunKeys(run_id)
+    learners = learners or cfg.learner_names()
+    fingerprint = model_identity(cfg)
+    record = _run_record(cfg, run_id, fingerprint, learners)
+    try:
+        store.put_if_absent(keys.run_json(), json.dumps(record, indent=1).encode())
+    except Conflict:
+        ctx = open_run(store, run_id)
+        if ctx.cfg.model_dump() != cfg.model_dump():
+            raise RunError(
+                f"run {run_id!r} already exists in {store.url} with a different config; "
+                "choose another --run-id or the same config"
+            ) from None
+        return ctx
+    ctx = RunContext(store, keys, cfg, fingerprint, learners)
+    _commit_version_zero(ctx)
+    return ctx
+
+
+def _commit_version_zero(ctx: RunContext) -> None:
+    if manifest_exists(ctx.store, ctx.keys, 0):
+        return
+    model = build_model(ctx.cfg.model, seed=ctx.cfg.data.seed)
+    nonce = new_nonce()
+    key = ctx.keys.params(0, nonce)
+    _, checksum = T.write_tensors(
+        ctx.store, key, get_flat_params(model), kind="params", fingerprint=ctx.fingerprint
+    )
+    manifest = Manifest(
+        run_id=ctx.run_id, version=0, created_at=time.time(), merger_id="init",
+        params_key=key, params_checksum=checksum,
+    )
+    try:
+        commit(ctx.store, ctx.keys, manifest)
+    except Conflict:
+        pass  # another process committed version 0 first; ours is an orphan
+
+
+def open_run(store: ObjectStore | str, run_id: str) -> RunContext:
+    """The context of an existing run, its config read from run.json."""
+    if isinstance(store, str):
+        store = open_store(store)
+    keys = RunKeys(run_id)
+    try:
+        record = json.loads(store.get(keys.run_json()))
+    except NotFound:
+        raise RunError(f"no run {run_id!r} in {store.url} (missing {keys.run_json()})") from None
+    except ValueError as err:
+        raise RunError(f"run {run_id!r}: run.json is not valid JSON: {err}") from None
+    if not isinstance(record, dict) or record.get("schema_version") != RUN_SCHEMA_VERSION:
+        raise RunError(f"run {run_id!r}: unsupported run.json schema {record.get('schema_version')!r}")
+    cfg = Config.model_validate(record["config"])
+    return RunContext(store, keys, cfg, record["fingerprint"], list(record["learners"]))

@@ -1,0 +1,178 @@
+"""The local supervisor: one OS process per learner, the merger and the evaluator; self-healing.
+
+Contract: a crashed or silent learner is restarted (bounded, with back-off) and rejoins from the
+newest version; the run ends when the target version is committed or the time limit passes;
+shutdown leaves no process of the run behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from diloco.engine.events import EventLog
+from diloco.engine.loops import request_stop
+from diloco.engine.run import RunContext
+from diloco.storage import NotFound, StorageError, latest_version
+
+log = logging.getLogger("diloco.supervisor")
+
+
+@dataclass
+class Proc:
+    role: str  # "learner" | "merger" | "evaluator"
+    name: str
+    popen: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    next_start: float = 0.0  # back-off: not before this time
+    removed: bool = False  # an operator (or a chaos plan) stopped it on purpose
+    paused: bool = False
+    exits: list[int] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+
+def cli_command(role: str, ctx: RunContext, name: str, prefect: bool) -> list[str]:
+    """The command line that runs one role of a run in its own process."""
+    base = [sys.executable, "-m", "diloco.cli"]
+    common = ["--storage", ctx.store.url, "--run-id", ctx.run_id]
+    flag = ["--prefect"] if prefect else ["--no-prefect"]
+    if role == "learner":
+        return [*base, "learner", *common, "--learner", name, *flag]
+    if role == "merger":
+        return [*base, "merge", *common, "--merger-id", name, *flag]
+    return [*base, "evaluate", *common, *flag]
+
+
+class Supervisor:
+    """Start every role as a process, watch them, restart what crashed, stop at the target."""
+
+    def __init__(self, ctx: RunContext, *, prefect: bool = False, events: EventLog | None = None,
+                 env: dict[str, str] | None = None, log_dir: str | None = None) -> None:
+        self.ctx, self.cfg, self.prefect = ctx, ctx.cfg, prefect
+        self.events = events or EventLog(ctx.store, ctx.keys, "supervisor")
+        self.env = {**os.environ, **(env or {})}
+        self.log_dir = log_dir
+        self.procs: dict[str, Proc] = {}
+        self.hooks: list[Callable[[Supervisor], None]] = []  # chaos agents, progress displays
+        self.started_at = time.time()
+
+    # ---- processes -----------------------------------------------------------------------
+    def add(self, role: str, name: str) -> Proc:
+        proc = Proc(role, name)
+        self.procs[name] = proc
+        return proc
+
+    def spawn(self, proc: Proc) -> None:
+        cmd = cli_command(proc.role, self.ctx, proc.name, self.prefect)
+        out = subprocess.DEVNULL
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{proc.name}.log"), "ab")  # noqa: SIM115
+        proc.popen = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        proc.started_at = time.time()
+        self.events.emit("start", role=proc.role, learner=proc.name, pid=proc.popen.pid, restarts=proc.restarts)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, reason: str = "") -> None:
+        proc = self.procs[name]
+        if proc.alive:
+            try:
+                os.killpg(proc.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+            self.events.emit("kill", role=proc.role, learner=name, signal=int(sig), reason=reason)
+
+    def start_all(self) -> None:
+        self.add("evaluator", "evaluator")
+        self.add("merger", "merger")
+        for name in self.ctx.learners:
+            self.add("learner", name)
+        for proc in self.procs.values():
+            self.spawn(proc)
+
+    # ---- the watch loop ------------------------------------------------------------------
+    def heal(self) -> None:
+        """Restart exited or silent processes that should be running."""
+        now = time.time()
+        for proc in self.procs.values():
+            if proc.removed or proc.paused:
+                continue
+            if proc.popen is not None and proc.popen.poll() is not None:
+                code = proc.popen.returncode
+                proc.exits.append(code)
+                proc.popen = None
+                self.events.emit("exit", role=proc.role, learner=proc.name, code=code)
+                proc.next_start = now + self.cfg.run.restart_backoff_s * (2 ** min(proc.restarts, 5))
+            if proc.role == "learner" and proc.alive and self._silent(proc, now):
+                self.kill(proc.name, reason="heartbeat stopped")
+            if proc.popen is None and now >= proc.next_start:
+                if proc.restarts >= self.cfg.run.max_restarts:
+                    if not proc.removed:
+                        log.error("%s exceeded max_restarts=%d; leaving it down", proc.name, self.cfg.run.max_restarts)
+                        self.events.emit("give_up", role=proc.role, learner=proc.name)
+                        proc.removed = True
+                    continue
+                proc.restarts += 1
+                self.events.emit("restart", role=proc.role, learner=proc.name, restarts=proc.restarts)
+                self.spawn(proc)
+
+    def _silent(self, proc: Proc, now: float) -> bool:
+        timeout = self.cfg.run.heartbeat_timeout_s
+        if now - proc.started_at < timeout:
+            return False
+        try:
+            status = json.loads(self.ctx.store.get(self.ctx.keys.status(proc.name)))
+            return now - float(status.get("t", 0)) > timeout
+        except (NotFound, StorageError, ValueError):
+            return False
+
+    def latest(self) -> int:
+        try:
+            return latest_version(self.ctx.store, self.ctx.keys) or 0
+        except StorageError:
+            return -1
+
+    def run(self, tick_s: float = 0.5, on_tick: Callable[[Supervisor], None] | None = None) -> str:
+        """Watch until the target version or the time limit; returns why it ended."""
+        target, limit = self.cfg.run.num_versions, self.cfg.run.time_limit_s
+        reason = "time limit"
+        while time.time() - self.started_at < limit:
+            if self.latest() >= target:
+                reason = "target version"
+                break
+            for hook in self.hooks:
+                hook(self)
+            self.heal()
+            if on_tick:
+                on_tick(self)
+            self.events.flush()
+            time.sleep(tick_s)
+        self.events.emit("end", reason=reason, version=self.latest())
+        return reason
+
+    def shutdown(self, reason: str, grace_s: float = 60.0) -> None:
+        """Ask everyone to stop, wait for the final evaluation, then make sure nothing is left."""
+        try:
+            request_stop(self.ctx, reason)
+        except StorageError as err:
+            log.warning("could not write control/stop: %s", err)
+        deadline = time.time() + grace_s
+        while time.time() < deadline and any(p.alive for p in self.procs.values()):
+            time.sleep(0.2)
+        for proc in self.procs.values():
+            if proc.alive:
+                self.kill(proc.name, signal.SIGKILL, reason="did not stop in time")
+                proc.popen.wait(timeout=10)
+        self.events.emit("shutdown", reason=reason)
+        self.events.flush()

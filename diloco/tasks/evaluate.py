@@ -1,0 +1,22 @@
+"""Evaluation task: held-out loss of the next due version, and the loss table artifact."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from diloco.engine.loops import Evaluator, read_evals
+from diloco.tasks.common import artifact_key
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_task(evaluator: Evaluator, final: bool) -> dict | None:
+    record = evaluator.poll(final)
+    if record is not None:
+        rows = [{"version": r["version"], "loss_nats_per_byte": round(r["loss"], 4),
+                 "bits_per_byte": round(r["bits_per_byte"], 4), "tokens": r.get("tokens_total", 0)}
+                for r in read_evals(evaluator.ctx)]
+        create_table_artifact(rows, key=artifact_key("loss", evaluator.ctx.run_id),
+                              description=f"run {evaluator.ctx.run_id}: held-out loss per version")
+    return record

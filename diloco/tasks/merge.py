@@ -1,0 +1,43 @@
+"""Merge task: one outer step, and its table artifact (who was merged, weights, staleness, bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from diloco.engine.merger import Merger
+from diloco.storage import Manifest
+
+
+def merge_table(manifest: Manifest) -> list[dict]:
+    rows = []
+    for d in manifest.decisions:
+        rows.append({
+            "learner": d.learner, "seq": d.seq, "status": d.status, "weight": round(d.weight, 4),
+            "staleness": d.staleness, "base_version": d.base_version, "tokens": d.tokens, "bytes": d.bytes,
+            "reason": d.reason,
+        })
+    timing = manifest.timing
+    rows.append({"learner": "(merge)", "seq": manifest.version, "status": "committed", "weight": 1.0,
+                 "staleness": 0, "base_version": manifest.parent, "tokens": manifest.tokens_total,
+                 "bytes": int(manifest.stats.get("update_bytes", 0)),
+                 "reason": f"wait {timing.get('quorum_wait_s', 0):.2f}s grace {timing.get('grace_s', 0):.2f}s "
+                           f"merge {timing.get('merge_s', 0):.3f}s"})
+    return rows
+
+
+@task(name="merge", cache_policy=NO_CACHE)
+def merge_task(merger: Merger, should_stop: Callable[[], bool]) -> Manifest | None:
+    manifest = merger.merge_once(should_stop)
+    if manifest is not None:
+        from diloco.tasks.common import artifact_key
+
+        create_table_artifact(
+            merge_table(manifest), key=artifact_key("merge", merger.ctx.run_id),
+            description=f"run {merger.ctx.run_id}: version {manifest.version}, "
+                        f"{len(manifest.merged())} merged, {len(manifest.rejected())} rejected",
+        )
+    return manifest

@@ -1,0 +1,432 @@
+"""One conformance suite for ObjectStore, run against memory://, file:// and a real S3 server (moto).
+
+Also: the error-translation table and the retry loop, fed real exception objects (botocore
+ClientError, OSError, botocore connection errors), and real faults (a dead endpoint, a missing bucket).
+Run: `.venv/bin/pytest tests/integration/test_store_conformance.py` (add `-m "not s3"` to skip S3).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ReadTimeoutError
+from s3fs.errors import translate_boto_error
+
+from diloco.storage import (
+    BadRequest,
+    Conflict,
+    Manifest,
+    ManifestError,
+    NotFound,
+    ObjectStore,
+    PermissionDenied,
+    RunKeys,
+    StorageError,
+    TransientError,
+    commit,
+    latest_version,
+    manifest_exists,
+    open_store,
+    read_json,
+    read_latest,
+    read_manifest,
+    write_json,
+)
+from diloco.storage.store import backoff_s, call_with_retries, translate_error
+
+BAD_KEYS = ["", "/abs", "a//b", "a/", "../x", "a/../b", "a/./b", ".", "..", "a\\b", "a\nb", "a\x00b",
+            "x/.diloco-tmp-123", "k" * 1025]
+
+
+# ---------------------------------------------------------------- the conformance suite
+
+
+def test_put_get_roundtrip(store_url: str) -> None:
+    store = open_store(store_url)
+    payload = bytes(range(256)) * 10
+    store.put("a/b/c.bin", payload)
+    store.put("empty", b"")
+    assert store.get("a/b/c.bin") == payload
+    assert store.get("empty") == b""
+    assert store.get_size("a/b/c.bin") == len(payload)
+    assert store.get_size("empty") == 0
+    assert store.exists("a/b/c.bin") and store.exists("empty")
+
+
+def test_overwrite_replaces_content(store_url: str) -> None:
+    store = open_store(store_url)
+    store.put("k.json", b"old content")
+    store.put("k.json", b"new")
+    assert store.get("k.json") == b"new"
+    assert store.get_size("k.json") == 3
+    assert store.list("") == ["k.json"]
+
+
+def test_missing_object_is_notfound(store_url: str) -> None:
+    store = open_store(store_url)
+    with pytest.raises(NotFound):
+        store.get("nope/x")
+    with pytest.raises(NotFound):
+        store.get_size("nope/x")
+    assert not store.exists("nope/x")
+    assert store.list("nope/") == []
+    assert store.list("") == []
+
+
+def test_folder_of_keys_is_not_an_object(store_url: str) -> None:
+    store = open_store(store_url)
+    store.put("run/versions/1.json", b"{}")
+    assert not store.exists("run/versions")
+    with pytest.raises(NotFound):
+        store.get_size("run")
+    with pytest.raises(NotFound):
+        store.get("run/versions")
+
+
+def test_list_is_recursive_sorted_and_relative(store_url: str) -> None:
+    store = open_store(store_url)
+    for key in ["b", "a/x", "a/b/d/e", "a/b/c", "ab/z", "a/b2"]:
+        store.put(key, key.encode())
+    assert store.list("") == ["a/b/c", "a/b/d/e", "a/b2", "a/x", "ab/z", "b"]
+    assert store.list("a/") == ["a/b/c", "a/b/d/e", "a/b2", "a/x"]
+    assert store.list("a/b/") == ["a/b/c", "a/b/d/e"]
+    assert store.list("a/b") == ["a/b/c", "a/b/d/e", "a/b2"]  # a plain string prefix
+    assert store.list("a") == ["a/b/c", "a/b/d/e", "a/b2", "a/x", "ab/z"]
+    assert list(store.iter_list("a/b/")) == ["a/b/c", "a/b/d/e"]
+
+
+def test_zero_padded_keys_list_in_numeric_order(store_url: str) -> None:
+    store = open_store(store_url)
+    keys = RunKeys("run")
+    for version in [10, 2, 100, 0, 9]:
+        store.put(keys.manifest(version), b"{}")
+    assert store.list(keys.versions_prefix()) == [keys.manifest(v) for v in [0, 2, 9, 10, 100]]
+
+
+def test_listing_is_never_cached(store_url: str) -> None:
+    reader, writer = open_store(store_url), open_store(store_url)
+    assert reader.list("p/") == []
+    writer.put("p/1", b"1")
+    assert reader.list("p/") == ["p/1"]
+    assert reader.exists("p/1") and reader.get("p/1") == b"1"
+    writer.put("p/sub/2", b"2")
+    assert reader.list("p/") == ["p/1", "p/sub/2"]
+    writer.delete("p/1")
+    assert reader.list("p/") == ["p/sub/2"]
+    assert not reader.exists("p/1")
+
+
+def test_delete_removes_and_absent_is_ok(store_url: str) -> None:
+    store = open_store(store_url)
+    store.put("d/x", b"x")
+    store.delete("d/x")
+    assert not store.exists("d/x")
+    store.delete("d/x")
+    store.delete("never/was")
+    assert store.list("") == []
+
+
+def test_put_if_absent_is_exclusive(store_url: str) -> None:
+    store, other = open_store(store_url), open_store(store_url)
+    store.put_if_absent("v/1.json", b"winner")
+    with pytest.raises(Conflict):
+        other.put_if_absent("v/1.json", b"loser")
+    with pytest.raises(Conflict):
+        store.put_if_absent("v/1.json", b"winner, longer")
+    assert other.get("v/1.json") == b"winner"
+    other.put_if_absent("v/1.json", b"winner")  # identical bytes: an idempotent retry, not a loss
+    assert store.list("") == ["v/1.json"]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_bad_keys_are_rejected_before_any_io(store_url: str, key: str) -> None:
+    store = open_store(store_url)
+    for call in (store.get, store.get_size, store.exists, store.delete):
+        with pytest.raises(BadRequest):
+            call(key)
+    for write in (store.put, store.put_if_absent):
+        with pytest.raises(BadRequest):
+            write(key, b"x")
+    assert store.list("") == []
+
+
+@pytest.mark.parametrize("prefix", ["/", "/a/", "a//", "../", "a/../"])
+def test_bad_prefixes_are_rejected(store_url: str, prefix: str) -> None:
+    with pytest.raises(BadRequest):
+        open_store(store_url).list(prefix)
+
+
+def test_json_helpers_roundtrip(store_url: str) -> None:
+    store = open_store(store_url)
+    write_json(store, "r/run.json", {"b": 1, "a": [1, 2]}, exclusive=True)
+    assert read_json(store, "r/run.json") == {"a": [1, 2], "b": 1}
+    with pytest.raises(Conflict):
+        write_json(store, "r/run.json", {"other": True}, exclusive=True)
+    store.put("r/broken.json", b"{not json")
+    with pytest.raises(ManifestError):
+        read_json(store, "r/broken.json")
+
+
+def _manifest(run_id: str, version: int, merger_id: str = "m0") -> Manifest:
+    return Manifest(run_id=run_id, version=version, parent=version - 1, created_at=1.5, merger_id=merger_id,
+                    params_key=RunKeys(run_id).params(version, "0123abcd"), params_checksum="c")
+
+
+def test_commit_protocol(store_url: str) -> None:
+    store, keys = open_store(store_url), RunKeys("run-1")
+    assert latest_version(store, keys) is None and read_latest(store, keys) is None
+    assert not manifest_exists(store, keys, 0)
+    for version in range(3):
+        commit(store, keys, _manifest("run-1", version))
+    with pytest.raises(Conflict):
+        commit(store, keys, _manifest("run-1", 2, merger_id="late"))
+    store.put(keys.versions_prefix() + "garbage.txt", b"not a manifest")
+    assert latest_version(store, keys) == 2
+    assert read_latest(store, keys) == _manifest("run-1", 2)
+    assert read_manifest(store, keys, 1) == _manifest("run-1", 1)
+    assert manifest_exists(store, keys, 2) and not manifest_exists(store, keys, 3)
+    with pytest.raises(NotFound):
+        read_manifest(store, keys, 3)
+    with pytest.raises(ManifestError):
+        commit(store, keys, _manifest("other-run", 3))
+
+
+# ---------------------------------------------------------------- manifests: parsing
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        (b"[1, 2]", "JSON object"),
+        (b"{", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b'{"schema_version": 99}', "schema_version 99"),
+        (b'{"run_id": "r"}', "schema_version None"),
+        (b'{"schema_version": 1, "run_id": "r"}', "malformed"),
+    ],
+)
+def test_manifest_from_bytes_rejects_bad_input(data: bytes, needle: str) -> None:
+    with pytest.raises(ManifestError, match=needle):
+        Manifest.from_bytes(data)
+
+
+def test_manifest_rejects_unknown_fields_and_roundtrips() -> None:
+    manifest = _manifest("r", 4)
+    assert Manifest.from_bytes(manifest.to_bytes()) == manifest
+    extra = manifest.to_bytes().replace(b'"version"', b'"surprise": 1, "version"', 1)
+    with pytest.raises(ManifestError, match="surprise"):
+        Manifest.from_bytes(extra)
+
+
+def test_read_manifest_checks_the_version_it_holds(tmp_path: os.PathLike) -> None:
+    store, keys = open_store(str(tmp_path)), RunKeys("r")
+    store.put(keys.manifest(7), _manifest("r", 6).to_bytes())
+    with pytest.raises(ManifestError, match="expected run 'r' version 7"):
+        read_manifest(store, keys, 7)
+
+
+# ---------------------------------------------------------------- URLs and the local disk
+
+
+def test_file_urls_resolve_relative_absolute_and_bare(tmp_path: os.PathLike, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    open_store("file://runs").put("x", b"1")
+    open_store("bare/dir").put("y", b"2")
+    open_store(f"file://{tmp_path}/abs").put("z", b"3")
+    assert (tmp_path / "runs" / "x").read_bytes() == b"1"
+    assert (tmp_path / "bare" / "dir" / "y").read_bytes() == b"2"
+    assert (tmp_path / "abs" / "z").read_bytes() == b"3"
+    assert open_store("file://runs").url == f"file://{tmp_path}/runs"
+
+
+def test_local_writes_leave_no_temp_files(tmp_path: os.PathLike) -> None:
+    store = open_store(f"file://{tmp_path}")
+    store.put("a/k", b"1")
+    store.put("a/k", b"2")
+    store.put_if_absent("a/m", b"3")
+    with pytest.raises(Conflict):
+        store.put_if_absent("a/m", b"4")
+    assert sorted(os.listdir(tmp_path / "a")) == ["k", "m"]
+    (tmp_path / "a" / ".diloco-tmp-deadbeef").write_bytes(b"half a write")  # a crashed writer's temp
+    assert store.list("") == ["a/k", "a/m"]
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores file modes")
+def test_local_permission_denied_is_not_retried(tmp_path: os.PathLike) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(PermissionDenied):
+            ObjectStore(f"file://{locked}", max_retries=3).put("x", b"1")
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.parametrize("url", ["s3://", "nosuchprotocol://x/y", "file://"])
+def test_unusable_urls_are_bad_requests(url: str) -> None:
+    with pytest.raises(BadRequest):
+        open_store(url)
+
+
+def test_memory_instances_share_the_process_store() -> None:
+    a, b = open_store("memory://diloco-shared-check"), open_store("memory://diloco-shared-check")
+    try:
+        a.put("k", b"v")
+        assert b.get("k") == b"v"
+    finally:
+        a.delete("k")
+
+
+# ---------------------------------------------------------------- real S3 faults
+
+
+@pytest.mark.s3
+def test_missing_bucket_is_a_bad_request(s3_url: str) -> None:
+    store = ObjectStore("s3://diloco-no-such-bucket-4f1e/p", max_retries=0)
+    with pytest.raises(BadRequest):
+        store.put("k", b"v")
+    with pytest.raises(BadRequest):
+        store.get("k")
+
+
+@pytest.mark.s3
+def test_dead_endpoint_is_transient_after_bounded_retries(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as sock:  # a port that nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    options = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    store = ObjectStore(s3_url, storage_options=options, max_retries=1)
+    store._backend.fs.retries = 1  # type: ignore[attr-defined]  # s3fs's own retry loop: keep it short
+    with pytest.raises(TransientError):
+        store.get("k")
+
+
+# ---------------------------------------------------------------- the translation table
+
+
+def _client_error(code: str, status: int, condition: str = "") -> ClientError:
+    error = {"Code": code, "Message": f"{code} happened"}
+    if condition:
+        error["Condition"] = condition
+    return ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+@pytest.mark.parametrize(
+    "code, status, kind",
+    [
+        ("SlowDown", 503, TransientError),
+        ("ServiceUnavailable", 503, TransientError),
+        ("InternalError", 500, TransientError),
+        ("502", 502, TransientError),
+        ("ThrottlingException", 400, TransientError),
+        ("TooManyRequests", 429, TransientError),
+        ("PreconditionFailed", 412, Conflict),
+        ("ConditionalRequestConflict", 409, Conflict),
+        ("AccessDenied", 403, PermissionDenied),
+        ("Unauthorized", 401, PermissionDenied),
+        ("InvalidAccessKeyId", 403, PermissionDenied),
+        ("InvalidArgument", 400, BadRequest),
+        ("SomethingNew", 400, BadRequest),
+        ("NoSuchKey", 404, NotFound),
+        ("NoSuchBucket", 404, BadRequest),
+    ],
+)
+def test_client_errors_translate(code: str, status: int, kind: type[StorageError]) -> None:
+    raw = _client_error(code, status, condition="If-None-Match" if status == 412 else "")
+    wrapped = translate_boto_error(raw)  # what s3fs actually raises: an OSError with the cause attached
+    for exc in (raw, wrapped):
+        err = translate_error(exc, key="k")
+        assert type(err) is kind, (exc, err)
+        assert err.__cause__ is exc
+
+
+@pytest.mark.parametrize(
+    "exc, kind",
+    [
+        (FileExistsError(errno.EEXIST, "exists"), Conflict),
+        (OSError(errno.EEXIST, "exists"), Conflict),
+        (FileNotFoundError(errno.ENOENT, "gone"), NotFound),
+        (PermissionError(errno.EACCES, "no"), PermissionDenied),
+        (ConnectionResetError(errno.ECONNRESET, "reset"), TransientError),
+        (TimeoutError("slow"), TransientError),
+        (OSError(errno.EBUSY, "busy"), TransientError),
+        (OSError(errno.ENAMETOOLONG, "long"), BadRequest),
+        (OSError(errno.ENOSPC, "full"), StorageError),
+        (EndpointConnectionError(endpoint_url="http://x"), TransientError),
+        (ReadTimeoutError(endpoint_url="http://x"), TransientError),
+        (NoCredentialsError(), PermissionDenied),
+    ],
+)
+def test_os_and_botocore_errors_translate(exc: BaseException, kind: type[StorageError]) -> None:
+    assert type(translate_error(exc)) is kind
+
+
+def test_folder_collisions_depend_on_direction() -> None:
+    assert type(translate_error(IsADirectoryError(errno.EISDIR, "dir"))) is NotFound
+    assert type(translate_error(IsADirectoryError(errno.EISDIR, "dir"), writing=True)) is BadRequest
+
+
+# ---------------------------------------------------------------- the retry loop
+
+
+class _Flaky:
+    """Raises the given real exceptions in order, then returns 'ok'."""
+
+    def __init__(self, *failures: BaseException) -> None:
+        self.failures, self.calls = list(failures), 0
+
+    def __call__(self) -> str:
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return "ok"
+
+
+def test_transient_errors_are_retried_then_succeed() -> None:
+    waits: list[float] = []
+    flaky = _Flaky(translate_boto_error(_client_error("SlowDown", 503)), ConnectionResetError())
+    assert call_with_retries(flaky, max_retries=5, sleep=waits.append) == "ok"
+    assert flaky.calls == 3 and len(waits) == 2 and all(w > 0 for w in waits)
+
+
+def test_retries_are_bounded() -> None:
+    waits: list[float] = []
+    flaky = _Flaky(*[TimeoutError()] * 10)
+    with pytest.raises(TransientError):
+        call_with_retries(flaky, max_retries=3, sleep=waits.append)
+    assert flaky.calls == 4 and len(waits) == 3
+
+
+@pytest.mark.parametrize(
+    "exc, kind",
+    [
+        (_client_error("AccessDenied", 403), PermissionDenied),
+        (_client_error("InvalidArgument", 400), BadRequest),
+        (_client_error("PreconditionFailed", 412), Conflict),
+        (FileNotFoundError(), NotFound),
+    ],
+)
+def test_permanent_errors_are_never_retried(exc: BaseException, kind: type[StorageError]) -> None:
+    waits: list[float] = []
+    flaky = _Flaky(exc)
+    with pytest.raises(kind):
+        call_with_retries(flaky, max_retries=5, sleep=waits.append)
+    assert flaky.calls == 1 and waits == []
+
+
+def test_bugs_are_not_translated() -> None:
+    with pytest.raises(ZeroDivisionError):
+        call_with_retries(lambda: 1 // 0, max_retries=3, sleep=lambda _s: None)
+
+
+def test_backoff_is_jittered_exponential_and_capped() -> None:
+    for attempt in range(12):
+        cap = min(2.0, 0.05 * 2**attempt)
+        samples = {backoff_s(attempt) for _ in range(20)}
+        assert all(cap / 2 <= s <= cap for s in samples)
+        assert len(samples) > 1

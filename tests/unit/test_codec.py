@@ -1,0 +1,353 @@
+"""The delta codec: round-trip error bounds per codec, corruption/truncation detection, hostile headers.
+
+Run: .venv/bin/pytest tests/unit/test_codec.py   (the CLI smoke test shrinks the bench model)
+Hostile objects are forged with a valid header crc, so the checks behind the crc are exercised too.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+import tracemalloc
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from diloco.storage.codec import (
+    CODECS,
+    FORMAT_VERSION,
+    MAGIC,
+    CodecError,
+    Header,
+    TensorSpec,
+    decode,
+    encode,
+    fingerprint_of,
+    object_checksum,
+    read_header,
+)
+
+LEVELS = {"int8": 127, "int4": 7}
+shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
+
+
+def _arrays(draw: Any, shape: tuple[int, ...], log_scale: float) -> np.ndarray:
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * 10.0**log_scale).astype(np.float32)
+
+
+@st.composite
+def tensor_sets(draw: Any) -> dict[str, np.ndarray]:
+    num = draw(st.integers(1, 3))
+    log_scale = draw(st.floats(-8, 4))
+    return {f"t{i}.weight": _arrays(draw, draw(shapes), log_scale) for i in range(num)}
+
+
+def _split(data: bytes) -> tuple[dict[str, Any], bytes]:
+    header_len = struct.unpack_from("<I", data, 8)[0]
+    return json.loads(data[16 : 16 + header_len]), data[16 + header_len :]
+
+
+def _forge(obj: Any, payload: bytes = b"", *, version: int = FORMAT_VERSION, magic: bytes = MAGIC) -> bytes:
+    """A well-checksummed object with any header JSON: only the semantic checks can refuse it."""
+    text = json.dumps(obj).encode()
+    head = struct.pack("<4sHHI", magic, version, 0, len(text))
+    return head + struct.pack("<I", zlib.crc32(text, zlib.crc32(head))) + text + payload
+
+
+def _small_object(codec: str = "int8") -> bytes:
+    rng = np.random.default_rng(1)
+    tensors = {
+        "a": rng.standard_normal((3, 50)).astype(np.float32),
+        "b": np.float32(2.5) * np.ones((), np.float32),
+    }
+    return encode(tensors, codec=codec, kind="delta", fingerprint="fp", meta={"seq": 7}, block_size=16)
+
+
+# ------------------------------------------------------------------------------ round trips
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensors=tensor_sets(), shuffle=st.booleans())
+def test_fp32_round_trip_is_exact(tensors: dict[str, np.ndarray], shuffle: bool) -> None:
+    header, out = decode(encode(tensors, codec="fp32", kind="params", fingerprint="f", shuffle=shuffle))
+    assert list(out) == list(tensors)
+    for name, x in tensors.items():
+        assert out[name].dtype == np.float32 and out[name].shape == x.shape
+        assert out[name].tobytes() == x.tobytes()
+    assert header.tensors == tuple(TensorSpec(k, v.shape) for k, v in tensors.items())
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    tensors=tensor_sets(),
+    codec=st.sampled_from(["int8", "int4"]),
+    block_size=st.sampled_from([2, 16, 64, 256]),
+)
+def test_quantized_error_is_within_half_a_step_per_block(
+    tensors: dict[str, np.ndarray], codec: str, block_size: int
+) -> None:
+    _, out = decode(encode(tensors, codec=codec, kind="delta", fingerprint="f", block_size=block_size))
+    for name, x in tensors.items():
+        assert out[name].shape == x.shape and out[name].dtype == np.float32
+        flat = x.reshape(-1).astype(np.float64)
+        padded = np.zeros(-(-flat.size // block_size) * block_size)
+        padded[: flat.size] = flat
+        absmax = np.abs(padded.reshape(-1, block_size)).max(axis=1, initial=0.0)
+        bound = np.repeat(absmax / LEVELS[codec] / 2, block_size)[: flat.size] * (1 + 1e-5) + 1e-44
+        assert np.all(np.abs(out[name].reshape(-1) - flat) <= bound)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tensors=tensor_sets(), shuffle=st.booleans())
+def test_bf16_relative_error_is_at_most_2_to_minus_8(tensors: dict[str, np.ndarray], shuffle: bool) -> None:
+    _, out = decode(encode(tensors, codec="bf16", kind="delta", fingerprint="f", shuffle=shuffle))
+    for name, x in tensors.items():
+        err = np.abs(out[name].astype(np.float64) - x)
+        assert np.all(err <= 2.0**-8 * np.abs(x.astype(np.float64)) + 1e-38)
+
+
+def test_bf16_rounds_to_nearest_even() -> None:
+    bits = np.array([0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF], np.uint32)  # ties, above, below
+    _, out = decode(encode({"x": bits.view(np.float32)}, codec="bf16", kind="delta", fingerprint="f"))
+    assert out["x"].view(np.uint32).tolist() == [0x3F800000, 0x3F820000, 0x3F810000, 0x3F800000]
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_quantized_zero_blocks_and_exact_levels(codec: str) -> None:
+    x = np.zeros(300, np.float32)
+    x[256:] = np.arange(44, dtype=np.float32) % (LEVELS[codec] + 1)  # integers up to the level count
+    x[256] = LEVELS[codec]
+    _, out = decode(encode({"x": x}, codec=codec, kind="delta", fingerprint="f"))
+    np.testing.assert_array_equal(out["x"], x)
+
+
+def test_meta_kind_and_order_survive() -> None:
+    meta = {
+        "base_version": 3,
+        "seq": 12,
+        "learner": "us-east-0",
+        "tokens": 10**12,
+        "loss": 2.5,
+        "tags": [1, "a"],
+    }
+    tensors = {"z": np.ones(3, np.float32), "a": np.zeros((2, 2), np.float32)}
+    data = encode(tensors, codec="int4", kind="update", fingerprint="abc", meta=meta)
+    header, out = decode(data)
+    assert (header.kind, header.codec, header.fingerprint, header.meta) == ("update", "int4", "abc", meta)
+    assert list(out) == ["z", "a"] and header.num_elements == 7
+    assert read_header(data) == header
+    assert isinstance(header, Header) and header.format_version == FORMAT_VERSION
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16"])
+def test_lossless_codecs_carry_non_finite_values(codec: str) -> None:
+    x = np.array([np.nan, np.inf, -np.inf, 1.0], np.float32)
+    _, out = decode(encode({"x": x}, codec=codec, kind="delta", fingerprint="f"))
+    assert np.isnan(out["x"][0]) and out["x"][1] == np.inf and out["x"][2] == -np.inf
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantized_codecs_refuse_non_finite_input(codec: str, bad: float) -> None:
+    x = np.ones(1000, np.float32)
+    x[700] = bad
+    with pytest.raises(CodecError, match="non-finite values in tensor 'w'"):
+        encode({"w": x}, codec=codec, kind="delta", fingerprint="f")
+
+
+def test_encode_refuses_bad_arguments() -> None:
+    ok = {"x": np.ones(4, np.float32)}
+    for kwargs in ({"codec": "int3"}, {"block_size": 7}, {"block_size": 0}, {"kind": "Bad Kind"}):
+        args = {"codec": "int8", "kind": "delta", "fingerprint": "f", **kwargs}
+        with pytest.raises(CodecError):
+            encode(ok, **args)
+    with pytest.raises(CodecError, match="float64"):
+        encode({"x": np.ones(4)}, codec="fp32", kind="delta", fingerprint="f")
+    with pytest.raises(CodecError, match="JSON"):
+        encode(ok, codec="fp32", kind="delta", fingerprint="f", meta={"x": object()})
+    with pytest.raises(CodecError, match="names"):
+        encode({"": np.ones(1, np.float32)}, codec="fp32", kind="delta", fingerprint="f")
+
+
+def test_encode_is_deterministic_and_checksum_is_hex() -> None:
+    assert _small_object() == _small_object()
+    checksum = object_checksum(_small_object())
+    assert len(checksum) == 32 and int(checksum, 16) >= 0
+    assert object_checksum(_small_object("int4")) != checksum
+
+
+def test_fingerprint_is_stable_and_sensitive() -> None:
+    specs = [("a", (2, 3)), ("b", ())]
+    assert fingerprint_of(specs) == fingerprint_of(list(specs))
+    assert fingerprint_of(specs) != fingerprint_of([("a", (3, 2)), ("b", ())])
+    assert fingerprint_of(specs) != fingerprint_of(specs, extra="d_model=64")
+    assert fingerprint_of(specs) != fingerprint_of(specs[::-1])
+
+
+# ---------------------------------------------------------------------------- damage
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_every_flipped_byte_is_detected(codec: str) -> None:
+    data = _small_object(codec)
+    for pos in range(len(data)):
+        for mask in (0x01, 0x80):
+            damaged = bytearray(data)
+            damaged[pos] ^= mask
+            with pytest.raises(CodecError):
+                decode(bytes(damaged))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_truncation_and_padding_are_detected(codec: str) -> None:
+    data = _small_object(codec)
+    for cut in range(len(data)):
+        with pytest.raises(CodecError):
+            decode(data[:cut])
+    with pytest.raises(CodecError, match="truncated or padded"):
+        decode(data + b"\0")
+
+
+def test_read_header_accepts_a_prefix_only_when_asked() -> None:
+    data = _small_object()
+    header_end = 16 + struct.unpack_from("<I", data, 8)[0]
+    assert read_header(data[:header_end], allow_partial=True).meta == {"seq": 7}
+    with pytest.raises(CodecError):
+        read_header(data[:header_end])
+    with pytest.raises(CodecError, match="truncated"):
+        read_header(data[: header_end - 1], allow_partial=True)
+
+
+def test_fingerprint_mismatch_names_both() -> None:
+    with pytest.raises(CodecError, match="'fp'.*'other'"):
+        decode(_small_object(), expected_fingerprint="other")
+    assert decode(_small_object(), expected_fingerprint="fp")[0].fingerprint == "fp"
+
+
+def test_max_bytes() -> None:
+    data = _small_object()
+    decode(data, max_bytes=len(data))
+    with pytest.raises(CodecError, match="max_bytes"):
+        decode(data, max_bytes=len(data) - 1)
+    header_end = 16 + struct.unpack_from("<I", data, 8)[0]
+    with pytest.raises(CodecError, match="max_bytes"):
+        read_header(data[:header_end], allow_partial=True, max_bytes=header_end)
+
+
+# -------------------------------------------------------------------------- hostile input
+
+
+def _edit(change: dict[str, Any], tensor_change: dict[str, Any] | None = None) -> bytes:
+    obj, payload = _split(_small_object())
+    obj.update(change)
+    if tensor_change is not None:
+        obj["tensors"][0].update(tensor_change)
+    return _forge(obj, payload)
+
+
+HOSTILE = {
+    "pickle": pickle.dumps({"a": np.ones(3)}),
+    "empty": b"",
+    "wrong magic": _small_object().replace(MAGIC, b"PK\x03\x04", 1),
+    "binary version 2": _forge(_split(_small_object())[0], _split(_small_object())[1], version=2),
+    "json version 99": _edit({"format_version": 99}),
+    "json version bool": _edit({"format_version": True}),
+    "unknown codec": _edit({"codec": "int2"}),
+    "header length beyond data": _small_object()[:8] + struct.pack("<I", 2**31) + _small_object()[12:],
+    "json list": _forge([1, 2, 3]),
+    "json string": _forge("DLCO"),
+    "not json": MAGIC + struct.pack("<HHI", 1, 0, 3) + struct.pack("<I", 0) + b"{{{",
+    "deep json": _forge(json.loads("[" * 50 + "]" * 50)),
+    "unknown key": _edit({"extra": 1}),
+    "huge shape": _edit({}, {"shape": [10**6, 10**6]}),
+    "negative shape": _edit({}, {"shape": [-3, 50]}),
+    "float shape": _edit({}, {"shape": [3.0, 50]}),
+    "too many dims": _edit({}, {"shape": [1] * 40}),
+    "shape vs payload": _edit({}, {"shape": [3, 60]}),
+    "name not a string": _edit({}, {"name": 5}),
+    "duplicate names": _edit({}, {"name": "b"}),
+    "frames negative": _edit({}, {"frames": [-1]}),
+    "payload_bytes lies": _edit({"payload_bytes": 10**15}),
+    "block size odd": _edit({"block_size": 15}),
+    "shuffle not bool": _edit({"shuffle": "yes"}),
+    "meta a list": _edit({"meta": [1]}),
+    "payload crc lies": _edit({"payload_crc32": 1}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_objects_are_refused(case: str) -> None:
+    with pytest.raises(CodecError):
+        decode(HOSTILE[case])
+
+
+def test_non_bytes_input_is_refused() -> None:
+    with pytest.raises(CodecError, match="bytes-like"):
+        decode("DLCO")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("scale", [np.nan, np.inf, -1.0])
+def test_bad_block_scales_are_refused(codec: str, scale: float) -> None:
+    x = np.linspace(-1, 1, 32, dtype=np.float32)
+    obj, payload = _split(encode({"x": x}, codec=codec, kind="delta", fingerprint="f", block_size=16))
+    assert obj["tensors"][0]["frames"] == [len(payload)]  # quantized bytes do not compress: stored raw
+    forged = bytearray(payload)
+    forged[4:8] = struct.pack("<f", scale)  # second block's scale
+    obj["payload_crc32"] = zlib.crc32(bytes(forged))
+    with pytest.raises(CodecError, match="scales"):
+        decode(_forge(obj, bytes(forged)))
+
+
+@pytest.mark.parametrize(
+    ("shape", "frames"),
+    [
+        ([10**6, 10**6], [1]),
+        ([2**30], [1] * 64),
+        ([2**18, 2**18], [1] * 64),
+        ([2**22], [1]),
+        ([2**22], [10**9]),
+    ],
+)
+def test_hostile_sizes_are_refused_before_allocating(shape: list[int], frames: list[int]) -> None:
+    obj, payload = _split(_small_object())
+    obj["tensors"][0]["shape"] = shape
+    obj["tensors"][0]["frames"] = frames
+    forged = _forge(obj, payload)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError):
+            decode(forged)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+# ------------------------------------------------------------------------------- bench CLI
+
+
+def test_bench_codec_cli_writes_json(tmp_path: Path) -> None:
+    from diloco.cli import app
+
+    out = tmp_path / "codec.json"
+    args = ["bench", "codec", "--json", str(out), "--num-params", "20000", "--steps", "2", "--repeats", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert set(report["reference"]) >= {"copy_mb_s", "lz4_mb_s"}
+    assert set(report["codecs"]) == set(CODECS)
+    for codec, r in report["codecs"].items():
+        assert set(r) >= {"ratio", "encode_mb_s", "decode_mb_s", "max_abs_error"}
+        assert r["encode_mb_s"] > 0 and r["decode_mb_s"] > 0
+        assert (r["max_abs_error"] == 0.0) == (codec == "fp32")
+    assert report["codecs"]["int8"]["ratio"] > 3.0 and report["codecs"]["int4"]["ratio"] > 5.0
