@@ -67,9 +67,22 @@ def ensure_api(home: Path) -> tuple[str, subprocess.Popen | None]:
     return url, proc
 
 
+def flush_prefect(timeout_s: float = 10.0) -> None:
+    """Send this process's buffered Prefect logs and events now, while the API still answers."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - best effort at shutdown; the run itself is done
+            pass
+
+
 def stop_api(proc: subprocess.Popen | None) -> None:
     if proc is None or proc.poll() is not None:
         return
+    flush_prefect()
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=15)

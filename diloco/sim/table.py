@@ -64,7 +64,9 @@ def sweep_mtbf(cfg: SimConfig, seed: int = 0, years: tuple[float, ...] = SWEEP_M
     for y in years:
         varied = cfg.with_(mtbf_chip_s=y * SECONDS_PER_YEAR)
         for s in STRATEGIES:
-            rows[s].append(simulate_strategy(s, SWEEP_CHIPS, varied, cell_seed(seed, s, SWEEP_CHIPS)))
+            rows[s].append(
+                round(simulate_strategy(s, SWEEP_CHIPS, varied, cell_seed(seed, s, SWEEP_CHIPS)), 4)
+            )
     return {"chips": SWEEP_CHIPS, "mtbf_years": list(years), "goodput": rows}
 
 
@@ -76,11 +78,13 @@ def sweep_recovery(
     for k in scales:
         varied = cfg.scaled_recovery(k)
         for s in STRATEGIES:
-            rows[s].append(simulate_strategy(s, SWEEP_CHIPS, varied, cell_seed(seed, s, SWEEP_CHIPS)))
+            rows[s].append(
+                round(simulate_strategy(s, SWEEP_CHIPS, varied, cell_seed(seed, s, SWEEP_CHIPS)), 4)
+            )
     return {
         "chips": SWEEP_CHIPS,
         "recovery_scale": list(scales),
-        "dp_restart_s": [k * (cfg.detect_s + cfg.restart_s) for k in scales],
+        "dp_detect_plus_restart_s": [k * (cfg.detect_s + cfg.restart_s) for k in scales],
         "goodput": rows,
     }
 

@@ -4,22 +4,8 @@ Contract: pickle-free; encode(decode(x)) is exact for fp32; decode of a truncate
 oversized, wrong-version or hostile object raises CodecError before allocating anything large.
 The same container carries deltas, full params, compact updates and outer-optimizer state.
 
-Layout (little endian; docs/CODEC.md has it byte by byte):
-    MAGIC "DLCO" | u16 format_version | u16 flags (0) | u32 header_len | u32 header_crc32
-    | header JSON (utf-8, space-padded so the payload starts 16-aligned) | payload
-header_crc32 covers the 12 prefix bytes before it and the JSON; the JSON records payload_crc32
-(crc32 of the whole payload), so every byte of an object is covered by exactly one checksum.
-Per tensor the payload holds one stream, cut into lz4 frames of at most FRAME_BYTES raw bytes:
-    fp32: 4n bytes (byte-shuffled into 4 planes when shuffle)
-    bf16: 2n bytes, round-to-nearest-even (byte-shuffled into 2 planes when shuffle)
-    int8: f32 scales[nb] | int8 q[nb*B]          (q in -127..127, x ~ q * scale)
-    int4: f32 scales[nb] | u8 packed[nb*B/2]     (q in -7..7; byte i of block k holds element
-          k*B+i in its low nibble and k*B+B/2+i in its high nibble, two's complement)
-with nb = ceil(n / B); the last block is zero-padded. A frame whose stored length equals its raw
-length is stored raw (lz4 did not help); a shorter one is an lz4 block.
-int8/int4 refuse non-finite input (CodecError naming the tensor): a NaN would otherwise poison a
-whole block's scale. fp32 and bf16 carry NaN/Inf through unchanged so the merger's finiteness
-check sees them.
+Layout byte by byte, error bounds and refusals: docs/CODEC.md. int8/int4 refuse NaN/Inf (CodecError);
+fp32/bf16 carry them so the merger's finiteness check sees them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,25 @@
-"""Storage errors: the one vocabulary every backend's failures are translated into.
+"""Storage errors: the one vocabulary backend failures are translated into, and the table that does it.
 
 Contract: callers catch these, never botocore/OSError details. Transient is retried (bounded);
-the rest never are.
+the rest never are. Programming errors (TypeError, ...) are never translated.
 """
+
+from __future__ import annotations
+
+import errno
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+try:  # botocore comes with s3fs; the store still works for file:// and memory:// without it
+    from botocore.exceptions import BotoCoreError, ClientError
+except ImportError:  # pragma: no cover - s3fs is a hard dependency of the project
+    BotoCoreError = ClientError = OSError  # type: ignore[assignment,misc]
+
+T = TypeVar("T")
+BACKOFF_BASE_S = 0.05  # first retry waits ~50 ms ...
+BACKOFF_CAP_S = 2.0  # ... doubling, never more than 2 s per wait
 
 
 class StorageError(Exception):
@@ -27,3 +44,136 @@ class PermissionDenied(StorageError):
 
 class BadRequest(StorageError):
     """The request itself is wrong (bad key, bad bucket, HTTP 400). Never retried."""
+
+
+# ---------------------------------------------------------------- error translation (the table)
+
+_CODES: dict[type[StorageError], tuple[str, ...]] = {  # S3 error codes, checked before HTTP status
+    NotFound: ("NoSuchKey", "NotFound"),
+    Conflict: ("PreconditionFailed", "ConditionalRequestConflict"),
+    PermissionDenied: ("AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                       "ExpiredToken", "InvalidToken", "RequestTimeTooSkewed"),
+    TransientError: ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                     "TooManyRequestsException", "ServiceUnavailable", "InternalError", "RequestTimeout",
+                     "OperationAborted"),
+    # a missing bucket is a configuration error, not a missing object
+    BadRequest: ("NoSuchBucket", "InvalidBucketName", "InvalidArgument", "InvalidRequest", "KeyTooLongError",
+                 "EntityTooLarge"),
+}
+_CODE_TO_ERROR = {code: kind for kind, codes in _CODES.items() for code in codes}
+_TRANSIENT_ERRNOS = {
+    errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+    errno.ECONNABORTED, errno.EPIPE, errno.EINTR, errno.EIO, errno.EREMOTEIO,
+}
+_BAD_REQUEST_ERRNOS = {errno.EINVAL, errno.ENAMETOOLONG}
+
+
+def _error_for_status(status: int) -> type[StorageError]:
+    if status in (409, 412):
+        return Conflict
+    if status == 404:
+        return NotFound
+    if status in (401, 403):
+        return PermissionDenied
+    if status in (408, 429) or status >= 500:
+        return TransientError
+    if 400 <= status < 500:
+        return BadRequest
+    return StorageError
+
+
+def _client_error_in(exc: BaseException) -> Any | None:
+    """The botocore ClientError behind exc (s3fs wraps it in an OSError as __cause__), if any."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, ClientError) and isinstance(getattr(seen, "response", None), dict):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _error_for_client(client_error: Any) -> type[StorageError]:
+    response = client_error.response
+    code = str(response.get("Error", {}).get("Code", ""))
+    if code in _CODE_TO_ERROR:
+        return _CODE_TO_ERROR[code]
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if code.isdigit():
+        status = int(code)
+    return _error_for_status(int(status)) if status else StorageError
+
+
+def _error_for_oserror(exc: OSError, writing: bool) -> type[StorageError]:
+    if isinstance(exc, FileExistsError) or exc.errno == errno.EEXIST:
+        return Conflict
+    if isinstance(exc, FileNotFoundError) or exc.errno == errno.ENOENT:
+        return NotFound
+    if isinstance(exc, IsADirectoryError | NotADirectoryError):
+        return BadRequest if writing else NotFound  # the key collides with a folder of keys
+    if isinstance(exc, PermissionError) or exc.errno in (errno.EACCES, errno.EPERM):
+        return PermissionDenied
+    if isinstance(exc, TimeoutError | ConnectionError) or exc.errno in _TRANSIENT_ERRNOS:
+        return TransientError
+    if exc.errno in _BAD_REQUEST_ERRNOS:
+        return BadRequest
+    return StorageError
+
+
+def _error_for_botocore(exc: BaseException) -> type[StorageError]:
+    name = type(exc).__name__
+    if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+        return PermissionDenied
+    if name in ("ParamValidationError", "InvalidS3AddressingStyleError"):
+        return BadRequest
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & {"ConnectionError", "HTTPClientError", "ReadTimeoutError", "ConnectTimeoutError"}:
+        return TransientError
+    return StorageError
+
+
+def translate_error(exc: BaseException, *, key: str = "", writing: bool = False) -> StorageError:
+    """The one place a backend failure becomes a StorageError; the original is kept as __cause__."""
+    if isinstance(exc, StorageError):
+        return exc
+    client_error = _client_error_in(exc)
+    if client_error is not None:
+        kind = _error_for_client(client_error)
+    elif isinstance(exc, BotoCoreError):  # before OSError: some botocore errors are also IOErrors
+        kind = _error_for_botocore(exc)
+    elif isinstance(exc, OSError):
+        kind = _error_for_oserror(exc, writing)
+    else:
+        kind = StorageError
+    err = kind(f"{key!r}: {type(exc).__name__}: {exc}" if key else f"{type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def backoff_s(attempt: int) -> float:
+    """Jittered exponential backoff before retry number attempt+1 (equal jitter, capped)."""
+    wait_s = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)
+    return wait_s / 2 + random.uniform(0, wait_s / 2)
+
+
+def call_with_retries(
+    fn: Callable[[], T],
+    *,
+    max_retries: int,
+    key: str = "",
+    writing: bool = False,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """fn(), retried only on TransientError (at most max_retries times); every error translated."""
+    for attempt in range(max_retries + 1):
+        try:
+            return fn()
+        except (OSError, BotoCoreError, ClientError, StorageError) as exc:
+            err = translate_error(exc, key=key, writing=writing)
+            if err is exc and not isinstance(err, TransientError):
+                raise
+            if not isinstance(err, TransientError) or attempt == max_retries:
+                raise err from exc
+        sleep(backoff_s(attempt))
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -102,6 +102,7 @@ class RunKeys:
         return f"{self.run_id}/deltas/{validate_learner_name(learner)}/"
 
     def delta(self, learner: str, seq: int) -> str:
+        learner = validate_learner_name(learner)  # None would mean "all learners" to deltas_prefix
         return f"{self.deltas_prefix(learner)}{_check_int(seq, 'seq', MAX_SEQ):012d}.delta"
 
     def learners_prefix(self) -> str:

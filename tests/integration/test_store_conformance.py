@@ -35,7 +35,7 @@ from diloco.storage import (
     read_manifest,
     write_json,
 )
-from diloco.storage.store import backoff_s, call_with_retries, translate_error
+from diloco.storage.errors import backoff_s, call_with_retries, translate_error
 
 BAD_KEYS = ["", "/abs", "a//b", "a/", "../x", "a/../b", "a/./b", ".", "..", "a\\b", "a\nb", "a\x00b",
             "x/.diloco-tmp-123", "k" * 1025]
