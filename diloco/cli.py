@@ -15,7 +15,13 @@ from pathlib import Path
 
 import typer
 
+from diloco.bench.bandwidth import bandwidth
 from diloco.bench.codec import bench_codec
+from diloco.bench.goodput import bench_goodput
+from diloco.bench.merge import bench_merge
+from diloco.bench.quality import bench_quality
+from diloco.flows.deployed import remove_learner
+from diloco.plot import plot_run
 from diloco.sim.cli import simulate_goodput
 
 app = typer.Typer(
@@ -26,7 +32,13 @@ app = typer.Typer(
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: each prints a table and can write JSON.")
 app.add_typer(bench_app, name="bench")
 bench_app.command("codec")(bench_codec)
+bench_app.command("goodput")(bench_goodput)
+bench_app.command("quality")(bench_quality)
+bench_app.command("merge")(bench_merge)
+app.command("bandwidth")(bandwidth)
 app.command("simulate-goodput")(simulate_goodput)
+app.command("plot")(plot_run)
+app.command("remove-learner")(remove_learner)
 
 STORAGE = typer.Option(..., "--storage", help="Where the run lives: file://DIR, s3://bucket/prefix, any fsspec URL.")
 RUN_ID = typer.Option(..., "--run-id", help="The run's id (its folder in the bucket).")

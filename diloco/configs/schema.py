@@ -68,6 +68,9 @@ class OuterConfig(_Strict):
     max_staleness: int = Field(8, ge=0)  # older deltas are rejected ("stale")
     staleness_power: float = Field(0.5, ge=0)  # discount = (1 + staleness) ** -power
     update_codec: Codec = "fp32"  # how the compact update version-1 -> version is shipped to learners
+    # A merge that carries fewer tokens than a full round (every learner's phase) moves the global
+    # by that share only; otherwise K=1 merges each apply a whole outer step and momentum overshoots.
+    partial_scaling: bool = True
 
 
 class MergerConfig(_Strict):

@@ -118,7 +118,8 @@ def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
             for d in m.merged():
                 header, delta = T.read_tensors(ctx.store, ctx.keys.delta(d.learner, d.seq), checksum=d.checksum)
                 groups.setdefault(d.learner, LearnerGroup(d.learner)).add(d.seq, header, delta)
-            result = outer_step(params, outer, list(groups.values()), prev.version, ctx.cfg, ctx.fingerprint)
+            result = outer_step(params, outer, list(groups.values()), prev.version, ctx.cfg, ctx.fingerprint,
+                                num_learners=len(ctx.learners))
         except (StorageError, CodecError, ValueError) as err:
             report.replay_ok = False
             report.problem(f"version {m.version}: replay could not read its inputs: {err}")

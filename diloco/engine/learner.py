@@ -7,7 +7,9 @@ and `r = G`. The learner never waits for anyone, except in `sync` mode, the sync
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +35,7 @@ from diloco.training.inner import InnerTrainer
 from diloco.training.model import build_model, get_flat_params, set_params
 
 log = logging.getLogger("diloco.learner")
+HEARTBEAT_EVERY_S = 2.0  # status.json refresh while training; the supervisor's timeout is far longer
 
 
 @dataclass
@@ -75,6 +78,7 @@ class Learner:
         self.steps_since_publish = 0
         self.loss_ema = float("nan")
         self.phase_t0 = time.time()
+        self._last_beat = 0.0
 
     # ---- join / rejoin -------------------------------------------------------------------
     def join(self) -> int:
@@ -93,6 +97,7 @@ class Learner:
             self.cfg.data.seed, cursor=cursor,
         )
         self.events.emit("join", learner=self.name, version=self.base, seq=self.seq, cursor=cursor, step=step)
+        self.heartbeat("joined", force=True)
         log.info("learner %s joined at version %d, next seq %d, data cursor %d, step %d",
                  self.name, self.base, self.seq, cursor, step)
         return self.base
@@ -131,6 +136,20 @@ class Learner:
         self.ref = T.clone(params)
         self.base = manifest.version
 
+    def heartbeat(self, state: str = "training", force: bool = False) -> None:
+        """Refresh learners/<me>/status.json (at most every HEARTBEAT_EVERY_S unless forced)."""
+        now = time.time()
+        if not force and now - self._last_beat < HEARTBEAT_EVERY_S:
+            return
+        self._last_beat = now
+        status = {"learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.seq - 1,
+                  "base_version": self.base, "step": self.trainer.step, "cursor": self.sampler.cursor,
+                  "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published}
+        try:
+            self.ctx.store.put(self.ctx.keys.status(self.name), json.dumps(status).encode())
+        except StorageError as err:
+            log.warning("heartbeat of %s failed: %s", self.name, err)
+
     def _set_theta(self, theta: T.Tensors) -> None:
         set_params(self.model, theta)
 
@@ -150,6 +169,7 @@ class Learner:
             losses.append(self.trainer.train_step(x.to(self.device), y.to(self.device)))
             if self.slowdown > 1.0:
                 time.sleep((time.time() - ts) * (self.slowdown - 1.0))
+            self.heartbeat()
             if (i + 1) % cfg.learner.probe_every_steps == 0 and cfg.learner.mode != "sync":
                 installed = self.maybe_install()
                 if installed is not None:
@@ -166,9 +186,13 @@ class Learner:
         return stats
 
     # ---- ship ----------------------------------------------------------------------------
-    def publish(self, stats: PhaseStats | None = None) -> int:
-        """Ship r - theta as delta `seq`; keep the quantization error in r (error feedback)."""
+    def publish(self, stats: PhaseStats | None = None) -> int | None:
+        """Ship r - theta as delta `seq`; keep the quantization error in r (error feedback).
+        Nothing is published (None) when no step was taken since the last delta: the residual
+        in r - theta then simply ships with the next one."""
         cfg = self.cfg
+        if self.steps_since_publish == 0:
+            return None
         delta = T.sub(self.ref, self.theta())
         seq = self.seq
         meta = {
@@ -246,6 +270,7 @@ class Learner:
         self.publisher.drain()
         deadline = time.time() + timeout_s
         while time.time() < deadline and not should_stop():
+            self.heartbeat("waiting")
             try:
                 m = read_latest(self.ctx.store, self.ctx.keys)
                 if m is not None and m.cursors.get(self.name, -1) >= seq:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -58,7 +59,7 @@ def write_status(learner: Learner, stats: PhaseStats, state: str) -> None:
         "base_version": learner.base, "step": learner.trainer.step, "cursor": learner.sampler.cursor,
         "loss": stats.loss, "steps_per_s": stats.steps / stats.phase_time_s if stats.phase_time_s else 0.0,
         "tokens_per_phase": stats.tokens, "bytes_published": learner.publisher.bytes_published,
-        "stall_s": stats.stall_s,
+        "stall_s": stats.stall_s, "pid": os.getpid(),
     }
     try:
         learner.ctx.store.put(learner.ctx.keys.status(learner.name), json.dumps(status).encode())
@@ -70,7 +71,7 @@ def learner_step(learner: Learner, should_stop: Callable[[], bool]) -> PhaseStat
     """One phase + publish (+ wait in sync mode) + heartbeat: the unit a Prefect task wraps."""
     stats = learner.run_phase()
     seq = learner.publish(stats)
-    if learner.cfg.learner.mode == "sync":
+    if seq is not None and learner.cfg.learner.mode == "sync":
         learner.wait_for_decision(seq, timeout_s=learner.cfg.merger.quorum_timeout_s * 4, should_stop=should_stop)
     write_status(learner, stats, "training")
     learner.events.flush()

@@ -148,7 +148,8 @@ class Merger:
             pending = self.pending()
         t0 = time.time()
         decisions, groups, phase_times = self._decide(pending)
-        result = outer_step(self.params, self.outer, groups, self.version, self.cfg, self.ctx.fingerprint)
+        result = outer_step(self.params, self.outer, groups, self.version, self.cfg, self.ctx.fingerprint,
+                            num_learners=len(self.ctx.learners))
         for d in decisions:
             if d.status == "merged":
                 d.weight = result.weights.get(d.learner, 0.0)
@@ -226,7 +227,7 @@ class Merger:
             outer_key=outer_key, outer_checksum=outer_sum, decisions=decisions, cursors=cursors,
             tokens_total=self.manifest.tokens_total + merged_tokens,
             timing={"quorum_wait_s": quorum_wait, "grace_s": grace, "merge_s": merge_s},
-            stats={"update_norm": result.update_norm, "num_learners": float(len(groups)),
+            stats={"update_norm": result.update_norm, "num_learners": float(len(groups)), "round_share": result.scale,
                    "update_bytes": float(len(result.update_bytes))},
         )
         try:

@@ -108,19 +108,33 @@ class StepResult:
     outer: OuterState
     weights: dict[str, float]  # learner -> normalised weight
     update_norm: float
+    scale: float  # share of a full round's tokens this merge carries (1.0 without partial scaling)
+
+
+def round_share(groups: list[LearnerGroup], num_learners: int, cfg: Config) -> float:
+    """Tokens merged / tokens of a full round (every learner one phase), capped at 1."""
+    if not cfg.outer.partial_scaling:
+        return 1.0
+    per_phase = cfg.inner.steps_per_phase * cfg.data.batch_size * cfg.model.ctx_len
+    full_round = max(1, num_learners) * per_phase
+    return min(1.0, sum(g.tokens for g in groups) / full_round)
 
 
 def outer_step(params: T.Tensors, outer: OuterState, groups: list[LearnerGroup], version: int,
-               cfg: Config, fingerprint: str) -> StepResult:
-    """Combine the groups (in the given order), take the Nesterov step, quantize the update."""
+               cfg: Config, fingerprint: str, num_learners: int) -> StepResult:
+    """Combine the groups (in the given order), scale by the round share, take the Nesterov step,
+    quantize the update."""
     weights = {g.learner: g.weight(version, cfg) for g in groups}
     total_w = sum(weights.values())
+    scale = round_share(groups, num_learners, cfg)
     if groups and total_w > 0:
         direct = tuple(k for k in params if k in EMBEDDING_PARAMS)  # the paper averages embeddings directly
         combiner = Combiner(cfg.outer.merge_rule, direct=direct)
         for g in groups:
             combiner.add(g.total, weights[g.learner])
         grad = combiner.result()
+        if scale != 1.0:
+            grad = {k: v * scale for k, v in grad.items()}
         new_params, momentum = nesterov_step(params, grad, outer.momentum, cfg.outer.lr,
                                              cfg.outer.momentum, cfg.outer.nesterov)
         exact = {k: (new_params[k] - params[k]) + outer.residual[k] for k in params}
@@ -135,4 +149,4 @@ def outer_step(params: T.Tensors, outer: OuterState, groups: list[LearnerGroup],
     T.add_(new_global, shipped)
     norm = float(torch.sqrt(sum((v.double() ** 2).sum() for v in shipped.values())))
     normalised = {k: (w / total_w if total_w > 0 else 0.0) for k, w in weights.items()}
-    return StepResult(update_bytes, new_global, OuterState(momentum, residual), normalised, norm)
+    return StepResult(update_bytes, new_global, OuterState(momentum, residual), normalised, norm, scale)

@@ -7,6 +7,7 @@ shutdown leaves no process of the run behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +37,8 @@ class Proc:
     removed: bool = False  # an operator (or a chaos plan) stopped it on purpose
     paused: bool = False
     exits: list[int] = field(default_factory=list)
+    planned_restart_at: float | None = None  # a planned restart (chaos, operator): not a crash
+    resumed_at: float = 0.0  # heartbeat grace restarts here after a pause
 
     @property
     def alive(self) -> bool:
@@ -87,11 +90,43 @@ class Supervisor:
     def kill(self, name: str, sig: int = signal.SIGKILL, reason: str = "") -> None:
         proc = self.procs[name]
         if proc.alive:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.popen.pid, sig)
-            except ProcessLookupError:
-                pass
             self.events.emit("kill", role=proc.role, learner=name, signal=int(sig), reason=reason)
+
+    def restart_after(self, name: str, delay_s: float, reason: str = "") -> bool:
+        """SIGKILL a process and start it again delay_s later; not counted toward max_restarts."""
+        proc = self.procs[name]
+        if not proc.alive:
+            return False
+        proc.planned_restart_at = time.time() + delay_s
+        if proc.paused:
+            self.resume(name)
+        self.kill(name, signal.SIGKILL, reason=reason or "planned restart")
+        return True
+
+    def pause(self, name: str, reason: str = "") -> bool:
+        """SIGSTOP a process (a straggler); heal() leaves it alone until resume()."""
+        proc = self.procs[name]
+        if not proc.alive or proc.paused:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.popen.pid, signal.SIGSTOP)
+        proc.paused = True
+        self.events.emit("pause", role=proc.role, learner=name, reason=reason)
+        return True
+
+    def resume(self, name: str) -> bool:
+        proc = self.procs[name]
+        if not proc.paused:
+            return False
+        proc.paused = False
+        proc.resumed_at = time.time()
+        if proc.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, signal.SIGCONT)
+        self.events.emit("resume", role=proc.role, learner=name)
+        return True
 
     def start_all(self) -> None:
         self.add("evaluator", "evaluator")
@@ -114,6 +149,14 @@ class Supervisor:
                 proc.popen = None
                 self.events.emit("exit", role=proc.role, learner=proc.name, code=code)
                 proc.next_start = now + self.cfg.run.restart_backoff_s * (2 ** min(proc.restarts, 5))
+                if proc.planned_restart_at is not None:
+                    proc.next_start = proc.planned_restart_at
+            if proc.popen is None and proc.planned_restart_at is not None and now >= proc.next_start:
+                self.events.emit("restart", role=proc.role, learner=proc.name, restarts=proc.restarts,
+                                 planned=True)
+                proc.planned_restart_at = None
+                self.spawn(proc)
+                continue
             if proc.role == "learner" and proc.alive and self._silent(proc, now):
                 self.kill(proc.name, reason="heartbeat stopped")
             if proc.popen is None and now >= proc.next_start:
@@ -129,7 +172,7 @@ class Supervisor:
 
     def _silent(self, proc: Proc, now: float) -> bool:
         timeout = self.cfg.run.heartbeat_timeout_s
-        if now - proc.started_at < timeout:
+        if now - max(proc.started_at, proc.resumed_at) < timeout:
             return False
         try:
             status = json.loads(self.ctx.store.get(self.ctx.keys.status(proc.name)))
@@ -167,6 +210,9 @@ class Supervisor:
             request_stop(self.ctx, reason)
         except StorageError as err:
             log.warning("could not write control/stop: %s", err)
+        for proc in self.procs.values():
+            if proc.paused:
+                self.resume(proc.name)  # a stopped process cannot see control/stop
         deadline = time.time() + grace_s
         while time.time() < deadline and any(p.alive for p in self.procs.values()):
             time.sleep(0.2)

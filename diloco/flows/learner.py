@@ -1,4 +1,8 @@
-"""Flow `learner`: one long-running learner; a task per phase (DESIGN §7)."""
+"""Flow `learner`: one long-running learner; a task per phase (DESIGN §7).
+
+Contract: the flow ends when the run stops, the target version is committed, or an operator removed
+this learner (control/removed-<name>); optional AWS credentials come from a Prefect block.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,17 @@ from prefect import flow
 
 from diloco.engine.loops import run_learner
 from diloco.engine.roles import make_learner
+from diloco.flows.deployed import RemovedSignal, export_aws_credentials
 from diloco.tasks.learner import join_task, phase_task
 
 
 @flow(name="learner", flow_run_name="{learner}", persist_result=False)
-def learner_flow(storage: str, run_id: str, learner: str, phases: int | None = None) -> int:
+def learner_flow(storage: str, run_id: str, learner: str, phases: int | None = None,
+                 aws_credentials_block: str | None = None) -> int:
     """Join the run at its newest version and train until it stops (or for `phases` phases)."""
-    worker, should_stop = make_learner(storage, run_id, learner)
-    return run_learner(worker, phases=phases, should_stop=should_stop, step=phase_task, join=join_task)
+    if aws_credentials_block:
+        export_aws_credentials(aws_credentials_block)
+    worker, run_stopped = make_learner(storage, run_id, learner)
+    removed = RemovedSignal(worker.ctx, learner)
+    return run_learner(worker, phases=phases, should_stop=lambda: run_stopped() or removed(),
+                       step=phase_task, join=join_task)

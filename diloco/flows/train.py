@@ -1,41 +1,143 @@
-"""Flow `train`: the supervisor — start merger, evaluator and learners, heal, stop at the target."""
+"""Flow `train`: the supervisor — start merger, evaluator and learners, heal, stop at the target.
+
+Contract: mode "local" runs every role as a process of this machine; mode "deployments" starts them as
+runs of their deployments (a learner per region, see prefect.yaml), creating the run first if needed.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from diloco.engine.run import open_run
-from diloco.engine.supervisor import Supervisor
+from diloco.engine.run import RunContext, create_run, open_run
+from diloco.flows.deployed import (
+    EVALUATOR_DEPLOYMENT,
+    MERGER_DEPLOYMENT,
+    DeploymentSupervisor,
+    export_aws_credentials,
+    make_jobs,
+    placement,
+    regional_names,
+)
 from diloco.tasks.common import artifact_key
 
 
 @flow(name="train", flow_run_name="train-{run_id}", persist_result=False)
-def train_flow(storage: str, run_id: str, log_dir: str | None = None, chaos_plan: str | None = None) -> dict:
-    """Run every role of an existing run as local processes reporting to this Prefect API."""
+def train_flow(
+    storage: str,
+    run_id: str,
+    mode: Literal["local", "deployments"] = "local",
+    config: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    learners: dict[str, str] | None = None,
+    merger_deployment: str = MERGER_DEPLOYMENT,
+    evaluator_deployment: str = EVALUATOR_DEPLOYMENT,
+    aws_credentials_block: str | None = None,
+    log_dir: str | None = None,
+    chaos_plan: str | None = None,
+) -> dict:
+    """Supervise a run until its target version (or a stop request, or its time limit).
+
+    storage, run_id: where the run lives. config (recipe name or YAML path) and overrides (dotted keys,
+    e.g. {"run.num_versions": 20}) create the run when it does not exist yet. learners maps a learner to
+    its regional deployment (`learner-us-east`); by default learners are spread over the regions.
+    """
+    if aws_credentials_block:
+        export_aws_credentials(aws_credentials_block)
+    if mode == "deployments":
+        ctx, plan = _deployment_run(storage, run_id, config, overrides, learners)
+        return _supervise_deployments(ctx, plan, merger_deployment, evaluator_deployment, aws_credentials_block)
+    if mode != "local":
+        raise ValueError(f"mode {mode!r} is invalid: must be 'local' or 'deployments'")
+    ctx = _local_run(storage, run_id, config, overrides)
+    return _supervise_local(ctx, log_dir, chaos_plan)
+
+
+def _local_run(storage: str, run_id: str, config: str | None, overrides: dict[str, Any] | None) -> RunContext:
+    if config is None:
+        return open_run(storage, run_id)
+    from diloco.configs import load_config
+    from diloco.storage import open_store
+
+    return create_run(open_store(storage), run_id, load_config(config).with_overrides(overrides or {}))
+
+
+def _deployment_run(storage: str, run_id: str, config: str | None, overrides: dict[str, Any] | None,
+                    learners: dict[str, str] | None) -> tuple[RunContext, dict[str, str]]:
+    """Open the run, or create it with learners named after their regions; place every learner."""
+    from diloco.engine.run import RunError
+
+    try:
+        ctx = open_run(storage, run_id)
+    except RunError:
+        if config is None:
+            raise RunError(f"no run {run_id!r} in {storage}: pass `config` (a recipe) to create it") from None
+        from diloco.configs import load_config
+        from diloco.storage import open_store
+
+        cfg = load_config(config).with_overrides(overrides or {})
+        names = list(learners) if learners else list(regional_names(cfg.run.num_learners))
+        ctx = create_run(open_store(storage), run_id, cfg, learners=names)
+    return ctx, placement(ctx.learners, learners or regional_names(len(ctx.learners)))
+
+
+def _progress(ctx: RunContext) -> Callable[[Any], None]:
+    """A progress artifact (versions committed of the target) and a reporter that updates it."""
     logger = get_run_logger()
-    ctx = open_run(storage, run_id)
+    target = ctx.cfg.run.num_versions
+    progress_id = create_progress_artifact(0.0, key=artifact_key("progress", ctx.run_id),
+                                           description=f"run {ctx.run_id}: versions committed of {target}")
+    seen = {"version": 0}
+
+    def report(sup: Any) -> None:
+        version = sup.latest()
+        if version > seen["version"]:
+            seen["version"] = version
+            update_progress_artifact(progress_id, min(100.0, 100.0 * version / target))
+            logger.info("run %s: version %d of %d", ctx.run_id, version, target)
+
+    return report
+
+
+def _supervise_local(ctx: RunContext, log_dir: str | None, chaos_plan: str | None) -> dict:
+    from diloco.engine.supervisor import Supervisor
+
     supervisor = Supervisor(ctx, prefect=True, log_dir=log_dir)
     if chaos_plan:
         from diloco.chaos.agent import attach_chaos
 
         attach_chaos(supervisor, chaos_plan)
-    target = ctx.cfg.run.num_versions
-    progress_id = create_progress_artifact(0.0, key=artifact_key("progress", run_id),
-                                           description=f"run {run_id}: versions committed of {target}")
-    seen = {"version": 0}
-
-    def report(sup: Supervisor) -> None:
-        version = sup.latest()
-        if version > seen["version"]:
-            seen["version"] = version
-            update_progress_artifact(progress_id, min(100.0, 100.0 * version / target))
-            logger.info("run %s: version %d of %d", run_id, version, target)
-
+    report = _progress(ctx)
     supervisor.start_all()
     reason = "error"
     try:
         reason = supervisor.run(on_tick=report)
     finally:
         supervisor.shutdown(reason)
-    return {"run_id": run_id, "reason": reason, "version": supervisor.latest()}
+    return {"run_id": ctx.run_id, "reason": reason, "version": supervisor.latest()}
+
+
+def _supervise_deployments(ctx: RunContext, plan: dict[str, str], merger_deployment: str,
+                           evaluator_deployment: str, aws_credentials_block: str | None) -> dict:
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    logger = get_run_logger()
+    jobs = make_jobs(ctx, plan, merger_deployment, evaluator_deployment, aws_credentials_block)
+    report = _progress(ctx)
+    with get_client(sync_client=True) as client:
+        if flow_run.id:  # make the supervisor itself easy to find: tag it with the run id
+            client.update_flow_run(flow_run.id, tags=sorted({*flow_run.tags, f"run:{ctx.run_id}", "role:train"}))
+        supervisor = DeploymentSupervisor(ctx, jobs, client)
+        logger.info("run %s: learners %s", ctx.run_id, ", ".join(f"{k} -> {v}" for k, v in plan.items()))
+        supervisor.start_all()
+        reason = "error"
+        try:
+            reason = supervisor.run(on_tick=report)
+        finally:
+            supervisor.shutdown(reason)
+        restarts = {j.name: j.restarts for j in jobs if j.restarts}
+        return {"run_id": ctx.run_id, "reason": reason, "version": supervisor.latest(), "restarts": restarts}

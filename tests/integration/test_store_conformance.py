@@ -141,22 +141,19 @@ def test_put_if_absent_is_exclusive(store_url: str) -> None:
     assert store.list("") == ["v/1.json"]
 
 
-@pytest.mark.parametrize("key", BAD_KEYS)
-def test_bad_keys_are_rejected_before_any_io(store_url: str, key: str) -> None:
+def test_bad_keys_are_rejected_before_any_io(store_url: str) -> None:
     store = open_store(store_url)
-    for call in (store.get, store.get_size, store.exists, store.delete):
+    for key in BAD_KEYS:
+        for call in (store.get, store.get_size, store.exists, store.delete):
+            with pytest.raises(BadRequest):
+                call(key)
+        for write in (store.put, store.put_if_absent):
+            with pytest.raises(BadRequest):
+                write(key, b"x")
+    for prefix in ["/", "/a/", "a//", "../", "a/../", "a\\"]:
         with pytest.raises(BadRequest):
-            call(key)
-    for write in (store.put, store.put_if_absent):
-        with pytest.raises(BadRequest):
-            write(key, b"x")
+            store.list(prefix)
     assert store.list("") == []
-
-
-@pytest.mark.parametrize("prefix", ["/", "/a/", "a//", "../", "a/../"])
-def test_bad_prefixes_are_rejected(store_url: str, prefix: str) -> None:
-    with pytest.raises(BadRequest):
-        open_store(store_url).list(prefix)
 
 
 def test_json_helpers_roundtrip(store_url: str) -> None:

@@ -1,0 +1,189 @@
+"""The training runs behind `bench quality`: data-parallel, and the engine driven in-process.
+
+Contract: every run is deterministic (CPU, fixed seeds, a fixed arrival schedule) and processes
+exactly `num_learners * steps * batch_size * ctx_len` training tokens; bytes are measured.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from diloco.bench._traffic import CountingStore
+from diloco.bench.bandwidth import allreduce_bytes_per_step
+from diloco.configs import Config
+from diloco.engine.learner import Learner
+from diloco.engine.merger import Merger
+from diloco.engine.run import create_run
+from diloco.storage import open_store
+from diloco.training.data import Corpus, ShardSampler, eval_batches
+from diloco.training.inner import InnerTrainer, evaluate
+from diloco.training.model import build_model, get_flat_params, set_params
+
+EVAL_SEED = 0  # held-out batches are the same for every method and every seed
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to train: `dp`, or the engine with a delta codec, learner mode and arrival schedule."""
+
+    name: str
+    kind: str  # "dp" | "engine"
+    codec: str = "fp32"
+    mode: str = "carry"
+    schedule: str = "all"  # "all" (every learner each round), "alternate" (half per round), "hetero"
+    label: str = ""
+
+
+METHODS = (
+    Method("dp", "dp", label="data-parallel (M x batch, AdamW every step)"),
+    Method("sync-fp32", "engine", "fp32", "sync", "all", "synchronous DiLoCo, quorum M, fp32"),
+    Method("decoupled-int8", "engine", "int8", "carry", "alternate", "decoupled, int8, half arrive per merge"),
+    Method("decoupled-int4", "engine", "int4", "carry", "alternate", "decoupled, int4, half arrive per merge"),
+    Method("hetero-int4", "engine", "int4", "carry", "hetero", "decoupled int4, half the learners 2x slower"),
+)
+
+
+@dataclass
+class RunResult:
+    eval_loss: float
+    curve: list[tuple[int, float]]  # (training tokens processed, held-out nats/byte)
+    tokens: int
+    bytes_sent_per_learner: float
+    bytes_received_per_learner: float
+    wall_s: float
+    extra: dict = field(default_factory=dict)
+
+
+class HeldOut:
+    """Fixed held-out batches and a model to load parameters into."""
+
+    def __init__(self, cfg: Config, corpus: Corpus) -> None:
+        self.batches = eval_batches(corpus.heldout, cfg.eval.num_batches, cfg.eval.batch_size,
+                                    cfg.model.ctx_len, seed=EVAL_SEED)
+        self.model = build_model(cfg.model, seed=EVAL_SEED)
+
+    def loss(self, params: dict[str, torch.Tensor]) -> float:
+        set_params(self.model, params)
+        return evaluate(self.model, self.batches)
+
+
+def tokens_per_phase(cfg: Config) -> int:
+    return cfg.inner.steps_per_phase * cfg.data.batch_size * cfg.model.ctx_len
+
+
+def active_learners(schedule: str, num_learners: int, round_idx: int) -> list[int]:
+    """Which learners finish a phase in this round (the simulated arrival order).
+
+    all: everyone. alternate: even learners on even rounds, odd on odd rounds (two cohorts half a
+    phase apart). hetero: the first half every round, the slower second half every other round.
+    """
+    if schedule == "all" or num_learners == 1:
+        return list(range(num_learners))
+    if schedule == "alternate":
+        return [i for i in range(num_learners) if i % 2 == round_idx % 2]
+    if schedule == "hetero":
+        fast = num_learners - num_learners // 2
+        return [i for i in range(num_learners) if i < fast or round_idx % 2 == 1]
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def quorum_of(schedule: str, num_learners: int) -> int:
+    return min(len(active_learners(schedule, num_learners, r)) for r in range(2))
+
+
+def run_dp(cfg: Config, corpus: Corpus, held: HeldOut, steps: int) -> RunResult:
+    """One model, batch M x B, an AdamW step every step; ring all-reduce bytes per learner."""
+    t0, m = time.time(), cfg.run.num_learners
+    model = build_model(cfg.model, seed=cfg.data.seed)
+    trainer = InnerTrainer(model, cfg.inner)
+    batch = m * cfg.data.batch_size
+    sampler = ShardSampler(corpus.train, 0, 1, batch, cfg.model.ctx_len, cfg.data.seed)
+    every = cfg.inner.steps_per_phase
+    curve = [(0, evaluate(model, held.batches))]
+    for s in range(1, steps + 1):
+        trainer.train_step(*sampler.next_batch())
+        if s % every == 0 or s == steps:
+            curve.append((s * batch * cfg.model.ctx_len, evaluate(model, held.batches)))
+    num_params = sum(v.numel() for v in get_flat_params(model).values())
+    per_learner = steps * allreduce_bytes_per_step(num_params, m)
+    return RunResult(curve[-1][1], curve, steps * batch * cfg.model.ctx_len, per_learner, per_learner,
+                     time.time() - t0, {"num_params": num_params, "rounds": steps})
+
+
+def _round(learners: list[Learner], active: list[int]) -> int:
+    tokens = 0
+    for i in active:
+        stats = learners[i].run_phase()
+        learners[i].publish(stats)
+        tokens += stats.tokens
+    for i in active:
+        learners[i].publisher.drain()
+    return tokens
+
+
+def _drive(cfg: Config, method: Method, learners: list[Learner], merger: Merger, held: HeldOut,
+           target_tokens: int) -> tuple[list[tuple[int, float]], int, list[int]]:
+    m, per_phase = len(learners), tokens_per_phase(cfg)
+    tokens, r, next_eval = 0, 0, m * per_phase
+    curve, merged_per_round = [(0, held.loss(merger.params))], []
+    while tokens < target_tokens:
+        active = active_learners(method.schedule, m, r)
+        active = active[: max(0, (target_tokens - tokens) // per_phase)]
+        if not active:
+            break
+        tokens += _round(learners, active)
+        manifest = merger.merge_once()
+        if manifest is None:
+            raise RuntimeError(f"{method.name}: merge {r} committed nothing")
+        merged_per_round.append(len(manifest.merged()))
+        if method.mode == "sync":
+            for learner in learners:
+                if manifest.version > learner.base:
+                    learner.install(manifest.version)
+        if tokens >= next_eval or tokens >= target_tokens:
+            curve.append((tokens, held.loss(merger.params)))
+            next_eval += m * per_phase
+        r += 1
+    return curve, tokens, merged_per_round
+
+
+def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps: int) -> RunResult:
+    """Learners and merger in this process on a file:// store; each round: phases, publish, merge."""
+    t0, m = time.time(), cfg.run.num_learners
+    cfg = cfg.with_overrides({
+        "learner.codec": method.codec, "learner.mode": method.mode, "learner.checkpoint": False,
+        "learner.device": "cpu", "merger.quorum": quorum_of(method.schedule, m), "merger.grace_cap_s": 0.0,
+    })
+    with tempfile.TemporaryDirectory(prefix="diloco-bench-") as tmp:
+        store = open_store(f"file://{tmp}")
+        ctx = create_run(store, f"q-{method.name}-s{cfg.data.seed}", cfg)
+        counters = [CountingStore(store) for _ in ctx.learners]
+        learners = [Learner(replace(ctx, store=c), n, corpus) for c, n in zip(counters, ctx.learners, strict=True)]
+        for learner, counter in zip(learners, counters, strict=True):
+            learner.join()
+            counter.reset()  # the initial download is not per-step traffic (DP has it too)
+        merger = Merger(ctx)
+        merger.load()
+        target = m * steps * cfg.data.batch_size * cfg.model.ctx_len
+        curve, tokens, merged = _drive(cfg, method, learners, merger, held, target)
+        for learner in learners:
+            learner.close()
+        versions = merger.version
+    sent = [c.sent["delta"] for c in counters]
+    received = [c.received["global"] for c in counters]
+    extra = {"versions": versions, "deltas_merged": sum(merged), "sent_per_learner": sent,
+             "received_per_learner": received, "manifest_bytes_read_per_learner": sum(
+                 c.received["manifest"] for c in counters) / m}
+    return RunResult(curve[-1][1], curve, tokens, sum(sent) / m, sum(received) / m, time.time() - t0, extra)
+
+
+def run_method(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps: int, seed: int) -> RunResult:
+    cfg = cfg.with_overrides({"data.seed": seed, "inner.total_steps": steps})
+    torch.manual_seed(seed)
+    if method.kind == "dp":
+        return run_dp(cfg, corpus, held, steps)
+    return run_engine(cfg, method, corpus, held, steps)

@@ -1,0 +1,116 @@
+"""`diloco bandwidth`: the link speed between sites that keeps learners >= 95% busy, DP vs DiLoCo.
+
+Contract: a closed-form traffic model (the one `bench quality` measures), no I/O but the optional
+JSON; codec sizes come from encoding a fixed synthetic delta with the real codec.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from diloco.storage.codec import CODECS, encode
+
+FP32_BYTES = 4  # bytes per parameter of an uncompressed fp32 tensor
+_SAMPLE_PARAMS = 1 << 20  # a 1M-parameter Gaussian delta measures each codec's size (header included)
+
+
+@functools.cache
+def codec_bytes_per_param(codec: str) -> float:
+    """Encoded bytes per parameter of a Gaussian delta under `codec` (4 / compression ratio)."""
+    if codec not in CODECS:
+        raise ValueError(f"codec {codec!r} must be one of {CODECS}")
+    x = np.random.default_rng(0).standard_normal(_SAMPLE_PARAMS).astype(np.float32) * 1e-3
+    data = encode({"w": x.reshape(1024, 1024)}, codec=codec, kind="delta", fingerprint="bandwidth", meta={})
+    return len(data) / _SAMPLE_PARAMS
+
+
+def allreduce_bytes_per_step(num_params: int, num_learners: int, bytes_per_param: float = FP32_BYTES) -> float:
+    """Bytes each learner sends (and receives) in one ring all-reduce: 2(M-1)/M x bytes x N."""
+    if num_learners < 1 or num_params < 1:
+        raise ValueError("num_params and num_learners must be >= 1")
+    return 2.0 * (num_learners - 1) / num_learners * bytes_per_param * num_params
+
+
+def required_gbps(bytes_per_round: float, compute_s: float, busy: float, overlapped: bool) -> float:
+    """Link speed (Gbit/s, one direction) so that compute / wall time >= busy.
+
+    overlapped: wall = max(compute, comm)      -> comm <= compute / busy
+    exposed:    wall = compute + comm          -> comm <= compute * (1 - busy) / busy
+    """
+    if not 0 < busy < 1 or compute_s <= 0:
+        raise ValueError(f"busy must be in (0, 1) and compute_s > 0; got {busy}, {compute_s}")
+    allowed_s = compute_s / busy if overlapped else compute_s * (1 - busy) / busy
+    return bytes_per_round * 8 / allowed_s / 1e9
+
+
+def bandwidth_model(num_params: int, step_time_s: float, num_learners: int, inner_steps: int,
+                    codec: str, update_codec: str = "fp32", busy: float = 0.95,
+                    updates_per_phase: float = 1.0) -> dict[str, Any]:
+    """Gbps per learner link for data-parallel (every step) and DiLoCo (every H steps).
+
+    DP: fp32 ring all-reduce of the gradients each step; exposed (no overlap) and fully overlapped.
+    DiLoCo: per phase one delta up and `updates_per_phase` compact updates down; links are full
+    duplex, so the busier direction sets the speed; overlapped (decoupled: the next phase runs
+    while the delta uploads) and exposed (synchronous DiLoCo waits for the merge).
+    """
+    if inner_steps < 1:
+        raise ValueError(f"inner_steps must be >= 1, got {inner_steps}")
+    dp_bytes = allreduce_bytes_per_step(num_params, num_learners)
+    up = codec_bytes_per_param(codec) * num_params
+    down = codec_bytes_per_param(update_codec) * num_params * updates_per_phase
+    phase_bytes, phase_s = max(up, down), inner_steps * step_time_s
+    out = {
+        "num_params": num_params, "step_time_s": step_time_s, "num_learners": num_learners,
+        "inner_steps": inner_steps, "codec": codec, "update_codec": update_codec, "busy": busy,
+        "dp_bytes_per_step": dp_bytes, "delta_bytes": up, "update_bytes_per_phase": down,
+        "dp_gbps_exposed": required_gbps(dp_bytes, step_time_s, busy, overlapped=False),
+        "dp_gbps_overlapped": required_gbps(dp_bytes, step_time_s, busy, overlapped=True),
+        "diloco_gbps_overlapped": required_gbps(phase_bytes, phase_s, busy, overlapped=True),
+        "diloco_gbps_exposed": required_gbps(phase_bytes, phase_s, busy, overlapped=False),
+    }
+    out["reduction_overlapped"] = out["dp_gbps_overlapped"] / out["diloco_gbps_overlapped"]
+    out["reduction_exposed"] = out["dp_gbps_exposed"] / out["diloco_gbps_overlapped"]
+    return out
+
+
+def _print(row: dict[str, Any]) -> None:
+    table = Table(title=f"link speed for {row['busy']:.0%} busy learners (Gbit/s per learner, one direction)")
+    for col in ("N params", "step s", "M", "H", "codec", "DP exposed", "DP overlapped",
+                "DiLoCo overlapped", "DiLoCo exposed", "reduction"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        f"{row['num_params']:.3g}", f"{row['step_time_s']:g}", str(row["num_learners"]), str(row["inner_steps"]),
+        f"{row['codec']}/{row['update_codec']}", f"{row['dp_gbps_exposed']:.4g}", f"{row['dp_gbps_overlapped']:.4g}",
+        f"{row['diloco_gbps_overlapped']:.4g}", f"{row['diloco_gbps_exposed']:.4g}",
+        f"{row['reduction_exposed']:.0f}x / {row['reduction_overlapped']:.0f}x",
+    )  # fmt: skip
+    Console().print(table)
+
+
+def bandwidth(
+    num_params: float = typer.Option(..., "--params", min=1, help="Model parameters, e.g. 12e9."),
+    step_time_s: float = typer.Option(..., "--step-time-s", min=1e-6, help="Seconds per inner step."),
+    num_learners: int = typer.Option(..., "--learners", min=1, help="Learners (sites) M."),
+    inner_steps: int = typer.Option(..., "--inner-steps", min=1, help="H: inner steps per phase."),
+    codec: str = typer.Option("int4", "--codec", help=f"Delta codec: {', '.join(CODECS)}."),
+    update_codec: str = typer.Option("fp32", "--update-codec", help="Codec of the compact update sent back."),
+    busy: float = typer.Option(0.95, "--busy", min=0.01, max=0.99, help="Fraction of time learners compute."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the row as JSON here."),
+) -> None:
+    """Bandwidth needed between sites: data-parallel all-reduce vs one delta per H steps."""
+    for name, value in (("--codec", codec), ("--update-codec", update_codec)):
+        if value not in CODECS:
+            typer.secho(f"error: {name} {value!r} must be one of {', '.join(CODECS)}", err=True, fg="red")
+            raise typer.Exit(2)
+    row = bandwidth_model(int(num_params), step_time_s, num_learners, inner_steps, codec, update_codec, busy)
+    _print(row)
+    if json_path is not None:
+        json_path.write_text(json.dumps(row, indent=2) + "\n")

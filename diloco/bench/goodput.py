@@ -1,0 +1,147 @@
+"""`diloco bench goodput`: the standard fault plan on the bench recipe next to the same run without
+faults; goodput, availability, data-parallel goodput under the same faults, integrity and loss.
+
+Contract: two supervised `--no-prefect` runs, one after the other, of equal wall time; prints a
+table and writes JSON {decoupled_goodput, dp_goodput, availability, versions, deltas_lost,
+deltas_applied_twice, audit_ok, final_eval_loss, no_fault_eval_loss, ...}; targets are reported, not assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+PLANS = Path(__file__).resolve().parents[1] / "chaos" / "plans"
+TARGETS = {"decoupled_goodput": 0.88, "vs_availability": 0.95, "loss_gap": 0.02}
+
+
+def _supervised_run(storage: str, run_id: str, cfg, plan_path: Path | None, log_root: Path):
+    from diloco.chaos.agent import attach_chaos
+    from diloco.engine.run import create_run
+    from diloco.engine.supervisor import Supervisor
+    from diloco.storage import open_store
+
+    ctx = create_run(open_store(storage), run_id, cfg)
+    supervisor = Supervisor(ctx, prefect=False, log_dir=str(log_root / run_id), env={"OMP_NUM_THREADS": "1"})
+    if plan_path is not None:
+        attach_chaos(supervisor, plan_path)
+    supervisor.start_all()
+    reason = "error"
+    try:
+        reason = supervisor.run()
+    finally:
+        supervisor.shutdown(reason)
+    return ctx
+
+
+def _applied_twice(chain) -> int:
+    seen: dict[tuple[str, int], int] = {}
+    for m in chain:
+        for d in m.merged():
+            seen[(d.learner, d.seq)] = seen.get((d.learner, d.seq), 0) + 1
+    return sum(n - 1 for n in seen.values() if n > 1)
+
+
+def _loss_at_tokens(ctx, chain, tokens: int) -> tuple[float, int, int]:
+    """Held-out loss of the version whose merged tokens are closest to `tokens` (evaluated if needed)."""
+    from diloco.engine.corpus import load_run_corpus
+    from diloco.engine.loops import Evaluator, read_evals
+
+    best = min(chain, key=lambda m: (abs(m.tokens_total - tokens), -m.version))
+    done = {e["version"]: e for e in read_evals(ctx)}
+    record = done.get(best.version) or Evaluator(ctx, load_run_corpus(ctx.cfg.data)).evaluate_version(best.version)
+    return float(record["loss"]), best.version, best.tokens_total
+
+
+def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
+    from diloco.chaos.goodput import compute_goodput
+    from diloco.engine.audit import audit_run
+    from diloco.engine.events import read_events
+    from diloco.engine.report import manifests
+
+    chain, clean_chain = manifests(chaos_ctx), manifests(clean_ctx)
+    events = read_events(chaos_ctx.store, chaos_ctx.keys)
+    g = compute_goodput(events, chain, chaos_ctx.learners, checkpoint_cost_s)
+    clean = compute_goodput(read_events(clean_ctx.store, clean_ctx.keys), clean_chain, clean_ctx.learners,
+                            checkpoint_cost_s)
+    audit = audit_run(chaos_ctx)
+    tokens = min(chain[-1].tokens_total, clean_chain[-1].tokens_total)
+    loss, version, at_tokens = _loss_at_tokens(chaos_ctx, chain, tokens)
+    clean_loss, clean_version, clean_tokens = _loss_at_tokens(clean_ctx, clean_chain, tokens)
+    faults = [e for e in events if e.get("source") == "chaos" and e.get("kind") == "fault"]
+    return {
+        "decoupled_goodput": g.decoupled_goodput, "dp_goodput": g.dp_goodput, "availability": g.availability,
+        "versions": chain[-1].version, "deltas_lost": audit.deltas_lost,
+        "deltas_applied_twice": _applied_twice(chain), "audit_ok": audit.ok,
+        "final_eval_loss": loss, "no_fault_eval_loss": clean_loss,
+        "detail": {
+            "chaos_run": chaos_ctx.run_id, "no_fault_run": clean_ctx.run_id, "wall_s": g.wall_s,
+            "num_learner_failures": g.num_failures, "num_faults": len(faults),
+            "merger_self_kills": sum(1 for e in events if e.get("kind") == "chaos_self_kill"),
+            "dp_checkpoint_cost_s": checkpoint_cost_s, "dp_checkpoint_interval_s": g.dp_checkpoint_interval_s,
+            "no_fault_goodput": clean.decoupled_goodput, "no_fault_versions": clean_chain[-1].version,
+            "loss_version": version, "loss_tokens": at_tokens, "no_fault_loss_version": clean_version,
+            "no_fault_loss_tokens": clean_tokens, "audit_problems": audit.problems[:10],
+            "deltas_rejected": audit.deltas_rejected, "deltas_pending": audit.deltas_pending,
+        },
+    }
+
+
+def targets_met(r: dict[str, Any]) -> dict[str, bool]:
+    gap = abs(r["final_eval_loss"] - r["no_fault_eval_loss"]) / r["no_fault_eval_loss"]
+    return {
+        "decoupled_goodput >= 0.88": r["decoupled_goodput"] >= TARGETS["decoupled_goodput"],
+        "decoupled_goodput >= 0.95 x availability":
+            r["decoupled_goodput"] >= TARGETS["vs_availability"] * r["availability"],
+        "dp_goodput well below": r["dp_goodput"] < r["decoupled_goodput"],
+        "zero lost, zero applied twice": r["deltas_lost"] == 0 and r["deltas_applied_twice"] == 0,
+        "audit ok": bool(r["audit_ok"]),
+        "loss within 2% of no-fault": gap <= TARGETS["loss_gap"],
+    }
+
+
+def _print(r: dict[str, Any]) -> None:
+    table = Table(title=f"goodput under the fault plan ({r['detail']['wall_s']:.0f} s, "
+                        f"{r['detail']['num_learner_failures']} learner failures)")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for key in ("decoupled_goodput", "availability", "dp_goodput", "versions", "deltas_lost",
+                "deltas_applied_twice", "audit_ok", "final_eval_loss", "no_fault_eval_loss"):
+        value = r[key]
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    for name, ok in r["targets"].items():
+        table.add_row(f"target: {name}", "met" if ok else "NOT met")
+    Console().print(table)
+
+
+def bench_goodput(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke mode: the short plan (~90 s per run)."),
+    storage: str = typer.Option("file://runs", "--storage", help="Where both runs live."),
+    plan: Path | None = typer.Option(None, "--plan", help="A fault plan (default: the standard plan)."),
+    checkpoint_cost_s: float = typer.Option(5.0, "--checkpoint-cost-s", min=0.0,
+                                            help="Data-parallel checkpoint cost C for Young-Daly."),
+) -> None:
+    """Run the bench recipe under the standard fault plan and without faults; compare."""
+    from diloco.chaos.plan import load_plan
+    from diloco.configs import load_config
+
+    plan_path = plan or PLANS / ("quick.yaml" if quick else "standard.yaml")
+    duration = load_plan(plan_path).min_duration_s or 330.0
+    cfg = load_config("bench").with_overrides({"run.num_versions": 1_000_000, "run.time_limit_s": duration})
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    logs = Path(".diloco") / "logs"
+    chaos_ctx = _supervised_run(storage, f"goodput-chaos-{stamp}", cfg, plan_path, logs)
+    clean_ctx = _supervised_run(storage, f"goodput-clean-{stamp}", cfg, None, logs)
+    result = measure(chaos_ctx, clean_ctx, checkpoint_cost_s)
+    result["targets"] = targets_met(result)
+    result["plan"] = str(plan_path)
+    _print(result)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")

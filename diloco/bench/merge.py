@@ -1,0 +1,136 @@
+"""`diloco bench merge`: wall time and peak memory of one Merger.merge_once vs learners and model size.
+
+Contract: each measurement runs in a fresh spawned process (so ru_maxrss is a clean high-water
+mark) against a file:// store prepared by the parent; prints a table, writes JSON {"rows": [...]}.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from diloco.configs import Config, load_config
+from diloco.engine import tensors as T
+from diloco.engine.run import create_run, open_run
+from diloco.storage import open_store, read_latest
+
+SIZES = {  # model overrides; "bench" is the recipe's own model
+    "bench": {},
+    "10m": {"model.n_layer": 4, "model.n_head": 8, "model.d_model": 448, "model.ctx_len": 64},
+    "tiny": {"model.n_layer": 1, "model.n_head": 2, "model.d_model": 32, "model.ctx_len": 32},
+}
+DEFAULT_LEARNERS = "2,4,8,16,32,64"
+
+
+def _publish_fake_deltas(cfg: Config, storage: str, run_id: str) -> int:
+    """Version 0 plus one Gaussian delta per learner (the learner codec); returns the delta size."""
+    ctx = create_run(open_store(storage), run_id, cfg)
+    _, params = T.read_tensors(ctx.store, read_latest(ctx.store, ctx.keys).params_key)
+    gen = torch.Generator().manual_seed(0)
+    size = 0
+    for i, name in enumerate(ctx.learners):
+        delta = {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in params.items()}
+        meta = {"learner": name, "seq": 0, "base_version": 0, "tokens": 1024 * (i + 1), "steps": 50,
+                "phase_time_s": 1.0, "train_loss": 2.0, "created_at": 0.0}
+        data = T.encode_tensors(delta, codec_name=cfg.learner.codec, kind="delta", fingerprint=ctx.fingerprint,
+                                meta=meta)
+        ctx.store.put_if_absent(ctx.keys.delta(name, 0), data)
+        size = len(data)
+    return size
+
+
+def _max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _measure_child(storage: str, run_id: str, queue: Any) -> None:
+    """In a fresh process: load the merger, then time one merge and its RSS high-water mark."""
+    import gc
+
+    from diloco.engine.merger import Merger
+
+    torch.set_num_threads(1)
+    merger = Merger(open_run(storage, run_id))
+    merger.load()
+    gc.collect()
+    before = _max_rss_bytes()
+    t0 = time.perf_counter()
+    manifest = merger.merge_once()
+    wall = time.perf_counter() - t0
+    merged = len(manifest.merged()) if manifest else 0
+    queue.put({"merge_s": wall, "rss_before_bytes": before, "peak_rss_delta_bytes": _max_rss_bytes() - before,
+               "merged": merged})
+
+
+def measure(size: str, num_learners: int, codec: str = "int4") -> dict[str, Any]:
+    """One row: prepare a run with `num_learners` deltas, merge them once in a fresh process."""
+    cfg = load_config("bench").with_overrides({
+        **SIZES[size], "run.num_learners": num_learners, "merger.quorum": num_learners,
+        "merger.grace_cap_s": 0.0, "learner.codec": codec,
+    })
+    num_params = sum(v.numel() for v in _model_params(cfg))
+    with tempfile.TemporaryDirectory(prefix="diloco-merge-bench-") as tmp:
+        storage = f"file://{tmp}"
+        delta_bytes = _publish_fake_deltas(cfg, storage, "merge-bench")
+        spawn = mp.get_context("spawn")
+        queue = spawn.Queue()
+        proc = spawn.Process(target=_measure_child, args=(storage, "merge-bench", queue))
+        proc.start()
+        row = queue.get(timeout=1800)
+        proc.join()
+    return {"size": size, "num_params": num_params, "num_learners": num_learners, "codec": codec,
+            "delta_bytes": delta_bytes, "model_fp32_bytes": 4 * num_params, **row,
+            "peak_rss_delta_models": row["peak_rss_delta_bytes"] / (4 * num_params)}
+
+
+def _model_params(cfg: Config) -> list[torch.Tensor]:
+    from diloco.training.model import build_model, get_flat_params
+
+    return list(get_flat_params(build_model(cfg.model, seed=0)).values())
+
+
+def _print(rows: list[dict[str, Any]]) -> None:
+    table = Table(title="one merge_once on file:// (fresh process each; 1 torch thread; peak = ru_maxrss delta)")
+    for col in ("model", "params", "learners", "delta", "merge s", "peak RSS +", "x model fp32"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["size"], f"{r['num_params']:,}", str(r["num_learners"]), f"{r['delta_bytes'] / 1e6:.2f} MB",
+                      f"{r['merge_s']:.3f}", f"{r['peak_rss_delta_bytes'] / 1e6:.1f} MB",
+                      f"{r['peak_rss_delta_models']:.1f}")
+    Console().print(table)
+
+
+def bench_merge(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    sizes: str = typer.Option("bench,10m", "--sizes", help=f"Comma-separated model sizes: {', '.join(SIZES)}."),
+    learners: str = typer.Option(DEFAULT_LEARNERS, "--learners", help="Comma-separated learner counts."),
+    codec: str = typer.Option("int4", "--codec", help="Delta codec of the synthetic deltas."),
+) -> None:
+    """Time and peak memory of one merge against the number of learners and the model size."""
+    try:
+        counts = [int(x) for x in learners.split(",")]
+        chosen = sizes.split(",")
+        if any(c < 1 for c in counts) or any(s not in SIZES for s in chosen):
+            raise ValueError
+    except ValueError:
+        typer.secho(f"error: --learners must be positive ints, --sizes among {', '.join(SIZES)}", err=True, fg="red")
+        raise typer.Exit(2) from None
+    rows = []
+    for size in chosen:
+        for n in counts:
+            rows.append(measure(size, n, codec))
+            typer.echo(f"  {size} x {n} learners: {rows[-1]['merge_s']:.3f}s, "
+                       f"+{rows[-1]['peak_rss_delta_bytes'] / 1e6:.1f} MB", err=True)
+    _print(rows)
+    if json_path is not None:
+        json_path.write_text(json.dumps({"rows": rows}, indent=2) + "\n")

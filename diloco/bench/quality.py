@@ -1,0 +1,195 @@
+"""`diloco bench quality`: held-out loss and bytes per learner at equal tokens, DP vs DiLoCo variants.
+
+Contract: in-process and deterministic (no subprocesses, no Prefect); prints a table, writes JSON
+{"methods": {...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp", "config"} and optionally a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from diloco.bench._quality_runs import METHODS, HeldOut, Method, RunResult, run_method
+from diloco.configs import Config, load_config
+from diloco.engine.corpus import load_run_corpus
+
+NATS_PER_BIT = math.log(2)
+CLOSE_NATS = 0.03  # methods closer than this to DP get a second seed (if only one was asked for)
+TARGET_LOSS_RATIO = 1.02
+TARGET_TRAFFIC_RATIO = 400.0
+QUICK = {"inner.steps_per_phase": 10, "inner.warmup_steps": 5, "eval.num_batches": 2,
+         "eval.batch_size": 16}  # a smoke run: seconds, not minutes
+
+
+def _summarise(results: list[RunResult], seeds: list[int]) -> dict[str, Any]:
+    losses = [r.eval_loss for r in results]
+    mean = sum(losses) / len(losses)
+    return {
+        "eval_loss": mean, "eval_loss_bits": mean / NATS_PER_BIT,
+        "bytes_sent_per_learner": sum(r.bytes_sent_per_learner for r in results) / len(results),
+        "bytes_received_per_learner": sum(r.bytes_received_per_learner for r in results) / len(results),
+        "tokens": results[0].tokens,
+        "seeds": [{"seed": s, "eval_loss": r.eval_loss, "eval_loss_bits": r.eval_loss / NATS_PER_BIT,
+                   "tokens": r.tokens, "bytes_sent_per_learner": r.bytes_sent_per_learner,
+                   "bytes_received_per_learner": r.bytes_received_per_learner, "wall_s": r.wall_s,
+                   "curve": r.curve, **r.extra} for s, r in zip(seeds, results, strict=True)],
+    }
+
+
+def _needs_more_seeds(runs: dict[str, list[RunResult]]) -> bool:
+    finals = [sum(r.eval_loss for r in rs) / len(rs) for rs in runs.values()]
+    return any(abs(a - b) < CLOSE_NATS for i, a in enumerate(finals) for b in finals[i + 1:])
+
+
+def _one_run(cfg: Config, method: Method, steps: int, seed: int) -> RunResult:
+    """A whole run in this process (also the unit a --jobs worker process executes)."""
+    torch.set_num_threads(1)  # deterministic, and polite on a shared machine
+    corpus = load_run_corpus(cfg.data)
+    return run_method(cfg, method, corpus, HeldOut(cfg, corpus), steps, seed)
+
+
+def _run_seed(cfg: Config, methods: tuple[Method, ...], steps: int, seed: int, jobs: int) -> list[RunResult]:
+    if jobs <= 1:
+        return [_one_run(cfg, m, steps, seed) for m in methods]
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+        return list(pool.map(_one_run, *zip(*[(cfg, m, steps, seed) for m in methods], strict=True)))
+
+
+def run_quality(cfg: Config, methods: tuple[Method, ...], steps: int, num_seeds: int, jobs: int = 1,
+                log=print) -> dict[str, Any]:
+    """Every method at equal tokens for each seed; a second seed is added when two are close.
+
+    jobs > 1 runs the methods of one seed in parallel worker processes; each run stays in one
+    process and is bit-for-bit the same as with jobs = 1.
+    """
+    runs: dict[str, list[RunResult]] = {m.name: [] for m in methods}
+    seeds: list[int] = []
+    while len(seeds) < num_seeds or (len(seeds) == 1 and _needs_more_seeds(runs)):
+        seed = cfg.data.seed + len(seeds)
+        for method, result in zip(methods, _run_seed(cfg, methods, steps, seed, jobs), strict=True):
+            runs[method.name].append(result)
+            log(f"  {method.name:<16} seed {seed}: held-out {result.eval_loss:.4f} nats/byte, "
+                f"{result.tokens:,} tokens, {result.wall_s:.1f}s")
+        seeds.append(seed)
+    out = {"methods": {m.name: {"label": m.label, **_summarise(runs[m.name], seeds)} for m in methods}}
+    out.update(_ratios(out["methods"]))
+    out["config"] = _config_record(cfg, steps, seeds, load_run_corpus(cfg.data).source)
+    return out
+
+
+def _ratios(methods: dict[str, Any]) -> dict[str, Any]:
+    dp, dec = methods.get("dp"), methods.get("decoupled-int4")
+    if not dp or not dec:
+        return {"loss_ratio_vs_dp": None, "traffic_ratio_vs_dp": None}
+    loss_ratio = dec["eval_loss"] / dp["eval_loss"]
+    traffic = dp["bytes_sent_per_learner"] / dec["bytes_sent_per_learner"]
+    return {"loss_ratio_vs_dp": loss_ratio, "traffic_ratio_vs_dp": traffic,
+            "received_ratio_vs_dp": dp["bytes_received_per_learner"] / dec["bytes_received_per_learner"],
+            "targets": {"loss_ratio_max": TARGET_LOSS_RATIO, "traffic_ratio_min": TARGET_TRAFFIC_RATIO,
+                        "loss_met": loss_ratio <= TARGET_LOSS_RATIO, "traffic_met": traffic >= TARGET_TRAFFIC_RATIO}}
+
+
+def _config_record(cfg: Config, steps: int, seeds: list[int], source: str) -> dict[str, Any]:
+    m, b, t = cfg.run.num_learners, cfg.data.batch_size, cfg.model.ctx_len
+    return {
+        "recipe": cfg.name, "corpus": source, "num_learners": m, "steps_per_learner": steps,
+        "inner_steps_per_phase": cfg.inner.steps_per_phase, "batch_size": b, "ctx_len": t,
+        "dp_batch_size": m * b, "tokens_per_method": m * steps * b * t, "seeds": seeds,
+        "outer": cfg.outer.model_dump(), "inner": cfg.inner.model_dump(), "model": cfg.model.model_dump(),
+        "eval": cfg.eval.model_dump(), "torch_threads": 1,
+        "dp_traffic_model": "ring all-reduce of fp32 gradients: 2(M-1)/M * 4 bytes * params per step, each way",
+        "schedules": {"alternate": "even learners finish a phase on even rounds, odd on odd; quorum M/2",
+                      "hetero": "first half every round, second half (2x slower) every other round; quorum M/2",
+                      "all": "every learner every round; quorum M"},
+    }
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    cfg = result["config"]
+    table = Table(title=f"held-out loss at equal tokens ({cfg['tokens_per_method']:,} per method, "
+                        f"M={cfg['num_learners']}, H={cfg['inner_steps_per_phase']}, seeds {cfg['seeds']})")
+    for col in ("method", "nats/byte", "bits/byte", "per seed", "vs DP", "sent/learner", "recv/learner",
+                "sent vs DP"):
+        table.add_column(col, justify="right")
+    dp = result["methods"].get("dp")
+    for name, r in result["methods"].items():
+        per_seed = " ".join(f"{s['eval_loss']:.4f}" for s in r["seeds"])
+        vs = f"{r['eval_loss'] / dp['eval_loss']:.4f}" if dp else "-"
+        less = f"{dp['bytes_sent_per_learner'] / r['bytes_sent_per_learner']:.0f}x less" if dp and name != "dp" else "-"
+        table.add_row(name, f"{r['eval_loss']:.4f}", f"{r['eval_loss_bits']:.4f}", per_seed, vs,
+                      _mb(r["bytes_sent_per_learner"]), _mb(r["bytes_received_per_learner"]), less)
+    Console().print(table)
+    if result.get("loss_ratio_vs_dp") is not None:
+        Console().print(f"decoupled int4 / DP: loss ratio {result['loss_ratio_vs_dp']:.4f} (target <= "
+                        f"{TARGET_LOSS_RATIO}), traffic {result['traffic_ratio_vs_dp']:.0f}x less (target >= "
+                        f"{TARGET_TRAFFIC_RATIO:.0f}x)")
+
+
+def _mb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e6:,.2f} MB"
+
+
+def write_png(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, r) in enumerate(result["methods"].items()):
+        for j, seed in enumerate(r["seeds"]):
+            xs, ys = zip(*seed["curve"], strict=True)
+            ax.plot([x / 1e6 for x in xs], ys, color=f"C{i}", alpha=1.0 if j == 0 else 0.45,
+                    label=name if j == 0 else None)
+    ax.set_xlabel("training tokens (millions of bytes)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
+    ax.set_title("held-out loss vs tokens, equal tokens per method")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bench_quality(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    png_path: Path | None = typer.Option(None, "--png", help="Write the loss-vs-tokens plot here."),
+    num_seeds: int = typer.Option(2, "--seeds", min=1, help="Seeds per method (a second is added when close)."),
+    steps: int = typer.Option(320, "--steps", min=1, help="Inner steps per learner (= DP steps)."),
+    tokens: int | None = typer.Option(None, "--tokens", min=1, help="Tokens per method (overrides --steps)."),
+    learners: int | None = typer.Option(None, "--learners", min=1, help="M (default: the recipe's)."),
+    methods: str = typer.Option(",".join(m.name for m in METHODS), "--methods", help="Comma-separated subset."),
+    config: str = typer.Option("bench", "--config", help="Recipe name or YAML path."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke run: H=10, 20 steps per learner, 1 seed."),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="Run the methods of a seed in this many processes."),
+) -> None:
+    """Held-out loss and traffic at equal tokens: DP, sync DiLoCo, decoupled int8/int4, heterogeneous."""
+    cfg = load_config(config).with_overrides({"run.num_learners": learners})
+    if quick:
+        cfg, steps, num_seeds = cfg.with_overrides(QUICK), 20, 1
+    if tokens is not None:
+        steps = max(1, tokens // (cfg.run.num_learners * cfg.data.batch_size * cfg.model.ctx_len))
+    chosen = tuple(m for m in METHODS if m.name in methods.split(","))
+    unknown = set(methods.split(",")) - {m.name for m in METHODS}
+    if unknown or not chosen:
+        typer.secho(f"error: --methods: unknown {sorted(unknown)}; known: {[m.name for m in METHODS]}",
+                    err=True, fg="red")
+        raise typer.Exit(2)
+    t0 = time.time()
+    result = run_quality(cfg, chosen, steps, num_seeds, jobs, log=lambda s: typer.echo(s, err=True))
+    result["config"]["wall_s"] = time.time() - t0
+    _print_table(result)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    if png_path is not None:
+        write_png(result, png_path)

@@ -1,0 +1,97 @@
+"""Hostile deltas: corrupt, truncated, duplicated, NaN, oversized, stale, and a seq that goes backwards.
+
+Contract: each is written under a dedicated chaos learner name (never a live learner's next seq,
+which would fence it), with a correct-looking header where the variant needs one; valid-looking
+filler deltas are zeros with 1 token and 1 step, so a merge that takes one barely moves the model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from diloco.engine import tensors as T
+from diloco.engine.run import RunContext
+from diloco.storage.keys import parse_delta_key
+from diloco.training.model import build_model, get_flat_params
+
+MAX_OVERSIZED_BYTES = 64 << 20  # above this max_delta_bytes, "oversized" is a wrong-layout delta instead
+
+
+class Injector:
+    """Builds and writes the hostile objects of one run; keeps the next seq of each chaos learner."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.zeros = {k: torch.zeros_like(v) for k, v in get_flat_params(build_model(ctx.cfg.model)).items()}
+        self.next_seq: dict[str, int] = {}
+
+    def _seq(self, learner: str) -> int:
+        if learner not in self.next_seq:
+            listed = [parse_delta_key(k) for k in self.ctx.store.list(self.ctx.keys.deltas_prefix(learner))]
+            self.next_seq[learner] = max([p[1] for p in listed if p] + [-1]) + 1
+        return self.next_seq[learner]
+
+    def encode(self, learner: str, seq: int, base: int, tensors: T.Tensors | None = None) -> bytes:
+        meta = {"learner": learner, "seq": seq, "base_version": base, "tokens": 1, "steps": 1,
+                "phase_time_s": 0.0, "train_loss": 0.0, "created_at": time.time(), "chaos": True}
+        return T.encode_tensors(tensors if tensors is not None else self.zeros, codec_name="fp32", kind="delta",
+                                fingerprint=self.ctx.fingerprint, meta=meta, shuffle=False)
+
+    def write(self, learner: str, seq: int, data: bytes) -> str:
+        key = self.ctx.keys.delta(learner, seq)
+        self.ctx.store.put_if_absent(key, data)
+        self.next_seq[learner] = max(self.next_seq.get(learner, 0), seq + 1)
+        return key
+
+    def bad_delta(self, variant: str, learner: str, version: int) -> tuple[str, str] | None:
+        """Write one hostile delta; (key, expected rejection) or None when it cannot be made yet."""
+        seq = self._seq(learner)
+        data, why = self._make(variant, learner, seq, version)
+        if data is None:
+            return None
+        return self.write(learner, seq, data), why
+
+    def _make(self, variant: str, learner: str, seq: int, version: int) -> tuple[bytes | None, str]:
+        cfg = self.ctx.cfg
+        if variant == "corrupt":
+            data = bytearray(self.encode(learner, seq, version))
+            for i in range(len(data) - 64, len(data) - 32):
+                data[i] ^= 0xFF
+            return bytes(data), "checksum"
+        if variant == "truncated":
+            data = self.encode(learner, seq, version)
+            return data[: len(data) // 2], "truncated"
+        if variant == "duplicated":
+            return self._copy_of_live(), "header names another learner/seq"
+        if variant == "nan":
+            tensors = T.clone(self.zeros)
+            next(iter(tensors.values())).view(-1)[0] = float("nan")
+            return self.encode(learner, seq, version, tensors), "non-finite"
+        if variant == "oversized":
+            return self._oversized(learner, seq, version), "oversized"
+        if variant == "stale":
+            base = version - cfg.outer.max_staleness - 1
+            return (None, "") if base < 0 else (self.encode(learner, seq, base), "stale")
+        raise ValueError(f"unknown bad_delta variant {variant!r}")
+
+    def _copy_of_live(self) -> bytes | None:
+        for name in self.ctx.learners:
+            keys = self.ctx.store.list(self.ctx.keys.deltas_prefix(name))
+            if keys:
+                return self.ctx.store.get(keys[-1])  # a replay of a real learner's delta, bytes and all
+        return None
+
+    def _oversized(self, learner: str, seq: int, version: int) -> bytes:
+        limit = self.ctx.cfg.merger.max_delta_bytes
+        n = limit // 4 + 1024 if limit <= MAX_OVERSIZED_BYTES else 1 << 20
+        noise = np.random.default_rng(seq).standard_normal(n).astype(np.float32)  # incompressible
+        tensors = {**self.zeros, "chaos/pad": torch.from_numpy(noise)}
+        return self.encode(learner, seq, version, tensors)
+
+    def seq_backwards(self, learner: str, version: int, stage: int) -> str:
+        """Stage 0: publish seq 2 (0 and 1 missing: declared lost). Stage 1: then publish seq 1."""
+        seq = 2 if stage == 0 else 1
+        return self.write(learner, seq, self.encode(learner, seq, version))

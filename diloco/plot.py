@@ -1,0 +1,107 @@
+"""`diloco plot`: one PNG of a run — held-out loss per version, and what each learner did when.
+
+Contract: reads only the bucket (evals/, events/); writes only the PNG asked for; a run without evals
+or events still gets a figure that says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from diloco.engine.events import read_events
+from diloco.engine.loops import read_evals
+from diloco.engine.run import RunContext
+
+STATE_COLORS = {"training": "#2ca02c", "publishing": "#1f77b4", "down": "#d62728", "paused": "#7f7f7f"}
+
+
+def loss_points(evals: list[dict]) -> tuple[list[float], list[float], str]:
+    """(x, held-out loss, x label): x = tokens merged when the evals carry them, else the version."""
+    if evals and all(r.get("tokens_total") for r in evals if r.get("version", 0) > 0):
+        return [float(r.get("tokens_total", 0)) for r in evals], [r["loss"] for r in evals], "tokens merged"
+    return [float(r["version"]) for r in evals], [r["loss"] for r in evals], "version"
+
+
+def timeline_rows(events: list[dict]) -> list[tuple[str, str, float, float]]:
+    """(who, state, t0, t1) rows: learner states as intervals, merges as points (diloco.chaos.timeline)."""
+    if not events:
+        return []
+    from diloco.chaos.timeline import timeline
+
+    return timeline(events)
+
+
+def _plot_loss(ax, evals: list[dict]) -> None:
+    x, y, label = loss_points(evals)
+    if not x:
+        ax.text(0.5, 0.5, "no held-out evaluations yet", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.plot(x, y, marker="o", color="#1f77b4")
+        for r, xi, yi in zip(evals, x, y, strict=True):
+            ax.annotate(f"v{r['version']}", (xi, yi), textcoords="offset points", xytext=(3, 4), fontsize=7)
+    ax.set_xlabel(label)
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.grid(alpha=0.3)
+
+
+def _plot_timeline(ax, rows: list[tuple[str, str, float, float]]) -> None:
+    intervals = [r for r in rows if r[1] in STATE_COLORS]
+    if not rows:
+        ax.text(0.5, 0.5, "no events recorded", ha="center", va="center", transform=ax.transAxes)
+        return
+    t0 = min(r[2] for r in rows)
+    learners = sorted({r[0] for r in intervals})
+    for i, name in enumerate(learners):
+        for state, color in STATE_COLORS.items():
+            spans = [(a - t0, b - a) for who, s, a, b in intervals if who == name and s == state and b > a]
+            if spans:
+                ax.broken_barh(spans, (i - 0.35, 0.7), facecolors=color)
+    merges = [a - t0 for _, s, a, _ in rows if s == "merge"]
+    for j, t in enumerate(merges):
+        ax.axvline(t, color="black", alpha=0.35, linewidth=0.8, label="merge" if j == 0 else None)
+    handles = [ax.bar(0, 0, color=c, label=s) for s, c in STATE_COLORS.items()]
+    ax.legend(handles=[*handles, *ax.get_lines()[:1]], loc="upper right", fontsize=7, ncol=5)
+    ax.set_yticks(range(len(learners)), learners)
+    ax.set_ylim(-0.6, max(len(learners), 1) - 0.4 + 0.6)
+    ax.set_xlabel("seconds since the first event")
+
+
+def render_run_plot(ctx: RunContext, out: Path) -> Path:
+    """Draw the loss curve and the learner timeline of a run into `out` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evals = read_evals(ctx)
+    rows = timeline_rows(read_events(ctx.store, ctx.keys))
+    num_learners = len({r[0] for r in rows if r[1] in STATE_COLORS})
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6 + 0.3 * num_learners),
+                                      gridspec_kw={"height_ratios": [1, 1 + 0.1 * num_learners]})
+    _plot_loss(top, evals)
+    top.set_title(f"run {ctx.run_id}: held-out loss per version")
+    _plot_timeline(bottom, rows)
+    bottom.set_title("learners: training / publishing / down, merges marked")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_run(
+    storage: str = typer.Option(..., "--storage", help="Where the run lives: file://DIR, s3://bucket/prefix."),
+    run_id: str = typer.Option(..., "--run-id", help="The run's id."),
+    out: Path = typer.Option(Path("out/run.png"), "--out", help="The PNG to write."),
+) -> None:
+    """Plot a run: held-out loss per version, and a timeline per learner with the merges marked."""
+    from diloco.cli import user_errors
+    from diloco.engine.run import open_run
+
+    with user_errors():
+        if out.suffix.lower() != ".png":
+            raise typer.BadParameter(f"--out {str(out)!r} must end in .png")
+        path = render_run_plot(open_run(storage, run_id), out)
+        typer.echo(f"wrote {path}")

@@ -1,0 +1,113 @@
+"""Shared harness of the chaos tests: run a tiny job under a fault plan with real processes on
+file:// storage, then check the invariants every fault family must keep.
+
+Not a test module; imported by tests/chaos/test_*.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from diloco.chaos.agent import attach_chaos
+from diloco.configs import load_config
+from diloco.engine.audit import AuditReport, audit_run
+from diloco.engine.events import read_events
+from diloco.engine.loops import read_evals
+from diloco.engine.report import manifests
+from diloco.engine.run import RunContext, create_run
+from diloco.engine.supervisor import Supervisor
+from diloco.storage import Manifest, open_store
+
+TEST_OVERRIDES = {
+    "run.num_versions": 1_000_000,  # runs end on their time limit: how fast versions come varies 10x with load
+    "run.heartbeat_timeout_s": 60.0,
+    "merger.max_delta_bytes": 300_000,  # a tiny delta is ~25 kB; lets "oversized" be a real 1 MB object
+    "outer.max_staleness": 4,  # so a "stale" delta can be made early in a short run
+}
+
+
+@dataclass
+class ChaosRun:
+    ctx: RunContext
+    root: Path
+    reason: str
+    events: list[dict]
+    chain: list[Manifest]
+    audit: AuditReport
+
+
+def run_plan(tmp_path: Path, plan_yaml: str, run_id: str, **overrides: object) -> ChaosRun:
+    cfg = load_config("tiny").with_overrides({**TEST_OVERRIDES, **overrides})
+    root = tmp_path / "store"
+    ctx = create_run(open_store(f"file://{root}"), run_id, cfg)
+    plan = tmp_path / f"{run_id}.yaml"
+    plan.write_text(plan_yaml)
+    supervisor = Supervisor(ctx, prefect=False, log_dir=str(tmp_path / "logs"),
+                            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    attach_chaos(supervisor, plan)
+    supervisor.start_all()
+    reason = "error"
+    try:
+        reason = supervisor.run(tick_s=0.2)
+    finally:
+        supervisor.shutdown(reason, grace_s=30)
+    return ChaosRun(ctx, root, reason, read_events(ctx.store, ctx.keys), manifests(ctx), audit_run(ctx))
+
+
+def faults(run: ChaosRun, kind: str = "fault") -> list[dict]:
+    return [e for e in run.events if e.get("source") == "chaos" and e.get("kind") == kind]
+
+
+def decisions(run: ChaosRun) -> dict[tuple[str, int], list[tuple[int, str, str]]]:
+    out: dict[tuple[str, int], list[tuple[int, str, str]]] = {}
+    for m in run.chain:
+        for d in m.decisions:
+            out.setdefault((d.learner, d.seq), []).append((m.version, d.status, d.reason))
+    return out
+
+
+def assert_invariants(run: ChaosRun) -> None:
+    """Versions contiguous; no delta merged twice; every delta decided with a reason (or published
+    after the final merge); replay bit for bit; held-out loss fell; no process left behind."""
+    assert run.audit.ok, run.audit.problems
+    assert run.audit.replay_ok
+    assert [m.version for m in run.chain] == list(range(len(run.chain)))
+    assert run.reason == "time limit", run.reason
+    for key, seen in decisions(run).items():
+        assert len(seen) == 1, f"delta {key} decided more than once: {seen}"
+        _version, status, reason = seen[0]
+        assert status == "merged" or reason, f"delta {key} {status} without a reason"
+    _assert_pending_after_final_merge(run)
+    evals = read_evals(run.ctx)
+    assert evals and evals[0]["version"] == 0
+    assert evals[-1]["version"] > 0 and evals[-1]["loss"] < evals[0]["loss"], evals
+    assert_no_children()
+
+
+def _assert_pending_after_final_merge(run: ChaosRun) -> None:
+    decided = set(decisions(run))
+    last_commit = run.chain[-1].created_at
+    slack_s = 2 * run.ctx.cfg.merger.gap_timeout_s + run.ctx.cfg.merger.quorum_timeout_s
+    for key in run.ctx.store.list(run.ctx.keys.deltas_prefix()):
+        parts = key.split("/")
+        learner, seq = parts[-2], int(parts[-1].split(".")[0])
+        if (learner, seq) in decided:
+            continue
+        mtime = os.stat(run.root / key).st_mtime
+        assert mtime > last_commit - slack_s, f"{key} published long before the final merge, never decided"
+
+
+def assert_no_children(timeout_s: float = 10.0) -> None:
+    deadline = time.time() + timeout_s
+    while True:
+        alive = [p for p in psutil.Process().children(recursive=True) if p.is_running()
+                 and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    assert not alive, f"processes of the run left behind: {[p.cmdline()[-6:] for p in alive]}"

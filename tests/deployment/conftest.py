@@ -1,0 +1,13 @@
+"""Fixtures of the deployment tests: one real Prefect stack and one deployed training run per session.
+
+The same `deployed_run` fixture serves tests/browser (prefect_stack keeps it in config.stash).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from prefect_stack import deployed_run  # noqa: E402, F401 - re-exported fixture

@@ -1,0 +1,83 @@
+"""End to end, as a user runs it: `diloco run` (real processes) on file:// and on the real S3
+server, then `diloco audit` and `diloco status`; held-out loss must fall.
+Run: .venv/bin/pytest tests/e2e -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _diloco(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _run_and_audit(storage: str, run_id: str) -> dict:
+    result = _diloco("run", "--config", "tiny", "--learners", "3", "--versions", "5", "--storage", storage,
+                     "--run-id", run_id, "--no-prefect", "--no-live", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = _last_json(result.stdout)
+    assert summary["run_id"] == run_id and summary["num_learners"] == 3
+    assert summary["num_versions"] >= 5
+    assert summary["deltas_merged"] >= 5
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
+    assert summary["bytes_published"] > 0
+    audit = _diloco("audit", "--storage", storage, "--run-id", run_id, "--json")
+    assert audit.returncode == 0, audit.stdout + audit.stderr
+    report = _last_json(audit.stdout)
+    assert report["ok"] and report["replay_ok"] and report["num_versions"] >= 6, report
+    status = _diloco("status", "--storage", storage, "--run-id", run_id, "--json")
+    assert status.returncode == 0, status.stderr
+    learners = {row["learner"] for row in _last_json(status.stdout)["learners"]}
+    assert learners == {"local-0", "local-1", "local-2"}
+    return summary
+
+
+def _no_leftovers(run_id: str) -> None:
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        assert not (run_id in cmdline and "diloco.cli" in cmdline), f"left behind: {cmdline}"
+
+
+def test_run_on_local_disk(tmp_path):
+    _run_and_audit(f"file://{tmp_path}/bucket", "e2e-file")
+    _no_leftovers("e2e-file")
+
+
+@pytest.mark.s3
+def test_run_on_s3(s3_url):
+    summary = _run_and_audit(s3_url, "e2e-s3")
+    assert summary["storage"].startswith("s3://")
+    _no_leftovers("e2e-s3")
+
+
+def test_bad_input_is_one_clear_line(tmp_path):
+    storage = f"file://{tmp_path}/bucket"
+    cases = [
+        (("run", "--config", "nope", "--storage", storage), "nope"),
+        (("run", "--config", "tiny", "--learners", "0", "--storage", storage), "run.num_learners"),
+        (("run", "--config", "tiny", "--run-id", "../escape", "--storage", storage), "run id"),
+        (("learner", "--storage", storage, "--run-id", "missing", "--learner", "Bad/Name"), "learner"),
+        (("audit", "--storage", storage, "--run-id", "missing"), "no run"),
+        (("run", "--config", "tiny", "--corpus", str(tmp_path / "absent.txt"), "--storage", storage), "corpus"),
+    ]
+    for args, needle in cases:
+        result = _diloco(*args, timeout=60)
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert needle.lower() in result.stderr.lower(), (args, result.stderr)
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "bucket").exists() or not any((tmp_path / "bucket").iterdir())
