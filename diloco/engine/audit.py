@@ -144,6 +144,7 @@ def _compare_replay(ctx: RunContext, m: Manifest, result, report: AuditReport) -
 
 
 def audit_run(ctx: RunContext, do_replay: bool = True) -> AuditReport:
+    torch.set_num_threads(1)  # the merger's reduction order
     report = AuditReport()
     chain = load_chain(ctx, report)
     for m in chain:

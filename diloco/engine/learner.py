@@ -65,6 +65,7 @@ class Learner:
                  slowdown: float | None = None) -> None:
         self.ctx, self.name, self.cfg = ctx, name, ctx.cfg
         self.device = pick_device(self.cfg.learner.device)
+        torch.set_num_threads(self.cfg.learner.num_threads)  # one failure domain, one core by default
         self.corpus = corpus
         self.events = events or EventLog(None, None, name)
         self.slowdown = slowdown if slowdown is not None else self.cfg.learner.slowdown

@@ -12,6 +12,8 @@ import os
 import time
 from collections.abc import Callable
 
+import torch
+
 from diloco.engine import tensors as T
 from diloco.engine.events import EventLog
 from diloco.engine.learner import Learner, PhaseStats
@@ -104,6 +106,7 @@ class Evaluator:
 
     def __init__(self, ctx: RunContext, corpus: Corpus, events: EventLog | None = None) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
+        torch.set_num_threads(1)
         self.model = build_model(self.cfg.model, seed=self.cfg.data.seed)
         self.batches = eval_batches(corpus.heldout, self.cfg.eval.num_batches, self.cfg.eval.batch_size,
                                     self.cfg.model.ctx_len, seed=self.cfg.data.seed)

@@ -7,10 +7,13 @@ and a lost commit race (Conflict) only means reloading the winner's state.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from diloco.engine import tensors as T
 from diloco.engine.events import EventLog
@@ -57,6 +60,7 @@ class Merger:
     def __init__(self, ctx: RunContext, merger_id: str = "merger", events: EventLog | None = None,
                  stage_hook: Callable[[str], None] | None = None) -> None:
         self.ctx, self.cfg, self.merger_id = ctx, ctx.cfg, merger_id
+        torch.set_num_threads(1)  # reductions in one fixed order: `audit` replays them bit for bit
         self.events = events or EventLog(None, None, merger_id)
         self.stage_hook = stage_hook or (lambda stage: None)  # chaos: kill at a named stage
         self.gap_seen: dict[tuple[str, int], float] = {}
@@ -275,10 +279,8 @@ def run_merger(merger: Merger, *, max_merges: int | None = None, target_version:
             merger.events.emit("storage_error", reason=str(err))
             time.sleep(backoff)
             backoff = min(backoff * 2, 10.0)
-            try:
+            with contextlib.suppress(StorageError):
                 merger.load()
-            except StorageError:
-                pass
             continue
         if manifest is not None:
             merges += 1

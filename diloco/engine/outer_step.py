@@ -19,7 +19,6 @@ from diloco.training.model import EMBEDDING_PARAMS
 from diloco.training.outer import nesterov_step
 
 
-
 class DeltaInvalid(ValueError):
     """A delta failed validation; the message is the reason recorded in the manifest."""
 

@@ -6,6 +6,7 @@ process of a run reads its config from run.json, so they cannot disagree.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -91,10 +92,8 @@ def _commit_version_zero(ctx: RunContext) -> None:
         run_id=ctx.run_id, version=0, created_at=time.time(), merger_id="init",
         params_key=key, params_checksum=checksum,
     )
-    try:
+    with contextlib.suppress(Conflict):  # another process committed version 0 first; ours is an orphan
         commit(ctx.store, ctx.keys, manifest)
-    except Conflict:
-        pass  # another process committed version 0 first; ours is an orphan
 
 
 def open_run(store: ObjectStore | str, run_id: str) -> RunContext:

@@ -6,6 +6,7 @@ child processes report to the same API); the server it started is stopped by sto
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -73,10 +74,9 @@ def flush_prefect(timeout_s: float = 10.0) -> None:
     from prefect.logging.handlers import APILogWorker
 
     for worker in (APILogWorker, EventsWorker):
-        try:
+        # best effort at shutdown: the run itself is done, a lost log line is not worth a crash
+        with contextlib.suppress(Exception):
             worker.drain_all(timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - best effort at shutdown; the run itself is done
-            pass
 
 
 def stop_api(proc: subprocess.Popen | None) -> None:
@@ -87,7 +87,5 @@ def stop_api(proc: subprocess.Popen | None) -> None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=15)
     except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass

@@ -46,7 +46,7 @@ def test_required_gbps_overlapped_and_exposed() -> None:
 def test_codec_sizes_ordered() -> None:
     sizes = [codec_bytes_per_param(c) for c in ("fp32", "bf16", "int8", "int4")]
     assert sizes == sorted(sizes, reverse=True)
-    assert sizes[0] == pytest.approx(4.0, rel=0.01)
+    assert 3.0 < sizes[0] <= 4.01  # fp32 + byte-shuffle + lz4 squeezes the exponent bytes a little
     assert 0.45 < sizes[3] < 0.6  # 4 bits + block scales
     with pytest.raises(ValueError):
         codec_bytes_per_param("int3")

@@ -1,0 +1,63 @@
+"""Learners of different speeds: the fast never wait for the slow one, and each contributes by
+its own weight (tokens^2/steps, discounted by staleness).
+Run: .venv/bin/pytest tests/integration/test_heterogeneous.py -q
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from diloco.configs import load_config
+from diloco.engine.corpus import load_run_corpus
+from diloco.engine.learner import Learner
+from diloco.engine.loops import StopSignal, run_learner
+from diloco.engine.merger import Merger, run_merger
+from diloco.engine.report import manifests
+from diloco.engine.run import create_run
+from diloco.storage import open_store
+
+pytestmark = pytest.mark.slow
+
+
+def test_fast_learners_never_wait_and_everyone_counts():
+    cfg = load_config("tiny").with_overrides({
+        "run.num_learners": 3, "run.num_versions": 14, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
+        "inner.steps_per_phase": 5, "outer.max_staleness": 50,
+    })
+    ctx = create_run(open_store(f"memory://hetero-{uuid.uuid4().hex[:10]}"), "hetero", cfg)
+    corpus = load_run_corpus(cfg.data)
+    slow_name = ctx.learners[2]
+    learners = [Learner(ctx, name, corpus, slowdown=6.0 if name == slow_name else 1.0) for name in ctx.learners]
+    phases: dict[str, list] = {lr.name: [] for lr in learners}
+    threads = [threading.Thread(target=run_learner, args=(lr,), daemon=True,
+                                kwargs={"should_stop": StopSignal(ctx, cfg.run.num_versions, every_s=0.1),
+                                        "on_phase": phases[lr.name].append})
+               for lr in learners]
+    merger = Merger(ctx)
+    for t in threads:
+        t.start()
+    run_merger(merger, target_version=cfg.run.num_versions, should_stop=lambda: False)
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive()
+
+    fast = [n for n in ctx.learners if n != slow_name]
+    for name in fast:  # the fast ones ran many phases and never stalled on anyone
+        assert len(phases[name]) >= 2 * max(1, len(phases[slow_name])), {n: len(p) for n, p in phases.items()}
+        assert sum(s.stall_s for s in phases[name]) < 1.0
+    merged = [d for m in manifests(ctx) for d in m.merged()]
+    tokens = {n: sum(d.tokens for d in merged if d.learner == n) for n in ctx.learners}
+    assert tokens[slow_name] > 0, "the slow learner's work never reached the global model"
+    assert all(tokens[n] > tokens[slow_name] for n in fast)
+    slow = [d for d in merged if d.learner == slow_name]
+    assert any(d.staleness > 0 for d in slow), "the slow learner should build on older versions"
+    for m in manifests(ctx):  # within one merge, weight follows tokens^2/steps x discount
+        group = {d.learner: d for d in m.merged()}
+        if slow_name in group and len(group) > 1:
+            s = group[slow_name]
+            for name, d in group.items():
+                if name != slow_name and d.tokens == s.tokens and d.staleness < s.staleness:
+                    assert d.weight > s.weight
