@@ -11,14 +11,16 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lz4.block
 import numpy as np
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    import torch
 
 from diloco.storage.codec import CODECS, decode, encode, object_checksum
 
@@ -26,6 +28,8 @@ TARGETS = {"int8": {"ratio": 3.5, "mb_s": 1000.0}, "int4": {"ratio": 6.5, "mb_s"
 
 
 def _build_model(num_params: int) -> torch.nn.Module:
+    import torch  # heavy: imported when the bench runs, not when the CLI starts
+
     """Embedding -> 3 MLP blocks -> vocab head; vocab chosen so the total is ~num_params."""
     d = 256 if num_params >= 4_000_000 else 64  # width: realistic matrices, shrinks for smoke tests
     mlp = 3 * (8 * d * d + 5 * d)
@@ -38,6 +42,8 @@ def _build_model(num_params: int) -> torch.nn.Module:
 
 
 def build_adamw_delta(num_params: int, num_steps: int, seed: int = 0) -> dict[str, np.ndarray]:
+    import torch
+
     """A real pseudo-gradient: initial - final params after num_steps of AdamW on random tokens."""
     torch.manual_seed(seed)
     model = _build_model(num_params)
@@ -125,6 +131,8 @@ def bench_codec(
     repeats: int = typer.Option(5, "--repeats", min=1, help="Timed repeats; the best counts."),
 ) -> None:
     """Encode and decode a realistic AdamW delta with every codec; print a table."""
+    import torch
+
     delta = build_adamw_delta(num_params, num_steps)
     torch.set_num_threads(1)  # the targets are per core
     results: dict[str, Any] = {

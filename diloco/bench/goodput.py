@@ -9,6 +9,7 @@ deltas_applied_twice, audit_ok, final_eval_loss, no_fault_eval_loss, ...}; targe
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,18 @@ def _applied_twice(chain) -> int:
     return sum(n - 1 for n in seen.values() if n > 1)
 
 
+def _median_startup(events: list[dict]) -> float:
+    """Median seconds from a learner process start to its join (what each restart costs on top of the delay)."""
+    started: dict[str, float] = {}
+    delays = []
+    for e in events:
+        if e.get("source") == "supervisor" and e.get("kind") == "start" and e.get("role") == "learner":
+            started[e["learner"]] = e["t"]
+        elif e.get("kind") == "join" and e.get("source") in started:
+            delays.append(e["t"] - started.pop(e["source"]))
+    return statistics.median(delays) if delays else 0.0
+
+
 def _loss_at_tokens(ctx, chain, tokens: int) -> tuple[float, int, int]:
     """Held-out loss of the version whose merged tokens are closest to `tokens` (evaluated if needed)."""
     from diloco.engine.corpus import load_run_corpus
@@ -84,6 +97,8 @@ def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
             "chaos_run": chaos_ctx.run_id, "no_fault_run": clean_ctx.run_id, "wall_s": g.wall_s,
             "num_learner_failures": g.num_failures, "num_faults": len(faults),
             "merger_self_kills": sum(1 for e in events if e.get("kind") == "chaos_self_kill"),
+            "ready_fraction": g.ready_fraction, "useful_s": g.useful_s, "provisioned_s": g.provisioned_s,
+            "startup_s_median": _median_startup(events),
             "dp_checkpoint_cost_s": checkpoint_cost_s, "dp_checkpoint_interval_s": g.dp_checkpoint_interval_s,
             "no_fault_goodput": clean.decoupled_goodput, "no_fault_versions": clean_chain[-1].version,
             "loss_version": version, "loss_tokens": at_tokens, "no_fault_loss_version": clean_version,
@@ -111,7 +126,8 @@ def _print(r: dict[str, Any]) -> None:
                         f"{r['detail']['num_learner_failures']} learner failures)")
     table.add_column("measure")
     table.add_column("value", justify="right")
-    for key in ("decoupled_goodput", "availability", "dp_goodput", "versions", "deltas_lost",
+    r = {**r, "ready_fraction": r["detail"]["ready_fraction"], "startup_s_median": r["detail"]["startup_s_median"]}
+    for key in ("decoupled_goodput", "availability", "ready_fraction", "startup_s_median", "dp_goodput", "versions", "deltas_lost",
                 "deltas_applied_twice", "audit_ok", "final_eval_loss", "no_fault_eval_loss"):
         value = r[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))

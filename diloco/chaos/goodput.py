@@ -21,6 +21,7 @@ class Goodput:
     decoupled_goodput: float
     dp_goodput: float
     availability: float
+    ready_fraction: float  # learner-time joined and computing (not starting, not paused) / provisioned
     provisioned_s: float  # learners x wall time
     useful_s: float  # learner-seconds of compute whose deltas reached a committed version
     up_s: float  # learner-seconds alive and not paused
@@ -124,12 +125,14 @@ def compute_goodput(events: list[Event], manifests: list[Manifest], learners: li
     wall = t1 - t0
     provisioned = wall * len(learners)
     up = sum(total(subtract(life.alive, life.paused)) for life in lives.values())
+    ready = sum(total(subtract(life.ready, life.paused)) for life in lives.values())
     times = step_times(events, learners)
     useful = min(useful_compute_s(manifests, times, t1), provisioned)
     dp, tau, kept = dp_goodput(lives, (t0, t1), checkpoint_cost_s, slowdown_efficiency(events, learners))
     return Goodput(
         decoupled_goodput=useful / provisioned if provisioned else 0.0, dp_goodput=dp,
-        availability=up / provisioned if provisioned else 0.0, provisioned_s=provisioned, useful_s=useful,
+        availability=up / provisioned if provisioned else 0.0,
+        ready_fraction=ready / provisioned if provisioned else 0.0, provisioned_s=provisioned, useful_s=useful,
         up_s=up, wall_s=wall, num_failures=sum(len(life.failures) for life in lives.values()),
         dp_checkpoint_interval_s=tau, dp_useful_s=kept, step_time_s=times,
     )

@@ -1,8 +1,9 @@
 """The local supervisor: one OS process per learner, the merger and the evaluator; self-healing.
 
-Contract: a crashed or silent learner is restarted (bounded, with back-off) and rejoins from the
-newest version; the run ends when the target version is committed or the time limit passes;
-shutdown leaves no process of the run behind.
+Contract: a crashed or silent learner is restarted (with back-off; at most max_restarts times in a
+row without a healthy stretch) and rejoins from the newest version; a planned restart (chaos,
+operator) or a pause is not a crash; the run ends when the target version is committed or the
+time limit passes; shutdown leaves no process of the run behind.
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ class Supervisor:
                 proc.planned_restart_at = None
                 self.spawn(proc)
                 continue
+            if proc.restarts and proc.alive and now - proc.started_at > self.cfg.run.heartbeat_timeout_s:
+                proc.restarts = 0  # up for a while: healthy again; max_restarts bounds crash loops, not a lifetime
             if proc.role == "learner" and proc.alive and self._silent(proc, now):
                 self.kill(proc.name, reason="heartbeat stopped")
             if proc.popen is None and now >= proc.next_start:

@@ -141,6 +141,7 @@ class Job:
     deployment: str
     parameters: dict[str, Any]
     tags: list[str]
+    flow_run_name: str | None = None  # named at creation, so the UI shows it before the flow starts
     flow_run_id: UUID | None = None
     running_since: float | None = None
     restarts: int = 0
@@ -153,14 +154,15 @@ def make_jobs(ctx: RunContext, learners: dict[str, str], merger_deployment: str,
               aws_credentials_block: str | None = None) -> list[Job]:
     base = {"storage": ctx.store.url, "run_id": ctx.run_id}
     run_tag = f"run:{ctx.run_id}"
-    jobs = [Job("evaluator", "evaluator", evaluator_deployment, dict(base), [run_tag, "role:evaluate"]),
-            Job("merger", "merger", merger_deployment, dict(base), [run_tag, "role:merger"])]
+    jobs = [Job("evaluator", "evaluator", evaluator_deployment, dict(base), [run_tag, "role:evaluate"],
+                f"evaluate-{ctx.run_id}"),
+            Job("merger", "merger", merger_deployment, dict(base), [run_tag, "role:merger"], f"merge-{ctx.run_id}")]
     for name, deployment in learners.items():
         params = {**base, "learner": name}
         if aws_credentials_block:
             params["aws_credentials_block"] = aws_credentials_block
         jobs.append(Job("learner", name, deployment, params,
-                        [run_tag, "role:learner", f"learner:{name}", f"region:{region_of(deployment)}"]))
+                        [run_tag, "role:learner", f"learner:{name}", f"region:{region_of(deployment)}"], name))
     return jobs
 
 
@@ -177,16 +179,28 @@ class DeploymentSupervisor:
         self.started_at = time.time()
 
     # ---- flow runs -----------------------------------------------------------------------
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job) -> bool:
+        """Create a flow run of the job's deployment (non-blocking); False when the API refused."""
+        import httpx
         from prefect.deployments import run_deployment
+        from prefect.exceptions import PrefectException
 
-        flow_run = run_deployment(job.deployment, parameters=job.parameters, timeout=0, tags=job.tags)
+        try:
+            flow_run = run_deployment(job.deployment, parameters=job.parameters, timeout=0, tags=job.tags,
+                                      flow_run_name=job.flow_run_name)
+        except (httpx.HTTPError, PrefectException) as err:
+            log.warning("run %s: could not submit %s to %s (%s); retrying", self.ctx.run_id, job.name,
+                        job.deployment, err)
+            self.events.emit("submit_failed", role=job.role, learner=job.name, reason=str(err)[:200])
+            job.flow_run_id, job.next_start = None, time.time() + self.cfg.run.restart_backoff_s * 4
+            return False
         job.flow_run_id, job.running_since = flow_run.id, None
         job.flow_runs.append(str(flow_run.id))
         self.events.emit("start", role=job.role, learner=job.name, deployment=job.deployment,
                          flow_run_id=str(flow_run.id), restarts=job.restarts)
         log.info("run %s: %s %s submitted to %s as flow run %s", self.ctx.run_id, job.role, job.name,
                  job.deployment, flow_run.id)
+        return True
 
     def state_of(self, job: Job) -> str | None:
         """The flow run's state type (RUNNING, CRASHED, …), or None when the API did not answer."""
@@ -254,8 +268,10 @@ class DeploymentSupervisor:
             job.removed = True
             return
         job.restarts += 1
-        self.events.emit("restart", role=job.role, learner=job.name, restarts=job.restarts)
-        self.submit(job)
+        if self.submit(job):
+            self.events.emit("restart", role=job.role, learner=job.name, restarts=job.restarts)
+        else:
+            job.restarts -= 1  # the API refused; that attempt never ran
 
     def _silent(self, job: Job, now: float) -> bool:
         """No heartbeat newer than heartbeat_timeout_s, counting from when this flow run started."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+import httpx
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.exceptions import PrefectException
 
 from diloco.engine.run import RunContext, create_run, open_run
 from diloco.flows.deployed import (
@@ -95,8 +97,12 @@ def _progress(ctx: RunContext) -> Callable[[Any], None]:
     def report(sup: Any) -> None:
         version = sup.latest()
         if version > seen["version"]:
+            try:
+                update_progress_artifact(progress_id, min(100.0, 100.0 * version / target))
+            except (httpx.HTTPError, PrefectException) as err:  # a busy API must not end the run
+                logger.warning("progress artifact not updated: %s", err)
+                return
             seen["version"] = version
-            update_progress_artifact(progress_id, min(100.0, 100.0 * version / target))
             logger.info("run %s: version %d of %d", ctx.run_id, version, target)
 
     return report
@@ -120,17 +126,27 @@ def _supervise_local(ctx: RunContext, log_dir: str | None, chaos_plan: str | Non
     return {"run_id": ctx.run_id, "reason": reason, "version": supervisor.latest()}
 
 
+def _tag_self(client: Any, run_id: str) -> None:
+    """Make the supervisor's own flow run easy to find: tag it with the run id."""
+    from prefect.runtime import flow_run
+
+    if not flow_run.id:
+        return
+    try:
+        client.update_flow_run(flow_run.id, tags=sorted({*flow_run.tags, f"run:{run_id}", "role:train"}))
+    except (httpx.HTTPError, PrefectException) as err:
+        get_run_logger().warning("could not tag the train flow run: %s", err)
+
+
 def _supervise_deployments(ctx: RunContext, plan: dict[str, str], merger_deployment: str,
                            evaluator_deployment: str, aws_credentials_block: str | None) -> dict:
     from prefect.client.orchestration import get_client
-    from prefect.runtime import flow_run
 
     logger = get_run_logger()
     jobs = make_jobs(ctx, plan, merger_deployment, evaluator_deployment, aws_credentials_block)
     report = _progress(ctx)
     with get_client(sync_client=True) as client:
-        if flow_run.id:  # make the supervisor itself easy to find: tag it with the run id
-            client.update_flow_run(flow_run.id, tags=sorted({*flow_run.tags, f"run:{ctx.run_id}", "role:train"}))
+        _tag_self(client, ctx.run_id)
         supervisor = DeploymentSupervisor(ctx, jobs, client)
         logger.info("run %s: learners %s", ctx.run_id, ", ".join(f"{k} -> {v}" for k, v in plan.items()))
         supervisor.start_all()

@@ -91,12 +91,33 @@ class Stack:
             kill_group(proc)
 
 
+SERVER_SETTINGS = {  # SQLite on 2 busy cores: wait longer for the lock, skip services no test needs
+    "PREFECT_SERVER_DATABASE_TIMEOUT": "60", "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "false", "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED": "false",
+}
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def start_stack(home: Path) -> Stack:
     """Server on a free port, one process worker per pool, `prefect deploy --all` from prefect.yaml."""
     from diloco.flows.server import start_server
 
     stack = Stack(home)
-    api_url, server = start_server(home / "prefect")
+    with _environ(SERVER_SETTINGS):
+        api_url, server = start_server(home / "prefect")
     stack.procs.append(server)
     stack.api_url = api_url
     stack.env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": str(home / "prefect"),
@@ -126,6 +147,7 @@ def _pools_exist(stack: Stack) -> bool:
 OVERRIDES = {  # two learners (one per region), a target far away: the tests stop the run themselves
     "run.num_learners": 2, "run.num_versions": 100000, "run.time_limit_s": 900,
     "run.heartbeat_timeout_s": 180, "run.restart_backoff_s": 0.5,
+    "inner.steps_per_phase": 40,  # fewer, longer phases: fewer task runs for a busy SQLite server
 }
 
 
@@ -170,6 +192,11 @@ def latest_version(run: DeployedRun) -> int:
         return latest(ctx.store, ctx.keys) or 0
     except (RunError, StorageError):
         return 0
+
+
+def _heartbeats(run: DeployedRun) -> int:
+    ctx = run.context()
+    return sum(1 for name in ctx.learners if ctx.store.exists(ctx.keys.status(name)))
 
 
 def stop_run(run: DeployedRun, timeout_s: float = 120.0) -> str:
@@ -234,5 +261,6 @@ def _start_deployed_run(config: pytest.Config, root: Path) -> DeployedRun:
 
     config.add_cleanup(close)
     run.train_flow_run_id = launch_train(stack, run.storage, run.run_id).train_flow_run_id
-    wait_for(lambda: latest_version(run) >= 3, 300, "version 3 of the deployed run", every_s=2)
+    wait_for(lambda: latest_version(run) >= 3 and _heartbeats(run) >= 2, 300,
+             "version 3 of the deployed run and a heartbeat of both learners", every_s=2)
     return run

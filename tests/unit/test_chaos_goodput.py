@@ -62,6 +62,8 @@ def test_closed_form_goodput() -> None:
     assert g.decoupled_goodput == pytest.approx(0.25)
     # up: a alive 0-50 and 55-100 (95 s), b alive 100 s minus 5 s paused -> 190 of 200
     assert g.availability == pytest.approx(0.95)
+    # ready (joined): a 1-50 and 60-100 (89 s), b 1-100 minus the pause (94 s) -> 183 of 200
+    assert g.ready_fraction == pytest.approx(0.915)
     # data-parallel: MTBF 100 s, C = 2 s -> tau = 20 s; productive [1,50] [60,70] [75,100]:
     # work 1-21, ckpt 21-23, work 23-43, ckpt 43-45, work 45-50 lost at the kill; 60-70 + 75-85,
     # ckpt 85-87, 87-100 kept at the end -> 20 + 20 + 20 + 13 = 73 s of 100
