@@ -20,6 +20,7 @@ from rich.table import Table
 
 PLANS = Path(__file__).resolve().parents[1] / "chaos" / "plans"
 TARGETS = {"decoupled_goodput": 0.88, "vs_availability": 0.95, "loss_gap": 0.02}
+LOSS_WINDOW = 5  # versions averaged around equal merged tokens
 
 
 def _supervised_run(storage: str, run_id: str, cfg, plan_path: Path | None, log_root: Path):
@@ -61,15 +62,23 @@ def _median_startup(events: list[dict]) -> float:
     return statistics.median(delays) if delays else 0.0
 
 
-def _loss_at_tokens(ctx, chain, tokens: int) -> tuple[float, int, int]:
-    """Held-out loss of the version whose merged tokens are closest to `tokens` (evaluated if needed)."""
+def _loss_at_tokens(ctx, chain, tokens: int, k: int = LOSS_WINDOW) -> tuple[float, int, int]:
+    """Mean held-out loss of the k versions whose merged tokens are closest to `tokens` (evaluated
+    if needed): one version's loss jumps by ~0.1 nats from merge to merge; returns (loss, version, tokens)
+    of the closest one alongside."""
     from diloco.engine.corpus import load_run_corpus
     from diloco.engine.loops import Evaluator, read_evals
 
-    best = min(chain, key=lambda m: (abs(m.tokens_total - tokens), -m.version))
+    nearest = sorted(chain[1:] or chain, key=lambda m: (abs(m.tokens_total - tokens), -m.version))[:k]
     done = {e["version"]: e for e in read_evals(ctx)}
-    record = done.get(best.version) or Evaluator(ctx, load_run_corpus(ctx.cfg.data)).evaluate_version(best.version)
-    return float(record["loss"]), best.version, best.tokens_total
+    evaluator = None
+    losses = []
+    for m in nearest:
+        if m.version not in done:
+            evaluator = evaluator or Evaluator(ctx, load_run_corpus(ctx.cfg.data))
+            done[m.version] = evaluator.evaluate_version(m.version)
+        losses.append(float(done[m.version]["loss"]))
+    return sum(losses) / len(losses), nearest[0].version, nearest[0].tokens_total
 
 
 def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
@@ -104,6 +113,7 @@ def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
             "loss_version": version, "loss_tokens": at_tokens, "no_fault_loss_version": clean_version,
             "no_fault_loss_tokens": clean_tokens, "audit_problems": audit.problems[:10],
             "deltas_rejected": audit.deltas_rejected, "deltas_pending": audit.deltas_pending,
+            "loss_gap": (loss - clean_loss) / clean_loss, "loss_window_versions": LOSS_WINDOW,
         },
     }
 

@@ -135,13 +135,23 @@ class Evaluator:
             return latest
         return None
 
-    def poll(self, final: bool = False) -> dict | None:
+    def next_due(self, final: bool = False) -> int | None:
+        """The version to evaluate now, if any (one listing; storage trouble means none yet)."""
         try:
             latest = latest_version(self.ctx.store, self.ctx.keys)
-            version = None if latest is None else self.due(latest, final)
-            return None if version is None else self.evaluate_version(version)
-        except (StorageError, NotFound) as err:
+        except StorageError as err:
             log.warning("evaluation skipped: %s", err)
+            return None
+        return None if latest is None else self.due(latest, final)
+
+    def poll(self, final: bool = False) -> dict | None:
+        version = self.next_due(final)
+        if version is None:
+            return None
+        try:
+            return self.evaluate_version(version)
+        except (StorageError, NotFound) as err:
+            log.warning("evaluation of version %d skipped: %s", version, err)
             return None
 
 
@@ -156,16 +166,30 @@ def read_evals(ctx: RunContext) -> list[dict]:
 
 
 def run_evaluator(evaluator: Evaluator, *, should_stop: Callable[[], bool], poll_s: float = 0.5,
-                  evaluate_due: Callable[[Evaluator, bool], dict | None] | None = None) -> int:
-    """Evaluate committed versions until stopped, then the final one; returns how many."""
-    due = evaluate_due or (lambda ev, final: ev.poll(final))
+                  evaluate: Callable[[Evaluator, int], dict | None] | None = None) -> int:
+    """Evaluate committed versions until stopped, then the final one; returns how many.
+    `evaluate` (default Evaluator.evaluate_version) is the unit a Prefect flow wraps as a task:
+    it runs only when a version is due, never per poll."""
+    evaluate = evaluate or (lambda ev, version: ev.evaluate_version(version))
     count = 0
-    while not should_stop():
-        if due(evaluator, False) is not None:
+
+    def once(final: bool) -> bool:
+        nonlocal count
+        version = evaluator.next_due(final)
+        if version is None:
+            return False
+        try:
+            evaluate(evaluator, version)
             count += 1
-        else:
+        except (StorageError, NotFound) as err:
+            log.warning("evaluation of version %d skipped: %s", version, err)
+            return False
+        return True
+
+    while not should_stop():
+        if not once(False):
             time.sleep(poll_s)
-    while due(evaluator, True) is not None:  # version 0 and the final version, if still missing
-        count += 1
+    while once(True):  # version 0 and the final version, if still missing
+        pass
     evaluator.events.flush()
     return count

@@ -152,15 +152,15 @@ class Job:
 
 def make_jobs(ctx: RunContext, learners: dict[str, str], merger_deployment: str, evaluator_deployment: str,
               aws_credentials_block: str | None = None) -> list[Job]:
-    base = {"storage": ctx.store.url, "run_id": ctx.run_id}
+    base: dict = {"storage": ctx.store.url, "run_id": ctx.run_id}
+    if aws_credentials_block:
+        base["aws_credentials_block"] = aws_credentials_block
     run_tag = f"run:{ctx.run_id}"
     jobs = [Job("evaluator", "evaluator", evaluator_deployment, dict(base), [run_tag, "role:evaluate"],
                 f"evaluate-{ctx.run_id}"),
             Job("merger", "merger", merger_deployment, dict(base), [run_tag, "role:merger"], f"merge-{ctx.run_id}")]
     for name, deployment in learners.items():
         params = {**base, "learner": name}
-        if aws_credentials_block:
-            params["aws_credentials_block"] = aws_credentials_block
         jobs.append(Job("learner", name, deployment, params,
                         [run_tag, "role:learner", f"learner:{name}", f"region:{region_of(deployment)}"], name))
     return jobs
@@ -226,9 +226,40 @@ class DeploymentSupervisor:
             log.warning("could not cancel %s: %s", job.name, err)
         self.events.emit("kill", role=job.role, learner=job.name, flow_run_id=str(job.flow_run_id), reason=reason)
 
+    def adopt(self, job: Job) -> bool:
+        """Take over a live flow run of this job left by an earlier train run of the same run id (a
+        restarted supervisor), rather than start a second process under the same learner name."""
+        import httpx
+        from prefect.client.schemas.filters import (
+            FlowRunFilter,
+            FlowRunFilterState,
+            FlowRunFilterStateType,
+            FlowRunFilterTags,
+        )
+        from prefect.client.schemas.objects import StateType
+        from prefect.client.schemas.sorting import FlowRunSort
+        from prefect.exceptions import PrefectException
+
+        tags = [t for t in job.tags if t.startswith(("run:", "role:", "learner:"))]
+        live = FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING])
+        try:
+            runs = self.client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=tags), state=FlowRunFilterState(type=live)),
+                sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)
+        except (httpx.HTTPError, PrefectException) as err:
+            log.warning("could not look for a live flow run of %s: %s", job.name, err)
+            return False
+        if not runs:
+            return False
+        job.flow_run_id = runs[0].id
+        job.flow_runs.append(str(runs[0].id))
+        self.events.emit("adopt", role=job.role, learner=job.name, flow_run_id=str(runs[0].id))
+        return True
+
     def start_all(self) -> None:
         for job in self.jobs.values():
-            self.submit(job)
+            if not self.adopt(job):
+                self.submit(job)
 
     # ---- the watch loop ------------------------------------------------------------------
     def heal(self) -> None:

@@ -6,10 +6,14 @@ from prefect import flow
 
 from diloco.engine.loops import run_evaluator
 from diloco.engine.roles import make_evaluator
+from diloco.flows.deployed import export_aws_credentials
 from diloco.tasks.evaluate import evaluate_task
 
 
 @flow(name="evaluate", flow_run_name="evaluate-{run_id}", persist_result=False)
-def evaluate_flow(storage: str, run_id: str) -> int:
+def evaluate_flow(storage: str, run_id: str, aws_credentials_block: str | None = None) -> int:
+    """Score each committed version (on the eval cadence, plus the first and the last)."""
+    if aws_credentials_block:
+        export_aws_credentials(aws_credentials_block)
     evaluator, should_stop = make_evaluator(storage, run_id)
-    return run_evaluator(evaluator, should_stop=should_stop, evaluate_due=evaluate_task)
+    return run_evaluator(evaluator, should_stop=should_stop, evaluate=evaluate_task)

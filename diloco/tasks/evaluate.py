@@ -10,9 +10,9 @@ from diloco.engine.loops import Evaluator, read_evals
 from diloco.tasks.common import artifact_key
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate_task(evaluator: Evaluator, final: bool) -> dict | None:
-    record = evaluator.poll(final)
+@task(name="evaluate", cache_policy=NO_CACHE, task_run_name="evaluate-v{version}")
+def evaluate_task(evaluator: Evaluator, version: int) -> dict:
+    record = evaluator.evaluate_version(version)
     if record is not None:
         rows = [{"version": r["version"], "loss_nats_per_byte": round(r["loss"], 4),
                  "bits_per_byte": round(r["bits_per_byte"], 4), "tokens": r.get("tokens_total", 0)}

@@ -31,9 +31,14 @@ from diloco.storage import open_store
 class FakeClient:
     """Flow-run states by id, as the tests set them; records cancellations."""
 
-    def __init__(self) -> None:
+    def __init__(self, live: dict[str, uuid.UUID] | None = None) -> None:
         self.states: dict[uuid.UUID, str] = {}
         self.cancelled: list[uuid.UUID] = []
+        self.live = live or {}  # a live flow run per tag, left by an earlier supervisor
+
+    def read_flow_runs(self, flow_run_filter: object, **kwargs: object) -> list[SimpleNamespace]:
+        tags = flow_run_filter.tags.all_
+        return [SimpleNamespace(id=fid) for tag, fid in self.live.items() if tag in tags]
 
     def read_flow_run(self, flow_run_id: uuid.UUID) -> SimpleNamespace:
         return SimpleNamespace(state=SimpleNamespace(type=SimpleNamespace(value=self.states.get(flow_run_id, "RUNNING"))))
@@ -144,3 +149,10 @@ def test_a_busy_api_does_not_end_the_supervisor(ctx: RunContext, submitted: list
     job.next_start = 0.0
     sup.heal()
     assert job.flow_run_id is not None and job.restarts == 1
+
+
+def test_a_restarted_supervisor_adopts_live_flow_runs(ctx: RunContext, submitted: list[dict]) -> None:
+    left = uuid.uuid4()
+    sup = supervisor(ctx, FakeClient(live={"learner:us-east-0": left}))
+    assert sup.jobs["us-east-0"].flow_run_id == left
+    assert "us-east-0" not in {c["flow_run_name"] for c in submitted} and len(submitted) == 3

@@ -129,6 +129,7 @@ def test_quality_quick_smoke(tmp_path) -> None:
         curve = m["seeds"][0]["curve"]
         assert curve[0][0] == 0 and curve[-1][0] == m["tokens"]
         assert m["bytes_sent_per_learner"] > 0
+        assert min(loss for _, loss in curve[1:]) < curve[0][1], name  # training did lower the loss
     for name in ("dp", "sync-fp32"):
         first, last = data["methods"][name]["seeds"][0]["curve"][0][1], data["methods"][name]["eval_loss"]
         assert last < first, name  # training lowers the held-out loss

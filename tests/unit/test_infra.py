@@ -81,3 +81,9 @@ def test_the_image_installs_cpu_torch_before_the_project() -> None:
     project = next(i for i, line in enumerate(lines) if re.search(r"pip install '?\.(\[|'| |$)", line))
     assert torch < project
     assert "download.pytorch.org/whl/cpu" in lines[torch]
+
+
+def test_the_deploy_service_creates_every_pool_and_deploys_all(services: dict) -> None:
+    script = " ".join(services["deploy"]["command"])
+    assert "deploy --all" in script and services["deploy"]["working_dir"] == "/opt/diloco"
+    assert all(pool in script for pool in _pools())
