@@ -102,6 +102,8 @@ def learner(
     name: str = typer.Option(..., "--learner", help="This learner's name: [a-z0-9-]{1,48}."),
     phases: int = typer.Option(None, "--phases", min=1, help="Stop after this many phases."),
     prefect: bool = PREFECT, verbose: bool = typer.Option(False, "--verbose", "-v"),
+    standby: bool = typer.Option(False, "--standby", help="Warm standby: import everything, then start on a "
+                                 "line on stdin (exit on end of input); no bucket access before."),
 ) -> None:
     """Run one learner of an existing run (what a regional deployment runs)."""
     _logging(verbose)
@@ -109,6 +111,11 @@ def learner(
         from diloco.storage.keys import validate_learner_name
 
         validate_learner_name(name)
+        if standby:
+            from diloco.engine.roles import wait_as_standby
+
+            if not wait_as_standby(prefect):
+                return
         if prefect:
             from prefect import tags
 
@@ -204,6 +211,21 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID,
                 typer.echo(f"  - {p}")
         if not report.ok:
             raise typer.Exit(1)
+
+
+@app.command("gc")
+def gc(storage: str = STORAGE, run_id: str = RUN_ID,
+       min_age_s: float = typer.Option(600.0, "--min-age-s", min=0, help="Only orphans older than this."),
+       dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted.")) -> None:
+    """Delete objects under global/ that no manifest references (left by crashed merges)."""
+    with user_errors():
+        from diloco.engine.gc import collect_orphans
+        from diloco.engine.run import open_run
+
+        report = collect_orphans(open_run(storage, run_id), min_age_s=min_age_s, dry_run=dry_run)
+        verb = "would delete" if dry_run else "deleted"
+        typer.echo(f"{len(report.orphans)} orphans, {verb} {len(report.orphans) - len(report.too_young) if dry_run else len(report.deleted)}, "
+                   f"{len(report.too_young)} younger than {min_age_s:g}s kept; {report.referenced} objects referenced")
 
 
 @app.command("stop")

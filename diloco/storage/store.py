@@ -7,6 +7,7 @@ from a cache; put_if_absent is a true atomic exclusive create; errors are transl
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import os
 import secrets
@@ -68,6 +69,7 @@ def check_prefix(prefix: str) -> str:
 class _Backend(Protocol):
     def read(self, key: str) -> bytes: ...
     def size(self, key: str) -> int: ...
+    def modified(self, key: str) -> float: ...  # unix seconds of the last write
     def write(self, key: str, data: bytes) -> None: ...
     def create(self, key: str, data: bytes) -> None: ...
     def walk(self, folder: str) -> list[str]: ...  # every key under folder ('' = all), any order
@@ -93,6 +95,9 @@ class _LocalBackend:
         if not stat.S_ISREG(info.st_mode):
             raise IsADirectoryError(errno.EISDIR, "not an object", path)
         return info.st_size
+
+    def modified(self, key: str) -> float:
+        return os.stat(self._path(key)).st_mtime
 
     def _write_temp(self, path: str, data: bytes) -> str:
         folder = os.path.dirname(path)
@@ -155,6 +160,12 @@ class _FsspecBackend:
         if info.get("type") != "file":
             raise FileNotFoundError(errno.ENOENT, "not an object", key)
         return int(info["size"])
+
+    def modified(self, key: str) -> float:
+        stamp = self.fs.modified(self._path(key))
+        if stamp.tzinfo is None:  # fsspec's memory filesystem stamps naive UTC
+            stamp = stamp.replace(tzinfo=datetime.UTC)
+        return stamp.timestamp()
 
     def write(self, key: str, data: bytes) -> None:
         if self.protocol == "memory":
@@ -253,6 +264,11 @@ class ObjectStore:
         """The object's size in bytes without reading it. NotFound if absent."""
         check_key(key)
         return self._call(lambda: self._backend.size(key), key)
+
+    def modified(self, key: str) -> float:
+        """Unix time of the object's last write. NotFound if absent."""
+        check_key(key)
+        return self._call(lambda: self._backend.modified(key), key)
 
     def put(self, key: str, data: bytes) -> None:
         """Write (or overwrite) an object; atomic for readers (they see old or new, never a part)."""
