@@ -108,6 +108,8 @@ def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
             "merger_self_kills": sum(1 for e in events if e.get("kind") == "chaos_self_kill"),
             "ready_fraction": g.ready_fraction, "useful_s": g.useful_s, "provisioned_s": g.provisioned_s,
             "startup_s_median": _median_startup(events),
+            "standby_activations": sum(1 for e in events if e.get("kind") == "start" and e.get("standby")),
+            "standby_s": g.standby_s,
             "dp_checkpoint_cost_s": checkpoint_cost_s, "dp_checkpoint_interval_s": g.dp_checkpoint_interval_s,
             "no_fault_goodput": clean.decoupled_goodput, "no_fault_versions": clean_chain[-1].version,
             "loss_version": version, "loss_tokens": at_tokens, "no_fault_loss_version": clean_version,

@@ -171,7 +171,7 @@ def bench_quality(
     methods: str = typer.Option(",".join(m.name for m in METHODS), "--methods", help="Comma-separated subset."),
     config: str = typer.Option("bench", "--config", help="Recipe name or YAML path."),
     quick: bool = typer.Option(False, "--quick", help="Smoke run: H=10, 20 steps per learner, 1 seed."),
-    jobs: int = typer.Option(1, "--jobs", min=1, help="Run the methods of a seed in this many processes."),
+    jobs: int = typer.Option(2, "--jobs", min=1, help="Run the methods of a seed in this many processes (2 = both cores)."),
 ) -> None:
     """Held-out loss and traffic at equal tokens: DP, sync DiLoCo, decoupled int8/int4, heterogeneous."""
     cfg = load_config(config).with_overrides({"run.num_learners": learners})

@@ -10,7 +10,17 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from diloco.chaos.lifecycle import Event, Interval, Life, clip, lifecycles, subtract, total, union
+from diloco.chaos.lifecycle import (
+    Event,
+    Interval,
+    Life,
+    clip,
+    lifecycles,
+    standby_intervals,
+    subtract,
+    total,
+    union,
+)
 from diloco.storage import Manifest
 
 DEFAULT_CHECKPOINT_COST_S = 5.0  # a data-parallel checkpoint of model + optimizer to the bucket, stated
@@ -30,6 +40,7 @@ class Goodput:
     dp_checkpoint_interval_s: float  # Young-Daly
     dp_useful_s: float  # wall seconds of data-parallel progress kept
     step_time_s: dict[str, float]
+    standby_s: float = 0.0  # spare-seconds of warm standbys waiting: memory provisioned, no compute, not "up"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,6 +146,7 @@ def compute_goodput(events: list[Event], manifests: list[Manifest], learners: li
         ready_fraction=ready / provisioned if provisioned else 0.0, provisioned_s=provisioned, useful_s=useful,
         up_s=up, wall_s=wall, num_failures=sum(len(life.failures) for life in lives.values()),
         dp_checkpoint_interval_s=tau, dp_useful_s=kept, step_time_s=times,
+        standby_s=total(standby_intervals(events, learners)),
     )
 
 

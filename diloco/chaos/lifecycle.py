@@ -2,6 +2,8 @@
 
 Contract: a pure function of the event list (supervisor + learner events); intervals are clipped to
 the run's window [start, end]; a join lost with a SIGKILLed process is estimated from the others.
+A warm standby is not the learner: its events carry role "standby"; the learner is alive from the
+`start` the supervisor records when it activates the spare, never while the spare waits.
 """
 
 from __future__ import annotations
@@ -105,6 +107,23 @@ def _walk(life: Life, evs: list[Event], t1: float) -> list[tuple[float, float | 
     if pause_since is not None:
         life.paused.append((pause_since, t1))
     return incarnations
+
+
+def standby_intervals(events: list[Event], learners: list[str]) -> list[Interval]:
+    """When warm spares existed (spawned → activated, died or stopped): idle provisioned memory, not compute."""
+    open_at: dict[tuple[str, int], float] = {}
+    out: list[Interval] = []
+    t0, t1 = run_window(events)
+    for e in events:
+        if e.get("source") != "supervisor" or e.get("role") != "standby" or e.get("learner") not in learners:
+            continue
+        key = (e["learner"], int(e.get("pid", 0)))
+        if e["kind"] == "standby":
+            open_at[key] = e["t"]
+        elif e["kind"] == "standby_end" and key in open_at:
+            out.append((open_at.pop(key), e["t"]))
+    out += [(a, t1) for a in open_at.values()]
+    return clip(out, t0, t1)
 
 
 def lifecycles(events: list[Event], learners: list[str]) -> tuple[dict[str, Life], Interval]:

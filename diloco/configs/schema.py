@@ -110,6 +110,7 @@ class RunConfig(_Strict):
     restart_backoff_s: float = Field(1.0, ge=0)
     heartbeat_timeout_s: float = Field(60.0, gt=0)
     time_limit_s: float = Field(600.0, gt=0)  # the supervisor stops the run after this
+    warm_standby: bool = True  # a pre-imported spare per learner: a restart skips ~9 s of torch imports
 
     @field_validator("learner_prefix")
     @classmethod

@@ -80,13 +80,42 @@ def learner_step(learner: Learner, should_stop: Callable[[], bool]) -> PhaseStat
     return stats
 
 
+JOIN_ATTEMPTS = 8  # with the back-off below: ~30 s of waiting (plus the store's own retries), then give up
+JOIN_BACKOFF_S = (0.5, 8.0)  # first wait, cap; doubled per attempt
+
+
+def join_with_retry(learner: Learner, join: Callable[[Learner], int], should_stop: Callable[[], bool],
+                    attempts: int = JOIN_ATTEMPTS) -> bool:
+    """Join, retrying StorageError with bounded exponential back-off (a learner restarted during an
+    outage waits it out); the join event is flushed at once so a SIGKILL right after keeps it.
+    Returns False if the run stopped while waiting; re-raises the last StorageError when out of attempts."""
+    wait_s, cap_s = JOIN_BACKOFF_S
+    for attempt in range(1, attempts + 1):
+        try:
+            join(learner)
+            break
+        except StorageError as err:
+            if attempt == attempts:
+                raise
+            log.warning("learner %s: join failed (attempt %d/%d), retrying in %.1f s: %s",
+                        learner.name, attempt, attempts, wait_s, err)
+            time.sleep(wait_s)
+            wait_s = min(wait_s * 2, cap_s)
+            if should_stop():
+                return False
+    learner.events.flush()
+    return True
+
+
 def run_learner(learner: Learner, *, phases: int | None = None, should_stop: Callable[[], bool],
                 on_phase: Callable[[PhaseStats], None] | None = None,
                 step: Callable[[Learner, Callable[[], bool]], PhaseStats] = learner_step,
                 join: Callable[[Learner], int] = Learner.join) -> int:
-    """Join, then phases until stopped; returns the number of phases run. `step` and `join` are
-    the units a Prefect flow wraps as tasks."""
-    join(learner)
+    """Join (retried through storage trouble), then phases until stopped; returns the number of phases
+    run. `step` and `join` are the units a Prefect flow wraps as tasks."""
+    if not join_with_retry(learner, join, should_stop):
+        learner.close()
+        return 0
     done = 0
     try:
         while not should_stop() and (phases is None or done < phases):

@@ -2,11 +2,18 @@
 
 Contract: the config comes from run.json in the bucket, never from the caller, so every process
 of a run agrees on it; a run with a chaos control object gets its faults here (diloco.chaos).
+A warm standby (`wait_as_standby`) pays the imports first and reads nothing from the bucket until started.
 """
 
 from __future__ import annotations
 
+import sys
+from typing import TextIO
+
+import torch
+
 from diloco.chaos.inprocess import MergerSaboteur, apply_chaos
+from diloco.configs import InnerConfig, ModelConfig
 from diloco.engine.corpus import load_run_corpus
 from diloco.engine.events import EventLog
 from diloco.engine.learner import Learner
@@ -14,6 +21,8 @@ from diloco.engine.loops import Evaluator, StopSignal
 from diloco.engine.merger import Merger
 from diloco.engine.run import RunContext, open_run
 from diloco.storage.keys import validate_learner_name
+from diloco.training.inner import InnerTrainer
+from diloco.training.model import build_model
 
 
 def make_learner(storage: str, run_id: str, name: str) -> tuple[Learner, StopSignal]:
@@ -40,3 +49,24 @@ def make_evaluator(storage: str, run_id: str) -> tuple[Evaluator, StopSignal]:
     apply_chaos(ctx)
     evaluator = Evaluator(ctx, load_run_corpus(ctx.cfg.data), events=EventLog(ctx.store, ctx.keys, "evaluator"))
     return evaluator, StopSignal(ctx, ctx.cfg.run.num_versions)
+
+
+def warm_up(prefect: bool) -> None:
+    """Pay, without the bucket, what a learner process pays before it can join: torch's lazy imports
+    (the optimizer's first step pulls torch._dynamo) on a throwaway model; prefect and the flow module."""
+    cfg = ModelConfig(n_layer=1, n_head=1, d_model=8, ctx_len=4)
+    trainer = InnerTrainer(build_model(cfg), InnerConfig())
+    tokens = torch.zeros(1, cfg.ctx_len, dtype=torch.long)
+    trainer.train_step(tokens, tokens)
+    if prefect:
+        import prefect  # noqa: F401
+
+        import diloco.flows.learner  # noqa: F401
+
+
+def wait_as_standby(prefect: bool, stdin: TextIO = sys.stdin) -> bool:
+    """Warm up, then block until a line arrives on stdin: True to start now, False at end of input
+    (the supervisor is gone or stopped this spare)."""
+    warm_up(prefect)
+    print("standby ready", file=sys.stderr, flush=True)
+    return bool(stdin.readline())

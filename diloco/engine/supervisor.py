@@ -3,7 +3,13 @@
 Contract: a crashed or silent learner is restarted (with back-off; at most max_restarts times in a
 row without a healthy stretch) and rejoins from the newest version; a planned restart (chaos,
 operator) or a pause is not a crash; the run ends when the target version is committed or the
-time limit passes; shutdown leaves no process of the run behind.
+time limit passes; shutdown leaves no process of the run behind (warm standbys included).
+
+Warm standby (`run.warm_standby`): each learner has a spare process that has paid the imports
+(torch, torch._dynamo via the optimizer, the model code; prefect and the flow module on the Prefect
+path) and waits, blocked on its stdin, without touching the bucket. A (re)start of the learner
+writes one line to the spare (it then opens the run, builds the Learner and joins the newest
+version) and a new spare is started for next time; a planned restart still waits its delay first.
 """
 
 from __future__ import annotations
@@ -40,19 +46,25 @@ class Proc:
     exits: list[int] = field(default_factory=list)
     planned_restart_at: float | None = None  # a planned restart (chaos, operator): not a crash
     resumed_at: float = 0.0  # heartbeat grace restarts here after a pause
+    standby: subprocess.Popen | None = None  # the warm spare of a learner, blocked on its stdin
+    standby_next: float = 0.0  # a spare that died is respawned, not before this time
 
     @property
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
 
-def cli_command(role: str, ctx: RunContext, name: str, prefect: bool) -> list[str]:
-    """The command line that runs one role of a run in its own process."""
+STANDBY_AFTER_S = 30.0  # a spare starts once its learner joined (or this long after its start, whichever first):
+# starting it earlier makes it compete for the CPU with the learner's own imports and join
+
+
+def cli_command(role: str, ctx: RunContext, name: str, prefect: bool, standby: bool = False) -> list[str]:
+    """The command line that runs one role of a run in its own process (a learner's warm spare: `--standby`)."""
     base = [sys.executable, "-m", "diloco.cli"]
     common = ["--storage", ctx.store.url, "--run-id", ctx.run_id]
     flag = ["--prefect"] if prefect else ["--no-prefect"]
     if role == "learner":
-        return [*base, "learner", *common, "--learner", name, *flag]
+        return [*base, "learner", *common, "--learner", name, *flag, *(["--standby"] if standby else [])]
     if role == "merger":
         return [*base, "merge", *common, "--merger-id", name, *flag]
     return [*base, "evaluate", *common, *flag]
@@ -77,16 +89,90 @@ class Supervisor:
         self.procs[name] = proc
         return proc
 
+    def _popen(self, cmd: list[str], name: str, stdin: int) -> subprocess.Popen:
+        if not self.log_dir:
+            return subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                    stdin=stdin, start_new_session=True)
+        os.makedirs(self.log_dir, exist_ok=True)
+        with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as out:  # the child keeps its own copy
+            return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
+                                    start_new_session=True)
+
     def spawn(self, proc: Proc) -> None:
+        """Start a role's process; a learner with a live warm spare gets the spare instead."""
+        if proc.role == "learner" and self._activate_standby(proc):
+            return
         cmd = cli_command(proc.role, self.ctx, proc.name, self.prefect)
-        out = subprocess.DEVNULL
-        if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
-            out = open(os.path.join(self.log_dir, f"{proc.name}.log"), "ab")  # noqa: SIM115
-        proc.popen = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        proc.popen = self._popen(cmd, proc.name, subprocess.DEVNULL)
         proc.started_at = time.time()
         self.events.emit("start", role=proc.role, learner=proc.name, pid=proc.popen.pid, restarts=proc.restarts)
+
+    # ---- warm standbys -------------------------------------------------------------------
+    def spawn_standby(self, proc: Proc) -> None:
+        """Start the learner's warm spare: it imports everything, then blocks on its stdin."""
+        cmd = cli_command(proc.role, self.ctx, proc.name, self.prefect, standby=True)
+        proc.standby = self._popen(cmd, proc.name, subprocess.PIPE)
+        self.events.emit("standby", role="standby", learner=proc.name, pid=proc.standby.pid)
+
+    def _activate_standby(self, proc: Proc) -> bool:
+        """One line on the spare's stdin makes it the learner; False when there is no live spare."""
+        spare, proc.standby = proc.standby, None
+        if spare is None:
+            return False
+        try:
+            spare.stdin.write(b"go\n")
+            spare.stdin.close()
+        except OSError:  # it died since the last tick: a broken pipe
+            self._end_standby(proc.name, spare, "died")
+            return False
+        if spare.poll() is not None:
+            self._end_standby(proc.name, spare, "died")
+            return False
+        proc.popen, proc.started_at = spare, time.time()
+        self.events.emit("standby_end", role="standby", learner=proc.name, pid=spare.pid, how="activated")
+        self.events.emit("start", role=proc.role, learner=proc.name, pid=spare.pid, restarts=proc.restarts,
+                         standby=True)
+        return True
+
+    def _end_standby(self, name: str, spare: subprocess.Popen, how: str) -> None:
+        """Kill (if needed) and reap a spare that will never be activated."""
+        if spare.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(spare.pid, signal.SIGKILL)
+            spare.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            spare.stdin.close()
+        self.events.emit("standby_end", role="standby", learner=name, pid=spare.pid, how=how,
+                         code=spare.returncode)
+
+    def keep_standbys(self, now: float) -> None:
+        """Every learner still in the run has a live spare (one that died is respawned after a back-off)."""
+        if not self.cfg.run.warm_standby:
+            return
+        for proc in self.procs.values():
+            if proc.role != "learner":
+                continue
+            if proc.standby is not None and (proc.removed or proc.standby.poll() is not None):
+                self._end_standby(proc.name, proc.standby, "stopped" if proc.removed else "died")
+                proc.standby, proc.standby_next = None, now + self.cfg.run.restart_backoff_s * 4
+            if proc.standby is not None or proc.removed or now < proc.standby_next:
+                continue
+            if not proc.alive or now - proc.started_at >= STANDBY_AFTER_S or self._joined(proc):
+                self.spawn_standby(proc)
+
+    def _joined(self, proc: Proc) -> bool:
+        """Whether this learner process wrote its status (it does on join): one read, no spare yet."""
+        try:
+            status = json.loads(self.ctx.store.get(self.ctx.keys.status(proc.name)))
+        except (NotFound, StorageError, ValueError):
+            return False
+        return proc.popen is not None and status.get("pid") == proc.popen.pid
+
+    def stop_standbys(self) -> None:
+        for proc in self.procs.values():
+            if proc.standby is not None:
+                self._end_standby(proc.name, proc.standby, "stopped")
+                proc.standby = None
 
     def kill(self, name: str, sig: int = signal.SIGKILL, reason: str = "") -> None:
         proc = self.procs[name]
@@ -172,6 +258,7 @@ class Supervisor:
                 proc.restarts += 1
                 self.events.emit("restart", role=proc.role, learner=proc.name, restarts=proc.restarts)
                 self.spawn(proc)
+        self.keep_standbys(now)
 
     def _silent(self, proc: Proc, now: float) -> bool:
         timeout = self.cfg.run.heartbeat_timeout_s
@@ -209,6 +296,7 @@ class Supervisor:
 
     def shutdown(self, reason: str, grace_s: float = 60.0) -> None:
         """Ask everyone to stop, wait for the final evaluation, then make sure nothing is left."""
+        self.stop_standbys()  # idle spares: nothing to finish
         try:
             request_stop(self.ctx, reason)
         except StorageError as err:
@@ -223,5 +311,6 @@ class Supervisor:
             if proc.alive:
                 self.kill(proc.name, signal.SIGKILL, reason="did not stop in time")
                 proc.popen.wait(timeout=10)
+        self.stop_standbys()
         self.events.emit("shutdown", reason=reason)
         self.events.flush()

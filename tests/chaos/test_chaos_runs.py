@@ -1,9 +1,10 @@
 """Chaos runs: real learner, merger and evaluator processes on file:// storage under fault plans.
 
-Fault families are combined into two runs to keep the set short: (1) learners killed, paused and
-slowed, a storage outage then errors/latency/bandwidth cap, and hostile deltas; (2) the merger killed
-at every stage of a merge, and a second merger racing it. After each run the invariants hold.
-Run: `.venv/bin/pytest -m chaos tests/chaos` (about 3 minutes on 2 cores).
+Fault families are combined into two short runs of the tiny recipe with two learners: (1) learners
+killed (restarted from a warm standby), paused and slowed, a storage outage then errors/latency/bandwidth
+cap, and hostile deltas; (2) the merger killed at every stage of a merge, and a second merger racing it
+(no standbys: no learner is killed). After each run the invariants hold.
+Run: `.venv/bin/pytest -m chaos tests/chaos` (about 2 minutes on 2 cores, with test_standby.py).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ WORKERS_PLAN = """
 name: workers
 seed: 3
 faults:
-  - {kind: slow_learner, learner: 2, factor: 1.5}
+  - {kind: slow_learner, learner: 1, factor: 1.5}
   - {kind: kill_learner, learner: 0, at_version: 2, restart_after_s: 1}
   - {kind: pause_learner, learner: 1, at_version: 3, duration_s: 5}
-  - {kind: storage_outage, at_s: 30, duration_s: 5}
-  - {kind: storage_degraded, at_s: 35, error_rate: 0.05, latency_s: 0.002, bandwidth_mbps: 100}
+  - {kind: storage_outage, at_s: 20, duration_s: 4}
+  - {kind: storage_degraded, at_s: 24, error_rate: 0.05, latency_s: 0.002, bandwidth_mbps: 100}
   - {kind: bad_delta, variant: corrupt, at_version: 1}
   - {kind: bad_delta, variant: truncated, at_version: 1}
   - {kind: bad_delta, variant: duplicated, at_version: 2}
@@ -51,7 +52,7 @@ EXPECTED_REASON = {"corrupt": "checksum", "truncated": "truncated", "duplicated"
 
 
 def test_learner_storage_and_delta_faults(tmp_path: Path) -> None:
-    run = run_plan(tmp_path, WORKERS_PLAN, "chaos-workers", **{"run.time_limit_s": 60.0})
+    run = run_plan(tmp_path, WORKERS_PLAN, "chaos-workers", **{"run.time_limit_s": 40.0, "run.num_learners": 2})
     assert_invariants(run)
     injected = {(e["fault"], e.get("variant")) for e in faults(run)}
     for variant in EXPECTED_REASON:
@@ -81,7 +82,8 @@ def test_learner_storage_and_delta_faults(tmp_path: Path) -> None:
 
 
 def test_merger_killed_at_every_stage_and_racing(tmp_path: Path) -> None:
-    run = run_plan(tmp_path, MERGER_PLAN, "chaos-merger", **{"run.time_limit_s": 75.0, "run.restart_backoff_s": 0.2})
+    run = run_plan(tmp_path, MERGER_PLAN, "chaos-merger", **{"run.time_limit_s": 50.0, "run.restart_backoff_s": 0.2,
+                                                            "run.num_learners": 2, "run.warm_standby": False})
     assert_invariants(run)
     kills = {(e["source"], e["stage"]) for e in run.events if e["kind"] == "chaos_self_kill"}
     assert kills == {("merger", "listing"), ("merger-2", "writing"), ("merger", "before_manifest"),
