@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.engine import tensors as T
-from diloco.engine.outer_step import LearnerGroup, OuterState, outer_step
+from diloco.engine.outer_step import GradientStream, LearnerGroup, OuterState, outer_step
 from diloco.engine.run import RunContext
 from diloco.storage import Manifest, StorageError, read_manifest
 from diloco.storage.codec import CodecError, object_checksum
@@ -114,12 +114,18 @@ def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
                 outer = OuterState.from_tensors(raw, params)
             else:
                 outer = OuterState.zeros_like(params)
-            groups: dict[str, LearnerGroup] = {}
-            for d in m.merged():
+            stream = GradientStream(params, prev.version, ctx.cfg, len(ctx.learners))
+            group: LearnerGroup | None = None
+            for d in m.merged():  # a learner's deltas are contiguous, in the merger's order
+                if group is not None and group.learner != d.learner:
+                    stream.add(group)
+                    group = None
                 header, delta = T.read_tensors(ctx.store, ctx.keys.delta(d.learner, d.seq), checksum=d.checksum)
-                groups.setdefault(d.learner, LearnerGroup(d.learner)).add(d.seq, header, delta)
-            result = outer_step(params, outer, list(groups.values()), prev.version, ctx.cfg, ctx.fingerprint,
-                                num_learners=len(ctx.learners))
+                group = group or LearnerGroup(d.learner)
+                group.add(d.seq, header, delta)
+            if group is not None:
+                stream.add(group)
+            result = outer_step(params, outer, stream, ctx.fingerprint)
         except (StorageError, CodecError, ValueError) as err:
             report.replay_ok = False
             report.problem(f"version {m.version}: replay could not read its inputs: {err}")

@@ -19,6 +19,7 @@ from diloco.engine import tensors as T
 from diloco.engine.events import EventLog
 from diloco.engine.outer_step import (
     DeltaInvalid,
+    GradientStream,
     LearnerGroup,
     OuterState,
     outer_step,
@@ -151,18 +152,20 @@ class Merger:
             time.sleep(grace)
             pending = self.pending()
         t0 = time.time()
-        decisions, groups, phase_times = self._decide(pending)
-        result = outer_step(self.params, self.outer, groups, self.version, self.cfg, self.ctx.fingerprint,
-                            num_learners=len(self.ctx.learners))
+        decisions, stream, phase_times = self._decide(pending)
+        result = outer_step(self.params, self.outer, stream, self.ctx.fingerprint)
         for d in decisions:
             if d.status == "merged":
                 d.weight = result.weights.get(d.learner, 0.0)
-        manifest = self._write_and_commit(decisions, groups, result, quorum_wait, grace, t0, phase_times)
+        manifest = self._write_and_commit(decisions, len(stream.weights), result, quorum_wait, grace, t0,
+                                          phase_times)
         return manifest
 
-    def _decide(self, pending: Pending) -> tuple[list[DeltaDecision], list[LearnerGroup], list[float]]:
+    def _decide(self, pending: Pending) -> tuple[list[DeltaDecision], GradientStream, list[float]]:
+        """Read, validate and fold the deltas learner by learner (streamed: memory does not grow
+        with the number of learners)."""
         decisions: list[DeltaDecision] = []
-        groups: list[LearnerGroup] = []
+        stream = GradientStream(self.params, self.version, self.cfg, len(self.ctx.learners))
         phase_times: list[float] = []
         for learner, seqs in sorted(pending.lost.items()):
             for seq in seqs:
@@ -178,8 +181,8 @@ class Merger:
                     group.add(seq, header, delta)
                     phase_times.append(float(header.meta.get("phase_time_s", 0.0) or 0.0))
             if group.seqs:
-                groups.append(group)
-        return decisions, groups, phase_times
+                stream.add(group)
+        return decisions, stream, phase_times
 
     def _read_one(self, learner: str, seq: int):
         key = self.ctx.keys.delta(learner, seq)
@@ -207,7 +210,7 @@ class Merger:
         base.tokens, base.steps = meta["tokens"], meta["steps"]
         return base, header, delta
 
-    def _write_and_commit(self, decisions, groups, result, quorum_wait, grace, t0, phase_times):
+    def _write_and_commit(self, decisions, num_groups, result, quorum_wait, grace, t0, phase_times):
         keys, store, version = self.ctx.keys, self.ctx.store, self.version + 1
         nonce = new_nonce()
         self.stage_hook("writing")
@@ -231,7 +234,7 @@ class Merger:
             outer_key=outer_key, outer_checksum=outer_sum, decisions=decisions, cursors=cursors,
             tokens_total=self.manifest.tokens_total + merged_tokens,
             timing={"quorum_wait_s": quorum_wait, "grace_s": grace, "merge_s": merge_s},
-            stats={"update_norm": result.update_norm, "num_learners": float(len(groups)), "round_share": result.scale,
+            stats={"update_norm": result.update_norm, "num_learners": float(num_groups), "round_share": result.scale,
                    "update_bytes": float(len(result.update_bytes))},
         )
         try:

@@ -110,36 +110,56 @@ class StepResult:
     scale: float  # share of a full round's tokens this merge carries (1.0 without partial scaling)
 
 
-def round_share(groups: list[LearnerGroup], num_learners: int, cfg: Config) -> float:
-    """Tokens merged / tokens of a full round (every learner one phase), capped at 1."""
-    if not cfg.outer.partial_scaling:
-        return 1.0
-    per_phase = cfg.inner.steps_per_phase * cfg.data.batch_size * cfg.model.ctx_len
-    full_round = max(1, num_learners) * per_phase
-    return min(1.0, sum(g.tokens for g in groups) / full_round)
+class GradientStream:
+    """Fold learner groups into the combined pseudo-gradient one at a time (memory: one
+    accumulator, whatever the number of learners); then `finish` scales it by the round share."""
 
-
-def outer_step(params: T.Tensors, outer: OuterState, groups: list[LearnerGroup], version: int,
-               cfg: Config, fingerprint: str, num_learners: int) -> StepResult:
-    """Combine the groups (in the given order), scale by the round share, take the Nesterov step,
-    quantize the update."""
-    weights = {g.learner: g.weight(version, cfg) for g in groups}
-    total_w = sum(weights.values())
-    scale = round_share(groups, num_learners, cfg)
-    if groups and total_w > 0:
+    def __init__(self, params: T.Tensors, version: int, cfg: Config, num_learners: int) -> None:
+        self.version, self.cfg, self.num_learners = version, cfg, num_learners
         direct = tuple(k for k in params if k in EMBEDDING_PARAMS)  # the paper averages embeddings directly
-        combiner = Combiner(cfg.outer.merge_rule, direct=direct)
-        for g in groups:
-            combiner.add(g.total, weights[g.learner])
-        grad = combiner.result()
+        self.combiner = Combiner(cfg.outer.merge_rule, direct=direct)
+        self.weights: dict[str, float] = {}
+        self.tokens = 0
+
+    def add(self, group: LearnerGroup) -> None:
+        weight = group.weight(self.version, self.cfg)
+        self.weights[group.learner] = weight
+        self.tokens += group.tokens
+        self.combiner.add(group.total, weight)
+        group.total = None  # released: the combiner holds all that is needed
+
+    def round_share(self) -> float:
+        """Tokens merged / tokens of a full round (every learner one phase), capped at 1."""
+        if not self.cfg.outer.partial_scaling:
+            return 1.0
+        cfg = self.cfg
+        per_phase = cfg.inner.steps_per_phase * cfg.data.batch_size * cfg.model.ctx_len
+        return min(1.0, self.tokens / (max(1, self.num_learners) * per_phase))
+
+    def finish(self) -> tuple[T.Tensors | None, dict[str, float], float]:
+        total_w = sum(self.weights.values())
+        normalised = {k: (w / total_w if total_w > 0 else 0.0) for k, w in self.weights.items()}
+        scale = self.round_share()
+        if not self.weights or total_w <= 0:
+            return None, normalised, scale
+        grad = self.combiner.result()
         if scale != 1.0:
             grad = {k: v * scale for k, v in grad.items()}
+        return grad, normalised, scale
+
+
+def outer_step(params: T.Tensors, outer: OuterState, stream: GradientStream, fingerprint: str) -> StepResult:
+    """Nesterov step on the streamed pseudo-gradient, then quantize the update (error feedback)."""
+    grad, normalised, scale = stream.finish()
+    cfg = stream.cfg
+    if grad is not None:
         new_params, momentum = nesterov_step(params, grad, outer.momentum, cfg.outer.lr,
                                              cfg.outer.momentum, cfg.outer.nesterov)
         exact = {k: (new_params[k] - params[k]) + outer.residual[k] for k in params}
     else:  # every delta was rejected: a no-op version that records the decisions
         momentum = outer.momentum
         exact = {k: outer.residual[k].clone() for k in params}
+    version = stream.version
     update_bytes = T.encode_tensors(exact, codec_name=cfg.outer.update_codec, kind="update",
                                     fingerprint=fingerprint, meta={"version": version + 1})
     _, shipped = T.decode_tensors(update_bytes)
@@ -147,5 +167,4 @@ def outer_step(params: T.Tensors, outer: OuterState, groups: list[LearnerGroup],
     new_global = T.clone(params)
     T.add_(new_global, shipped)
     norm = float(torch.sqrt(sum((v.double() ** 2).sum() for v in shipped.values())))
-    normalised = {k: (w / total_w if total_w > 0 else 0.0) for k, w in weights.items()}
     return StepResult(update_bytes, new_global, OuterState(momentum, residual), normalised, norm, scale)
