@@ -51,7 +51,8 @@ def _applied_twice(chain) -> int:
 
 
 def _median_startup(events: list[dict]) -> float:
-    """Median seconds from a learner process start to its join (what each restart costs on top of the delay)."""
+    """Median seconds from a learner process start (or a warm standby's activation) to its join: what
+    each restart costs on top of the planned delay."""
     started: dict[str, float] = {}
     delays = []
     for e in events:
@@ -138,9 +139,11 @@ def _print(r: dict[str, Any]) -> None:
                         f"{r['detail']['num_learner_failures']} learner failures)")
     table.add_column("measure")
     table.add_column("value", justify="right")
-    r = {**r, "ready_fraction": r["detail"]["ready_fraction"], "startup_s_median": r["detail"]["startup_s_median"]}
-    for key in ("decoupled_goodput", "availability", "ready_fraction", "startup_s_median", "dp_goodput", "versions", "deltas_lost",
-                "deltas_applied_twice", "audit_ok", "final_eval_loss", "no_fault_eval_loss"):
+    detail = r["detail"]
+    r = {**r, **{k: detail.get(k, 0) for k in ("ready_fraction", "startup_s_median", "standby_activations", "standby_s")}}
+    for key in ("decoupled_goodput", "availability", "ready_fraction", "startup_s_median", "standby_activations",
+                "standby_s", "dp_goodput", "versions", "deltas_lost", "deltas_applied_twice", "audit_ok",
+                "final_eval_loss", "no_fault_eval_loss"):
         value = r[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     for name, ok in r["targets"].items():

@@ -276,13 +276,18 @@ class Supervisor:
         except StorageError:
             return -1
 
-    def run(self, tick_s: float = 0.5, on_tick: Callable[[Supervisor], None] | None = None) -> str:
-        """Watch until the target version or the time limit; returns why it ended."""
+    def run(self, tick_s: float = 0.5, on_tick: Callable[[Supervisor], None] | None = None,
+            until: Callable[[Supervisor], bool] | None = None) -> str:
+        """Watch until the target version, the time limit, or `until(self)` holds ("done": a test's
+        own end condition, checked each tick); returns why it ended."""
         target, limit = self.cfg.run.num_versions, self.cfg.run.time_limit_s
         reason = "time limit"
         while time.time() - self.started_at < limit:
             if self.latest() >= target:
                 reason = "target version"
+                break
+            if until is not None and until(self):
+                reason = "done"
                 break
             for hook in self.hooks:
                 hook(self)

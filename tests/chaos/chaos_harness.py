@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from diloco.chaos.agent import attach_chaos
+from diloco.chaos.agent import ChaosAgent, attach_chaos
+from diloco.chaos.control import done_key
+from diloco.chaos.plan import SlowLearner, StorageDegraded, StorageOutage
 from diloco.configs import load_config
 from diloco.engine.audit import AuditReport, audit_run
 from diloco.engine.events import read_events
@@ -21,10 +24,10 @@ from diloco.engine.loops import read_evals
 from diloco.engine.report import manifests
 from diloco.engine.run import RunContext, create_run
 from diloco.engine.supervisor import Supervisor
-from diloco.storage import Manifest, open_store
+from diloco.storage import Manifest, StorageError, open_store, read_latest
 
 TEST_OVERRIDES = {
-    "run.num_versions": 1_000_000,  # runs end on their time limit: how fast versions come varies 10x with load
+    "run.num_versions": 1_000_000,  # runs end when their test's condition holds, or at the time limit (a cap)
     "run.heartbeat_timeout_s": 60.0,
     "merger.max_delta_bytes": 300_000,  # a tiny delta is ~25 kB; lets "oversized" be a real 1 MB object
     "outer.max_staleness": 4,  # so a "stale" delta can be made early in a short run
@@ -41,7 +44,12 @@ class ChaosRun:
     audit: AuditReport
 
 
-def run_plan(tmp_path: Path, plan_yaml: str, run_id: str, **overrides: object) -> ChaosRun:
+Until = Callable[[Supervisor, ChaosAgent], bool]
+
+
+def run_plan(tmp_path: Path, plan_yaml: str, run_id: str, until: Until | None = None,
+             **overrides: object) -> ChaosRun:
+    """Run the plan until `until(supervisor, agent)` holds (checked each tick) or the time limit."""
     cfg = load_config("tiny").with_overrides({**TEST_OVERRIDES, **overrides})
     root = tmp_path / "store"
     ctx = create_run(open_store(f"file://{root}"), run_id, cfg)
@@ -49,14 +57,48 @@ def run_plan(tmp_path: Path, plan_yaml: str, run_id: str, **overrides: object) -
     plan.write_text(plan_yaml)
     supervisor = Supervisor(ctx, prefect=False, log_dir=str(tmp_path / "logs"),
                             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-    attach_chaos(supervisor, plan)
+    agent = attach_chaos(supervisor, plan)
     supervisor.start_all()
     reason = "error"
     try:
-        reason = supervisor.run(tick_s=0.2)
+        reason = supervisor.run(tick_s=0.2, until=None if until is None else lambda sup: until(sup, agent))
     finally:
         supervisor.shutdown(reason, grace_s=30)
     return ChaosRun(ctx, root, reason, read_events(ctx.store, ctx.keys), manifests(ctx), audit_run(ctx))
+
+
+def all_injected(agent: ChaosAgent) -> bool:
+    """Every fault of the plan executed (windows and start-time slowdowns live in the control object)
+    and every follow-up (a resume, a window's end, the second step of seq_backwards) done."""
+    lasting = (StorageOutage, StorageDegraded)
+    left = [d for d in agent.pending
+            if not isinstance(d.fault, lasting) and not (isinstance(d.fault, SlowLearner) and d.fault.at_s == 0)]
+    return not left and not agent.timers
+
+
+def merger_kills_claimed(agent: ChaosAgent) -> bool:
+    """Every ordered merger self-kill claimed by the merger it targets (it dies right after)."""
+    try:
+        return all(agent.ctx.store.exists(done_key(agent.ctx.keys, k.fault_id)) for k in agent.control.merger_kills)
+    except StorageError:
+        return False
+
+
+def loss_fell(sup: Supervisor) -> bool:
+    """The newest evaluated version's held-out loss is below version 0's (training recovered from the faults)."""
+    try:
+        evals = read_evals(sup.ctx)
+    except StorageError:
+        return False
+    return len(evals) >= 2 and evals[0]["version"] == 0 and evals[-1]["loss"] < evals[0]["loss"]
+
+
+def latest_merger(sup: Supervisor) -> str | None:
+    try:
+        manifest = read_latest(sup.ctx.store, sup.ctx.keys)
+    except (StorageError, ValueError):
+        return None
+    return None if manifest is None else manifest.merger_id
 
 
 def faults(run: ChaosRun, kind: str = "fault") -> list[dict]:
@@ -77,7 +119,7 @@ def assert_invariants(run: ChaosRun) -> None:
     assert run.audit.ok, run.audit.problems
     assert run.audit.replay_ok
     assert [m.version for m in run.chain] == list(range(len(run.chain)))
-    assert run.reason == "time limit", run.reason
+    assert run.reason in ("done", "time limit"), run.reason
     for key, seen in decisions(run).items():
         assert len(seen) == 1, f"delta {key} decided more than once: {seen}"
         _version, status, reason = seen[0]

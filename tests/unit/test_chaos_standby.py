@@ -7,6 +7,8 @@ Run: `.venv/bin/pytest tests/unit/test_chaos_standby.py`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_chaos_goodput import CHAIN, EVENTS, ev
 
@@ -83,3 +85,15 @@ def test_join_wait_ends_when_the_run_stops(monkeypatch: pytest.MonkeyPatch) -> N
     learner = FakeLearner(failures=100)
     assert not loops.join_with_retry(learner, FakeLearner.join, lambda: True)
     assert learner.joins == 1
+
+
+def test_cli_standby_exits_at_end_of_input_without_opening_the_run(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from diloco.cli import app
+
+    missing = tmp_path / "no-such-bucket"
+    result = CliRunner().invoke(app, ["learner", "--storage", f"file://{missing}", "--run-id", "r",
+                                      "--learner", "local-0", "--no-prefect", "--standby"], input="")
+    assert result.exit_code == 0, result.output
+    assert not missing.exists()  # never opened: a standby reads nothing before it is started
