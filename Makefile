@@ -21,8 +21,12 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/diloco run --config demo
 
+# Order matters for time: the Prefect server + workers that deployment/ and browser/ share start
+# last, so they do not load the two cores while the chaos runs and e2e runs train.
+TEST_ORDER := tests/unit tests/integration tests/e2e tests/chaos tests/deployment tests/browser
+
 test: setup
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q tests
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q $(TEST_ORDER)
 
 test-fast: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q tests -m "not deployment and not browser and not chaos and not slow"

@@ -52,8 +52,6 @@ def test_fast_learners_never_wait_and_everyone_counts():
     tokens = {n: sum(d.tokens for d in merged if d.learner == n) for n in ctx.learners}
     assert tokens[slow_name] > 0, "the slow learner's work never reached the global model"
     assert all(tokens[n] > tokens[slow_name] for n in fast)
-    slow = [d for d in merged if d.learner == slow_name]
-    assert any(d.staleness > 0 for d in slow), "the slow learner should build on older versions"
     for m in manifests(ctx):  # within one merge, weight follows tokens^2/steps x discount
         group = {d.learner: d for d in m.merged()}
         if slow_name in group and len(group) > 1:
