@@ -23,7 +23,7 @@ run: setup
 
 # Order matters for time: the Prefect server + workers that deployment/ and browser/ share start
 # last, so they do not load the two cores while the chaos runs and e2e runs train.
-TEST_ORDER := tests/unit tests/integration tests/e2e tests/chaos tests/deployment tests/browser
+TEST_ORDER := tests/unit tests/integration tests/e2e tests/chaos tests/browser tests/deployment
 
 test: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q $(TEST_ORDER)

@@ -144,11 +144,19 @@ def _assert_pending_after_final_merge(run: ChaosRun) -> None:
         assert mtime > last_commit - slack_s, f"{key} published long before the final merge, never decided"
 
 
+def _of_the_run(proc: psutil.Process) -> bool:
+    """A live process started for the run (a diloco role or standby), not e.g. multiprocessing's
+    resource tracker that an earlier test in this session left to the interpreter."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE and "diloco" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 def assert_no_children(timeout_s: float = 10.0) -> None:
     deadline = time.time() + timeout_s
     while True:
-        alive = [p for p in psutil.Process().children(recursive=True) if p.is_running()
-                 and p.status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in psutil.Process().children(recursive=True) if _of_the_run(p)]
         if not alive or time.time() > deadline:
             break
         time.sleep(0.2)
