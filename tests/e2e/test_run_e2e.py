@@ -27,20 +27,22 @@ def _last_json(stdout: str) -> dict:
 
 
 def _run_and_audit(storage: str, run_id: str) -> dict:
-    result = _diloco("run", "--config", "tiny", "--learners", "3", "--versions", "5", "--storage", storage,
+    # 10 versions: with quorum 1 each merge carries about a third of a round (partial-round scaling),
+    # so 5 versions can be as little as ~2 phases of progress on a busy machine
+    result = _diloco("run", "--config", "tiny", "--learners", "3", "--versions", "10", "--storage", storage,
                      "--run-id", run_id, "--no-prefect", "--no-live", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _last_json(result.stdout)
     assert summary["run_id"] == run_id and summary["num_learners"] == 3
-    assert summary["num_versions"] >= 5
+    assert summary["num_versions"] >= 10
     assert summary["deltas_merged"] >= 5
-    # falls: by how much after 5 versions depends on the machine's load (merges of fewer deltas)
+    # falls: by how much depends on the machine's load (merges of fewer deltas)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.1
     assert summary["bytes_published"] > 0
     audit = _diloco("audit", "--storage", storage, "--run-id", run_id, "--json")
     assert audit.returncode == 0, audit.stdout + audit.stderr
     report = _last_json(audit.stdout)
-    assert report["ok"] and report["replay_ok"] and report["num_versions"] >= 6, report
+    assert report["ok"] and report["replay_ok"] and report["num_versions"] >= 11, report
     status = _diloco("status", "--storage", storage, "--run-id", run_id, "--json")
     assert status.returncode == 0, status.stderr
     learners = {row["learner"] for row in _last_json(status.stdout)["learners"]}
