@@ -136,12 +136,7 @@ def _supervise(ctx: RunContext, storage_url: str, prefect: bool, log_dir: str, c
         from diloco.chaos.agent import attach_chaos
 
         attach_chaos(supervisor, chaos)
-    supervisor.start_all()
-    reason = "error"
-    try:
-        reason = supervisor.run()
-    finally:
-        supervisor.shutdown(reason)
+    supervisor.run_to_end()
 
 
 def _final_report(ctx: RunContext, console: Console, json_out: bool) -> None:

@@ -33,12 +33,7 @@ def _supervised_run(storage: str, run_id: str, cfg, plan_path: Path | None, log_
     supervisor = Supervisor(ctx, prefect=False, log_dir=str(log_root / run_id), env={"OMP_NUM_THREADS": "1"})
     if plan_path is not None:
         attach_chaos(supervisor, plan_path)
-    supervisor.start_all()
-    reason = "error"
-    try:
-        reason = supervisor.run()
-    finally:
-        supervisor.shutdown(reason)
+    supervisor.run_to_end()
     return ctx
 
 

@@ -137,15 +137,16 @@ class Learner:
         self.ref = T.clone(params)
         self.base = manifest.version
 
-    def heartbeat(self, state: str = "training", force: bool = False) -> None:
-        """Refresh learners/<me>/status.json (at most every HEARTBEAT_EVERY_S unless forced)."""
+    def heartbeat(self, state: str = "training", force: bool = False, **extra: object) -> None:
+        """Refresh learners/<me>/status.json (at most every HEARTBEAT_EVERY_S unless forced);
+        `extra` adds fields (the per-phase figures after a phase)."""
         now = time.time()
         if not force and now - self._last_beat < HEARTBEAT_EVERY_S:
             return
         self._last_beat = now
         status = {"learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.seq - 1,
                   "base_version": self.base, "step": self.trainer.step, "cursor": self.sampler.cursor,
-                  "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published}
+                  "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published, **extra}
         try:
             self.ctx.store.put(self.ctx.keys.status(self.name), json.dumps(status).encode())
         except StorageError as err:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -56,17 +55,9 @@ def request_stop(ctx: RunContext, reason: str) -> None:
 
 
 def write_status(learner: Learner, stats: PhaseStats, state: str) -> None:
-    status = {
-        "learner": learner.name, "state": state, "t": time.time(), "seq": learner.seq - 1,
-        "base_version": learner.base, "step": learner.trainer.step, "cursor": learner.sampler.cursor,
-        "loss": stats.loss, "steps_per_s": stats.steps / stats.phase_time_s if stats.phase_time_s else 0.0,
-        "tokens_per_phase": stats.tokens, "bytes_published": learner.publisher.bytes_published,
-        "stall_s": stats.stall_s, "pid": os.getpid(),
-    }
-    try:
-        learner.ctx.store.put(learner.ctx.keys.status(learner.name), json.dumps(status).encode())
-    except StorageError as err:
-        log.warning("heartbeat of %s failed: %s", learner.name, err)
+    """The heartbeat after a phase, with the phase's own figures."""
+    learner.heartbeat(state, force=True, loss=stats.loss, tokens_per_phase=stats.tokens, stall_s=stats.stall_s,
+                      steps_per_s=stats.steps / stats.phase_time_s if stats.phase_time_s else 0.0)
 
 
 def learner_step(learner: Learner, should_stop: Callable[[], bool]) -> PhaseStats:
@@ -172,16 +163,6 @@ class Evaluator:
             log.warning("evaluation skipped: %s", err)
             return None
         return None if latest is None else self.due(latest, final)
-
-    def poll(self, final: bool = False) -> dict | None:
-        version = self.next_due(final)
-        if version is None:
-            return None
-        try:
-            return self.evaluate_version(version)
-        except (StorageError, NotFound) as err:
-            log.warning("evaluation of version %d skipped: %s", version, err)
-            return None
 
 
 def read_evals(ctx: RunContext) -> list[dict]:

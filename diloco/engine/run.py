@@ -12,6 +12,8 @@ import socket
 import time
 from dataclasses import dataclass
 
+import torch
+
 from diloco import __version__
 from diloco.configs import Config
 from diloco.engine import tensors as T
@@ -40,8 +42,8 @@ class RunContext:
         return self.keys.run_id
 
 
-def model_identity(cfg: Config) -> str:
-    model = build_model(cfg.model, seed=cfg.data.seed)
+def model_identity(cfg: Config, model: torch.nn.Module | None = None) -> str:
+    model = model if model is not None else build_model(cfg.model, seed=cfg.data.seed)
     return model_fingerprint(model, cfg.model)
 
 
@@ -62,7 +64,8 @@ def create_run(store: ObjectStore, run_id: str, cfg: Config, learners: list[str]
     """Create run.json and version 0, or join an existing run with the same config."""
     keys = RunKeys(run_id)
     learners = learners or cfg.learner_names()
-    fingerprint = model_identity(cfg)
+    model = build_model(cfg.model, seed=cfg.data.seed)  # version 0, and the fingerprint of its layout
+    fingerprint = model_identity(cfg, model)
     record = _run_record(cfg, run_id, fingerprint, learners)
     try:
         store.put_if_absent(keys.run_json(), json.dumps(record, indent=1).encode())
@@ -75,14 +78,13 @@ def create_run(store: ObjectStore, run_id: str, cfg: Config, learners: list[str]
             ) from None
         return ctx
     ctx = RunContext(store, keys, cfg, fingerprint, learners)
-    _commit_version_zero(ctx)
+    _commit_version_zero(ctx, model)
     return ctx
 
 
-def _commit_version_zero(ctx: RunContext) -> None:
+def _commit_version_zero(ctx: RunContext, model: torch.nn.Module) -> None:
     if manifest_exists(ctx.store, ctx.keys, 0):
         return
-    model = build_model(ctx.cfg.model, seed=ctx.cfg.data.seed)
     nonce = new_nonce()
     key = ctx.keys.params(0, nonce)
     _, checksum = T.write_tensors(

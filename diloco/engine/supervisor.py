@@ -276,6 +276,16 @@ class Supervisor:
         except StorageError:
             return -1
 
+    def run_to_end(self, shutdown_grace_s: float = 60.0, **run_kwargs: object) -> str:
+        """start_all, run, and always shut down (nothing of the run is left behind); returns why it ended."""
+        self.start_all()
+        reason = "error"
+        try:
+            reason = self.run(**run_kwargs)
+        finally:
+            self.shutdown(reason, grace_s=shutdown_grace_s)
+        return reason
+
     def run(self, tick_s: float = 0.5, on_tick: Callable[[Supervisor], None] | None = None,
             until: Callable[[Supervisor], bool] | None = None) -> str:
         """Watch until the target version, the time limit, or `until(self)` holds ("done": a test's

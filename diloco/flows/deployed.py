@@ -323,6 +323,16 @@ class DeploymentSupervisor:
         except StorageError:
             return -1
 
+    def run_to_end(self, on_tick: Callable[[DeploymentSupervisor], None] | None = None) -> str:
+        """start_all, run, and always shut down; returns why it ended."""
+        self.start_all()
+        reason = "error"
+        try:
+            reason = self.run(on_tick=on_tick)
+        finally:
+            self.shutdown(reason)
+        return reason
+
     def run(self, on_tick: Callable[[DeploymentSupervisor], None] | None = None) -> str:
         """Watch until the target version, a stop request or the time limit; returns why it ended."""
         target, limit = self.cfg.run.num_versions, self.cfg.run.time_limit_s

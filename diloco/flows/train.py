@@ -116,13 +116,7 @@ def _supervise_local(ctx: RunContext, log_dir: str | None, chaos_plan: str | Non
         from diloco.chaos.agent import attach_chaos
 
         attach_chaos(supervisor, chaos_plan)
-    report = _progress(ctx)
-    supervisor.start_all()
-    reason = "error"
-    try:
-        reason = supervisor.run(on_tick=report)
-    finally:
-        supervisor.shutdown(reason)
+    reason = supervisor.run_to_end(on_tick=_progress(ctx))
     return {"run_id": ctx.run_id, "reason": reason, "version": supervisor.latest()}
 
 
@@ -144,16 +138,10 @@ def _supervise_deployments(ctx: RunContext, plan: dict[str, str], merger_deploym
 
     logger = get_run_logger()
     jobs = make_jobs(ctx, plan, merger_deployment, evaluator_deployment, aws_credentials_block)
-    report = _progress(ctx)
     with get_client(sync_client=True) as client:
         _tag_self(client, ctx.run_id)
         supervisor = DeploymentSupervisor(ctx, jobs, client)
         logger.info("run %s: learners %s", ctx.run_id, ", ".join(f"{k} -> {v}" for k, v in plan.items()))
-        supervisor.start_all()
-        reason = "error"
-        try:
-            reason = supervisor.run(on_tick=report)
-        finally:
-            supervisor.shutdown(reason)
+        reason = supervisor.run_to_end(on_tick=_progress(ctx))
         restarts = {j.name: j.restarts for j in jobs if j.restarts}
         return {"run_id": ctx.run_id, "reason": reason, "version": supervisor.latest(), "restarts": restarts}

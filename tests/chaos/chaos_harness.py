@@ -58,12 +58,8 @@ def run_plan(tmp_path: Path, plan_yaml: str, run_id: str, until: Until | None = 
     supervisor = Supervisor(ctx, prefect=False, log_dir=str(tmp_path / "logs"),
                             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     agent = attach_chaos(supervisor, plan)
-    supervisor.start_all()
-    reason = "error"
-    try:
-        reason = supervisor.run(tick_s=0.2, until=None if until is None else lambda sup: until(sup, agent))
-    finally:
-        supervisor.shutdown(reason, grace_s=30)
+    reason = supervisor.run_to_end(shutdown_grace_s=30, tick_s=0.2,
+                                   until=None if until is None else lambda sup: until(sup, agent))
     return ChaosRun(ctx, root, reason, read_events(ctx.store, ctx.keys), manifests(ctx), audit_run(ctx))
 
 
