@@ -20,6 +20,7 @@ from diloco.bench.bandwidth import bandwidth
 from diloco.bench.codec import bench_codec
 from diloco.bench.goodput import bench_goodput
 from diloco.bench.merge import bench_merge
+from diloco.bench.outage import bench_outage
 from diloco.bench.quality import bench_quality
 from diloco.flows.deployed import remove_learner
 from diloco.plot import plot_run
@@ -36,6 +37,7 @@ bench_app.command("codec")(bench_codec)
 bench_app.command("goodput")(bench_goodput)
 bench_app.command("quality")(bench_quality)
 bench_app.command("merge")(bench_merge)
+bench_app.command("outage")(bench_outage)
 app.command("bandwidth")(bandwidth)
 app.command("simulate-goodput")(simulate_goodput)
 app.command("plot")(plot_run)

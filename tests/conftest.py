@@ -16,6 +16,15 @@ import pytest
 MOTO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _learner_local_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Learners' local state (DILOCO_LOCAL_DIR) goes to a temp dir for the session, not .diloco/ in the
+    checkout; processes the tests start inherit it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DILOCO_LOCAL_DIR", str(tmp_path_factory.mktemp("learner-local")))
+        yield
+
+
 def _s3_credentials() -> dict[str, str]:
     """Fake credentials for moto; the caller's own for a real endpoint."""
     if not os.environ.get("DILOCO_TEST_S3_ENDPOINT"):

@@ -77,6 +77,37 @@ def _loss_at_tokens(ctx, chain, tokens: int, k: int = LOSS_WINDOW) -> tuple[floa
     return sum(losses) / len(losses), nearest[0].version, nearest[0].tokens_total
 
 
+def local_save_cost_s(ctx, repeats: int = 5) -> float:
+    """Median seconds of one learner local-state save for this run's model (what a learner pays every
+    `learner.local_state_every_steps` steps): the cheapest checkpoint data-parallel could have too."""
+    import tempfile
+
+    from diloco.engine.local_state import LocalState
+    from diloco.training.inner import InnerTrainer
+    from diloco.training.model import build_model, get_flat_params
+
+    model = build_model(ctx.cfg.model)
+    trainer = InnerTrainer(model, ctx.cfg.inner)
+    x = torch_zeros_batch(ctx.cfg)
+    trainer.train_step(x, x)
+    opt, opt_meta = trainer.export_state()
+    params = get_flat_params(model)
+    times = []
+    with tempfile.TemporaryDirectory() as root:
+        local = LocalState(ctx.store.url, ctx.run_id, "bench", {"bench": True}, ctx.fingerprint, root=Path(root))
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            local.save({"theta": params, "ref": params, "glob": params, "opt": opt}, {"optimizer": opt_meta})
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def torch_zeros_batch(cfg):
+    import torch
+
+    return torch.zeros(cfg.data.batch_size, cfg.model.ctx_len, dtype=torch.long)
+
+
 def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
     from diloco.chaos.goodput import compute_goodput
     from diloco.engine.audit import audit_run
@@ -88,6 +119,8 @@ def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
     g = compute_goodput(events, chain, chaos_ctx.learners, checkpoint_cost_s)
     clean = compute_goodput(read_events(clean_ctx.store, clean_ctx.keys), clean_chain, clean_ctx.learners,
                             checkpoint_cost_s)
+    save_s = local_save_cost_s(chaos_ctx)
+    cheap = compute_goodput(events, chain, chaos_ctx.learners, save_s)
     audit = audit_run(chaos_ctx)
     tokens = min(chain[-1].tokens_total, clean_chain[-1].tokens_total)
     loss, version, at_tokens = _loss_at_tokens(chaos_ctx, chain, tokens)
@@ -107,6 +140,8 @@ def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
             "standby_activations": sum(1 for e in events if e.get("kind") == "start" and e.get("standby")),
             "standby_s": g.standby_s,
             "dp_checkpoint_cost_s": checkpoint_cost_s, "dp_checkpoint_interval_s": g.dp_checkpoint_interval_s,
+            "local_save_s": save_s, "dp_goodput_at_local_save_cost": cheap.dp_goodput,
+            "dp_checkpoint_interval_at_local_save_cost_s": cheap.dp_checkpoint_interval_s,
             "no_fault_goodput": clean.decoupled_goodput, "no_fault_versions": clean_chain[-1].version,
             "loss_version": version, "loss_tokens": at_tokens, "no_fault_loss_version": clean_version,
             "no_fault_loss_tokens": clean_tokens, "audit_problems": audit.problems[:10],
@@ -136,8 +171,9 @@ def _print(r: dict[str, Any]) -> None:
     table.add_column("value", justify="right")
     detail = r["detail"]
     r = {**r, **{k: detail.get(k, 0) for k in ("ready_fraction", "startup_s_median", "standby_activations", "standby_s")}}
+    r["dp_goodput_at_local_save_cost"] = detail.get("dp_goodput_at_local_save_cost", 0.0)
     for key in ("decoupled_goodput", "availability", "ready_fraction", "startup_s_median", "standby_activations",
-                "standby_s", "dp_goodput", "versions", "deltas_lost", "deltas_applied_twice", "audit_ok",
+                "standby_s", "dp_goodput", "dp_goodput_at_local_save_cost", "versions", "deltas_lost", "deltas_applied_twice", "audit_ok",
                 "final_eval_loss", "no_fault_eval_loss"):
         value = r[key]
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))

@@ -71,6 +71,9 @@ class OuterConfig(_Strict):
     # A merge that carries fewer tokens than a full round (every learner's phase) moves the global
     # by that share only; otherwise K=1 merges each apply a whole outer step and momentum overshoots.
     partial_scaling: bool = True
+    # A merge carrying more than a round (a backlog after the merger or the storage was down): momentum takes
+    # it at one round's rate ("round_rate"), or whole ("whole": the loss spikes; `diloco bench outage`).
+    backlog_momentum: Literal["round_rate", "whole"] = "round_rate"
 
 
 class MergerConfig(_Strict):
@@ -93,6 +96,9 @@ class LearnerConfig(_Strict):
     num_threads: int = Field(1, ge=1)  # torch threads per learner process
     slowdown: float = Field(1.0, ge=1.0)  # heterogeneous hardware: sleep so a step takes this x longer
     checkpoint: bool = True  # inner optimizer state + data cursor after each publish
+    # local state on the learner's host (DILOCO_LOCAL_DIR, default .diloco/local): written at every publish and
+    # every this many steps, so a restarted process resumes without the bucket and loses < this many steps; 0 = off
+    local_state_every_steps: int = Field(10, ge=0)
 
 
 class EvalConfig(_Strict):

@@ -17,6 +17,7 @@ import torch
 
 from diloco.engine import tensors as T
 from diloco.engine.events import EventLog
+from diloco.engine.local_state import LocalState, Saved
 from diloco.engine.publisher import Publisher
 from diloco.engine.run import RunContext
 from diloco.storage import (
@@ -69,7 +70,11 @@ class Learner:
         self.corpus = corpus
         self.events = events or EventLog(None, None, name)
         self.slowdown = slowdown if slowdown is not None else self.cfg.learner.slowdown
-        self.publisher = Publisher(ctx.store, self.events)
+        self.local = None
+        if self.cfg.learner.local_state_every_steps > 0:
+            identity = {"storage": ctx.store.url, "run_id": ctx.run_id, "created_at": ctx.created_at}
+            self.local = LocalState(ctx.store.url, ctx.run_id, name, identity, ctx.fingerprint)
+        self.publisher = Publisher(ctx.store, self.events, on_landed=self.local.unspool if self.local else None)
         self.model = build_model(self.cfg.model, seed=self.cfg.data.seed).to(self.device)
         self.base = -1
         self.seq = 0
@@ -83,7 +88,11 @@ class Learner:
 
     # ---- join / rejoin -------------------------------------------------------------------
     def join(self) -> int:
-        """Start from the newest committed version; resume optimizer state and data cursor."""
+        """Resume from this host's local state when it is current; else start from the newest committed
+        version, resuming optimizer state and data cursor from the bucket's checkpoint."""
+        saved = self.local.load() if self.local else None
+        if saved is not None and self._resume_local(saved):
+            return self.base
         manifest = read_latest(self.ctx.store, self.ctx.keys)
         if manifest is None:
             raise RuntimeError(f"run {self.ctx.run_id} has no committed version")
@@ -92,16 +101,74 @@ class Learner:
         self.seq = self._next_seq(manifest)
         self.trainer = InnerTrainer(self.model, self.cfg.inner, device=self.device)
         step, cursor = self._restore_checkpoint()
+        self._joined(cursor, step)
+        return self.base
+
+    def _joined(self, cursor: int, step: int, **extra: object) -> None:
         shard, num_shards = shard_of(self.name, self.ctx.learners)
         self.sampler = ShardSampler(
             self.corpus.train, shard, num_shards, self.cfg.data.batch_size, self.cfg.model.ctx_len,
             self.cfg.data.seed, cursor=cursor,
         )
-        self.events.emit("join", learner=self.name, version=self.base, seq=self.seq, cursor=cursor, step=step)
+        self.events.emit("join", learner=self.name, version=self.base, seq=self.seq, cursor=cursor, step=step,
+                         **extra)
         self.heartbeat("joined", force=True)
-        log.info("learner %s joined at version %d, next seq %d, data cursor %d, step %d",
-                 self.name, self.base, self.seq, cursor, step)
-        return self.base
+        log.info("learner %s joined at version %d, next seq %d, data cursor %d, step %d %s",
+                 self.name, self.base, self.seq, cursor, step, extra or "")
+
+    def _resume_local(self, saved: Saved) -> bool:
+        """Continue from the local state (no download): True, or False (state cleared) when the bucket
+        has moved past it — a seq of ours listed or decided beyond it. Without the bucket (an outage)
+        the state is trusted: the publisher's exclusive create still fences a duplicate."""
+        meta = saved.meta
+        next_seq = int(meta["next_seq"])
+        try:
+            manifest = read_latest(self.ctx.store, self.ctx.keys)
+            bucket_next = self._next_seq(manifest) if manifest is not None else 0
+        except StorageError as err:
+            log.warning("learner %s: bucket unreachable (%s); resuming from local state unchecked", self.name, err)
+            bucket_next = None
+        if bucket_next is not None and bucket_next > next_seq:
+            log.info("learner %s: local state (next seq %d) is behind the bucket (%d); dropped",
+                     self.name, next_seq, bucket_next)
+            self.local.clear()
+            return False
+        self.trainer = InnerTrainer(self.model, self.cfg.inner, device=self.device)
+        try:
+            self.trainer.import_state(saved.parts["opt"], meta.get("optimizer") or {})
+            self._set_theta(saved.parts["theta"])
+        except (ValueError, KeyError, RuntimeError) as err:
+            log.warning("learner %s: local state does not fit (%s); dropped", self.name, err)
+            self.local.clear()
+            return False
+        self.glob, self.ref, self.base, self.seq = saved.parts["glob"], saved.parts["ref"], int(meta["base_version"]), next_seq
+        self.steps_since_publish = int(meta.get("steps_since_publish", 0))
+        self.tokens_since_publish = int(meta.get("tokens_since_publish", 0))
+        requeued = []
+        for seq, data in self.local.spooled():
+            if seq >= next_seq:  # written just before a crash that the state does not include: redone
+                self.local.unspool(seq)
+            elif bucket_next is None or seq >= bucket_next:
+                self.publisher.requeue(self.ctx.keys.delta(self.name, seq), data, seq=seq)
+                requeued.append(seq)
+            else:
+                self.local.unspool(seq)  # listed or decided already
+        self._joined(int(meta["cursor"]), self.trainer.step, local=True, requeued=requeued,
+                     unshipped_steps=self.steps_since_publish)
+        return True
+
+    def save_local(self) -> None:
+        """Write the whole state to this host (see diloco.engine.local_state); never fatal."""
+        if self.local is None:
+            return
+        opt, opt_meta = self.trainer.export_state()
+        meta = {"learner": self.name, "next_seq": self.seq, "base_version": self.base, "step": self.trainer.step,
+                "cursor": self.sampler.cursor, "optimizer": opt_meta, "steps_since_publish": self.steps_since_publish,
+                "tokens_since_publish": self.tokens_since_publish}
+        try:
+            self.local.save({"theta": self.theta(), "ref": self.ref, "glob": self.glob, "opt": opt}, meta)
+        except OSError as err:
+            log.warning("learner %s: local state not written (%s)", self.name, err)
 
     def _next_seq(self, manifest: Manifest) -> int:
         listed = [parse_delta_key(k) for k in self.ctx.store.list(self.ctx.keys.deltas_prefix(self.name))]
@@ -165,10 +232,14 @@ class Learner:
         stats = PhaseStats()
         t0 = time.time()
         losses = []
+        tokens_per_step = cfg.data.batch_size * cfg.model.ctx_len
+        every = cfg.learner.local_state_every_steps
         for i in range(cfg.inner.steps_per_phase):
             ts = time.time()
             x, y = self.sampler.next_batch()
             losses.append(self.trainer.train_step(x.to(self.device), y.to(self.device)))
+            self.steps_since_publish += 1
+            self.tokens_since_publish += tokens_per_step
             if self.slowdown > 1.0:
                 time.sleep((time.time() - ts) * (self.slowdown - 1.0))
             self.heartbeat()
@@ -176,12 +247,12 @@ class Learner:
                 installed = self.maybe_install()
                 if installed is not None:
                     stats.installs.append(installed)
+            if every and (i + 1) % every == 0 and i + 1 < cfg.inner.steps_per_phase:
+                self.save_local()  # the phase's end is saved by publish()
         stats.steps = cfg.inner.steps_per_phase
-        stats.tokens = stats.steps * cfg.data.batch_size * cfg.model.ctx_len
+        stats.tokens = stats.steps * tokens_per_step
         stats.loss = sum(losses) / len(losses)
         stats.phase_time_s = time.time() - t0
-        self.tokens_since_publish += stats.tokens
-        self.steps_since_publish += stats.steps
         self.loss_ema = stats.loss
         self.events.emit("phase", learner=self.name, version=self.base, steps=stats.steps,
                          tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss)
@@ -208,12 +279,15 @@ class Learner:
         _, shipped = T.decode_tensors(data)
         T.add_(self.ref, shipped, alpha=-1.0)
         checkpoint = self._checkpoint_bytes(seq) if cfg.learner.checkpoint else None
+        if self.local is not None:
+            self.local.spool(seq, data)  # until it lands: a crash while the bucket is away loses nothing
         stall = self.publisher.submit(self.ctx.keys.delta(self.name, seq), data, seq=seq,
                                       checkpoint=(self.ctx.keys.checkpoint(self.name, "state"), checkpoint))
         self.seq += 1
         self.tokens_since_publish = 0
         self.steps_since_publish = 0
         self.phase_t0 = time.time()
+        self.save_local()
         if stats is not None:
             stats.seq, stats.stall_s, stats.delta_bytes = seq, stall, len(data)
         self.events.emit("publish", learner=self.name, seq=seq, version=self.base, bytes=len(data),

@@ -128,13 +128,17 @@ class GradientStream:
         self.combiner.add(group.total, weight)
         group.total = None  # released: the combiner holds all that is needed
 
-    def round_share(self) -> float:
-        """Tokens merged / tokens of a full round (every learner one phase), capped at 1."""
+    def rounds(self) -> float:
+        """Tokens merged / tokens of a full round (every learner one phase); 1.0 without partial scaling."""
         if not self.cfg.outer.partial_scaling:
             return 1.0
         cfg = self.cfg
         per_phase = cfg.inner.steps_per_phase * cfg.data.batch_size * cfg.model.ctx_len
-        return min(1.0, self.tokens / (max(1, self.num_learners) * per_phase))
+        return self.tokens / (max(1, self.num_learners) * per_phase)
+
+    def round_share(self) -> float:
+        """rounds(), capped at 1: the scale of a partial merge's pseudo-gradient."""
+        return min(1.0, self.rounds())
 
     def finish(self) -> tuple[T.Tensors | None, dict[str, float], float]:
         total_w = sum(self.weights.values())
@@ -153,8 +157,17 @@ def outer_step(params: T.Tensors, outer: OuterState, stream: GradientStream, fin
     grad, normalised, scale = stream.finish()
     cfg = stream.cfg
     if grad is not None:
-        new_params, momentum = nesterov_step(params, grad, outer.momentum, cfg.outer.lr,
+        # A backlog (the merger or the storage was down): several rounds of progress in one merge. The step
+        # applies all of it, but the momentum buffer takes it at one round's rate (grad / rounds), so momentum
+        # does not re-apply the whole backlog on every following merge (which spiked the loss after outages).
+        rounds = stream.rounds()
+        spread = rounds > 1.0 and cfg.outer.backlog_momentum == "round_rate"
+        rate = {k: v / rounds for k, v in grad.items()} if spread else grad
+        new_params, momentum = nesterov_step(params, rate, outer.momentum, cfg.outer.lr,
                                              cfg.outer.momentum, cfg.outer.nesterov)
+        if rate is not grad:
+            for k in new_params:
+                new_params[k] -= cfg.outer.lr * (grad[k] - rate[k])
         exact = {k: (new_params[k] - params[k]) + outer.residual[k] for k in params}
     else:  # every delta was rejected: a no-op version that records the decisions
         momentum = outer.momentum

@@ -11,6 +11,7 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 
 from diloco.engine.events import EventLog
 from diloco.storage import Conflict, StorageError
@@ -23,8 +24,10 @@ MAX_PENDING = 2  # deltas in flight before the learner stalls: overlap one phase
 class Publisher:
     """One upload thread per learner; FIFO, so deltas land in seq order."""
 
-    def __init__(self, store: ObjectStore, events: EventLog, max_backoff_s: float = 5.0) -> None:
+    def __init__(self, store: ObjectStore, events: EventLog, max_backoff_s: float = 5.0,
+                 on_landed: Callable[[int], None] | None = None) -> None:
         self.store, self.events, self.max_backoff_s = store, events, max_backoff_s
+        self.on_landed = on_landed  # called with a delta's seq once it has landed (the local spool drops it)
         self._queue: queue.Queue = queue.Queue()
         self._pending = threading.Semaphore(MAX_PENDING)
         self._closing = threading.Event()
@@ -40,8 +43,13 @@ class Publisher:
         t0 = time.time()
         self._pending.acquire()
         stall = time.time() - t0
-        self._queue.put((key, data, seq, checkpoint))
+        self._queue.put((key, data, seq, checkpoint, True))
         return stall
+
+    def requeue(self, key: str, data: bytes, *, seq: int) -> None:
+        """Queue a delta of a previous process (the local spool at a resume) without waiting for room:
+        it was already counted against the queue's bound before the crash."""
+        self._queue.put((key, data, seq, None, False))
 
     def drain(self, timeout_s: float = 600.0) -> bool:
         """Wait until everything queued has landed."""
@@ -56,22 +64,30 @@ class Publisher:
         self._queue.put(None)
         self._thread.join(timeout=5)
 
+    def abandon(self) -> None:
+        """Stop now and land nothing more: what a crash does (tests, and the local spool keeps the rest)."""
+        self._closing.set()
+        self._queue.put(None)
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 self._queue.task_done()
                 return
-            key, data, seq, checkpoint = item
+            key, data, seq, checkpoint, counted = item
             try:
                 if self._put_with_retry(key, data, exclusive=True):
                     self.published.append(seq)
                     self.bytes_published += len(data)
                     self.events.emit("published", key=key, seq=seq, bytes=len(data))
+                    if self.on_landed is not None:
+                        self.on_landed(seq)
                     if checkpoint and checkpoint[1] is not None:
                         self._put_with_retry(checkpoint[0], checkpoint[1], attempts=3)
             finally:
-                self._pending.release()
+                if counted:
+                    self._pending.release()
                 self._queue.task_done()
 
     def _landed(self, key: str, data: bytes) -> bool:
@@ -91,8 +107,8 @@ class Publisher:
                     self.store.put(key, data)
                 return True
             except Conflict:
-                if n > 0 and self._landed(key, data):
-                    return True  # an earlier attempt succeeded but its answer was lost
+                if self._landed(key, data):
+                    return True  # an earlier attempt (or a process before a restart) landed these very bytes
                 log.error("%s already exists: another process publishes as this learner; stopping", key)
                 self.events.emit("fenced", key=key)
                 self.fenced.set()

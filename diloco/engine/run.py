@@ -36,6 +36,7 @@ class RunContext:
     cfg: Config
     fingerprint: str
     learners: list[str]
+    created_at: float = 0.0  # run.json's: tells a new run from an old one of the same id
 
     @property
     def run_id(self) -> str:
@@ -77,7 +78,7 @@ def create_run(store: ObjectStore, run_id: str, cfg: Config, learners: list[str]
                 "choose another --run-id or the same config"
             ) from None
         return ctx
-    ctx = RunContext(store, keys, cfg, fingerprint, learners)
+    ctx = RunContext(store, keys, cfg, fingerprint, learners, record["created_at"])
     _commit_version_zero(ctx, model)
     return ctx
 
@@ -112,4 +113,5 @@ def open_run(store: ObjectStore | str, run_id: str) -> RunContext:
     if not isinstance(record, dict) or record.get("schema_version") != RUN_SCHEMA_VERSION:
         raise RunError(f"run {run_id!r}: unsupported run.json schema {record.get('schema_version')!r}")
     cfg = Config.model_validate(record["config"])
-    return RunContext(store, keys, cfg, record["fingerprint"], list(record["learners"]))
+    return RunContext(store, keys, cfg, record["fingerprint"], list(record["learners"]),
+                      float(record.get("created_at") or 0.0))

@@ -48,12 +48,15 @@ class Proc:
     resumed_at: float = 0.0  # heartbeat grace restarts here after a pause
     standby: subprocess.Popen | None = None  # the warm spare of a learner, blocked on its stdin
     standby_next: float = 0.0  # a spare that died is respawned, not before this time
+    deferred_until: float | None = None  # first start waits for the learners' joins (the evaluator)
 
     @property
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
 
+EVALUATOR_AFTER_S = 30.0  # the evaluator starts once every learner joined, or this long after the start: its
+# imports would slow the learners' cold start. (Not the merger: learners that joined before it pile up a backlog.)
 STANDBY_AFTER_S = 30.0  # a spare starts once its learner joined (or this long after its start, whichever first):
 # starting it earlier makes it compete for the CPU with the learner's own imports and join
 
@@ -216,19 +219,30 @@ class Supervisor:
         return True
 
     def start_all(self) -> None:
-        self.add("evaluator", "evaluator")
-        self.add("merger", "merger")
+        """Start the learners and the merger now; the evaluator once the learners joined (EVALUATOR_AFTER_S)."""
         for name in self.ctx.learners:
-            self.add("learner", name)
-        for proc in self.procs.values():
+            self.spawn(self.add("learner", name))
+        self.spawn(self.add("merger", "merger"))
+        self.add("evaluator", "evaluator").deferred_until = time.time() + EVALUATOR_AFTER_S
+
+    def _start_deferred(self, now: float) -> None:
+        waiting = [p for p in self.procs.values() if p.deferred_until is not None]
+        if not waiting:
+            return
+        learners = [p for p in self.procs.values() if p.role == "learner" and not p.removed]
+        if now < waiting[0].deferred_until and not all(self._joined(p) for p in learners):
+            return
+        for proc in waiting:
+            proc.deferred_until = None
             self.spawn(proc)
 
     # ---- the watch loop ------------------------------------------------------------------
     def heal(self) -> None:
         """Restart exited or silent processes that should be running."""
         now = time.time()
+        self._start_deferred(now)
         for proc in self.procs.values():
-            if proc.removed or proc.paused:
+            if proc.removed or proc.paused or proc.deferred_until is not None:
                 continue
             if proc.popen is not None and proc.popen.poll() is not None:
                 code = proc.popen.returncode

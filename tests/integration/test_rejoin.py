@@ -1,4 +1,4 @@
-"""Rejoin: a restarted learner starts from the newest version, continues its seq, and resumes its
+"""Rejoin: a learner restarted on another host (no local state) starts from the newest version, continues its seq, and resumes its
 optimizer step and data cursor from the checkpoint written after its last published delta.
 Also: the corpus can come from an fsspec URL.
 Run: .venv/bin/pytest tests/integration/test_rejoin.py -q
@@ -20,7 +20,8 @@ from diloco.storage import open_store
 
 
 def test_restarted_learner_resumes_cursor_step_and_seq(tmp_path):
-    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0})
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
+                                              "learner.local_state_every_steps": 0})
     ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "rejoin", cfg)
     corpus = load_run_corpus(cfg.data)
     first = Learner(ctx, "local-0", corpus, events=EventLog(ctx.store, ctx.keys, "local-0"))

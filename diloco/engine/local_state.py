@@ -1,0 +1,123 @@
+"""A learner's state on its own host: what a restarted learner process resumes from, bucket or not.
+
+Contract: the learner writes its whole state here (atomically: a temporary file, then a rename) at
+every publish and every `learner.local_state_every_steps` steps — theta, r, the installed global,
+the AdamW state, next seq, base version, data cursor, the steps and tokens not shipped yet — and
+keeps each delta's bytes in a spool until its upload has landed. A learner process restarted on the
+same host resumes from it: no download, no repeated phase, and no delta lost to a crash while the
+bucket was unreachable. It is a cache: the bucket stays the truth (the learner checks it, when it can,
+and drops a state the bucket has moved past), and it survives a process crash, not a lost host.
+
+Pickle-free: the same tensor codec (fp32) as the bucket's checkpoints; a state of another run (same
+run id, new run), another model layout or an unreadable file is ignored, never trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from diloco.engine import tensors as T
+from diloco.storage.codec import CodecError
+
+log = logging.getLogger("diloco.local_state")
+ENV_DIR = "DILOCO_LOCAL_DIR"  # where learners keep their local state; default .diloco/local under the cwd
+DEFAULT_DIR = ".diloco/local"
+STATE_FILE = "state.bin"
+SPOOL_RE = re.compile(r"^delta-(\d{12})\.bin$")
+PARTS = ("theta", "ref", "glob", "opt")
+
+
+@dataclass
+class Saved:
+    meta: dict
+    parts: dict[str, T.Tensors]  # theta / ref / glob: the model's params; opt: the AdamW state tensors
+
+
+def local_root() -> Path:
+    return Path(os.environ.get(ENV_DIR) or DEFAULT_DIR)
+
+
+class LocalState:
+    """<root>/<hash of storage url>/<run id>/<learner>/: state.bin and delta-<seq>.bin spool files."""
+
+    def __init__(self, store_url: str, run_id: str, name: str, identity: dict, fingerprint: str,
+                 root: Path | None = None) -> None:
+        url_tag = hashlib.blake2b(store_url.encode(), digest_size=6).hexdigest()
+        self.dir = (root or local_root()) / url_tag / run_id / name
+        self.identity, self.fingerprint = identity, fingerprint
+
+    # ---- state ---------------------------------------------------------------------------
+    def save(self, parts: dict[str, T.Tensors], meta: dict) -> None:
+        tensors = {f"{part}/{k}": v for part in PARTS for k, v in parts[part].items()}
+        data = T.encode_tensors(tensors, codec_name="fp32", kind="state", fingerprint=self.fingerprint,
+                                meta={**meta, "identity": self.identity}, shuffle=False)
+        self._write(STATE_FILE, data)
+
+    def load(self) -> Saved | None:
+        """The saved state, or None (nothing saved, another run's, unreadable: each logged)."""
+        path = self.dir / STATE_FILE
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            log.warning("local state %s unreadable: %s", path, err)
+            return None
+        try:
+            header, tensors = T.decode_tensors(data, fingerprint=self.fingerprint)
+        except CodecError as err:
+            log.warning("local state %s ignored: %s", path, err)
+            return None
+        if header.meta.get("identity") != self.identity:
+            log.info("local state %s belongs to another run; ignored", path)
+            return None
+        parts: dict[str, T.Tensors] = {p: {} for p in PARTS}
+        for key, value in tensors.items():
+            part, _, name = key.partition("/")
+            if part not in parts:
+                log.warning("local state %s ignored: unknown part %r", path, part)
+                return None
+            parts[part][name] = value
+        return Saved(header.meta, parts)
+
+    def clear(self) -> None:
+        """Forget the state and the spool (the bucket showed them stale, or another process owns the name)."""
+        for path in self._files():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    # ---- spool of deltas not landed yet --------------------------------------------------------
+    def spool(self, seq: int, data: bytes) -> None:
+        self._write(f"delta-{seq:012d}.bin", data)
+
+    def unspool(self, seq: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / f"delta-{seq:012d}.bin").unlink()
+
+    def spooled(self) -> list[tuple[int, bytes]]:
+        """(seq, bytes) of every spooled delta, in seq order."""
+        out = []
+        for path in self._files():
+            m = SPOOL_RE.match(path.name)
+            if m:
+                with contextlib.suppress(OSError):
+                    out.append((int(m.group(1)), path.read_bytes()))
+        return sorted(out, key=lambda item: item[0])
+
+    def _files(self) -> list[Path]:
+        try:
+            return list(self.dir.iterdir())
+        except FileNotFoundError:
+            return []
+
+    def _write(self, name: str, data: bytes) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{name}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, self.dir / name)  # atomic: a crash leaves the old file or the new one

@@ -1,0 +1,32 @@
+"""`diloco bench outage` end to end on the tiny recipe: no version is committed while the merger is
+down, the next merge takes the backlog, and both momentum rules are reported.
+Run: .venv/bin/pytest tests/integration/test_bench_outage.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from diloco.cli import app
+
+
+def test_bench_outage_reports_both_rules(tmp_path):
+    out = tmp_path / "outage.json"
+    result = CliRunner().invoke(app, ["bench", "outage", "--config", "tiny", "--at", "1", "--down", "2",
+                                      "--rounds", "4", "--jobs", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert set(data["rules"]) == {"whole", "round_rate"}
+    for rule in data["rules"].values():
+        versions = [v for _, v, _ in rule["curve"]]
+        assert versions == [1, 1, 1, 2]  # rounds 1 and 2 merge nothing; round 3 merges the backlog
+    whole, spread = data["rules"]["whole"]["curve"], data["rules"]["round_rate"]["curve"]
+    assert [loss for *_, loss in whole[:3]] == [loss for *_, loss in spread[:3]]  # the same run until then
+    assert whole[3][2] != spread[3][2]  # the backlog merge is where the rules part
+
+
+def test_bench_outage_refuses_an_outage_past_the_end():
+    result = CliRunner().invoke(app, ["bench", "outage", "--at", "5", "--down", "5", "--rounds", "8"])
+    assert result.exit_code == 2 and "--rounds" in result.output

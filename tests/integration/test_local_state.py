@@ -1,0 +1,164 @@
+"""Local learner state: a learner process restarted on the same host resumes from its own disk —
+mid-phase, without the bucket, with the deltas an outage kept from landing — and never trusts a
+state that the bucket has moved past, that belongs to another run, or that is unreadable.
+Run: .venv/bin/pytest tests/integration/test_local_state.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+
+import pytest
+import torch
+
+from diloco.chaos.control import StorageWindow
+from diloco.chaos.faulty_store import FaultyStore
+from diloco.configs import load_config
+from diloco.engine.audit import audit_run
+from diloco.engine.corpus import load_run_corpus
+from diloco.engine.events import EventLog, read_events
+from diloco.engine.learner import Learner
+from diloco.engine.merger import Merger
+from diloco.engine.report import manifests
+from diloco.engine.run import create_run
+from diloco.storage import open_store
+
+OVERRIDES = {"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
+             "learner.local_state_every_steps": 5}  # tiny: H = 10, so one save mid-phase
+
+
+@pytest.fixture
+def corpus():
+    return load_run_corpus(load_config("tiny").data)
+
+
+def new_run(tmp_path, run_id="local"):
+    cfg = load_config("tiny").with_overrides(OVERRIDES)
+    return create_run(open_store(f"file://{tmp_path}/bucket"), run_id, cfg)
+
+
+def learner(ctx, corpus) -> Learner:
+    return Learner(ctx, "local-0", corpus, events=EventLog(ctx.store, ctx.keys, "local-0"))
+
+
+def ship(worker: Learner, merger: Merger, phases: int) -> None:
+    for _ in range(phases):
+        worker.run_phase()
+        worker.publish()
+        worker.publisher.drain()
+        merger.merge_once()
+
+
+def started(tmp_path, corpus, phases: int) -> tuple:
+    """A new run, its merger, and learner local-0 after `phases` shipped and merged phases."""
+    ctx = new_run(tmp_path)
+    merger = Merger(ctx)
+    merger.load()
+    first = learner(ctx, corpus)
+    first.join()
+    ship(first, merger, phases)
+    return ctx, merger, first
+
+
+def joins(ctx, worker: Learner | None = None) -> list[dict]:
+    if worker is not None:
+        worker.events.flush()
+    return [e for e in read_events(ctx.store, ctx.keys) if e["kind"] == "join" and e.get("learner") == "local-0"]
+
+
+def test_restart_resumes_mid_phase_from_local_state(tmp_path, corpus):
+    ctx, merger, first = started(tmp_path, corpus, 2)
+    first.run_phase()  # saved after 5 of its 10 steps; the last 5 die with the process
+    saved = first.local.load()
+    first.publisher.abandon()
+    first.events.flush()
+    assert saved.meta["next_seq"] == 2 and saved.meta["steps_since_publish"] == 5
+
+    second = learner(ctx, corpus)
+    assert second.join() == saved.meta["base_version"]
+    assert second.seq == 2 and second.steps_since_publish == 5
+    assert second.sampler.cursor == saved.meta["cursor"] and second.trainer.step == saved.meta["step"]
+    theta = second.theta()
+    assert all(torch.equal(theta[k], saved.parts["theta"][k]) for k in theta)
+    assert joins(ctx, second)[-1]["local"] is True
+    ship(second, merger, 1)  # the resumed half phase ships with the next one: 15 steps in delta 2
+    second.close()
+    last = manifests(ctx)[-1]
+    assert [(d.seq, d.steps) for d in last.merged()] == [(2, 15)]
+    assert audit_run(ctx).ok
+
+
+def test_delta_kept_from_an_outage_lands_after_the_restart(tmp_path, corpus):
+    ctx = new_run(tmp_path)
+    faulty = FaultyStore(ctx.store, [])
+    learner_ctx = dataclasses.replace(ctx, store=faulty)  # the learner's view of the bucket; the merger's is real
+    merger = Merger(ctx)
+    merger.load()
+    first = learner(learner_ctx, corpus)
+    first.join()
+    ship(first, merger, 1)
+    faulty.windows = [StorageWindow(t0=time.time(), outage=True)]
+    first.run_phase()
+    first.publish()  # seq 1 cannot land: kept in the spool
+    time.sleep(0.3)
+    first.publisher.abandon()  # the crash, during the outage
+    spooled = first.local.spooled()
+    assert [seq for seq, _ in spooled] == [1]
+
+    second = learner(learner_ctx, corpus)
+    second.join()  # the bucket is unreachable: resumes unchecked from the local state
+    assert second.seq == 2
+    faulty.windows = []  # storage is back
+    assert second.publisher.drain(timeout_s=60)
+    assert ctx.store.get(ctx.keys.delta("local-0", 1)) == spooled[0][1]  # the very bytes computed before the crash
+    assert second.local.spooled() == []
+    merger.merge_once()
+    ship(second, merger, 1)
+    second.close()
+    merged = [(d.learner, d.seq) for m in manifests(ctx) for d in m.merged()]
+    assert merged == [("local-0", 0), ("local-0", 1), ("local-0", 2)]
+    assert any(e.get("local") and e.get("requeued") == [1] for e in joins(ctx))
+    assert audit_run(ctx).ok
+
+
+def test_state_the_bucket_moved_past_is_dropped(tmp_path, corpus, monkeypatch):
+    ctx, merger, first = started(tmp_path, corpus, 2)  # local state: next seq 2
+    first.close()
+    home = first.local.dir
+    monkeypatch.setenv("DILOCO_LOCAL_DIR", str(tmp_path / "another-host"))
+    elsewhere = learner(ctx, corpus)  # the same learner restarted on another host: no local state there
+    elsewhere.join()
+    assert elsewhere.seq == 2
+    ship(elsewhere, merger, 2)  # seqs 2 and 3
+    elsewhere.close()
+    monkeypatch.setenv("DILOCO_LOCAL_DIR", str(home.parents[2]))
+    back = learner(ctx, corpus)
+    assert back.local.dir == home and back.local.load() is not None
+    back.join()
+    assert back.seq == 4 and not joins(ctx, back)[-1].get("local")
+    assert back.local.load() is None  # cleared
+    back.close()
+
+
+def test_state_of_another_run_or_unreadable_is_ignored(tmp_path, corpus):
+    _, _, first = started(tmp_path, corpus, 1)
+    first.close()
+    state_file = first.local.dir / "state.bin"
+    assert state_file.exists()
+
+    shutil.rmtree(tmp_path / "bucket")  # a new run with the same id and storage
+    ctx2 = new_run(tmp_path)
+    fresh = learner(ctx2, corpus)
+    assert fresh.local.dir == first.local.dir and fresh.local.load() is None
+    fresh.join()
+    assert fresh.seq == 0 and fresh.base == 0 and not joins(ctx2, fresh)[-1].get("local")
+    fresh.close()
+
+    state_file.write_bytes(b"\x00garbage" * 100)  # torn or hostile: never trusted
+    again = learner(ctx2, corpus)
+    assert again.local.load() is None
+    again.join()
+    assert not joins(ctx2, again)[-1].get("local")
+    again.close()

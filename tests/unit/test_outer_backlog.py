@@ -1,0 +1,48 @@
+"""The outer step on a backlog: a merge carrying several rounds of tokens (the merger or the storage
+was down) applies all of the progress, but feeds the momentum buffer one round's rate, so Nesterov
+does not re-apply the backlog on every later merge; a round or less is the plain (partial) step.
+Run: .venv/bin/pytest tests/unit/test_outer_backlog.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.configs import load_config
+from diloco.engine.outer_step import GradientStream, LearnerGroup, OuterState, outer_step
+
+CFG = load_config("tiny").with_overrides({"run.num_learners": 2, "outer.update_codec": "fp32"})
+PHASE_TOKENS = CFG.inner.steps_per_phase * CFG.data.batch_size * CFG.model.ctx_len
+LR, MU = CFG.outer.lr, CFG.outer.momentum
+
+
+def step(delta: torch.Tensor, phases: int, outer: OuterState) -> tuple[dict, OuterState, float]:
+    params = {"w": torch.zeros(4)}
+    stream = GradientStream(params, version=0, cfg=CFG, num_learners=2)
+    stream.add(LearnerGroup("local-0", seqs=list(range(phases)), tokens=phases * PHASE_TOKENS,
+                            steps=phases * CFG.inner.steps_per_phase, min_base=0, total={"w": delta.clone()}))
+    result = outer_step(params, outer, stream, "fp")
+    return result.params, result.outer, stream.rounds()
+
+
+@pytest.mark.parametrize("phases", [6, 20])
+def test_backlog_moves_by_all_of_it_and_feeds_momentum_one_round(phases):
+    delta = torch.tensor([1.0, -2.0, 0.5, 4.0])
+    params, outer, rounds = step(delta, phases, OuterState.zeros_like({"w": torch.zeros(4)}))
+    assert rounds == phases / 2 > 1
+    rate = delta / rounds
+    assert torch.allclose(outer.momentum["w"], rate)
+    assert torch.allclose(params["w"], -LR * (delta + MU * rate), atol=1e-6)
+    # the ring after it: the next merges re-apply MU**k of one round's rate, not of the whole backlog
+    plain_params, plain_outer, _ = step(delta, 2, OuterState.zeros_like({"w": torch.zeros(4)}))
+    assert outer.momentum["w"].abs().sum() < plain_outer.momentum["w"].abs().sum()
+
+
+def test_a_round_or_less_is_the_plain_partial_nesterov_step():
+    delta = torch.tensor([1.0, -2.0, 0.5, 4.0])
+    for phases, share in ((1, 0.5), (2, 1.0)):
+        params, outer, rounds = step(delta, phases, OuterState.zeros_like({"w": torch.zeros(4)}))
+        assert rounds == share
+        assert torch.allclose(outer.momentum["w"], share * delta)
+        assert torch.allclose(params["w"], -LR * (1 + MU) * share * delta, atol=1e-6)
