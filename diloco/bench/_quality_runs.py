@@ -156,6 +156,7 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
     t0, m = time.time(), cfg.run.num_learners
     cfg = cfg.with_overrides({
         "learner.codec": method.codec, "learner.mode": method.mode, "learner.checkpoint": False,
+        "learner.local_state_every_steps": 0,  # no restarts here: no state files on this host
         "learner.device": "cpu", "merger.quorum": quorum_of(method.schedule, m), "merger.grace_cap_s": 0.0,
     })
     with tempfile.TemporaryDirectory(prefix="diloco-bench-") as tmp:

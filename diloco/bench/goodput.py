@@ -98,7 +98,9 @@ def local_save_cost_s(ctx, repeats: int = 5) -> float:
         for _ in range(repeats):
             t0 = time.perf_counter()
             local.save({"theta": params, "ref": params, "glob": params, "opt": opt}, {"optimizer": opt_meta})
+            local.flush()  # the save is encoded and written on the local-state thread: time all of it
             times.append(time.perf_counter() - t0)
+        local.close()
     return statistics.median(times)
 
 
@@ -109,7 +111,7 @@ def torch_zeros_batch(cfg):
 
 
 def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
-    from diloco.chaos.goodput import compute_goodput
+    from diloco.chaos.goodput import compute_goodput, per_learner
     from diloco.engine.audit import audit_run
     from diloco.engine.events import read_events
     from diloco.engine.report import manifests
@@ -147,6 +149,9 @@ def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
             "no_fault_loss_tokens": clean_tokens, "audit_problems": audit.problems[:10],
             "deltas_rejected": audit.deltas_rejected, "deltas_pending": audit.deltas_pending,
             "loss_gap": (loss - clean_loss) / clean_loss, "loss_window_versions": LOSS_WINDOW,
+            "per_learner": per_learner(events, chain, chaos_ctx.learners),
+            "no_fault_per_learner": per_learner(read_events(clean_ctx.store, clean_ctx.keys), clean_chain,
+                                                clean_ctx.learners),
         },
     }
 
@@ -189,6 +194,8 @@ def bench_goodput(
     plan: Path | None = typer.Option(None, "--plan", help="A fault plan (default: the standard plan)."),
     checkpoint_cost_s: float = typer.Option(5.0, "--checkpoint-cost-s", min=0.0,
                                             help="Data-parallel checkpoint cost C for Young-Daly."),
+    measure_runs: str | None = typer.Option(None, "--measure", metavar="CHAOS_RUN,CLEAN_RUN",
+                                            help="Measure two recorded runs in --storage instead of running."),
 ) -> None:
     """Run the bench recipe under the standard fault plan and without faults; compare."""
     from diloco.chaos.plan import load_plan
@@ -197,10 +204,23 @@ def bench_goodput(
     plan_path = plan or PLANS / ("quick.yaml" if quick else "standard.yaml")
     duration = load_plan(plan_path).min_duration_s or 330.0
     cfg = load_config("bench").with_overrides({"run.num_versions": 1_000_000, "run.time_limit_s": duration})
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    logs = Path(".diloco") / "logs"
-    chaos_ctx = _supervised_run(storage, f"goodput-chaos-{stamp}", cfg, plan_path, logs)
-    clean_ctx = _supervised_run(storage, f"goodput-clean-{stamp}", cfg, None, logs)
+    if measure_runs:
+        from diloco.engine.run import RunError, open_run
+
+        names = measure_runs.split(",")
+        if len(names) != 2:
+            typer.secho("error: --measure takes CHAOS_RUN,CLEAN_RUN", err=True, fg="red")
+            raise typer.Exit(2)
+        try:
+            chaos_ctx, clean_ctx = (open_run(storage, name) for name in names)
+        except RunError as err:
+            typer.secho(f"error: --measure: {err}", err=True, fg="red")
+            raise typer.Exit(2) from None
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        logs = Path(".diloco") / "logs"
+        chaos_ctx = _supervised_run(storage, f"goodput-chaos-{stamp}", cfg, plan_path, logs)
+        clean_ctx = _supervised_run(storage, f"goodput-clean-{stamp}", cfg, None, logs)
     result = measure(chaos_ctx, clean_ctx, checkpoint_cost_s)
     result["targets"] = targets_met(result)
     result["plan"] = str(plan_path)

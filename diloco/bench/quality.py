@@ -1,7 +1,8 @@
 """`diloco bench quality`: held-out loss and bytes per learner at equal tokens, DP vs DiLoCo variants.
 
 Contract: in-process and deterministic (no subprocesses, no Prefect); prints a table, writes JSON
-{"methods": {...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp", "config"} and optionally a PNG.
+{"methods": {...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp" (bytes sent), "received_ratio_vs_dp",
+"config"} and optionally a PNG. Steps per learner default to the recipe's `inner.total_steps`.
 """
 
 from __future__ import annotations
@@ -119,20 +120,25 @@ def _print_table(result: dict[str, Any]) -> None:
     table = Table(title=f"held-out loss at equal tokens ({cfg['tokens_per_method']:,} per method, "
                         f"M={cfg['num_learners']}, H={cfg['inner_steps_per_phase']}, seeds {cfg['seeds']})")
     for col in ("method", "nats/byte", "bits/byte", "per seed", "vs DP", "sent/learner", "recv/learner",
-                "sent vs DP"):
+                "sent vs DP", "recv vs DP"):
         table.add_column(col, justify="right")
     dp = result["methods"].get("dp")
     for name, r in result["methods"].items():
         per_seed = " ".join(f"{s['eval_loss']:.4f}" for s in r["seeds"])
         vs = f"{r['eval_loss'] / dp['eval_loss']:.4f}" if dp else "-"
-        less = f"{dp['bytes_sent_per_learner'] / r['bytes_sent_per_learner']:.0f}x less" if dp and name != "dp" else "-"
+        less, less_recv = (_less(dp, r, "bytes_sent_per_learner"), _less(dp, r, "bytes_received_per_learner")) \
+            if dp and name != "dp" else ("-", "-")
         table.add_row(name, f"{r['eval_loss']:.4f}", f"{r['eval_loss_bits']:.4f}", per_seed, vs,
-                      _mb(r["bytes_sent_per_learner"]), _mb(r["bytes_received_per_learner"]), less)
+                      _mb(r["bytes_sent_per_learner"]), _mb(r["bytes_received_per_learner"]), less, less_recv)
     Console().print(table)
     if result.get("loss_ratio_vs_dp") is not None:
         Console().print(f"decoupled int4 / DP: loss ratio {result['loss_ratio_vs_dp']:.4f} (target <= "
-                        f"{TARGET_LOSS_RATIO}), traffic {result['traffic_ratio_vs_dp']:.0f}x less (target >= "
-                        f"{TARGET_TRAFFIC_RATIO:.0f}x)")
+                        f"{TARGET_LOSS_RATIO}), traffic {result['traffic_ratio_vs_dp']:.0f}x less sent (target >= "
+                        f"{TARGET_TRAFFIC_RATIO:.0f}x), {result['received_ratio_vs_dp']:.0f}x less received")
+
+
+def _less(dp: dict[str, Any], r: dict[str, Any], key: str) -> str:
+    return f"{dp[key] / r[key]:.0f}x less" if r[key] > 0 else "-"
 
 
 def _mb(num_bytes: float) -> str:
@@ -165,7 +171,9 @@ def bench_quality(
     json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
     png_path: Path | None = typer.Option(None, "--png", help="Write the loss-vs-tokens plot here."),
     num_seeds: int = typer.Option(2, "--seeds", min=1, help="Seeds per method (a second is added when close)."),
-    steps: int = typer.Option(320, "--steps", min=1, help="Inner steps per learner (= DP steps)."),
+    steps: int | None = typer.Option(None, "--steps", min=1,
+                                     help="Inner steps per learner (= DP steps); default: the recipe's "
+                                          "inner.total_steps."),
     tokens: int | None = typer.Option(None, "--tokens", min=1, help="Tokens per method (overrides --steps)."),
     learners: int | None = typer.Option(None, "--learners", min=1, help="M (default: the recipe's)."),
     methods: str = typer.Option(",".join(m.name for m in METHODS), "--methods", help="Comma-separated subset."),
@@ -175,6 +183,8 @@ def bench_quality(
 ) -> None:
     """Held-out loss and traffic at equal tokens: DP, sync DiLoCo, decoupled int8/int4, heterogeneous."""
     cfg = load_config(config).with_overrides({"run.num_learners": learners})
+    if steps is None:
+        steps = cfg.inner.total_steps  # the recipe's own horizon: enough outer rounds to compare at
     if quick:
         cfg, steps, num_seeds = cfg.with_overrides(QUICK), 20, 1
     if tokens is not None:

@@ -70,6 +70,33 @@ def useful_compute_s(manifests: list[Manifest], times: dict[str, float], t_end: 
     return useful
 
 
+def per_learner(events: list[Event], manifests: list[Manifest], learners: list[str]) -> dict[str, dict[str, float]]:
+    """Where each learner's provisioned time went: alive, ready (joined, not paused), inside phases,
+    and useful (its merged steps x step time; partial phases saved before a kill and merged after it
+    count, so useful can exceed phase time). provisioned - alive is planned down time and restarts;
+    alive - ready is process start and join; ready - phase is time between phases (publishing, status,
+    events) and phases cut short by a kill; phase - useful is computed work not merged in the window."""
+    lives, (t0, t1) = lifecycles(events, learners)
+    times = step_times(events, learners)
+    merged = {name: 0 for name in learners}
+    for m in manifests:
+        if m.created_at <= t1:
+            for d in m.merged():
+                if d.learner in merged:
+                    merged[d.learner] += d.steps
+    out = {}
+    for name in learners:
+        phases = [e for e in events if e.get("kind") == "phase" and e.get("learner") == name and e["t"] <= t1]
+        out[name] = {
+            "provisioned_s": t1 - t0, "alive_s": total(lives[name].alive),
+            "ready_s": total(subtract(lives[name].ready, lives[name].paused)),
+            "phase_s": sum(float(e.get("duration_s", 0.0)) for e in phases),
+            "phase_steps": sum(int(e.get("steps", 0)) for e in phases), "merged_steps": merged[name],
+            "step_time_s": times[name], "useful_s": merged[name] * times[name],
+        }
+    return out
+
+
 def young_daly_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
     """The optimal checkpoint interval sqrt(2 C MTBF) (first order)."""
     return math.sqrt(2.0 * checkpoint_cost_s * mtbf_s) if math.isfinite(mtbf_s) else math.inf
@@ -150,4 +177,5 @@ def compute_goodput(events: list[Event], manifests: list[Manifest], learners: li
     )
 
 
-__all__ = ["Goodput", "clip", "compute_goodput", "dp_goodput", "dp_progress_s", "step_times", "young_daly_s"]
+__all__ = ["Goodput", "clip", "compute_goodput", "dp_goodput", "dp_progress_s", "per_learner", "step_times",
+           "young_daly_s"]

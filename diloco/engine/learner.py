@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ from diloco.training.model import build_model, get_flat_params, set_params
 
 log = logging.getLogger("diloco.learner")
 HEARTBEAT_EVERY_S = 2.0  # status.json refresh while training; the supervisor's timeout is far longer
+QUICK_RETRIES = 1  # probes and heartbeats on the training thread: one quick retry, then train on (next one soon)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Learner:
         if self.cfg.learner.local_state_every_steps > 0:
             identity = {"storage": ctx.store.url, "run_id": ctx.run_id, "created_at": ctx.created_at}
             self.local = LocalState(ctx.store.url, ctx.run_id, name, identity, ctx.fingerprint)
+        self.quick = ctx.store.with_retries(QUICK_RETRIES)
         self.publisher = Publisher(ctx.store, self.events, on_landed=self.local.unspool if self.local else None)
         self.model = build_model(self.cfg.model, seed=self.cfg.data.seed).to(self.device)
         self.base = -1
@@ -158,17 +161,15 @@ class Learner:
         return True
 
     def save_local(self) -> None:
-        """Write the whole state to this host (see diloco.engine.local_state); never fatal."""
+        """Snapshot the whole state (copies) and queue its write to this host (diloco.engine.local_state:
+        encoded and written off the training thread); never fatal."""
         if self.local is None:
             return
         opt, opt_meta = self.trainer.export_state()
         meta = {"learner": self.name, "next_seq": self.seq, "base_version": self.base, "step": self.trainer.step,
                 "cursor": self.sampler.cursor, "optimizer": opt_meta, "steps_since_publish": self.steps_since_publish,
                 "tokens_since_publish": self.tokens_since_publish}
-        try:
-            self.local.save({"theta": self.theta(), "ref": self.ref, "glob": self.glob, "opt": opt}, meta)
-        except OSError as err:
-            log.warning("learner %s: local state not written (%s)", self.name, err)
+        self.local.save({"theta": self.theta(), "ref": T.clone(self.ref), "glob": self.glob, "opt": opt}, meta)
 
     def _next_seq(self, manifest: Manifest) -> int:
         listed = [parse_delta_key(k) for k in self.ctx.store.list(self.ctx.keys.deltas_prefix(self.name))]
@@ -215,7 +216,7 @@ class Learner:
                   "base_version": self.base, "step": self.trainer.step, "cursor": self.sampler.cursor,
                   "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published, **extra}
         try:
-            self.ctx.store.put(self.ctx.keys.status(self.name), json.dumps(status).encode())
+            self.quick.put(self.ctx.keys.status(self.name), json.dumps(status).encode())
         except StorageError as err:
             log.warning("heartbeat of %s failed: %s", self.name, err)
 
@@ -261,10 +262,16 @@ class Learner:
     # ---- ship ----------------------------------------------------------------------------
     def publish(self, stats: PhaseStats | None = None) -> int | None:
         """Ship r - theta as delta `seq`; keep the quantization error in r (error feedback).
-        Nothing is published (None) when no step was taken since the last delta: the residual
-        in r - theta then simply ships with the next one."""
+        Nothing is published (None) when no step was taken since the last delta, or when MAX_PENDING
+        deltas are still uploading (not in sync mode): what is in r - theta ships with the next one."""
         cfg = self.cfg
         if self.steps_since_publish == 0:
+            return None
+        if cfg.learner.mode != "sync" and self.publisher.full():
+            # Storage down or slow: train on rather than wait. Nothing is shipped now; the progress stays
+            # in r - theta and ships with the next delta (one delta, its steps and tokens add up).
+            self.events.emit("publish_deferred", learner=self.name, seq=self.seq, steps=self.steps_since_publish)
+            self.save_local()
             return None
         delta = T.sub(self.ref, self.theta())
         seq = self.seq
@@ -278,7 +285,7 @@ class Learner:
                                 fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
         _, shipped = T.decode_tensors(data)
         T.add_(self.ref, shipped, alpha=-1.0)
-        checkpoint = self._checkpoint_bytes(seq) if cfg.learner.checkpoint else None
+        checkpoint = self._checkpoint(seq) if cfg.learner.checkpoint else None
         if self.local is not None:
             self.local.spool(seq, data)  # until it lands: a crash while the bucket is away loses nothing
         stall = self.publisher.submit(self.ctx.keys.delta(self.name, seq), data, seq=seq,
@@ -294,18 +301,19 @@ class Learner:
                          tokens=meta["tokens"], steps=meta["steps"], stall_s=stall)
         return seq
 
-    def _checkpoint_bytes(self, seq: int) -> bytes:
+    def _checkpoint(self, seq: int) -> Callable[[], bytes]:
+        """The bucket checkpoint after delta `seq`: state copied now, encoded by the publisher's thread."""
         tensors, opt_meta = self.trainer.export_state()
         meta = {"learner": self.name, "seq": seq, "step": self.trainer.step, "cursor": self.sampler.cursor,
                 "base_version": self.base, "optimizer": opt_meta}
-        return T.encode_tensors(tensors, codec_name="fp32", kind="state",
-                                fingerprint=self.ctx.fingerprint, meta=meta)
+        return lambda: T.encode_tensors(tensors, codec_name="fp32", kind="state",
+                                        fingerprint=self.ctx.fingerprint, meta=meta)
 
     # ---- carry ---------------------------------------------------------------------------
     def maybe_install(self) -> int | None:
         """Cheap probe for version base+1; on a newer version install it and return it."""
         try:
-            if not manifest_exists(self.ctx.store, self.ctx.keys, self.base + 1):
+            if not manifest_exists(self.quick, self.ctx.keys, self.base + 1):
                 return None
             latest = latest_version(self.ctx.store, self.ctx.keys)
             if latest is None or latest <= self.base:
@@ -358,5 +366,7 @@ class Learner:
 
     def close(self, timeout_s: float = 60.0) -> None:
         self.publisher.close(timeout_s)
+        if self.local is not None:
+            self.local.close()
         self.events.emit("stop", learner=self.name, seq=self.seq, version=self.base)
         self.events.flush()

@@ -8,6 +8,10 @@ same host resumes from it: no download, no repeated phase, and no delta lost to 
 bucket was unreachable. It is a cache: the bucket stays the truth (the learner checks it, when it can,
 and drops a state the bucket has moved past), and it survives a process crash, not a lost host.
 
+Writes run on a background thread, in order (a spool file is always written before the state that
+counts its delta as shipped); the caller hands over tensors it will not change. A crash can lose the
+writes still queued: the state on disk is then the one before, never a torn one.
+
 Pickle-free: the same tensor codec (fp32) as the bucket's checkpoints; a state of another run (same
 run id, new run), another model layout or an unreadable file is ignored, never trusted.
 """
@@ -18,7 +22,10 @@ import contextlib
 import hashlib
 import logging
 import os
+import queue
 import re
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +58,46 @@ class LocalState:
         url_tag = hashlib.blake2b(store_url.encode(), digest_size=6).hexdigest()
         self.dir = (root or local_root()) / url_tag / run_id / name
         self.identity, self.fingerprint = identity, fingerprint
+        self._ops: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    # ---- the writer thread -------------------------------------------------------------------
+    def _submit(self, op: Callable[[], None]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="local-state", daemon=True)
+            self._thread.start()
+        self._ops.put(op)
+
+    def _run(self) -> None:
+        while True:
+            op = self._ops.get()
+            try:
+                if op is None:
+                    return
+                op()
+            except OSError as err:
+                log.warning("local state %s: write failed (%s)", self.dir, err)
+            finally:
+                self._ops.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued write is on disk."""
+        if self._thread is not None:
+            self._ops.join()
+
+    def close(self) -> None:
+        self.flush()
+        if self._thread is not None:
+            self._ops.put(None)
+            self._thread.join(timeout=10)
+            self._thread = None
 
     # ---- state ---------------------------------------------------------------------------
     def save(self, parts: dict[str, T.Tensors], meta: dict) -> None:
+        """Queue a save of these tensors (the caller must not change them afterwards) and meta."""
+        self._submit(lambda: self._save_now(parts, meta))
+
+    def _save_now(self, parts: dict[str, T.Tensors], meta: dict) -> None:
         tensors = {f"{part}/{k}": v for part in PARTS for k, v in parts[part].items()}
         data = T.encode_tensors(tensors, codec_name="fp32", kind="state", fingerprint=self.fingerprint,
                                 meta={**meta, "identity": self.identity}, shuffle=False)
@@ -88,17 +132,22 @@ class LocalState:
 
     def clear(self) -> None:
         """Forget the state and the spool (the bucket showed them stale, or another process owns the name)."""
+        self.flush()
         for path in self._files():
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
     # ---- spool of deltas not landed yet --------------------------------------------------------
     def spool(self, seq: int, data: bytes) -> None:
-        self._write(f"delta-{seq:012d}.bin", data)
+        self._submit(lambda: self._write(f"delta-{seq:012d}.bin", data))
 
     def unspool(self, seq: int) -> None:
+        """Queued too: after the spool write of the same seq, whichever thread calls it."""
+        self._submit(lambda: self._unlink(f"delta-{seq:012d}.bin"))
+
+    def _unlink(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            (self.dir / f"delta-{seq:012d}.bin").unlink()
+            (self.dir / name).unlink()
 
     def spooled(self) -> list[tuple[int, bytes]]:
         """(seq, bytes) of every spooled delta, in seq order."""

@@ -30,6 +30,7 @@ class StopSignal:
 
     def __init__(self, ctx: RunContext, target_version: int | None = None, every_s: float = 1.0) -> None:
         self.ctx, self.target, self.every_s = ctx, target_version, every_s
+        self.store = ctx.store.with_retries(1)  # checked often: an outage must not stall the caller
         self._last, self._stopped = 0.0, False
 
     def __call__(self) -> bool:
@@ -40,10 +41,10 @@ class StopSignal:
             return False
         self._last = now
         try:
-            if self.ctx.store.exists(self.ctx.keys.stop()):
+            if self.store.exists(self.ctx.keys.stop()):
                 self._stopped = True
             elif self.target is not None:
-                latest = latest_version(self.ctx.store, self.ctx.keys)
+                latest = latest_version(self.store, self.ctx.keys)
                 self._stopped = latest is not None and latest >= self.target
         except StorageError:
             return False

@@ -36,12 +36,22 @@ class Publisher:
         self.published: list[int] = []
         self.bytes_published = 0
         self.fenced = threading.Event()  # another process published one of our seqs: we must stop
+        self._in_flight = 0  # submitted deltas not landed (or given up) yet
+        self._count_lock = threading.Lock()
+
+    def full(self) -> bool:
+        """MAX_PENDING deltas are waiting (storage down or slow): a new one would stall the caller."""
+        with self._count_lock:
+            return self._in_flight >= MAX_PENDING
 
     def submit(self, key: str, data: bytes, *, seq: int,
-               checkpoint: tuple[str, bytes | None] | None = None) -> float:
-        """Queue a delta (and the checkpoint to write after it); returns seconds stalled."""
+               checkpoint: tuple[str, bytes | Callable[[], bytes] | None] | None = None) -> float:
+        """Queue a delta (and the checkpoint to write after it: bytes, or a function this thread calls
+        to encode them); returns seconds stalled."""
         t0 = time.time()
         self._pending.acquire()
+        with self._count_lock:
+            self._in_flight += 1
         stall = time.time() - t0
         self._queue.put((key, data, seq, checkpoint, True))
         return stall
@@ -84,9 +94,12 @@ class Publisher:
                     if self.on_landed is not None:
                         self.on_landed(seq)
                     if checkpoint and checkpoint[1] is not None:
-                        self._put_with_retry(checkpoint[0], checkpoint[1], attempts=3)
+                        body = checkpoint[1]() if callable(checkpoint[1]) else checkpoint[1]
+                        self._put_with_retry(checkpoint[0], body, attempts=3)
             finally:
                 if counted:
+                    with self._count_lock:
+                        self._in_flight -= 1
                     self._pending.release()
                 self._queue.task_done()
 

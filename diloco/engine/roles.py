@@ -27,10 +27,16 @@ from diloco.training.model import build_model
 
 def make_learner(storage: str, run_id: str, name: str) -> tuple[Learner, StopSignal]:
     validate_learner_name(name)
+    # torch's lazy imports (~3 s: the optimizer's first step pulls torch._dynamo) belong to the start,
+    # before the join, not to the first phase's time (goodput counts phase time as compute); a warm
+    # standby has paid them already and this is then a few milliseconds
+    warm_up(prefect=False)
     ctx = open_run(storage, run_id)
     control = apply_chaos(ctx)
     slowdown = control.slowdown.get(name) if control else None
-    learner = Learner(ctx, name, load_run_corpus(ctx.cfg.data), events=EventLog(ctx.store, ctx.keys, name),
+    # events are kept and flushed again on failure: one quick retry, so an outage does not stall each phase
+    events = EventLog(ctx.store.with_retries(1), ctx.keys, name)
+    learner = Learner(ctx, name, load_run_corpus(ctx.cfg.data), events=events,
                       slowdown=slowdown)
     return learner, StopSignal(ctx, ctx.cfg.run.num_versions)
 

@@ -7,6 +7,7 @@ from a cache; put_if_absent is a true atomic exclusive create; errors are transl
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import errno
 import os
@@ -251,6 +252,16 @@ class ObjectStore:
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
+
+    def with_retries(self, max_retries: int) -> ObjectStore:
+        """This store (the same backend, and faults when it is a FaultyStore) with another retry budget:
+        e.g. 1 for a probe or heartbeat that is simply tried again later, so a storage outage does not
+        hold up the training loop for the full back-off on every call."""
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        clone = copy.copy(self)
+        clone.max_retries = max_retries
+        return clone
 
     def _call(self, fn: Callable[[], T], key: str, *, writing: bool = False) -> T:
         return call_with_retries(fn, max_retries=self.max_retries, key=key, writing=writing)

@@ -71,6 +71,7 @@ def joins(ctx, worker: Learner | None = None) -> list[dict]:
 def test_restart_resumes_mid_phase_from_local_state(tmp_path, corpus):
     ctx, merger, first = started(tmp_path, corpus, 2)
     first.run_phase()  # saved after 5 of its 10 steps; the last 5 die with the process
+    first.local.flush()  # the save is written off the training thread: let it land before the "crash"
     saved = first.local.load()
     first.publisher.abandon()
     first.events.flush()
@@ -99,20 +100,22 @@ def test_delta_kept_from_an_outage_lands_after_the_restart(tmp_path, corpus):
     first = learner(learner_ctx, corpus)
     first.join()
     ship(first, merger, 1)
-    faulty.windows = [StorageWindow(t0=time.time(), outage=True)]
+    faulty.windows[:] = [StorageWindow(t0=time.time(), outage=True)]  # in place: the learner's views share it
     first.run_phase()
     first.publish()  # seq 1 cannot land: kept in the spool
     time.sleep(0.3)
     first.publisher.abandon()  # the crash, during the outage
+    first.local.flush()
     spooled = first.local.spooled()
     assert [seq for seq, _ in spooled] == [1]
 
     second = learner(learner_ctx, corpus)
     second.join()  # the bucket is unreachable: resumes unchecked from the local state
     assert second.seq == 2
-    faulty.windows = []  # storage is back
+    faulty.windows.clear()  # storage is back
     assert second.publisher.drain(timeout_s=60)
     assert ctx.store.get(ctx.keys.delta("local-0", 1)) == spooled[0][1]  # the very bytes computed before the crash
+    second.local.flush()
     assert second.local.spooled() == []
     merger.merge_once()
     ship(second, merger, 1)
@@ -162,3 +165,28 @@ def test_state_of_another_run_or_unreadable_is_ignored(tmp_path, corpus):
     again.join()
     assert not joins(ctx2, again)[-1].get("local")
     again.close()
+
+
+def test_an_outage_defers_shipping_not_training(tmp_path, corpus):
+    ctx = new_run(tmp_path)
+    faulty = FaultyStore(ctx.store, [])
+    worker = learner(dataclasses.replace(ctx, store=faulty), corpus)
+    worker.join()
+    merger = Merger(ctx)
+    merger.load()
+    h = ctx.cfg.inner.steps_per_phase
+    faulty.windows[:] = [StorageWindow(t0=time.time(), outage=True)]
+    seqs = [worker.publish(worker.run_phase()) for _ in range(4)]
+    assert seqs == [0, 1, None, None]  # two deltas wait for the bucket; then training goes on unshipped
+    assert worker.steps_since_publish == 2 * h
+    faulty.windows.clear()
+    assert worker.publisher.drain(timeout_s=60)
+    worker.run_phase()
+    assert worker.publish() == 2  # one delta carries the three phases since seq 1
+    worker.publisher.drain()
+    merger.merge_once()
+    worker.close()
+    assert [(d.seq, d.steps) for m in manifests(ctx) for d in m.merged()] == [(0, h), (1, h), (2, 3 * h)]
+    deferred = [e for e in read_events(ctx.store, ctx.keys) if e["kind"] == "publish_deferred"]
+    assert [e["steps"] for e in deferred] == [h, 2 * h]
+    assert audit_run(ctx).ok

@@ -101,3 +101,21 @@ def test_control_round_trip_and_exclusive_claim(tmp_path: Path) -> None:
     write_control(store, keys, control)
     assert read_control(store, keys) == control
     assert claim(store, keys, "s1") and not claim(store, keys, "s1")
+
+
+def test_with_retries_changes_only_the_retry_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("diloco.storage.errors.backoff_s", lambda attempt: 0.0)
+    clock = Clock(1000.0)
+    store = faulty(tmp_path, [StorageWindow(t0=1000.0, outage=True)], clock).with_retries(5)
+    quick = store.with_retries(1)
+    assert isinstance(quick, FaultyStore) and quick.url == store.url and store.max_retries == 5
+    for s, attempts in ((quick, 2), (store, 6)):
+        before = s.injected
+        with pytest.raises(TransientError, match="outage"):
+            s.exists("a/b")
+        assert s.injected - before == attempts  # the quick view gives up after one retry
+    store.windows.clear()  # the views share the windows: storage back for both
+    quick.put("a/b", b"x")
+    assert store.get("a/b") == b"x"
+    with pytest.raises(ValueError, match="max_retries"):
+        store.with_retries(-1)

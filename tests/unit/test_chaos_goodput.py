@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from diloco.chaos.goodput import compute_goodput, dp_progress_s, young_daly_s
+from diloco.chaos.goodput import compute_goodput, dp_progress_s, per_learner, young_daly_s
 from diloco.chaos.timeline import timeline
 from diloco.storage import DeltaDecision, Manifest
 
@@ -99,3 +99,13 @@ def test_timeline_states_and_points() -> None:
     assert ("merger", "merge", 40.0, 40.0) in rows
     assert ("chaos", "fault:kill_learner", 45.0, 45.0) in rows
     assert [r[2] for r in rows] == sorted(r[2] for r in rows)
+
+
+def test_per_learner_breakdown_adds_up_to_the_goodput() -> None:
+    rows = per_learner(EVENTS, CHAIN, ["a", "b"])
+    assert rows["a"] == pytest.approx({"provisioned_s": 100.0, "alive_s": 95.0, "ready_s": 89.0, "phase_s": 10.0,
+                                       "phase_steps": 10, "merged_steps": 30, "step_time_s": 1.0, "useful_s": 30.0})
+    assert rows["b"]["ready_s"] == pytest.approx(94.0) and rows["b"]["useful_s"] == pytest.approx(20.0)
+    g = compute_goodput(EVENTS, CHAIN, ["a", "b"])
+    assert sum(r["useful_s"] for r in rows.values()) == pytest.approx(g.useful_s)
+    assert sum(r["alive_s"] for r in rows.values()) - 5.0 == pytest.approx(g.up_s)  # b's pause is alive, not up
