@@ -102,7 +102,11 @@ def test_quantized_error_is_within_half_a_step_per_block(
         padded = np.zeros(-(-flat.size // block_size) * block_size)
         padded[: flat.size] = flat
         absmax = np.abs(padded.reshape(-1, block_size)).max(axis=1, initial=0.0)
-        bound = np.repeat(absmax / LEVELS[codec] / 2, block_size)[: flat.size] * (1 + 1e-5) + 1e-44
+        # half a step, plus fp32 arithmetic: the scale, x * (levels / absmax) and the fp32 result each
+        # round; measured worst excess 3.4e-8 x absmax over 1.2M random blocks, so 2^-22 x absmax (a
+        # relative slack of 1e-5 of the half step was below that for int8 and failed rarely in CI)
+        half = np.repeat(absmax / LEVELS[codec] / 2, block_size)[: flat.size]
+        bound = half + np.repeat(absmax, block_size)[: flat.size] * 2.0**-22 + 1e-44
         assert np.all(np.abs(out[name].reshape(-1) - flat) <= bound)
 
 
