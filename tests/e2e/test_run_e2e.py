@@ -27,14 +27,15 @@ def _last_json(stdout: str) -> dict:
 
 
 def _run_and_audit(storage: str, run_id: str) -> dict:
-    # 10 versions: with quorum 1 each merge carries about a third of a round (partial-round scaling),
-    # so 5 versions can be as little as ~2 phases of progress on a busy machine
-    result = _diloco("run", "--config", "tiny", "--learners", "3", "--versions", "10", "--storage", storage,
+    # 20 versions: with quorum 1 each merge carries about a third of a round (partial-round scaling),
+    # and a burst of single-delta merges can overshoot for a few versions before the learners' next
+    # deltas pull the model back (docs/ENGINE.md, known problems: seen once at version 10 in CI)
+    result = _diloco("run", "--config", "tiny", "--learners", "3", "--versions", "20", "--storage", storage,
                      "--run-id", run_id, "--no-prefect", "--no-live", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _last_json(result.stdout)
     assert summary["run_id"] == run_id and summary["num_learners"] == 3
-    assert summary["num_versions"] >= 10
+    assert summary["num_versions"] >= 20
     assert summary["deltas_merged"] >= 5
     # falls: by how much depends on the machine's load (merges of fewer deltas)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.1
@@ -42,7 +43,7 @@ def _run_and_audit(storage: str, run_id: str) -> dict:
     audit = _diloco("audit", "--storage", storage, "--run-id", run_id, "--json")
     assert audit.returncode == 0, audit.stdout + audit.stderr
     report = _last_json(audit.stdout)
-    assert report["ok"] and report["replay_ok"] and report["num_versions"] >= 11, report
+    assert report["ok"] and report["replay_ok"] and report["num_versions"] >= 21, report
     status = _diloco("status", "--storage", storage, "--run-id", run_id, "--json")
     assert status.returncode == 0, status.stderr
     learners = {row["learner"] for row in _last_json(status.stdout)["learners"]}
