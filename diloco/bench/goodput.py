@@ -82,19 +82,21 @@ def local_save_cost_s(ctx, repeats: int = 5) -> float:
     `learner.local_state_every_steps` steps): the cheapest checkpoint data-parallel could have too."""
     import tempfile
 
+    import torch
+
     from diloco.engine.local_state import LocalState
     from diloco.training.inner import InnerTrainer
     from diloco.training.model import build_model, get_flat_params
 
     model = build_model(ctx.cfg.model)
     trainer = InnerTrainer(model, ctx.cfg.inner)
-    x = torch_zeros_batch(ctx.cfg)
-    trainer.train_step(x, x)
+    x = torch.zeros(ctx.cfg.data.batch_size, ctx.cfg.model.ctx_len, dtype=torch.long)
+    trainer.train_step(x, x)  # the AdamW state a learner saves exists after its first step
     opt, opt_meta = trainer.export_state()
     params = get_flat_params(model)
     times = []
     with tempfile.TemporaryDirectory() as root:
-        local = LocalState(ctx.store.url, ctx.run_id, "bench", {"bench": True}, ctx.fingerprint, root=Path(root))
+        local = LocalState(ctx.store.url, ctx.run_id, "bench", ctx.created_at, ctx.fingerprint, root=Path(root))
         for _ in range(repeats):
             t0 = time.perf_counter()
             local.save({"theta": params, "ref": params, "glob": params, "opt": opt}, {"optimizer": opt_meta})
@@ -102,12 +104,6 @@ def local_save_cost_s(ctx, repeats: int = 5) -> float:
             times.append(time.perf_counter() - t0)
         local.close()
     return statistics.median(times)
-
-
-def torch_zeros_batch(cfg):
-    import torch
-
-    return torch.zeros(cfg.data.batch_size, cfg.model.ctx_len, dtype=torch.long)
 
 
 def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:

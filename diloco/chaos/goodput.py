@@ -58,16 +58,20 @@ def step_times(events: list[Event], learners: list[str]) -> dict[str, float]:
     return {name: (s / n if n else fallback) for name, (s, n) in sums.items()}
 
 
+def merged_steps(manifests: list[Manifest], learners: list[str], t_end: float) -> dict[str, int]:
+    """Per learner, the inner steps of its deltas merged in versions committed by t_end."""
+    steps = {name: 0 for name in learners}
+    for m in manifests:
+        if m.created_at <= t_end:
+            for d in m.merged():
+                if d.learner in steps:
+                    steps[d.learner] += d.steps
+    return steps
+
+
 def useful_compute_s(manifests: list[Manifest], times: dict[str, float], t_end: float) -> float:
     """Sum over deltas merged in versions committed by t_end: steps x the learner's step time."""
-    useful = 0.0
-    for m in manifests:
-        if m.created_at > t_end:
-            continue
-        for d in m.merged():
-            if d.learner in times:
-                useful += d.steps * times[d.learner]
-    return useful
+    return sum(n * times[name] for name, n in merged_steps(manifests, list(times), t_end).items())
 
 
 def per_learner(events: list[Event], manifests: list[Manifest], learners: list[str]) -> dict[str, dict[str, float]]:
@@ -78,12 +82,7 @@ def per_learner(events: list[Event], manifests: list[Manifest], learners: list[s
     events) and phases cut short by a kill; phase - useful is computed work not merged in the window."""
     lives, (t0, t1) = lifecycles(events, learners)
     times = step_times(events, learners)
-    merged = {name: 0 for name in learners}
-    for m in manifests:
-        if m.created_at <= t1:
-            for d in m.merged():
-                if d.learner in merged:
-                    merged[d.learner] += d.steps
+    merged = merged_steps(manifests, learners, t1)
     out = {}
     for name in learners:
         phases = [e for e in events if e.get("kind") == "phase" and e.get("learner") == name and e["t"] <= t1]

@@ -74,8 +74,7 @@ class Learner:
         self.slowdown = slowdown if slowdown is not None else self.cfg.learner.slowdown
         self.local = None
         if self.cfg.learner.local_state_every_steps > 0:
-            identity = {"storage": ctx.store.url, "run_id": ctx.run_id, "created_at": ctx.created_at}
-            self.local = LocalState(ctx.store.url, ctx.run_id, name, identity, ctx.fingerprint)
+            self.local = LocalState(ctx.store.url, ctx.run_id, name, ctx.created_at, ctx.fingerprint)
         self.quick = ctx.store.with_retries(QUICK_RETRIES)
         self.publisher = Publisher(ctx.store, self.events, on_landed=self.local.unspool if self.local else None)
         self.model = build_model(self.cfg.model, seed=self.cfg.data.seed).to(self.device)
@@ -285,11 +284,11 @@ class Learner:
                                 fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
         _, shipped = T.decode_tensors(data)
         T.add_(self.ref, shipped, alpha=-1.0)
-        checkpoint = self._checkpoint(seq) if cfg.learner.checkpoint else None
+        checkpoint = (self.ctx.keys.checkpoint(self.name, "state"), self._checkpoint(seq)) \
+            if cfg.learner.checkpoint else None
         if self.local is not None:
             self.local.spool(seq, data)  # until it lands: a crash while the bucket is away loses nothing
-        stall = self.publisher.submit(self.ctx.keys.delta(self.name, seq), data, seq=seq,
-                                      checkpoint=(self.ctx.keys.checkpoint(self.name, "state"), checkpoint))
+        stall = self.publisher.submit(self.ctx.keys.delta(self.name, seq), data, seq=seq, checkpoint=checkpoint)
         self.seq += 1
         self.tokens_since_publish = 0
         self.steps_since_publish = 0

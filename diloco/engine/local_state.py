@@ -53,11 +53,13 @@ def local_root() -> Path:
 class LocalState:
     """<root>/<hash of storage url>/<run id>/<learner>/: state.bin and delta-<seq>.bin spool files."""
 
-    def __init__(self, store_url: str, run_id: str, name: str, identity: dict, fingerprint: str,
+    def __init__(self, store_url: str, run_id: str, name: str, created_at: float, fingerprint: str,
                  root: Path | None = None) -> None:
         url_tag = hashlib.blake2b(store_url.encode(), digest_size=6).hexdigest()
         self.dir = (root or local_root()) / url_tag / run_id / name
-        self.identity, self.fingerprint = identity, fingerprint
+        # which run a state belongs to: a new run with the same id and storage has another created_at
+        self.identity = {"storage": store_url, "run_id": run_id, "created_at": created_at}
+        self.fingerprint = fingerprint
         self._ops: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
 

@@ -29,28 +29,27 @@ class Publisher:
         self.store, self.events, self.max_backoff_s = store, events, max_backoff_s
         self.on_landed = on_landed  # called with a delta's seq once it has landed (the local spool drops it)
         self._queue: queue.Queue = queue.Queue()
-        self._pending = threading.Semaphore(MAX_PENDING)
+        self._room = threading.Condition()  # guards _in_flight: deltas submitted, not landed (or given up) yet
+        self._in_flight = 0
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
         self.published: list[int] = []
         self.bytes_published = 0
         self.fenced = threading.Event()  # another process published one of our seqs: we must stop
-        self._in_flight = 0  # submitted deltas not landed (or given up) yet
-        self._count_lock = threading.Lock()
 
     def full(self) -> bool:
         """MAX_PENDING deltas are waiting (storage down or slow): a new one would stall the caller."""
-        with self._count_lock:
+        with self._room:
             return self._in_flight >= MAX_PENDING
 
     def submit(self, key: str, data: bytes, *, seq: int,
-               checkpoint: tuple[str, bytes | Callable[[], bytes] | None] | None = None) -> float:
-        """Queue a delta (and the checkpoint to write after it: bytes, or a function this thread calls
-        to encode them); returns seconds stalled."""
+               checkpoint: tuple[str, Callable[[], bytes]] | None = None) -> float:
+        """Queue a delta (and the checkpoint to write after it: its key, and a function this thread
+        calls to encode it); returns seconds stalled waiting for room."""
         t0 = time.time()
-        self._pending.acquire()
-        with self._count_lock:
+        with self._room:
+            self._room.wait_for(lambda: self._in_flight < MAX_PENDING)
             self._in_flight += 1
         stall = time.time() - t0
         self._queue.put((key, data, seq, checkpoint, True))
@@ -93,14 +92,13 @@ class Publisher:
                     self.events.emit("published", key=key, seq=seq, bytes=len(data))
                     if self.on_landed is not None:
                         self.on_landed(seq)
-                    if checkpoint and checkpoint[1] is not None:
-                        body = checkpoint[1]() if callable(checkpoint[1]) else checkpoint[1]
-                        self._put_with_retry(checkpoint[0], body, attempts=3)
+                    if checkpoint is not None:
+                        self._put_with_retry(checkpoint[0], checkpoint[1](), attempts=3)
             finally:
                 if counted:
-                    with self._count_lock:
+                    with self._room:
                         self._in_flight -= 1
-                    self._pending.release()
+                        self._room.notify()
                 self._queue.task_done()
 
     def _landed(self, key: str, data: bytes) -> bool:

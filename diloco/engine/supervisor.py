@@ -49,16 +49,16 @@ class Proc:
     standby: subprocess.Popen | None = None  # the warm spare of a learner, blocked on its stdin
     standby_next: float = 0.0  # a spare that died is respawned, not before this time
     deferred_until: float | None = None  # first start waits for the learners' joins (the evaluator)
+    joined_pid: int | None = None  # the process whose join was seen in its status object: read no more
 
     @property
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
 
-EVALUATOR_AFTER_S = 30.0  # the evaluator starts once every learner joined, or this long after the start: its
-# imports would slow the learners' cold start. (Not the merger: learners that joined before it pile up a backlog.)
-STANDBY_AFTER_S = 30.0  # a spare starts once its learner joined (or this long after its start, whichever first):
-# starting it earlier makes it compete for the CPU with the learner's own imports and join
+JOIN_WAIT_S = 30.0  # what waits for learners to join does so at most this long: the evaluator's first start
+# (its imports would slow the learners' cold start; not the merger's: learners that joined before it pile up a
+# backlog), and a learner's next spare (warming it up earlier competes with the learner's own imports and join)
 
 
 def cli_command(role: str, ctx: RunContext, name: str, prefect: bool, standby: bool = False) -> list[str]:
@@ -160,16 +160,23 @@ class Supervisor:
                 proc.standby, proc.standby_next = None, now + self.cfg.run.restart_backoff_s * 4
             if proc.standby is not None or proc.removed or now < proc.standby_next:
                 continue
-            if not proc.alive or now - proc.started_at >= STANDBY_AFTER_S or self._joined(proc):
+            if not proc.alive or now - proc.started_at >= JOIN_WAIT_S or self._joined(proc):
                 self.spawn_standby(proc)
 
     def _joined(self, proc: Proc) -> bool:
-        """Whether this learner process wrote its status (it does on join): one read, no spare yet."""
+        """Whether this learner process wrote its status (it does on join); read until it has, then remembered."""
+        if proc.popen is None:
+            return False
+        if proc.joined_pid == proc.popen.pid:
+            return True
         try:
             status = json.loads(self.ctx.store.get(self.ctx.keys.status(proc.name)))
         except (NotFound, StorageError, ValueError):
             return False
-        return proc.popen is not None and status.get("pid") == proc.popen.pid
+        if status.get("pid") != proc.popen.pid:
+            return False
+        proc.joined_pid = proc.popen.pid
+        return True
 
     def stop_standbys(self) -> None:
         for proc in self.procs.values():
@@ -219,11 +226,11 @@ class Supervisor:
         return True
 
     def start_all(self) -> None:
-        """Start the learners and the merger now; the evaluator once the learners joined (EVALUATOR_AFTER_S)."""
+        """Start the learners and the merger now; the evaluator once the learners joined (JOIN_WAIT_S)."""
         for name in self.ctx.learners:
             self.spawn(self.add("learner", name))
         self.spawn(self.add("merger", "merger"))
-        self.add("evaluator", "evaluator").deferred_until = time.time() + EVALUATOR_AFTER_S
+        self.add("evaluator", "evaluator").deferred_until = time.time() + JOIN_WAIT_S
 
     def _start_deferred(self, now: float) -> None:
         waiting = [p for p in self.procs.values() if p.deferred_until is not None]

@@ -39,7 +39,7 @@ def snapshot(root: Path) -> dict[str, float]:
 
 
 def test_standby_activation_joins_newest_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(supervisor_module, "STANDBY_AFTER_S", 0.0)
+    monkeypatch.setattr(supervisor_module, "JOIN_WAIT_S", 0.0)
     cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "run.num_versions": 1_000_000,
                                               "run.restart_backoff_s": 0.1})
     root = tmp_path / "store"
