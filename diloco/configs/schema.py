@@ -74,6 +74,10 @@ class OuterConfig(_Strict):
     # A merge carrying more than a round (a backlog after the merger or the storage was down): momentum takes
     # it at one round's rate ("round_rate"), or whole ("whole": the loss spikes; `diloco bench outage`).
     backlog_momentum: Literal["round_rate", "whole"] = "round_rate"
+    # Momentum per "merge" (every merge decays it by mu and adds mu*buf: K=1 merges re-apply the look-ahead
+    # once per delta) or per "round" (a merge carrying a share s of a round decays it by mu**s and adds
+    # s*mu*buf: a round of partial merges is about one outer step; docs/ENGINE.md).
+    momentum_per: Literal["merge", "round"] = "merge"
 
 
 class MergerConfig(_Strict):
@@ -116,7 +120,10 @@ class RunConfig(_Strict):
     restart_backoff_s: float = Field(1.0, ge=0)
     heartbeat_timeout_s: float = Field(60.0, gt=0)
     time_limit_s: float = Field(600.0, gt=0)  # the supervisor stops the run after this
-    warm_standby: bool = True  # a pre-imported spare per learner: a restart skips ~9 s of torch imports
+    # "fork": a local run forks every role from one process that paid the imports (a zygote): a (re)start is a
+    # fork and a join. "exec": a fresh interpreter per process (Prefect flows always: they import prefect).
+    start_method: Literal["fork", "exec"] = "fork"
+    warm_standby: bool = True  # exec only: a pre-imported spare per learner, a restart skips the imports (~3.5 s)
 
     @field_validator("learner_prefix")
     @classmethod

@@ -36,10 +36,11 @@ class EventLog:
     def flush(self) -> bool:
         with self._lock:
             events, self._buf = self._buf, []
-        if not events or self.store is None or self.keys is None:
-            return True
-        self._part += 1
-        name = f"{time.time_ns():020d}-{os.getpid()}-{self._part}"
+            if not events or self.store is None or self.keys is None:
+                return True
+            self._part += 1
+            part = self._part
+        name = f"{time.time_ns():020d}-{os.getpid()}-{part}"
         body = "\n".join(json.dumps(e, sort_keys=True) for e in events).encode() + b"\n"
         try:
             self.store.put(self.keys.event(self.source, name), body)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.engine import tensors as T
+from diloco.engine.courier import Courier
 from diloco.engine.events import EventLog
 from diloco.engine.local_state import LocalState, Saved
 from diloco.engine.publisher import Publisher
@@ -76,6 +77,7 @@ class Learner:
         if self.cfg.learner.local_state_every_steps > 0:
             self.local = LocalState(ctx.store.url, ctx.run_id, name, ctx.created_at, ctx.fingerprint)
         self.quick = ctx.store.with_retries(QUICK_RETRIES)
+        self.courier = Courier(f"courier-{name}")  # statuses and event flushes, off the training thread
         self.publisher = Publisher(ctx.store, self.events, on_landed=self.local.unspool if self.local else None)
         self.model = build_model(self.cfg.model, seed=self.cfg.data.seed).to(self.device)
         self.base = -1
@@ -114,7 +116,7 @@ class Learner:
         )
         self.events.emit("join", learner=self.name, version=self.base, seq=self.seq, cursor=cursor, step=step,
                          **extra)
-        self.heartbeat("joined", force=True)
+        self.heartbeat("joined", force=True, wait=True)  # the supervisor reads it to see the join
         log.info("learner %s joined at version %d, next seq %d, data cursor %d, step %d %s",
                  self.name, self.base, self.seq, cursor, step, extra or "")
 
@@ -159,12 +161,12 @@ class Learner:
                      unshipped_steps=self.steps_since_publish)
         return True
 
-    def save_local(self) -> None:
-        """Snapshot the whole state (copies) and queue its write to this host (diloco.engine.local_state:
-        encoded and written off the training thread); never fatal."""
+    def save_local(self, exported: tuple[T.Tensors, dict] | None = None) -> None:
+        """Snapshot the whole state (copies; `exported`: the optimizer state already copied) and queue
+        its write to this host (diloco.engine.local_state: encoded and written off the training thread)."""
         if self.local is None:
             return
-        opt, opt_meta = self.trainer.export_state()
+        opt, opt_meta = exported or self.trainer.export_state()
         meta = {"learner": self.name, "next_seq": self.seq, "base_version": self.base, "step": self.trainer.step,
                 "cursor": self.sampler.cursor, "optimizer": opt_meta, "steps_since_publish": self.steps_since_publish,
                 "tokens_since_publish": self.tokens_since_publish}
@@ -204,9 +206,10 @@ class Learner:
         self.ref = T.clone(params)
         self.base = manifest.version
 
-    def heartbeat(self, state: str = "training", force: bool = False, **extra: object) -> None:
+    def heartbeat(self, state: str = "training", force: bool = False, wait: bool = False, **extra: object) -> None:
         """Refresh learners/<me>/status.json (at most every HEARTBEAT_EVERY_S unless forced);
-        `extra` adds fields (the per-phase figures after a phase)."""
+        `extra` adds fields (the per-phase figures after a phase). Written by the courier thread unless
+        `wait`: the status is taken now, so a stuck training thread still goes silent."""
         now = time.time()
         if not force and now - self._last_beat < HEARTBEAT_EVERY_S:
             return
@@ -214,10 +217,22 @@ class Learner:
         status = {"learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.seq - 1,
                   "base_version": self.base, "step": self.trainer.step, "cursor": self.sampler.cursor,
                   "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published, **extra}
-        try:
-            self.quick.put(self.ctx.keys.status(self.name), json.dumps(status).encode())
-        except StorageError as err:
-            log.warning("heartbeat of %s failed: %s", self.name, err)
+        key, data = self.ctx.keys.status(self.name), json.dumps(status).encode()
+
+        def write() -> None:
+            try:
+                self.quick.put(key, data)
+            except StorageError as err:
+                log.warning("heartbeat of %s failed: %s", self.name, err)
+
+        if wait:
+            write()
+        else:
+            self.courier.post("status", write)
+
+    def flush_events(self) -> None:
+        """Write the buffered events from the courier thread (EventLog keeps them if the write fails)."""
+        self.courier.post("events", self.events.flush)
 
     def _set_theta(self, theta: T.Tensors) -> None:
         set_params(self.model, theta)
@@ -284,7 +299,9 @@ class Learner:
                                 fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
         _, shipped = T.decode_tensors(data)
         T.add_(self.ref, shipped, alpha=-1.0)
-        checkpoint = (self.ctx.keys.checkpoint(self.name, "state"), self._checkpoint(seq)) \
+        # one copy of the optimizer state for both snapshots (encoders only read it)
+        exported = self.trainer.export_state() if cfg.learner.checkpoint or self.local is not None else None
+        checkpoint = (self.ctx.keys.checkpoint(self.name, "state"), self._checkpoint(seq, exported)) \
             if cfg.learner.checkpoint else None
         if self.local is not None:
             self.local.spool(seq, data)  # until it lands: a crash while the bucket is away loses nothing
@@ -293,16 +310,16 @@ class Learner:
         self.tokens_since_publish = 0
         self.steps_since_publish = 0
         self.phase_t0 = time.time()
-        self.save_local()
+        self.save_local(exported)
         if stats is not None:
             stats.seq, stats.stall_s, stats.delta_bytes = seq, stall, len(data)
         self.events.emit("publish", learner=self.name, seq=seq, version=self.base, bytes=len(data),
                          tokens=meta["tokens"], steps=meta["steps"], stall_s=stall)
         return seq
 
-    def _checkpoint(self, seq: int) -> Callable[[], bytes]:
-        """The bucket checkpoint after delta `seq`: state copied now, encoded by the publisher's thread."""
-        tensors, opt_meta = self.trainer.export_state()
+    def _checkpoint(self, seq: int, exported: tuple[T.Tensors, dict]) -> Callable[[], bytes]:
+        """The bucket checkpoint after delta `seq`: the state copied now, encoded by the publisher's thread."""
+        tensors, opt_meta = exported
         meta = {"learner": self.name, "seq": seq, "step": self.trainer.step, "cursor": self.sampler.cursor,
                 "base_version": self.base, "optimizer": opt_meta}
         return lambda: T.encode_tensors(tensors, codec_name="fp32", kind="state",
@@ -367,5 +384,6 @@ class Learner:
         self.publisher.close(timeout_s)
         if self.local is not None:
             self.local.close()
+        self.courier.close()
         self.events.emit("stop", learner=self.name, seq=self.seq, version=self.base)
         self.events.flush()

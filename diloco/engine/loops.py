@@ -68,7 +68,7 @@ def learner_step(learner: Learner, should_stop: Callable[[], bool]) -> PhaseStat
     if seq is not None and learner.cfg.learner.mode == "sync":
         learner.wait_for_decision(seq, timeout_s=learner.cfg.merger.quorum_timeout_s * 4, should_stop=should_stop)
     write_status(learner, stats, "training")
-    learner.events.flush()
+    learner.flush_events()
     return stats
 
 

@@ -163,8 +163,9 @@ def outer_step(params: T.Tensors, outer: OuterState, stream: GradientStream, fin
         rounds = stream.rounds()
         spread = rounds > 1.0 and cfg.outer.backlog_momentum == "round_rate"
         rate = {k: v / rounds for k, v in grad.items()} if spread else grad
+        share = min(1.0, rounds) if cfg.outer.momentum_per == "round" and rounds > 0 else 1.0
         new_params, momentum = nesterov_step(params, rate, outer.momentum, cfg.outer.lr,
-                                             cfg.outer.momentum, cfg.outer.nesterov)
+                                             cfg.outer.momentum, cfg.outer.nesterov, share=share)
         if rate is not grad:
             for k in new_params:
                 new_params[k] -= cfg.outer.lr * (grad[k] - rate[k])

@@ -5,7 +5,12 @@ row without a healthy stretch) and rejoins from the newest version; a planned re
 operator) or a pause is not a crash; the run ends when the target version is committed or the
 time limit passes; shutdown leaves no process of the run behind (warm standbys included).
 
-Warm standby (`run.warm_standby`): each learner has a spare process that has paid the imports
+Start method (`run.start_method`): "fork" (local runs without Prefect) forks every role from a zygote
+(diloco.engine.zygote), one process that paid the imports once: a (re)start is a fork and a join, and
+no spares are kept. A process's `start` event is stamped when the start was asked for, so the zygote's
+own imports at the first start are charged to the roles' start-up, as an exec start's imports are.
+
+Warm standby (`run.warm_standby`, exec only): each learner has a spare process that has paid the imports
 (torch, torch._dynamo via the optimizer, the model code; prefect and the flow module on the Prefect
 path) and waits, blocked on its stdin, without touching the bucket. A (re)start of the learner
 writes one line to the spare (it then opens the run, builds the Learner and joins the newest
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from diloco.engine.events import EventLog
 from diloco.engine.loops import request_stop
 from diloco.engine.run import RunContext
+from diloco.engine.zygote import Forked, Zygote, ZygoteError
 from diloco.storage import NotFound, StorageError, latest_version
 
 log = logging.getLogger("diloco.supervisor")
@@ -37,7 +43,7 @@ log = logging.getLogger("diloco.supervisor")
 class Proc:
     role: str  # "learner" | "merger" | "evaluator"
     name: str
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen | Forked | None = None
     started_at: float = 0.0
     restarts: int = 0
     next_start: float = 0.0  # back-off: not before this time
@@ -85,6 +91,8 @@ class Supervisor:
         self.procs: dict[str, Proc] = {}
         self.hooks: list[Callable[[Supervisor], None]] = []  # chaos agents, progress displays
         self.started_at = time.time()
+        self.forking = not prefect and self.cfg.run.start_method == "fork"
+        self.zygote: Zygote | None = None
 
     # ---- processes -----------------------------------------------------------------------
     def add(self, role: str, name: str) -> Proc:
@@ -101,14 +109,34 @@ class Supervisor:
             return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
                                     start_new_session=True)
 
-    def spawn(self, proc: Proc) -> None:
-        """Start a role's process; a learner with a live warm spare gets the spare instead."""
+    def _fork(self, cmd: list[str], name: str) -> Forked | None:
+        """Fork the role from the zygote (started on first use); None (and exec from now on) if it fails."""
+        try:
+            if self.log_dir:
+                os.makedirs(self.log_dir, exist_ok=True)
+            if self.zygote is None:
+                self.zygote = Zygote(self.env, f"--run-id={self.ctx.run_id}",
+                                     os.path.join(self.log_dir, "zygote.log") if self.log_dir else None)
+            log_path = os.path.join(self.log_dir, f"{name}.log") if self.log_dir else None
+            return self.zygote.spawn(cmd[3:], log_path, self.env, name)
+        except (ZygoteError, OSError) as err:
+            log.warning("zygote unavailable (%s): starting processes with exec from now on", err)
+            self.events.emit("zygote_failed", reason=str(err))
+            self.forking = False
+            return None
+
+    def spawn(self, proc: Proc, asked: float | None = None) -> None:
+        """Start a role's process: forked from the zygote, or a live warm spare (learners), or exec.
+        `asked`: when the start was asked for (start_all starts several roles at once), default now."""
+        asked = asked or time.time()
         if proc.role == "learner" and self._activate_standby(proc):
             return
         cmd = cli_command(proc.role, self.ctx, proc.name, self.prefect)
-        proc.popen = self._popen(cmd, proc.name, subprocess.DEVNULL)
-        proc.started_at = time.time()
-        self.events.emit("start", role=proc.role, learner=proc.name, pid=proc.popen.pid, restarts=proc.restarts)
+        forked = self._fork(cmd, proc.name) if self.forking else None
+        proc.popen = forked or self._popen(cmd, proc.name, subprocess.DEVNULL)
+        proc.started_at = asked
+        self.events.emit("start", t=asked, role=proc.role, learner=proc.name, pid=proc.popen.pid,
+                         restarts=proc.restarts, forked=forked is not None, start_s=round(time.time() - asked, 4))
 
     # ---- warm standbys -------------------------------------------------------------------
     def spawn_standby(self, proc: Proc) -> None:
@@ -150,7 +178,7 @@ class Supervisor:
 
     def keep_standbys(self, now: float) -> None:
         """Every learner still in the run has a live spare (one that died is respawned after a back-off)."""
-        if not self.cfg.run.warm_standby:
+        if not self.cfg.run.warm_standby or self.forking:
             return
         for proc in self.procs.values():
             if proc.role != "learner":
@@ -227,9 +255,10 @@ class Supervisor:
 
     def start_all(self) -> None:
         """Start the learners and the merger now; the evaluator once the learners joined (JOIN_WAIT_S)."""
+        asked = time.time()  # the first fork waits for the zygote's imports: every role's start-up pays them
         for name in self.ctx.learners:
-            self.spawn(self.add("learner", name))
-        self.spawn(self.add("merger", "merger"))
+            self.spawn(self.add("learner", name), asked)
+        self.spawn(self.add("merger", "merger"), asked)
         self.add("evaluator", "evaluator").deferred_until = time.time() + JOIN_WAIT_S
 
     def _start_deferred(self, now: float) -> None:
@@ -348,5 +377,7 @@ class Supervisor:
                 self.kill(proc.name, signal.SIGKILL, reason="did not stop in time")
                 proc.popen.wait(timeout=10)
         self.stop_standbys()
+        if self.zygote is not None:
+            self.zygote.close()
         self.events.emit("shutdown", reason=reason)
         self.events.flush()

@@ -1,9 +1,9 @@
 """Chaos runs: real learner, merger and evaluator processes on file:// storage under fault plans.
 
 Fault families are combined into two short runs of the tiny recipe with two learners: (1) learners
-killed (restarted from a warm standby), paused and slowed, a storage outage then errors/latency/bandwidth
+killed (restarted by a fork from the zygote), paused and slowed, a storage outage then errors/latency/bandwidth
 cap, and hostile deltas; (2) the merger killed at every stage of a merge, and a second merger racing it
-(no standbys: no learner is killed). After each run the invariants hold.
+(no learner is killed). After each run the invariants hold.
 Each run ends as soon as its faults are all injected and claimed, its checks can be made and the
 loss has recovered (at least 30 s), or at a cap. Run: `.venv/bin/pytest -m chaos tests/chaos`
 (about 80 s on 2 cores, with test_standby.py; longer on a loaded machine, up to the caps).
@@ -120,8 +120,7 @@ def merger_done() -> Callable[[Supervisor, ChaosAgent], bool]:
 
 def test_merger_killed_at_every_stage_and_racing(tmp_path: Path) -> None:
     run = run_plan(tmp_path, MERGER_PLAN, "chaos-merger", until=merger_done(),
-                   **{"run.time_limit_s": 100.0, "run.restart_backoff_s": 0.2, "run.num_learners": 2,
-                      "run.warm_standby": False})
+                   **{"run.time_limit_s": 100.0, "run.restart_backoff_s": 0.2, "run.num_learners": 2})
     assert_invariants(run)
     kills = {(e["source"], e["stage"]) for e in run.events if e["kind"] == "chaos_self_kill"}
     assert kills == {("merger", "listing"), ("merger-2", "writing"), ("merger", "before_manifest"),

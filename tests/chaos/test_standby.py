@@ -41,7 +41,7 @@ def snapshot(root: Path) -> dict[str, float]:
 def test_standby_activation_joins_newest_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(supervisor_module, "JOIN_WAIT_S", 0.0)
     cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "run.num_versions": 1_000_000,
-                                              "run.restart_backoff_s": 0.1})
+                                              "run.restart_backoff_s": 0.1, "run.start_method": "exec"})
     root = tmp_path / "store"
     ctx = create_run(open_store(f"file://{root}"), "standby", cfg)
     logs = tmp_path / "logs"

@@ -54,7 +54,7 @@ def _run_and_audit(storage: str, run_id: str) -> dict:
 def _no_leftovers(run_id: str) -> None:
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        assert not (run_id in cmdline and "diloco.cli" in cmdline), f"left behind: {cmdline}"
+        assert not (run_id in cmdline and "diloco" in cmdline), f"left behind: {cmdline}"
 
 
 def test_run_on_local_disk(tmp_path):

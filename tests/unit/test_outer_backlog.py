@@ -46,3 +46,42 @@ def test_a_round_or_less_is_the_plain_partial_nesterov_step():
         assert rounds == share
         assert torch.allclose(outer.momentum["w"], share * delta)
         assert torch.allclose(params["w"], -LR * (1 + MU) * share * delta, atol=1e-6)
+
+
+def test_momentum_per_round_makes_a_round_of_partial_merges_one_outer_step():
+    """`outer.momentum_per: round`: a merge carrying share s decays the buffer by mu**s and looks ahead by
+    s*mu*buf. Two half-round merges of the same pseudo-gradient then move the params like one whole
+    round does under the per-merge rule at steady state, where per merge they overshoot."""
+    cfg = CFG.with_overrides({"outer.momentum_per": "round"})
+    delta = torch.tensor([1.0, -2.0, 0.5, 4.0])
+    buf0 = torch.tensor([0.5, 0.5, -1.0, 2.0])
+
+    def half(outer: OuterState, config) -> tuple[torch.Tensor, OuterState]:
+        params = {"w": torch.zeros(4)}
+        stream = GradientStream(params, version=0, cfg=config, num_learners=2)
+        stream.add(LearnerGroup("local-0", seqs=[0], tokens=PHASE_TOKENS, steps=CFG.inner.steps_per_phase,
+                                min_base=0, total={"w": delta.clone()}))
+        result = outer_step(params, outer, stream, "fp")
+        return result.params["w"], result.outer
+
+    step1, outer1 = half(OuterState({"w": buf0.clone()}, {"w": torch.zeros(4)}), cfg)
+    g = 0.5 * delta  # the half-round share of the pseudo-gradient
+    buf1 = MU ** 0.5 * buf0 + g
+    assert torch.allclose(outer1.momentum["w"], buf1)
+    assert torch.allclose(step1, -LR * (g + 0.5 * MU * buf1), atol=1e-6)
+    step2, outer2 = half(outer1, cfg)
+    buf2 = MU ** 0.5 * buf1 + g
+    assert torch.allclose(outer2.momentum["w"], buf2, atol=1e-6)
+    # after a whole round the buffer has decayed by mu, as one synchronous round would
+    assert torch.allclose(buf2, MU * buf0 + (1 + MU ** 0.5) * g, atol=1e-6)
+    # per merge: each half-round merge decays by mu and looks ahead by mu*buf, about twice the round's
+    per_merge1, m1 = half(OuterState({"w": buf0.clone()}, {"w": torch.zeros(4)}), CFG)
+    assert torch.allclose(m1.momentum["w"], MU * buf0 + g)
+    assert torch.allclose(per_merge1, -LR * (g + MU * (MU * buf0 + g)), atol=1e-6)
+
+
+def test_nesterov_share_is_checked():
+    from diloco.training.outer import nesterov_step
+
+    with pytest.raises(ValueError, match="share"):
+        nesterov_step({"w": torch.zeros(2)}, {"w": torch.ones(2)}, None, lr=1.0, momentum=0.9, share=0.0)
