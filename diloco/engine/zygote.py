@@ -128,13 +128,7 @@ class Zygote:
                 return self._exits[pid]
         if self.alive:
             return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return 1
-        except PermissionError:
-            pass
-        return None
+        return 1 if _gone(pid) else None
 
     def close(self, timeout_s: float = 10.0) -> None:
         with contextlib.suppress(OSError):
@@ -145,6 +139,21 @@ class Zygote:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self._reader.join(timeout=5)
+
+
+def _gone(pid: int) -> bool:
+    """Whether a process that is not our child has exited (a zombie no one reaps counts as exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 # ---- the zygote process ------------------------------------------------------------------------

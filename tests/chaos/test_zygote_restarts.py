@@ -1,0 +1,73 @@
+"""The zygote start method: learners are forked (fast restarts, no spares); if the zygote dies, the
+supervisor says so and execs from then on, and training goes on.
+Run: `.venv/bin/pytest -m chaos tests/chaos/test_zygote_restarts.py` (about 30 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from chaos_harness import assert_no_children
+
+from diloco.configs import load_config
+from diloco.engine.events import read_events
+from diloco.engine.run import create_run
+from diloco.engine.supervisor import Supervisor
+from diloco.storage import open_store
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+
+
+def wait_for(check: Callable[[], object], timeout_s: float, what: str) -> object:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def joins(ctx, name: str) -> list[dict]:
+    return [e for e in read_events(ctx.store, ctx.keys) if e.get("kind") == "join" and e.get("source") == name]
+
+
+def test_forked_restart_then_exec_after_the_zygote_dies(tmp_path: Path) -> None:
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "run.num_versions": 1_000_000,
+                                              "run.restart_backoff_s": 0.1})
+    ctx = create_run(open_store(f"file://{tmp_path}/store"), "zygote", cfg)
+    sup = Supervisor(ctx, log_dir=str(tmp_path / "logs"),
+                     env={"OMP_NUM_THREADS": "1", "DILOCO_LOCAL_DIR": str(tmp_path / "local")})
+    name = ctx.learners[0]
+    try:
+        sup.start_all()
+        proc = sup.procs[name]
+        wait_for(lambda: joins(ctx, name), 120, "the first join")
+        assert sup.zygote is not None and proc.popen.pid != sup.zygote.proc.pid
+        # a planned restart is a fork: it joins again within seconds, and no spare was ever started
+        first = proc.popen.pid
+        assert sup.restart_after(name, 0.0, reason="test")
+        wait_for(lambda: (sup.heal(), proc.alive and proc.popen.pid != first)[1], 30, "the forked restart")
+        wait_for(lambda: len(joins(ctx, name)) >= 2, 30, "the second join")
+        assert proc.standby is None
+        # the zygote dies: the next restart is an exec, recorded, and the learner joins again
+        os.killpg(sup.zygote.proc.pid, signal.SIGKILL)
+        sup.zygote.proc.wait(timeout=10)
+        second = proc.popen.pid
+        assert sup.restart_after(name, 0.0, reason="test")
+        wait_for(lambda: (sup.heal(), proc.alive and proc.popen.pid != second)[1], 30, "the exec restart")
+        wait_for(lambda: len(joins(ctx, name)) >= 3, 120, "the join after the exec restart")
+        sup.events.flush()
+    finally:
+        sup.shutdown("test", grace_s=30)
+    events = read_events(ctx.store, ctx.keys)
+    starts = [e for e in events if e.get("source") == "supervisor" and e["kind"] == "start" and e.get("learner") == name]
+    assert [e.get("forked") for e in starts] == [True, True, False]
+    assert any(e["kind"] == "zygote_failed" for e in events)
+    assert not any(e["kind"] == "standby" for e in events)
+    assert_no_children()
