@@ -157,3 +157,14 @@ def assert_no_children(timeout_s: float = 10.0) -> None:
             break
         time.sleep(0.2)
     assert not alive, f"processes of the run left behind: {[p.cmdline()[-6:] for p in alive]}"
+
+
+def wait_for(check: Callable[[], object], timeout_s: float, what: str) -> object:
+    """Poll `check` until it returns something truthy (returned), or fail naming `what`."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

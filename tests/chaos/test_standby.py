@@ -8,11 +8,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from chaos_harness import assert_no_children
+from chaos_harness import assert_no_children, wait_for
 
 from diloco.configs import load_config
 from diloco.engine import supervisor as supervisor_module
@@ -22,16 +21,6 @@ from diloco.engine.supervisor import Supervisor
 from diloco.storage import commit, open_store, read_manifest
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
-
-
-def wait_for(check: Callable[[], object], timeout_s: float, what: str) -> object:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def snapshot(root: Path) -> dict[str, float]:
