@@ -2,8 +2,8 @@
 
 Contract: a crashed or silent learner is restarted (with back-off; at most max_restarts times in a
 row without a healthy stretch) and rejoins from the newest version; a planned restart (chaos,
-operator) or a pause is not a crash; the run ends when the target version is committed or the
-time limit passes; shutdown leaves no process of the run behind (warm standbys included).
+operator) or a pause is not a crash; the run ends when the target version is committed, a stop is
+requested (`diloco stop`) or the time limit passes; shutdown leaves no process of the run behind (warm standbys included).
 
 Start method (`run.start_method`): "fork" (local runs without Prefect) forks every role from a zygote
 (diloco.engine.zygote), one process that paid the imports once: a (re)start is a fork and a join, and
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from diloco.engine.events import EventLog
-from diloco.engine.loops import request_stop
+from diloco.engine.loops import StopSignal, request_stop
 from diloco.engine.run import RunContext
 from diloco.engine.zygote import Forked, Zygote, ZygoteError
 from diloco.storage import NotFound, StorageError, latest_version
@@ -338,13 +338,17 @@ class Supervisor:
 
     def run(self, tick_s: float = 0.5, on_tick: Callable[[Supervisor], None] | None = None,
             until: Callable[[Supervisor], bool] | None = None) -> str:
-        """Watch until the target version, the time limit, or `until(self)` holds ("done": a test's
-        own end condition, checked each tick); returns why it ended."""
+        """Watch until the target version, a stop request (`diloco stop`), the time limit, or `until(self)`
+        holds ("done": a test's own end condition, checked each tick); returns why it ended."""
         target, limit = self.cfg.run.num_versions, self.cfg.run.time_limit_s
+        stop_requested = StopSignal(self.ctx, None)
         reason = "time limit"
         while time.time() - self.started_at < limit:
             if self.latest() >= target:
                 reason = "target version"
+                break
+            if stop_requested():
+                reason = "stop requested"  # the roles end their phase and exit; restarting them would be wrong
                 break
             if until is not None and until(self):
                 reason = "done"

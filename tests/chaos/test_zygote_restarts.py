@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -58,4 +59,26 @@ def test_forked_restart_then_exec_after_the_zygote_dies(tmp_path: Path) -> None:
     assert [e.get("forked") for e in starts] == [True, True, False]
     assert any(e["kind"] == "zygote_failed" for e in events)
     assert not any(e["kind"] == "standby" for e in events)
+    assert_no_children()
+
+
+def test_a_stop_request_ends_the_supervised_run(tmp_path: Path) -> None:
+    """`diloco stop` on a local run: the supervisor ends (it does not restart the roles that exited)."""
+    from diloco.engine.loops import request_stop
+
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "run.num_versions": 1_000_000})
+    ctx = create_run(open_store(f"file://{tmp_path}/store"), "stopped", cfg)
+    sup = Supervisor(ctx, log_dir=str(tmp_path / "logs"),
+                     env={"OMP_NUM_THREADS": "1", "DILOCO_LOCAL_DIR": str(tmp_path / "local")})
+    try:
+        sup.start_all()
+        wait_for(lambda: joins(ctx, ctx.learners[0]), 120, "the join")
+        request_stop(ctx, "operator")
+        t0 = time.time()
+        assert sup.run(tick_s=0.2) == "stop requested"
+        assert time.time() - t0 < 10
+    finally:
+        sup.shutdown("stop requested", grace_s=30)
+    restarts = [e for e in read_events(ctx.store, ctx.keys) if e["kind"] == "restart"]
+    assert restarts == []
     assert_no_children()
