@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 log = logging.getLogger("diloco.courier")
@@ -53,14 +52,12 @@ class Courier:
                     self._busy = False
                     self._cond.notify_all()
 
-    def drain(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every posted job has run (or timeout_s passed); True when nothing is left."""
-        deadline = time.time() + timeout_s
+    def drain(self, timeout_s: float | None = 30.0) -> bool:
+        """Wait until every posted job has run (or timeout_s passed; None: no limit); True when nothing is left."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._jobs and not self._busy,
-                                       timeout=max(0.0, deadline - time.time()))
+            return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout=timeout_s)
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float | None = 30.0) -> None:
         self.drain(timeout_s)
         with self._cond:
             self._closing = True

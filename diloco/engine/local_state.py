@@ -22,14 +22,13 @@ import contextlib
 import hashlib
 import logging
 import os
-import queue
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.engine import tensors as T
+from diloco.engine.courier import Courier
 from diloco.storage.codec import CodecError
 
 log = logging.getLogger("diloco.local_state")
@@ -60,39 +59,20 @@ class LocalState:
         # which run a state belongs to: a new run with the same id and storage has another created_at
         self.identity = {"storage": store_url, "run_id": run_id, "created_at": created_at}
         self.fingerprint = fingerprint
-        self._ops: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._writer = Courier(f"local-state-{name}")
+        self._ops = 0  # each write its own courier key: run in order, none replaced by a later one
 
     # ---- the writer thread -------------------------------------------------------------------
     def _submit(self, op: Callable[[], None]) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="local-state", daemon=True)
-            self._thread.start()
-        self._ops.put(op)
-
-    def _run(self) -> None:
-        while True:
-            op = self._ops.get()
-            try:
-                if op is None:
-                    return
-                op()
-            except OSError as err:
-                log.warning("local state %s: write failed (%s)", self.dir, err)
-            finally:
-                self._ops.task_done()
+        self._ops += 1
+        self._writer.post(f"{self._ops:012d}", op)
 
     def flush(self) -> None:
         """Wait until every queued write is on disk."""
-        if self._thread is not None:
-            self._ops.join()
+        self._writer.drain(None)
 
     def close(self) -> None:
-        self.flush()
-        if self._thread is not None:
-            self._ops.put(None)
-            self._thread.join(timeout=10)
-            self._thread = None
+        self._writer.close(None)
 
     # ---- state ---------------------------------------------------------------------------
     def save(self, parts: dict[str, T.Tensors], meta: dict) -> None:

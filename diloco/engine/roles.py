@@ -57,13 +57,20 @@ def make_evaluator(storage: str, run_id: str) -> tuple[Evaluator, StopSignal]:
     return evaluator, StopSignal(ctx, ctx.cfg.run.num_versions)
 
 
+_torch_warm = False  # the throwaway step ran in this process (a zygote's forks inherit it)
+
+
 def warm_up(prefect: bool) -> None:
     """Pay, without the bucket, what a learner process pays before it can join: torch's lazy imports
-    (the optimizer's first step pulls torch._dynamo) on a throwaway model; prefect and the flow module."""
-    cfg = ModelConfig(n_layer=1, n_head=1, d_model=8, ctx_len=4)
-    trainer = InnerTrainer(build_model(cfg), InnerConfig())
-    tokens = torch.zeros(1, cfg.ctx_len, dtype=torch.long)
-    trainer.train_step(tokens, tokens)
+    (the optimizer's first step pulls torch._dynamo) on a throwaway model; prefect and the flow module.
+    Once per process: again (a warm standby's or a forked learner's make_learner) it costs nothing."""
+    global _torch_warm
+    if not _torch_warm:
+        cfg = ModelConfig(n_layer=1, n_head=1, d_model=8, ctx_len=4)
+        trainer = InnerTrainer(build_model(cfg), InnerConfig())
+        tokens = torch.zeros(1, cfg.ctx_len, dtype=torch.long)
+        trainer.train_step(tokens, tokens)
+        _torch_warm = True
     if prefect:
         import prefect  # noqa: F401
 

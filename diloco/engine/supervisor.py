@@ -100,25 +100,28 @@ class Supervisor:
         self.procs[name] = proc
         return proc
 
-    def _popen(self, cmd: list[str], name: str, stdin: int) -> subprocess.Popen:
+    def _log_path(self, name: str) -> str | None:
+        """Where a process of this name logs (the folder is made), or None without a log_dir."""
         if not self.log_dir:
+            return None
+        os.makedirs(self.log_dir, exist_ok=True)
+        return os.path.join(self.log_dir, f"{name}.log")
+
+    def _popen(self, cmd: list[str], name: str, stdin: int) -> subprocess.Popen:
+        log_path = self._log_path(name)
+        if log_path is None:
             return subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                     stdin=stdin, start_new_session=True)
-        os.makedirs(self.log_dir, exist_ok=True)
-        with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as out:  # the child keeps its own copy
+        with open(log_path, "ab") as out:  # the child keeps its own copy
             return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
                                     start_new_session=True)
 
     def _fork(self, cmd: list[str], name: str) -> Forked | None:
         """Fork the role from the zygote (started on first use); None (and exec from now on) if it fails."""
         try:
-            if self.log_dir:
-                os.makedirs(self.log_dir, exist_ok=True)
             if self.zygote is None:
-                self.zygote = Zygote(self.env, f"--run-id={self.ctx.run_id}",
-                                     os.path.join(self.log_dir, "zygote.log") if self.log_dir else None)
-            log_path = os.path.join(self.log_dir, f"{name}.log") if self.log_dir else None
-            return self.zygote.spawn(cmd[3:], log_path, self.env, name)
+                self.zygote = Zygote(self.env, f"--run-id={self.ctx.run_id}", self._log_path("zygote"))
+            return self.zygote.spawn(cmd[3:], self._log_path(name), self.env, name)
         except (ZygoteError, OSError) as err:
             log.warning("zygote unavailable (%s): starting processes with exec from now on", err)
             self.events.emit("zygote_failed", reason=str(err))
