@@ -15,9 +15,9 @@ import torch
 from diloco.bench._traffic import CountingStore
 from diloco.bench.bandwidth import allreduce_bytes_per_step
 from diloco.configs import Config
-from diloco.engine.learner import Learner
-from diloco.engine.merger import Merger
-from diloco.engine.run import create_run
+from diloco.learner.learner import Learner
+from diloco.merger.merger import Merger
+from diloco.run.context import create_run
 from diloco.storage import open_store
 from diloco.training.data import Corpus, ShardSampler, eval_batches
 from diloco.training.inner import InnerTrainer, evaluate

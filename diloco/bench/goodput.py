@@ -25,8 +25,8 @@ LOSS_WINDOW = 5  # versions averaged around equal merged tokens
 
 def _supervised_run(storage: str, run_id: str, cfg, plan_path: Path | None, log_root: Path):
     from diloco.chaos.agent import attach_chaos
-    from diloco.engine.run import create_run
-    from diloco.engine.supervisor import Supervisor
+    from diloco.run.context import create_run
+    from diloco.supervise.local import Supervisor
     from diloco.storage import open_store
 
     ctx = create_run(open_store(storage), run_id, cfg)
@@ -62,8 +62,8 @@ def _loss_at_tokens(ctx, chain, tokens: int, k: int = LOSS_WINDOW) -> tuple[floa
     """Mean held-out loss of the k versions whose merged tokens are closest to `tokens` (evaluated
     if needed): one version's loss jumps by ~0.1 nats from merge to merge; returns (loss, version, tokens)
     of the closest one alongside."""
-    from diloco.engine.corpus import load_run_corpus
-    from diloco.engine.loops import Evaluator, read_evals
+    from diloco.run.corpus import load_run_corpus
+    from diloco.run.loops import Evaluator, read_evals
 
     nearest = sorted(chain[1:] or chain, key=lambda m: (abs(m.tokens_total - tokens), -m.version))[:k]
     done = {e["version"]: e for e in read_evals(ctx)}
@@ -84,7 +84,7 @@ def local_save_cost_s(ctx, repeats: int = 5) -> float:
 
     import torch
 
-    from diloco.engine.local_state import LocalState
+    from diloco.learner.local_state import LocalState
     from diloco.training.inner import InnerTrainer
     from diloco.training.model import build_model, get_flat_params
 
@@ -108,9 +108,9 @@ def local_save_cost_s(ctx, repeats: int = 5) -> float:
 
 def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
     from diloco.chaos.goodput import compute_goodput, per_learner
-    from diloco.engine.audit import audit_run
-    from diloco.engine.events import read_events
-    from diloco.engine.report import manifests
+    from diloco.inspect.audit import audit_run
+    from diloco.run.events import read_events
+    from diloco.inspect.report import manifests
 
     chain, clean_chain = manifests(chaos_ctx), manifests(clean_ctx)
     events = read_events(chaos_ctx.store, chaos_ctx.keys)
@@ -201,7 +201,7 @@ def bench_goodput(
     duration = load_plan(plan_path).min_duration_s or 330.0
     cfg = load_config("bench").with_overrides({"run.num_versions": 1_000_000, "run.time_limit_s": duration})
     if measure_runs:
-        from diloco.engine.run import RunError, open_run
+        from diloco.run.context import RunError, open_run
 
         names = measure_runs.split(",")
         if len(names) != 2:

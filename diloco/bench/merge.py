@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco.configs import Config, load_config
-from diloco.engine import tensors as T
-from diloco.engine.run import create_run, open_run
+from diloco.run import tensors as T
+from diloco.run.context import create_run, open_run
 from diloco.storage import open_store, read_latest
 
 SIZES = {  # model overrides; "bench" is the recipe's own model
@@ -57,7 +57,7 @@ def _measure_child(storage: str, run_id: str, queue: Any) -> None:
     """In a fresh process: load the merger, then time one merge and its RSS high-water mark."""
     import gc
 
-    from diloco.engine.merger import Merger
+    from diloco.merger.merger import Merger
 
     torch.set_num_threads(1)
     merger = Merger(open_run(storage, run_id))

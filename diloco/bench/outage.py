@@ -28,10 +28,10 @@ def run_rule(rule: str, at: int, down: int, rounds: int, config: str) -> dict[st
 
     from diloco.bench._quality_runs import HeldOut
     from diloco.configs import load_config
-    from diloco.engine.corpus import load_run_corpus
-    from diloco.engine.learner import Learner
-    from diloco.engine.merger import Merger
-    from diloco.engine.run import create_run
+    from diloco.run.corpus import load_run_corpus
+    from diloco.learner.learner import Learner
+    from diloco.merger.merger import Merger
+    from diloco.run.context import create_run
     from diloco.storage import open_store
 
     torch.set_num_threads(1)

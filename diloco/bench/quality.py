@@ -22,7 +22,7 @@ from rich.table import Table
 
 from diloco.bench._quality_runs import METHODS, HeldOut, Method, RunResult, run_method
 from diloco.configs import Config, load_config
-from diloco.engine.corpus import load_run_corpus
+from diloco.run.corpus import load_run_corpus
 
 NATS_PER_BIT = math.log(2)
 CLOSE_NATS = 0.03  # methods closer than this to DP get a second seed (if only one was asked for)

@@ -30,8 +30,8 @@ from diloco.chaos.plan import (
     expand,
     load_plan,
 )
-from diloco.engine.events import EventLog
-from diloco.engine.supervisor import Supervisor
+from diloco.run.events import EventLog
+from diloco.supervise.local import Supervisor
 from diloco.storage import StorageError, read_manifest
 
 log = logging.getLogger("diloco.chaos")

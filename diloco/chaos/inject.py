@@ -12,8 +12,8 @@ import time
 import numpy as np
 import torch
 
-from diloco.engine import tensors as T
-from diloco.engine.run import RunContext
+from diloco.run import tensors as T
+from diloco.run.context import RunContext
 from diloco.storage.keys import parse_delta_key
 from diloco.training.model import build_model, get_flat_params
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from diloco.engine.loops import run_evaluator
-from diloco.engine.roles import make_evaluator
-from diloco.flows.deployed import export_aws_credentials
+from diloco.run.loops import run_evaluator
+from diloco.launch import make_evaluator
+from diloco.supervise.deployments import export_aws_credentials
 from diloco.tasks.evaluate import evaluate_task
 
 

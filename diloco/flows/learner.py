@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from diloco.engine.loops import run_learner
-from diloco.engine.roles import make_learner
-from diloco.flows.deployed import RemovedSignal, export_aws_credentials
+from diloco.run.loops import run_learner
+from diloco.launch import make_learner
+from diloco.supervise.deployments import RemovedSignal, export_aws_credentials
 from diloco.tasks.learner import join_task, phase_task
 
 

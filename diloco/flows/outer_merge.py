@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from diloco.engine.loops import StopSignal
-from diloco.engine.merger import run_merger
-from diloco.engine.roles import make_merger
-from diloco.flows.deployed import export_aws_credentials
+from diloco.run.loops import StopSignal
+from diloco.merger.merger import run_merger
+from diloco.launch import make_merger
+from diloco.supervise.deployments import export_aws_credentials
 from diloco.tasks.merge import merge_task
 
 

@@ -14,8 +14,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.exceptions import PrefectException
 
-from diloco.engine.run import RunContext, create_run, open_run
-from diloco.flows.deployed import (
+from diloco.run.context import RunContext, create_run, open_run
+from diloco.supervise.deployments import (
     EVALUATOR_DEPLOYMENT,
     MERGER_DEPLOYMENT,
     DeploymentSupervisor,
@@ -70,7 +70,7 @@ def _local_run(storage: str, run_id: str, config: str | None, overrides: dict[st
 def _deployment_run(storage: str, run_id: str, config: str | None, overrides: dict[str, Any] | None,
                     learners: dict[str, str] | None) -> tuple[RunContext, dict[str, str]]:
     """Open the run, or create it with learners named after their regions; place every learner."""
-    from diloco.engine.run import RunError
+    from diloco.run.context import RunError
 
     try:
         ctx = open_run(storage, run_id)
@@ -109,7 +109,7 @@ def _progress(ctx: RunContext) -> Callable[[Any], None]:
 
 
 def _supervise_local(ctx: RunContext, log_dir: str | None, chaos_plan: str | None) -> dict:
-    from diloco.engine.supervisor import Supervisor
+    from diloco.supervise.local import Supervisor
 
     supervisor = Supervisor(ctx, prefect=True, log_dir=log_dir)
     if chaos_plan:

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from diloco.engine.learner import Learner, PhaseStats
-from diloco.engine.loops import learner_step
+from diloco.learner.learner import Learner, PhaseStats
+from diloco.run.loops import learner_step
 from diloco.tasks.common import retry_on_transient
 
 

@@ -8,7 +8,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from diloco.engine.merger import Merger
+from diloco.merger.merger import Merger
 from diloco.storage import Manifest
 
 

@@ -18,12 +18,12 @@ from diloco.chaos.agent import ChaosAgent, attach_chaos
 from diloco.chaos.control import done_key
 from diloco.chaos.plan import SlowLearner, StorageDegraded, StorageOutage
 from diloco.configs import load_config
-from diloco.engine.audit import AuditReport, audit_run
-from diloco.engine.events import read_events
-from diloco.engine.loops import read_evals
-from diloco.engine.report import manifests
-from diloco.engine.run import RunContext, create_run
-from diloco.engine.supervisor import Supervisor
+from diloco.inspect.audit import AuditReport, audit_run
+from diloco.run.events import read_events
+from diloco.run.loops import read_evals
+from diloco.inspect.report import manifests
+from diloco.run.context import RunContext, create_run
+from diloco.supervise.local import Supervisor
 from diloco.storage import Manifest, StorageError, open_store, read_latest
 
 TEST_OVERRIDES = {

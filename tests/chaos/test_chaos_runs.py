@@ -29,8 +29,8 @@ from chaos_harness import (
 
 from diloco.chaos.agent import ChaosAgent
 from diloco.chaos.goodput import compute_goodput
-from diloco.chaos.timeline import timeline
-from diloco.engine.supervisor import Supervisor
+from diloco.inspect.timeline import timeline
+from diloco.supervise.local import Supervisor
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 

@@ -14,10 +14,10 @@ import pytest
 from chaos_harness import assert_no_children, wait_for
 
 from diloco.configs import load_config
-from diloco.engine import supervisor as supervisor_module
-from diloco.engine.events import read_events
-from diloco.engine.run import create_run
-from diloco.engine.supervisor import Supervisor
+from diloco.supervise import local as supervisor_module
+from diloco.run.events import read_events
+from diloco.run.context import create_run
+from diloco.supervise.local import Supervisor
 from diloco.storage import commit, open_store, read_manifest
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]

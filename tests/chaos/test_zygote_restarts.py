@@ -14,9 +14,9 @@ import pytest
 from chaos_harness import assert_no_children, wait_for
 
 from diloco.configs import load_config
-from diloco.engine.events import read_events
-from diloco.engine.run import create_run
-from diloco.engine.supervisor import Supervisor
+from diloco.run.events import read_events
+from diloco.run.context import create_run
+from diloco.supervise.local import Supervisor
 from diloco.storage import open_store
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -64,7 +64,7 @@ def test_forked_restart_then_exec_after_the_zygote_dies(tmp_path: Path) -> None:
 
 def test_a_stop_request_ends_the_supervised_run(tmp_path: Path) -> None:
     """`diloco stop` on a local run: the supervisor ends (it does not restart the roles that exited)."""
-    from diloco.engine.loops import request_stop
+    from diloco.run.loops import request_stop
 
     cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "run.num_versions": 1_000_000})
     ctx = create_run(open_store(f"file://{tmp_path}/store"), "stopped", cfg)

@@ -166,7 +166,7 @@ class DeployedRun:
         return SyncPrefectClient(self.stack.api_url)
 
     def context(self):
-        from diloco.engine.run import open_run
+        from diloco.run.context import open_run
 
         return open_run(self.storage, self.run_id)
 
@@ -184,7 +184,7 @@ def launch_train(stack: Stack, storage: str, run_id: str) -> DeployedRun:
 
 
 def latest_version(run: DeployedRun) -> int:
-    from diloco.engine.run import RunError
+    from diloco.run.context import RunError
     from diloco.storage import StorageError
 
     try:
@@ -203,7 +203,7 @@ def _heartbeats(run: DeployedRun) -> int:
 
 def stop_run(run: DeployedRun, timeout_s: float = 120.0) -> str:
     """Request a stop through the bucket and wait for the train flow run to end; its final state type."""
-    from diloco.engine.loops import request_stop
+    from diloco.run.loops import request_stop
 
     request_stop(run.context(), "test over")
     return wait_for(lambda: _final_state(run), timeout_s, "the train flow run to end", every_s=2)

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from diloco.configs import load_config
-from diloco.engine.events import read_events
-from diloco.engine.run import RunContext, create_run
-from diloco.flows.deployed import (
+from diloco.run.events import read_events
+from diloco.run.context import RunContext, create_run
+from diloco.supervise.deployments import (
     DeploymentSupervisor,
     make_jobs,
     placement,

@@ -69,7 +69,7 @@ def test_run_reaches_versions_and_is_visible_through_the_api(deployed_run: Deplo
 
 
 def test_killed_learner_is_resubmitted_and_rejoins_at_the_newest_version(deployed_run: DeployedRun) -> None:
-    from diloco.engine.events import read_events
+    from diloco.run.events import read_events
 
     ctx = deployed_run.context()
     name = "us-east-0"

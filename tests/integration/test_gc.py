@@ -9,12 +9,12 @@ import contextlib
 import time
 
 from diloco.configs import load_config
-from diloco.engine.audit import audit_run
-from diloco.engine.corpus import load_run_corpus
-from diloco.engine.gc import collect_orphans
-from diloco.engine.learner import Learner
-from diloco.engine.merger import Merger
-from diloco.engine.run import create_run
+from diloco.inspect.audit import audit_run
+from diloco.run.corpus import load_run_corpus
+from diloco.inspect.gc import collect_orphans
+from diloco.learner.learner import Learner
+from diloco.merger.merger import Merger
+from diloco.run.context import create_run
 from diloco.storage import open_store
 
 

@@ -12,12 +12,12 @@ import uuid
 import pytest
 
 from diloco.configs import load_config
-from diloco.engine.corpus import load_run_corpus
-from diloco.engine.learner import Learner
-from diloco.engine.loops import StopSignal, request_stop, run_learner
-from diloco.engine.merger import Merger, run_merger
-from diloco.engine.report import manifests
-from diloco.engine.run import create_run
+from diloco.run.corpus import load_run_corpus
+from diloco.learner.learner import Learner
+from diloco.run.loops import StopSignal, request_stop, run_learner
+from diloco.merger.merger import Merger, run_merger
+from diloco.inspect.report import manifests
+from diloco.run.context import create_run
 from diloco.storage import open_store, read_latest
 
 pytestmark = pytest.mark.slow

@@ -11,11 +11,11 @@ import pickle
 import torch
 
 from diloco.configs import load_config
-from diloco.engine import tensors as T
-from diloco.engine.corpus import load_run_corpus
-from diloco.engine.learner import Learner
-from diloco.engine.merger import Merger
-from diloco.engine.run import create_run, model_identity
+from diloco.run import tensors as T
+from diloco.run.corpus import load_run_corpus
+from diloco.learner.learner import Learner
+from diloco.merger.merger import Merger
+from diloco.run.context import create_run, model_identity
 from diloco.storage import open_store
 from diloco.training.model import build_model, get_flat_params
 

@@ -16,13 +16,13 @@ import torch
 from diloco.chaos.control import StorageWindow
 from diloco.chaos.faulty_store import FaultyStore
 from diloco.configs import load_config
-from diloco.engine.audit import audit_run
-from diloco.engine.corpus import load_run_corpus
-from diloco.engine.events import EventLog, read_events
-from diloco.engine.learner import Learner
-from diloco.engine.merger import Merger
-from diloco.engine.report import manifests
-from diloco.engine.run import create_run
+from diloco.inspect.audit import audit_run
+from diloco.run.corpus import load_run_corpus
+from diloco.run.events import EventLog, read_events
+from diloco.learner.learner import Learner
+from diloco.merger.merger import Merger
+from diloco.inspect.report import manifests
+from diloco.run.context import create_run
 from diloco.storage import open_store
 
 OVERRIDES = {"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from diloco.configs import load_config
-from diloco.engine.run import create_run
-from diloco.engine.zygote import Zygote
+from diloco.run.context import create_run
+from diloco.zygote import Zygote
 from diloco.storage import open_store
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from diloco.chaos.goodput import compute_goodput, dp_progress_s, per_learner, young_daly_s
-from diloco.chaos.timeline import timeline
+from diloco.inspect.timeline import timeline
 from diloco.storage import DeltaDecision, Manifest
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from diloco.engine.courier import Courier
+from diloco.learner.courier import Courier
 
 
 def test_latest_job_per_key_wins_and_order_is_kept() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diloco.configs import load_config
-from diloco.engine.outer_step import GradientStream, LearnerGroup, OuterState, outer_step
+from diloco.merger.step import GradientStream, LearnerGroup, OuterState, outer_step
 
 CFG = load_config("tiny").with_overrides({"run.num_learners": 2, "outer.update_codec": "fp32"})
 PHASE_TOKENS = CFG.inner.steps_per_phase * CFG.data.batch_size * CFG.model.ctx_len

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from diloco.engine.events import EventLog
+from diloco.run.events import EventLog
 from diloco.storage import Conflict, StorageError
 from diloco.storage.store import ObjectStore
 

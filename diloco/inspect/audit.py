@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.engine import tensors as T
-from diloco.engine.outer_step import GradientStream, LearnerGroup, OuterState, outer_step
-from diloco.engine.run import RunContext
+from diloco.run import tensors as T
+from diloco.merger.step import GradientStream, LearnerGroup, OuterState, outer_step
+from diloco.run.context import RunContext
 from diloco.storage import Manifest, StorageError, read_manifest
 from diloco.storage.codec import CodecError, object_checksum
 from diloco.storage.keys import parse_delta_key, parse_manifest_key

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from diloco.engine import tensors as T
-from diloco.engine.events import EventLog
-from diloco.engine.learner import Learner, PhaseStats
-from diloco.engine.run import RunContext
+from diloco.run import tensors as T
+from diloco.run.events import EventLog
+from diloco.learner.learner import Learner, PhaseStats
+from diloco.run.context import RunContext
 from diloco.storage import NotFound, StorageError, latest_version, read_manifest
 from diloco.training.data import Corpus, eval_batches
 from diloco.training.inner import evaluate

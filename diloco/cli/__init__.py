@@ -22,8 +22,8 @@ from diloco.bench.goodput import bench_goodput
 from diloco.bench.merge import bench_merge
 from diloco.bench.outage import bench_outage
 from diloco.bench.quality import bench_quality
-from diloco.flows.deployed import remove_learner
-from diloco.plot import plot_run
+from diloco.supervise.deployments import remove_learner
+from diloco.inspect.plot import plot_run
 from diloco.sim.cli import simulate_goodput
 
 app = typer.Typer(
@@ -58,7 +58,7 @@ def _fail(message: str) -> None:
 def user_errors():
     """Turn the errors a user can cause into one clear line and exit code 2."""
     from diloco.configs import ConfigError
-    from diloco.engine.run import RunError
+    from diloco.run.context import RunError
     from diloco.storage import StorageError
     from diloco.storage.keys import KeyError_
     from diloco.training.data import DataError
@@ -91,7 +91,7 @@ def run(
     live: bool = typer.Option(True, "--live/--no-live", help="Show a live progress table."),
 ) -> None:
     """Train: create the run, start merger, evaluator and learners as processes, report at the end."""
-    from diloco.cli_run import execute_run
+    from diloco.cli.run import execute_run
 
     with user_errors():
         execute_run(config=config, storage=storage, learners=learners, versions=versions, corpus=corpus,
@@ -115,7 +115,7 @@ def learner(
 
         validate_learner_name(name)
         if standby:
-            from diloco.engine.roles import wait_as_standby
+            from diloco.launch import wait_as_standby
 
             if not wait_as_standby(prefect):
                 return
@@ -127,8 +127,8 @@ def learner(
             with tags(f"run:{run_id}", f"learner:{name}", "role:learner"):
                 learner_flow(storage, run_id, name, phases)
             return
-        from diloco.engine.loops import run_learner
-        from diloco.engine.roles import make_learner
+        from diloco.run.loops import run_learner
+        from diloco.launch import make_learner
 
         worker, should_stop = make_learner(storage, run_id, name)
         run_learner(worker, phases=phases, should_stop=should_stop)
@@ -155,9 +155,9 @@ def merge(
             with tags(f"run:{run_id}", "role:merger"):
                 outer_merge_flow(storage, run_id, merges, merger_id)
             return
-        from diloco.engine.loops import StopSignal
-        from diloco.engine.merger import run_merger
-        from diloco.engine.roles import make_merger
+        from diloco.run.loops import StopSignal
+        from diloco.merger.merger import run_merger
+        from diloco.launch import make_merger
 
         merger, ctx = make_merger(storage, run_id, merger_id)
         run_merger(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions, should_stop=StopSignal(ctx))
@@ -176,8 +176,8 @@ def evaluate(storage: str = STORAGE, run_id: str = RUN_ID, prefect: bool = PREFE
             with tags(f"run:{run_id}", "role:evaluate"):
                 evaluate_flow(storage, run_id)
             return
-        from diloco.engine.loops import run_evaluator
-        from diloco.engine.roles import make_evaluator
+        from diloco.run.loops import run_evaluator
+        from diloco.launch import make_evaluator
 
         evaluator, should_stop = make_evaluator(storage, run_id)
         run_evaluator(evaluator, should_stop=should_stop)
@@ -188,7 +188,7 @@ def status(storage: str = STORAGE, run_id: str = RUN_ID,
            json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Versions, and each learner's last heartbeat, seq, base version and loss."""
     with user_errors():
-        from diloco.cli_run import print_status
+        from diloco.cli.run import print_status
 
         print_status(storage, run_id, json_out)
 
@@ -199,8 +199,8 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID,
           replay: bool = typer.Option(True, "--replay/--no-replay", help="Replay every merge bit for bit.")) -> None:
     """Check the manifest chain, checksums, at-most-once merging, and replay every merge."""
     with user_errors():
-        from diloco.engine.audit import audit_run
-        from diloco.engine.run import open_run
+        from diloco.inspect.audit import audit_run
+        from diloco.run.context import open_run
 
         report = audit_run(open_run(storage, run_id), do_replay=replay)
         if json_out:
@@ -222,8 +222,8 @@ def gc(storage: str = STORAGE, run_id: str = RUN_ID,
        dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted.")) -> None:
     """Delete objects under global/ that no manifest references (left by crashed merges)."""
     with user_errors():
-        from diloco.engine.gc import collect_orphans
-        from diloco.engine.run import open_run
+        from diloco.inspect.gc import collect_orphans
+        from diloco.run.context import open_run
 
         report = collect_orphans(open_run(storage, run_id), min_age_s=min_age_s, dry_run=dry_run)
         verb = "would delete" if dry_run else "deleted"
@@ -236,8 +236,8 @@ def stop(storage: str = STORAGE, run_id: str = RUN_ID,
          reason: str = typer.Option("operator", "--reason")) -> None:
     """Ask every process of a run to end after its current phase (writes control/stop)."""
     with user_errors():
-        from diloco.engine.loops import request_stop
-        from diloco.engine.run import open_run
+        from diloco.run.loops import request_stop
+        from diloco.run.context import open_run
 
         request_stop(open_run(storage, run_id), reason)
         typer.echo(f"stop requested for run {run_id}")

@@ -1,6 +1,6 @@
 """A zygote: one process that pays the imports once, then forks every role of a local run.
 
-Contract: `Zygote` (the supervisor's side) starts `python -m diloco.engine.zygote`, which imports
+Contract: `Zygote` (the supervisor's side) starts `python -m diloco.zygote`, which imports
 torch and the engine and runs a throwaway training step (roles.warm_up), then forks on request.
 A forked child starts its own session (a process group the supervisor can SIGKILL or SIGSTOP),
 points stdin at /dev/null and stdout/stderr at its log, takes the environment it was given, and
@@ -66,7 +66,7 @@ class Zygote:
         err = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the child keeps a copy)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "diloco.engine.zygote", label], env=env, stdin=subprocess.PIPE,
+                [sys.executable, "-m", "diloco.zygote", label], env=env, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=err, start_new_session=True,
             )
         finally:
@@ -218,7 +218,7 @@ def main() -> None:
 
     torch.set_num_threads(1)  # no thread pool before forking; each role sets its own count
     import diloco.cli  # noqa: F401  (every role's command, and what it imports)
-    from diloco.engine.roles import warm_up
+    from diloco.launch import warm_up
 
     warm_up(prefect=False)
     _send("ready")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.configs import Config
-from diloco.engine import tensors as T
+from diloco.run import tensors as T
 from diloco.storage.codec import CodecError, Header
 from diloco.training.merge import Combiner, delta_weight
 from diloco.training.model import EMBEDDING_PARAMS

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.engine import tensors as T
-from diloco.engine.courier import Courier
-from diloco.engine.events import EventLog
-from diloco.engine.local_state import LocalState, Saved
-from diloco.engine.publisher import Publisher
-from diloco.engine.run import RunContext
+from diloco.run import tensors as T
+from diloco.learner.courier import Courier
+from diloco.run.events import EventLog
+from diloco.learner.local_state import LocalState, Saved
+from diloco.learner.publisher import Publisher
+from diloco.run.context import RunContext
 from diloco.storage import (
     Manifest,
     NotFound,
@@ -163,7 +163,7 @@ class Learner:
 
     def save_local(self, exported: tuple[T.Tensors, dict] | None = None) -> None:
         """Snapshot the whole state (copies; `exported`: the optimizer state already copied) and queue
-        its write to this host (diloco.engine.local_state: encoded and written off the training thread)."""
+        its write to this host (diloco.learner.local_state: encoded and written off the training thread)."""
         if self.local is None:
             return
         opt, opt_meta = exported or self.trainer.export_state()

@@ -14,12 +14,12 @@ import torch
 
 from diloco.chaos.inprocess import MergerSaboteur, apply_chaos
 from diloco.configs import InnerConfig, ModelConfig
-from diloco.engine.corpus import load_run_corpus
-from diloco.engine.events import EventLog
-from diloco.engine.learner import Learner
-from diloco.engine.loops import Evaluator, StopSignal
-from diloco.engine.merger import Merger
-from diloco.engine.run import RunContext, open_run
+from diloco.run.corpus import load_run_corpus
+from diloco.run.events import EventLog
+from diloco.learner.learner import Learner
+from diloco.run.loops import Evaluator, StopSignal
+from diloco.merger.merger import Merger
+from diloco.run.context import RunContext, open_run
 from diloco.storage.keys import validate_learner_name
 from diloco.training.inner import InnerTrainer
 from diloco.training.model import build_model

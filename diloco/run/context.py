@@ -16,7 +16,7 @@ import torch
 
 from diloco import __version__
 from diloco.configs import Config
-from diloco.engine import tensors as T
+from diloco.run import tensors as T
 from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, manifest_exists, open_store
 from diloco.storage.keys import new_nonce
 from diloco.storage.store import ObjectStore

@@ -6,7 +6,7 @@ operator) or a pause is not a crash; the run ends when the target version is com
 requested (`diloco stop`) or the time limit passes; shutdown leaves no process of the run behind (warm standbys included).
 
 Start method (`run.start_method`): "fork" (local runs without Prefect) forks every role from a zygote
-(diloco.engine.zygote), one process that paid the imports once: a (re)start is a fork and a join, and
+(diloco.zygote), one process that paid the imports once: a (re)start is a fork and a join, and
 no spares are kept. A process's `start` event is stamped when the start was asked for, so the zygote's
 own imports at the first start are charged to the roles' start-up, as an exec start's imports are.
 
@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from diloco.engine.events import EventLog
-from diloco.engine.loops import StopSignal, request_stop
-from diloco.engine.run import RunContext
-from diloco.engine.zygote import Forked, Zygote, ZygoteError
+from diloco.run.events import EventLog
+from diloco.run.loops import StopSignal, request_stop
+from diloco.run.context import RunContext
+from diloco.zygote import Forked, Zygote, ZygoteError
 from diloco.storage import NotFound, StorageError, latest_version
 
 log = logging.getLogger("diloco.supervisor")

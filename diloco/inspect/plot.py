@@ -10,9 +10,9 @@ from pathlib import Path
 
 import typer
 
-from diloco.engine.events import read_events
-from diloco.engine.loops import read_evals
-from diloco.engine.run import RunContext
+from diloco.run.events import read_events
+from diloco.run.loops import read_evals
+from diloco.run.context import RunContext
 
 STATE_COLORS = {"training": "#2ca02c", "publishing": "#1f77b4", "down": "#d62728", "paused": "#7f7f7f"}
 
@@ -25,10 +25,10 @@ def loss_points(evals: list[dict]) -> tuple[list[float], list[float], str]:
 
 
 def timeline_rows(events: list[dict]) -> list[tuple[str, str, float, float]]:
-    """(who, state, t0, t1) rows: learner states as intervals, merges as points (diloco.chaos.timeline)."""
+    """(who, state, t0, t1) rows: learner states as intervals, merges as points (diloco.inspect.timeline)."""
     if not events:
         return []
-    from diloco.chaos.timeline import timeline
+    from diloco.inspect.timeline import timeline
 
     return timeline(events)
 
@@ -98,7 +98,7 @@ def plot_run(
 ) -> None:
     """Plot a run: held-out loss per version, and a timeline per learner with the merges marked."""
     from diloco.cli import user_errors
-    from diloco.engine.run import open_run
+    from diloco.run.context import open_run
 
     with user_errors():
         if out.suffix.lower() != ".png":

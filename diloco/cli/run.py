@@ -17,15 +17,15 @@ from rich.live import Live
 from rich.table import Table
 
 from diloco.configs import load_config
-from diloco.engine.report import learner_status, nats_to_bits, sample_text, summarize
-from diloco.engine.run import RunContext, create_run, open_run
+from diloco.inspect.report import learner_status, nats_to_bits, sample_text, summarize
+from diloco.run.context import RunContext, create_run, open_run
 from diloco.storage import StorageError, latest_version, open_store
 
 STATE_DIR = Path(".diloco")
 
 
 def progress_table(ctx: RunContext, started: float) -> Table:
-    from diloco.engine.loops import read_evals
+    from diloco.run.loops import read_evals
 
     try:
         version = latest_version(ctx.store, ctx.keys) or 0
@@ -89,7 +89,7 @@ def _resolve(config: str, storage: str | None, learners: int | None, versions: i
 def execute_run(*, config: str, storage: str | None, learners: int | None, versions: int | None,
                 corpus: str | None, run_id: str | None, json_out: bool, prefect: bool, chaos: Path | None,
                 time_limit_s: float | None, live: bool) -> None:
-    from diloco.engine.corpus import load_run_corpus
+    from diloco.run.corpus import load_run_corpus
     from diloco.storage.keys import validate_run_id
 
     cfg = _resolve(config, storage, learners, versions, corpus, time_limit_s)
@@ -129,7 +129,7 @@ def _supervise(ctx: RunContext, storage_url: str, prefect: bool, log_dir: str, c
         with tags(f"run:{ctx.run_id}", "role:train"):
             train_flow(storage_url, ctx.run_id, log_dir=log_dir, chaos_plan=chaos)
         return
-    from diloco.engine.supervisor import Supervisor
+    from diloco.supervise.local import Supervisor
 
     supervisor = Supervisor(ctx, prefect=False, log_dir=log_dir)
     if chaos:

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from diloco.engine.events import EventLog
-from diloco.engine.loops import StopSignal, request_stop
-from diloco.engine.run import RunContext
+from diloco.run.events import EventLog
+from diloco.run.loops import StopSignal, request_stop
+from diloco.run.context import RunContext
 from diloco.storage import NotFound, StorageError, latest_version
 from diloco.storage.keys import validate_learner_name
 
@@ -71,7 +71,7 @@ def remove_learner(
 ) -> None:
     """Remove a learner from a run: it ends after its phase and the supervisor does not restart it."""
     from diloco.cli import user_errors
-    from diloco.engine.run import open_run
+    from diloco.run.context import open_run
 
     with user_errors():
         request_remove(open_run(storage, run_id), learner, reason)

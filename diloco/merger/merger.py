@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.engine import tensors as T
-from diloco.engine.events import EventLog
-from diloco.engine.outer_step import (
+from diloco.run import tensors as T
+from diloco.run.events import EventLog
+from diloco.merger.step import (
     DeltaInvalid,
     GradientStream,
     LearnerGroup,
@@ -25,7 +25,7 @@ from diloco.engine.outer_step import (
     outer_step,
     validate_delta,
 )
-from diloco.engine.run import RunContext
+from diloco.run.context import RunContext
 from diloco.storage import (
     Conflict,
     DeltaDecision,

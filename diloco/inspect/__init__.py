@@ -1,0 +1,1 @@
+"""Read-side tools: audit, report, gc, plot, timeline."""

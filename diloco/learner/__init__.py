@@ -1,0 +1,1 @@
+"""A learner: inner steps, ship-and-carry deltas, installs, its local state and publisher."""

@@ -1,0 +1,1 @@
+"""The outer merger: quorum, grace, validate, fold, outer step, commit."""

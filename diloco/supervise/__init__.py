@@ -1,0 +1,1 @@
+"""Supervisors: start every role of a run, watch, heal, stop."""
