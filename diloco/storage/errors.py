@@ -151,10 +151,38 @@ def translate_error(exc: BaseException, *, key: str = "", writing: bool = False)
     return err
 
 
+class Backoff:
+    """Exponential back-off, the one helper every retry loop of the project uses: waits of first_s, doubled
+    per attempt, capped at cap_s; with `jitter`, each wait is spread over [w/2, w] ("equal jitter"), so
+    many processes retrying at once do not stay in step. `reset()` after a success."""
+
+    def __init__(self, first_s: float, cap_s: float, *, jitter: bool = False) -> None:
+        if first_s < 0 or cap_s < first_s:
+            raise ValueError(f"back-off needs 0 <= first_s <= cap_s, got {first_s}, {cap_s}")
+        self.first_s, self.cap_s, self.jitter = first_s, cap_s, jitter
+        self.attempts = 0  # waits handed out since the last reset
+
+    def wait_for(self, attempt: int) -> float:
+        """The wait before retry number attempt+1 (no state change)."""
+        wait_s = min(self.cap_s, self.first_s * 2 ** min(attempt, 62))
+        return wait_s / 2 + random.uniform(0, wait_s / 2) if self.jitter else wait_s
+
+    def next_s(self) -> float:
+        """The next wait; counts an attempt."""
+        wait_s = self.wait_for(self.attempts)
+        self.attempts += 1
+        return wait_s
+
+    def reset(self) -> None:
+        self.attempts = 0
+
+
+_REQUEST_BACKOFF = Backoff(BACKOFF_BASE_S, BACKOFF_CAP_S, jitter=True)
+
+
 def backoff_s(attempt: int) -> float:
-    """Jittered exponential backoff before retry number attempt+1 (equal jitter, capped)."""
-    wait_s = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)
-    return wait_s / 2 + random.uniform(0, wait_s / 2)
+    """Jittered exponential backoff before retry number attempt+1 of a storage request (equal jitter, capped)."""
+    return _REQUEST_BACKOFF.wait_for(attempt)
 
 
 def call_with_retries(
