@@ -1,47 +1,71 @@
-"""Build each role of a run from (storage URL, run id, name): what a process or a flow starts with.
+"""The one launch entry: run a role of a run (learner, merger, evaluator) in this process.
 
-Contract: the config comes from run.json in the bucket, never from the caller, so every process
-of a run agrees on it; a run with a chaos control object gets its faults here (diloco.chaos).
-A warm standby (`wait_as_standby`) pays the imports first and reads nothing from the bucket until started.
+Contract: `run_role(role, storage, run_id, name, ...)` builds the role from (storage URL, run id, name) and
+runs it until the run stops, the target version is committed, its count is done or (a learner) an operator
+removed it; the config comes from run.json in the bucket, never from the caller, so every process of a run
+agrees on it; a run with a chaos control object gets its faults here (diloco.chaos), outside the core.
+The CLI, the zygote, the local supervisor (`python -m diloco.launch <role> ...`, an internal protocol, not
+the CLI) and the Prefect flows (which pass their task-wrapped units) all start roles through it.
+A warm standby (`--standby`) pays the imports first and reads nothing from the bucket until started.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 import sys
-from typing import TextIO
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
 
-import torch
-
-from diloco.chaos.inprocess import MergerSaboteur, apply_chaos
-from diloco.configs import InnerConfig, ModelConfig
-from diloco.run.corpus import load_run_corpus
-from diloco.run.events import EventLog
-from diloco.learner.learner import Learner
-from diloco.run.loops import Evaluator, StopSignal
-from diloco.merger.merger import Merger
-from diloco.run.context import RunContext, open_run
-from diloco.storage.keys import validate_learner_name
-from diloco.training.inner import InnerTrainer
-from diloco.training.model import build_model
+ROLES = ("learner", "merger", "evaluator")
+log = logging.getLogger("diloco.launch")
 
 
-def make_learner(storage: str, run_id: str, name: str) -> tuple[Learner, StopSignal]:
+@dataclass
+class Units:
+    """The units of work a Prefect flow wraps as tasks; None: the plain call."""
+
+    join: Callable[..., Any] | None = None  # (learner) -> version
+    phase: Callable[..., Any] | None = None  # (learner, should_stop) -> PhaseStats
+    merge: Callable[..., Any] | None = None  # (merger, should_stop) -> Manifest | None
+    evaluate: Callable[..., Any] | None = None  # (evaluator, version) -> record
+
+
+def make_learner(storage: str, run_id: str, name: str):
+    """The learner `name` of the run, and its stop signal (control/stop, the target version, or removal)."""
+    from diloco.chaos.inprocess import apply_chaos
+    from diloco.learner.learner import Learner
+    from diloco.run.context import open_run
+    from diloco.run.corpus import load_run_corpus
+    from diloco.run.events import EventLog
+    from diloco.run.signals import RemovedSignal, StopSignal
+    from diloco.storage.keys import validate_learner_name
+
     validate_learner_name(name)
     # torch's lazy imports (~3 s: the optimizer's first step pulls torch._dynamo) belong to the start,
     # before the join, not to the first phase's time (goodput counts phase time as compute); a warm
-    # standby has paid them already and this is then a few milliseconds
-    warm_up(prefect=False)
+    # standby or a forked learner has paid them already and this is then a few milliseconds
+    warm_up()
     ctx = open_run(storage, run_id)
     control = apply_chaos(ctx)
     slowdown = control.slowdown.get(name) if control else None
     # events are kept and flushed again on failure: one quick retry, so an outage does not stall each phase
     events = EventLog(ctx.store.with_retries(1), ctx.keys, name)
-    learner = Learner(ctx, name, load_run_corpus(ctx.cfg.data), events=events,
-                      slowdown=slowdown)
-    return learner, StopSignal(ctx, ctx.cfg.run.num_versions)
+    learner = Learner(ctx, name, load_run_corpus(ctx.cfg.data), events=events, slowdown=slowdown)
+    stopped, removed = StopSignal(ctx, ctx.cfg.run.num_versions), RemovedSignal(ctx, name)
+    return learner, lambda: stopped() or removed()
 
 
-def make_merger(storage: str, run_id: str, merger_id: str = "merger") -> tuple[Merger, RunContext]:
+def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
+    """The merger of the run (a chaos plan may order it to kill itself at a stage), and its context."""
+    from diloco.chaos.inprocess import MergerSaboteur, apply_chaos
+    from diloco.merger.merger import Merger
+    from diloco.run.context import open_run
+    from diloco.run.events import EventLog
+    from diloco.storage.keys import validate_learner_name
+
+    validate_learner_name(merger_id)
     ctx = open_run(storage, run_id)
     raw_store = ctx.store
     control = apply_chaos(ctx)
@@ -50,36 +74,114 @@ def make_merger(storage: str, run_id: str, merger_id: str = "merger") -> tuple[M
     return Merger(ctx, merger_id, events=events, stage_hook=hook), ctx
 
 
-def make_evaluator(storage: str, run_id: str) -> tuple[Evaluator, StopSignal]:
+def make_evaluator(storage: str, run_id: str):
+    """The evaluator of the run, and its stop signal."""
+    from diloco.chaos.inprocess import apply_chaos
+    from diloco.run.context import open_run
+    from diloco.run.corpus import load_run_corpus
+    from diloco.run.evaluator import Evaluator
+    from diloco.run.events import EventLog
+    from diloco.run.signals import StopSignal
+
     ctx = open_run(storage, run_id)
     apply_chaos(ctx)
     evaluator = Evaluator(ctx, load_run_corpus(ctx.cfg.data), events=EventLog(ctx.store, ctx.keys, "evaluator"))
     return evaluator, StopSignal(ctx, ctx.cfg.run.num_versions)
 
 
+def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, phases: int | None = None,
+             merges: int | None = None, units: Units | None = None) -> int:
+    """Run one role of a run in this process until it ends; returns the phases, merges or evaluations done."""
+    units = units or Units()
+    if role == "learner":
+        from diloco.learner.learner import Learner
+        from diloco.learner.loop import learner_step, run_learner
+
+        learner, should_stop = make_learner(storage, run_id, name or "")
+        return run_learner(learner, phases=phases, should_stop=should_stop, step=units.phase or learner_step,
+                           join=units.join or Learner.join)
+    if role == "merger":
+        from diloco.merger.merger import run_merger
+        from diloco.run.signals import StopSignal
+
+        merger, ctx = make_merger(storage, run_id, name or "merger")
+        return run_merger(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
+                          should_stop=StopSignal(ctx), merge=units.merge)
+    if role == "evaluator":
+        from diloco.run.evaluator import run_evaluator
+
+        evaluator, should_stop = make_evaluator(storage, run_id)
+        return run_evaluator(evaluator, should_stop=should_stop, evaluate=units.evaluate)
+    raise ValueError(f"role {role!r} is unknown: must be one of {', '.join(ROLES)}")
+
+
 _torch_warm = False  # the throwaway step ran in this process (a zygote's forks inherit it)
 
 
-def warm_up(prefect: bool) -> None:
-    """Pay, without the bucket, what a learner process pays before it can join: torch's lazy imports
-    (the optimizer's first step pulls torch._dynamo) on a throwaway model; prefect and the flow module.
-    Once per process: again (a warm standby's or a forked learner's make_learner) it costs nothing."""
+def warm_up() -> None:
+    """Pay, without the bucket, what a role's process pays before it can work: torch's lazy imports (the
+    optimizer's first step pulls torch._dynamo) on a throwaway model, and every role's modules. Once per
+    process: again (a warm standby's or a forked learner's make_learner) it costs nothing."""
     global _torch_warm
-    if not _torch_warm:
-        cfg = ModelConfig(n_layer=1, n_head=1, d_model=8, ctx_len=4)
-        trainer = InnerTrainer(build_model(cfg), InnerConfig())
-        tokens = torch.zeros(1, cfg.ctx_len, dtype=torch.long)
-        trainer.train_step(tokens, tokens)
-        _torch_warm = True
-    if prefect:
-        import prefect  # noqa: F401
+    if _torch_warm:
+        return
+    import torch
 
-        import diloco.flows.learner  # noqa: F401
+    import diloco.learner.learner  # noqa: F401
+    import diloco.learner.loop  # noqa: F401
+    import diloco.merger.merger  # noqa: F401
+    import diloco.run.evaluator  # noqa: F401
+    from diloco.configs import InnerConfig, ModelConfig
+    from diloco.training.inner import InnerTrainer
+    from diloco.training.model import build_model
+
+    cfg = ModelConfig(n_layer=1, n_head=1, d_model=8, ctx_len=4)
+    trainer = InnerTrainer(build_model(cfg), InnerConfig())
+    tokens = torch.zeros(1, cfg.ctx_len, dtype=torch.long)
+    trainer.train_step(tokens, tokens)
+    _torch_warm = True
 
 
-def wait_as_standby(prefect: bool, stdin: TextIO = sys.stdin) -> bool:
-    """Warm up, then block until a line arrives on stdin: True to start now, False at end of input
-    (the supervisor is gone or stopped this spare)."""
-    warm_up(prefect)
+def wait_as_standby(stdin: TextIO = sys.stdin) -> bool:
+    """Block until a line arrives on stdin (the imports already paid): True to start now, False at end of
+    input (the supervisor is gone or stopped this spare)."""
     print("standby ready", file=sys.stderr, flush=True)
     return bool(stdin.readline())
+
+
+def parse_args(argv: list[str], prog: str = "diloco.launch") -> argparse.Namespace:
+    """The internal launch protocol: `<role> --storage URL --run-id ID [--name NAME] [--phases N]
+    [--merges N] [--standby]` (exit 2 with one line on a bad argument)."""
+    parser = argparse.ArgumentParser(prog=prog, description="Run one role of a run in this process.")
+    parser.add_argument("role", choices=ROLES)
+    parser.add_argument("--storage", required=True)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--name", default=None, help="the learner's name, or the merger's id")
+    parser.add_argument("--phases", type=int, default=None)
+    parser.add_argument("--merges", type=int, default=None)
+    parser.add_argument("--standby", action="store_true", help="import everything, start on a line on stdin")
+    parser.add_argument("--verbose", "-v", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m diloco.launch ...` (and a zygote's fork): run the role; user errors are one line, exit 2."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    if args.standby:
+        warm_up()
+        if not wait_as_standby():
+            return 0
+    from diloco.errors import USER_ERRORS, describe
+
+    try:
+        run_role(args.role, args.storage, args.run_id, args.name, phases=args.phases, merges=args.merges)
+    except USER_ERRORS as err:
+        print(f"error: {describe(err)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

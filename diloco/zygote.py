@@ -1,15 +1,9 @@
 """A zygote: one process that pays the imports once, then forks every role of a local run.
 
-Contract: `Zygote` (the supervisor's side) starts `python -m diloco.zygote`, which imports
-torch and the engine and runs a throwaway training step (roles.warm_up), then forks on request.
-A forked child starts its own session (a process group the supervisor can SIGKILL or SIGSTOP),
-points stdin at /dev/null and stdout/stderr at its log, takes the environment it was given, and
-runs the `diloco` command line with the given arguments; it is a warm process from its first
-instruction, so a (re)start costs a fork and the join, not seconds of imports. The zygote reaps
-its children and reports each exit code; `Forked` gives the supervisor Popen's interface (pid,
-poll, wait, returncode). The zygote exits when the supervisor closes its stdin or goes away;
-children are never killed by it. Protocol: JSON lines; requests on the zygote's stdin, replies
-("ready", {"pid"}, {"exit", "code"}, {"error"}) on its stdout.
+Contract: started by the supervisor (diloco.supervise.zygote.Zygote, which documents the protocol); imports
+torch and every role's code and runs a throwaway training step (launch.warm_up), then forks on request: a
+child starts its own session, takes its log and environment, and runs `diloco.launch` with the given
+arguments. It exits when the supervisor closes its stdin; children are never killed by it.
 """
 
 from __future__ import annotations
@@ -17,144 +11,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
-import logging
 import os
 import select
 import signal
-import subprocess
 import sys
-import threading
-import time
 import traceback
-
-log = logging.getLogger("diloco.zygote")
-READY_TIMEOUT_S = 120.0  # imports on a loaded machine; the supervisor falls back to exec after this
-
-
-class ZygoteError(RuntimeError):
-    """The zygote is gone or did not answer: the caller starts the process the plain way."""
-
-
-class Forked:
-    """A process forked by the zygote, seen through Popen's interface (it is not our child)."""
-
-    stdin = None
-
-    def __init__(self, zygote: Zygote, pid: int) -> None:
-        self.zygote, self.pid = zygote, pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.zygote.exit_code(self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.time() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.time() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-
-class Zygote:
-    """The supervisor's handle: start it, fork roles from it, close it."""
-
-    def __init__(self, env: dict[str, str], label: str, log_path: str | None = None) -> None:
-        """`label` shows in `ps` (the run id); the zygote's own stderr goes to `log_path` (else nowhere)."""
-        err = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the child keeps a copy)
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "diloco.zygote", label], env=env, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=err, start_new_session=True,
-            )
-        finally:
-            if log_path:
-                err.close()
-        self._cond = threading.Condition()
-        self._ready = False
-        self._replies: list[dict] = []
-        self._exits: dict[int, int] = {}
-        self._lock = threading.Lock()  # one request at a time: replies come back in order
-        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for raw in self.proc.stdout:
-            try:
-                msg = json.loads(raw)
-            except ValueError:
-                continue
-            with self._cond:
-                if msg == "ready":
-                    self._ready = True
-                elif isinstance(msg, dict) and "exit" in msg:
-                    self._exits[int(msg["exit"])] = int(msg["code"])
-                else:
-                    self._replies.append(msg)
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def spawn(self, argv: list[str], log_path: str | None, env: dict[str, str], name: str) -> Forked:
-        """Fork `diloco <argv>` (waits for the zygote's imports the first time); ZygoteError if it cannot."""
-        request = json.dumps({"argv": argv, "log": log_path, "env": env, "name": name}) + "\n"
-        with self._lock, self._cond:
-            if not self._cond.wait_for(lambda: self._ready or not self.alive, timeout=READY_TIMEOUT_S) \
-                    or not self.alive:
-                raise ZygoteError("the zygote is not running")
-            try:
-                self.proc.stdin.write(request.encode())
-                self.proc.stdin.flush()
-            except OSError as err:
-                raise ZygoteError(f"the zygote is gone: {err}") from None
-            if not self._cond.wait_for(lambda: self._replies or not self.alive, timeout=30.0) or not self._replies:
-                raise ZygoteError("the zygote did not answer")
-            reply = self._replies.pop(0)
-        if "pid" not in reply:
-            raise ZygoteError(f"the zygote could not fork: {reply.get('error')}")
-        return Forked(self, int(reply["pid"]))
-
-    def exit_code(self, pid: int) -> int | None:
-        """The exit code the zygote reported, None while running; if the zygote itself is gone, a
-        child that no longer exists counts as exited with code 1 (its real code is lost)."""
-        with self._cond:
-            if pid in self._exits:
-                return self._exits[pid]
-        if self.alive:
-            return None
-        return 1 if _gone(pid) else None
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self._reader.join(timeout=5)
-
-
-def _gone(pid: int) -> bool:
-    """Whether a process that is not our child has exited (a zombie no one reaps counts as exited)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return False
-
 
 # ---- the zygote process ------------------------------------------------------------------------
 
@@ -181,11 +42,10 @@ def _child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         _set_name(request["name"])
-        sys.argv = ["diloco", *request["argv"]]
-        from diloco.cli import app
+        sys.argv = ["diloco.launch", *request["argv"]]
+        from diloco.launch import main as launch
 
-        app(args=request["argv"], prog_name="diloco")
-        code = 0
+        code = launch(request["argv"])
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException:
@@ -217,10 +77,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # no thread pool before forking; each role sets its own count
-    import diloco.cli  # noqa: F401  (every role's command, and what it imports)
     from diloco.launch import warm_up
 
-    warm_up(prefect=False)
+    warm_up()
     _send("ready")
     buf = b""
     while True:

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import typer
 from rich.console import Console
 from rich.table import Table
 
+from diloco.configs import ConfigError
 from diloco.storage.codec import CODECS, encode
 
 FP32_BYTES = 4  # bytes per parameter of an uncompressed fp32 tensor
@@ -96,20 +96,19 @@ def _print(row: dict[str, Any]) -> None:
 
 
 def bandwidth(
-    num_params: float = typer.Option(..., "--params", min=1, help="Model parameters, e.g. 12e9."),
-    step_time_s: float = typer.Option(..., "--step-time-s", min=1e-6, help="Seconds per inner step."),
-    num_learners: int = typer.Option(..., "--learners", min=1, help="Learners (sites) M."),
-    inner_steps: int = typer.Option(..., "--inner-steps", min=1, help="H: inner steps per phase."),
-    codec: str = typer.Option("int4", "--codec", help=f"Delta codec: {', '.join(CODECS)}."),
-    update_codec: str = typer.Option("fp32", "--update-codec", help="Codec of the compact update sent back."),
-    busy: float = typer.Option(0.95, "--busy", min=0.01, max=0.99, help="Fraction of time learners compute."),
-    json_path: Path | None = typer.Option(None, "--json", help="Write the row as JSON here."),
+    num_params: float = ...,
+    step_time_s: float = ...,
+    num_learners: int = ...,
+    inner_steps: int = ...,
+    codec: str = "int4",
+    update_codec: str = "fp32",
+    busy: float = 0.95,
+    json_path: Path | None = None,
 ) -> None:
     """Bandwidth needed between sites: data-parallel all-reduce vs one delta per H steps."""
     for name, value in (("--codec", codec), ("--update-codec", update_codec)):
         if value not in CODECS:
-            typer.secho(f"error: {name} {value!r} must be one of {', '.join(CODECS)}", err=True, fg="red")
-            raise typer.Exit(2)
+            raise ConfigError(f"{name} {value!r} must be one of {', '.join(CODECS)}")
     row = bandwidth_model(int(num_params), step_time_s, num_learners, inner_steps, codec, update_codec, busy)
     _print(row)
     if json_path is not None:

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import lz4.block
 import numpy as np
-import typer
 from rich.console import Console
 from rich.table import Table
 
@@ -125,10 +124,10 @@ def _print_table(results: dict[str, Any]) -> None:
 
 
 def bench_codec(
-    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
-    num_params: int = typer.Option(10_000_000, "--num-params", min=1000, help="Model size (~40 MB fp32)."),
-    num_steps: int = typer.Option(20, "--steps", min=1, help="AdamW inner steps behind the delta."),
-    repeats: int = typer.Option(5, "--repeats", min=1, help="Timed repeats; the best counts."),
+    json_path: Path | None = None,
+    num_params: int = 10_000_000,
+    num_steps: int = 20,
+    repeats: int = 5,
 ) -> None:
     """Encode and decode a realistic AdamW delta with every codec; print a table."""
     import torch

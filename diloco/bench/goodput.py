@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import typer
 from rich.console import Console
 from rich.table import Table
+
+from diloco.configs import ConfigError
 
 PLANS = Path(__file__).resolve().parents[1] / "chaos" / "plans"
 TARGETS = {"decoupled_goodput": 0.88, "vs_availability": 0.95, "loss_gap": 0.02}
@@ -26,11 +27,11 @@ LOSS_WINDOW = 5  # versions averaged around equal merged tokens
 def _supervised_run(storage: str, run_id: str, cfg, plan_path: Path | None, log_root: Path):
     from diloco.chaos.agent import attach_chaos
     from diloco.run.context import create_run
-    from diloco.supervise.local import Supervisor
     from diloco.storage import open_store
+    from diloco.supervise.local import local_supervisor
 
     ctx = create_run(open_store(storage), run_id, cfg)
-    supervisor = Supervisor(ctx, prefect=False, log_dir=str(log_root / run_id), env={"OMP_NUM_THREADS": "1"})
+    supervisor = local_supervisor(ctx, prefect=False, log_dir=str(log_root / run_id), env={"OMP_NUM_THREADS": "1"})
     if plan_path is not None:
         attach_chaos(supervisor, plan_path)
     supervisor.run_to_end()
@@ -63,7 +64,7 @@ def _loss_at_tokens(ctx, chain, tokens: int, k: int = LOSS_WINDOW) -> tuple[floa
     if needed): one version's loss jumps by ~0.1 nats from merge to merge; returns (loss, version, tokens)
     of the closest one alongside."""
     from diloco.run.corpus import load_run_corpus
-    from diloco.run.loops import Evaluator, read_evals
+    from diloco.run.evaluator import Evaluator, read_evals
 
     nearest = sorted(chain[1:] or chain, key=lambda m: (abs(m.tokens_total - tokens), -m.version))[:k]
     done = {e["version"]: e for e in read_evals(ctx)}
@@ -109,8 +110,8 @@ def local_save_cost_s(ctx, repeats: int = 5) -> float:
 def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
     from diloco.chaos.goodput import compute_goodput, per_learner
     from diloco.inspect.audit import audit_run
-    from diloco.run.events import read_events
     from diloco.inspect.report import manifests
+    from diloco.run.events import read_events
 
     chain, clean_chain = manifests(chaos_ctx), manifests(clean_ctx)
     events = read_events(chaos_ctx.store, chaos_ctx.keys)
@@ -184,14 +185,12 @@ def _print(r: dict[str, Any]) -> None:
 
 
 def bench_goodput(
-    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
-    quick: bool = typer.Option(False, "--quick", help="Smoke mode: the short plan (~90 s per run)."),
-    storage: str = typer.Option("file://runs", "--storage", help="Where both runs live."),
-    plan: Path | None = typer.Option(None, "--plan", help="A fault plan (default: the standard plan)."),
-    checkpoint_cost_s: float = typer.Option(5.0, "--checkpoint-cost-s", min=0.0,
-                                            help="Data-parallel checkpoint cost C for Young-Daly."),
-    measure_runs: str | None = typer.Option(None, "--measure", metavar="CHAOS_RUN,CLEAN_RUN",
-                                            help="Measure two recorded runs in --storage instead of running."),
+    json_path: Path | None = None,
+    quick: bool = False,
+    storage: str = "file://runs",
+    plan: Path | None = None,
+    checkpoint_cost_s: float = 5.0,
+    measure_runs: str | None = None,
 ) -> None:
     """Run the bench recipe under the standard fault plan and without faults; compare."""
     from diloco.chaos.plan import load_plan
@@ -205,13 +204,11 @@ def bench_goodput(
 
         names = measure_runs.split(",")
         if len(names) != 2:
-            typer.secho("error: --measure takes CHAOS_RUN,CLEAN_RUN", err=True, fg="red")
-            raise typer.Exit(2)
+            raise ConfigError("--measure takes CHAOS_RUN,CLEAN_RUN")
         try:
             chaos_ctx, clean_ctx = (open_run(storage, name) for name in names)
         except RunError as err:
-            typer.secho(f"error: --measure: {err}", err=True, fg="red")
-            raise typer.Exit(2) from None
+            raise ConfigError(f"--measure: {err}") from None
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         logs = Path(".diloco") / "logs"

@@ -9,17 +9,17 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import typer
 from rich.console import Console
 from rich.table import Table
 
-from diloco.configs import Config, load_config
+from diloco.configs import Config, ConfigError, load_config
 from diloco.run import tensors as T
 from diloco.run.context import create_run, open_run
 from diloco.storage import open_store, read_latest
@@ -111,10 +111,10 @@ def _print(rows: list[dict[str, Any]]) -> None:
 
 
 def bench_merge(
-    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
-    sizes: str = typer.Option("bench,10m", "--sizes", help=f"Comma-separated model sizes: {', '.join(SIZES)}."),
-    learners: str = typer.Option(DEFAULT_LEARNERS, "--learners", help="Comma-separated learner counts."),
-    codec: str = typer.Option("int4", "--codec", help="Delta codec of the synthetic deltas."),
+    json_path: Path | None = None,
+    sizes: str = "bench,10m",
+    learners: str = DEFAULT_LEARNERS,
+    codec: str = "int4",
 ) -> None:
     """Time and peak memory of one merge against the number of learners and the model size."""
     try:
@@ -123,14 +123,13 @@ def bench_merge(
         if any(c < 1 for c in counts) or any(s not in SIZES for s in chosen):
             raise ValueError
     except ValueError:
-        typer.secho(f"error: --learners must be positive ints, --sizes among {', '.join(SIZES)}", err=True, fg="red")
-        raise typer.Exit(2) from None
+        raise ConfigError(f"--learners must be positive ints, --sizes among {', '.join(SIZES)}") from None
     rows = []
     for size in chosen:
         for n in counts:
             rows.append(measure(size, n, codec))
-            typer.echo(f"  {size} x {n} learners: {rows[-1]['merge_s']:.3f}s, "
-                       f"+{rows[-1]['peak_rss_delta_bytes'] / 1e6:.1f} MB", err=True)
+            print(f"  {size} x {n} learners: {rows[-1]['merge_s']:.3f}s, "
+                       f"+{rows[-1]['peak_rss_delta_bytes'] / 1e6:.1f} MB", file=sys.stderr)
     _print(rows)
     if json_path is not None:
         json_path.write_text(json.dumps({"rows": rows}, indent=2) + "\n")

@@ -16,9 +16,10 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import typer
 from rich.console import Console
 from rich.table import Table
+
+from diloco.configs import ConfigError
 
 RULES = ("whole", "round_rate")
 
@@ -28,10 +29,10 @@ def run_rule(rule: str, at: int, down: int, rounds: int, config: str) -> dict[st
 
     from diloco.bench._quality_runs import HeldOut
     from diloco.configs import load_config
-    from diloco.run.corpus import load_run_corpus
     from diloco.learner.learner import Learner
     from diloco.merger.merger import Merger
     from diloco.run.context import create_run
+    from diloco.run.corpus import load_run_corpus
     from diloco.storage import open_store
 
     torch.set_num_threads(1)
@@ -69,17 +70,16 @@ def run_rule(rule: str, at: int, down: int, rounds: int, config: str) -> dict[st
 
 
 def bench_outage(
-    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
-    at: int = typer.Option(8, "--at", min=1, help="Round at which the merger goes down."),
-    down: int = typer.Option(6, "--down", min=1, help="Rounds without a merge."),
-    rounds: int = typer.Option(24, "--rounds", min=2, help="Rounds in all."),
-    config: str = typer.Option("bench", "--config", help="Recipe name or YAML path."),
-    jobs: int = typer.Option(2, "--jobs", min=1, help="Rules run side by side in this many processes."),
+    json_path: Path | None = None,
+    at: int = 8,
+    down: int = 6,
+    rounds: int = 24,
+    config: str = "bench",
+    jobs: int = 2,
 ) -> None:
     """Merger outage: the held-out loss around a backlog merge, momentum taking it whole vs at a round's rate."""
     if at + down >= rounds:
-        typer.secho(f"error: --at {at} + --down {down} must be < --rounds {rounds}", err=True, fg="red")
-        raise typer.Exit(2)
+        raise ConfigError(f"--at {at} + --down {down} must be < --rounds {rounds}")
     with ProcessPoolExecutor(max_workers=min(jobs, len(RULES))) as pool:
         results = dict(zip(RULES, pool.map(run_rule, RULES, [at] * 2, [down] * 2, [rounds] * 2, [config] * 2),
                            strict=True))
@@ -93,7 +93,7 @@ def bench_outage(
     Console().print(table)
     for rule in RULES:
         x = results[rule]
-        typer.echo(f"{rule}: before outage {x['loss_before_outage']:.3f}, peak in the 3 rounds after "
+        print(f"{rule}: before outage {x['loss_before_outage']:.3f}, peak in the 3 rounds after "
                    f"{x['peak_after_outage']:.3f}, final {x['final_loss']:.3f}")
     if json_path is not None:
         out = {"at": at, "down": down, "rounds": rounds, "config": config, "rules": results}

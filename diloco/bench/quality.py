@@ -10,18 +10,18 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing as mp
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-import typer
 from rich.console import Console
 from rich.table import Table
 
 from diloco.bench._quality_runs import METHODS, HeldOut, Method, RunResult, run_method
-from diloco.configs import Config, load_config
+from diloco.configs import Config, ConfigError, load_config
 from diloco.run.corpus import load_run_corpus
 
 NATS_PER_BIT = math.log(2)
@@ -168,18 +168,16 @@ def write_png(result: dict[str, Any], path: Path) -> None:
 
 
 def bench_quality(
-    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
-    png_path: Path | None = typer.Option(None, "--png", help="Write the loss-vs-tokens plot here."),
-    num_seeds: int = typer.Option(2, "--seeds", min=1, help="Seeds per method (a second is added when close)."),
-    steps: int | None = typer.Option(None, "--steps", min=1,
-                                     help="Inner steps per learner (= DP steps); default: the recipe's "
-                                          "inner.total_steps."),
-    tokens: int | None = typer.Option(None, "--tokens", min=1, help="Tokens per method (overrides --steps)."),
-    learners: int | None = typer.Option(None, "--learners", min=1, help="M (default: the recipe's)."),
-    methods: str = typer.Option(",".join(m.name for m in METHODS), "--methods", help="Comma-separated subset."),
-    config: str = typer.Option("bench", "--config", help="Recipe name or YAML path."),
-    quick: bool = typer.Option(False, "--quick", help="Smoke run: H=10, 20 steps per learner, 1 seed."),
-    jobs: int = typer.Option(2, "--jobs", min=1, help="Run the methods of a seed in this many processes (2 = both cores)."),
+    json_path: Path | None = None,
+    png_path: Path | None = None,
+    num_seeds: int = 2,
+    steps: int | None = None,
+    tokens: int | None = None,
+    learners: int | None = None,
+    methods: str = ",".join(m.name for m in METHODS),
+    config: str = "bench",
+    quick: bool = False,
+    jobs: int = 2,
 ) -> None:
     """Held-out loss and traffic at equal tokens: DP, sync DiLoCo, decoupled int8/int4, heterogeneous."""
     cfg = load_config(config).with_overrides({"run.num_learners": learners})
@@ -192,11 +190,9 @@ def bench_quality(
     chosen = tuple(m for m in METHODS if m.name in methods.split(","))
     unknown = set(methods.split(",")) - {m.name for m in METHODS}
     if unknown or not chosen:
-        typer.secho(f"error: --methods: unknown {sorted(unknown)}; known: {[m.name for m in METHODS]}",
-                    err=True, fg="red")
-        raise typer.Exit(2)
+        raise ConfigError(f"--methods: unknown {sorted(unknown)}; known: {[m.name for m in METHODS]}")
     t0 = time.time()
-    result = run_quality(cfg, chosen, steps, num_seeds, jobs, log=lambda s: typer.echo(s, err=True))
+    result = run_quality(cfg, chosen, steps, num_seeds, jobs, log=lambda s: print(s, file=sys.stderr))
     result["config"]["wall_s"] = time.time() - t0
     _print_table(result)
     if json_path is not None:

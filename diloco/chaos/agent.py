@@ -31,8 +31,8 @@ from diloco.chaos.plan import (
     load_plan,
 )
 from diloco.run.events import EventLog
-from diloco.supervise.local import Supervisor
 from diloco.storage import StorageError, read_manifest
+from diloco.supervise.core import Supervisor
 
 log = logging.getLogger("diloco.chaos")
 
@@ -177,10 +177,10 @@ class ChaosAgent:
         return True
 
     def _second_merger(self, due: Due, f: SecondMerger) -> bool:
-        if f.merger_id in self.sup.procs:
+        if f.merger_id in self.sup.jobs:
             self._emit(due, "fault_skipped", reason=f"{f.merger_id} already exists")
             return True
-        self.sup.spawn(self.sup.add("merger", f.merger_id))
+        self.sup.start(self.sup.add("merger", f.merger_id))
         self._emit(due, merger=f.merger_id)
         return True
 

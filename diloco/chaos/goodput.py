@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from diloco.chaos.lifecycle import (
+from diloco.inspect.lifecycle import (
     Event,
     Interval,
     Life,

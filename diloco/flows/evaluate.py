@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from diloco.run.loops import run_evaluator
-from diloco.launch import make_evaluator
-from diloco.supervise.deployments import export_aws_credentials
+from diloco.flows.credentials import export_aws_credentials
+from diloco.launch import Units, run_role
 from diloco.tasks.evaluate import evaluate_task
 
 
@@ -15,5 +14,4 @@ def evaluate_flow(storage: str, run_id: str, aws_credentials_block: str | None =
     """Score each committed version (on the eval cadence, plus the first and the last)."""
     if aws_credentials_block:
         export_aws_credentials(aws_credentials_block)
-    evaluator, should_stop = make_evaluator(storage, run_id)
-    return run_evaluator(evaluator, should_stop=should_stop, evaluate=evaluate_task)
+    return run_role("evaluator", storage, run_id, units=Units(evaluate=evaluate_task))

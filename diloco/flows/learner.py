@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from diloco.run.loops import run_learner
-from diloco.launch import make_learner
-from diloco.supervise.deployments import RemovedSignal, export_aws_credentials
+from diloco.flows.credentials import export_aws_credentials
+from diloco.launch import Units, run_role
 from diloco.tasks.learner import join_task, phase_task
 
 
@@ -20,7 +19,5 @@ def learner_flow(storage: str, run_id: str, learner: str, phases: int | None = N
     """Join the run at its newest version and train until it stops (or for `phases` phases)."""
     if aws_credentials_block:
         export_aws_credentials(aws_credentials_block)
-    worker, run_stopped = make_learner(storage, run_id, learner)
-    removed = RemovedSignal(worker.ctx, learner)
-    return run_learner(worker, phases=phases, should_stop=lambda: run_stopped() or removed(),
-                       step=phase_task, join=join_task)
+    return run_role("learner", storage, run_id, learner, phases=phases,
+                    units=Units(join=join_task, phase=phase_task))

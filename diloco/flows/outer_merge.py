@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from diloco.run.loops import StopSignal
-from diloco.merger.merger import run_merger
-from diloco.launch import make_merger
-from diloco.supervise.deployments import export_aws_credentials
+from diloco.flows.credentials import export_aws_credentials
+from diloco.launch import Units, run_role
 from diloco.tasks.merge import merge_task
 
 
@@ -17,6 +15,4 @@ def outer_merge_flow(storage: str, run_id: str, merges: int | None = None, merge
     """Merge until the run's target version is committed or the run is stopped."""
     if aws_credentials_block:
         export_aws_credentials(aws_credentials_block)
-    merger, ctx = make_merger(storage, run_id, merger_id)
-    return run_merger(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
-                      should_stop=StopSignal(ctx), merge=merge_task)
+    return run_role("merger", storage, run_id, merger_id, merges=merges, units=Units(merge=merge_task))

@@ -14,13 +14,12 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.exceptions import PrefectException
 
+from diloco.flows.credentials import export_aws_credentials
 from diloco.run.context import RunContext, create_run, open_run
 from diloco.supervise.deployments import (
     EVALUATOR_DEPLOYMENT,
     MERGER_DEPLOYMENT,
-    DeploymentSupervisor,
-    export_aws_credentials,
-    make_jobs,
+    deployment_supervisor,
     placement,
     regional_names,
 )
@@ -109,15 +108,16 @@ def _progress(ctx: RunContext) -> Callable[[Any], None]:
 
 
 def _supervise_local(ctx: RunContext, log_dir: str | None, chaos_plan: str | None) -> dict:
-    from diloco.supervise.local import Supervisor
+    from diloco.flows.local import supervise_local
 
-    supervisor = Supervisor(ctx, prefect=True, log_dir=log_dir)
-    if chaos_plan:
-        from diloco.chaos.agent import attach_chaos
+    reason = supervise_local(ctx, prefect=True, log_dir=log_dir, chaos_plan=chaos_plan, on_tick=_progress(ctx))
+    return {"run_id": ctx.run_id, "reason": reason, "version": _latest(ctx)}
 
-        attach_chaos(supervisor, chaos_plan)
-    reason = supervisor.run_to_end(on_tick=_progress(ctx))
-    return {"run_id": ctx.run_id, "reason": reason, "version": supervisor.latest()}
+
+def _latest(ctx: RunContext) -> int:
+    from diloco.storage import latest_version
+
+    return latest_version(ctx.store, ctx.keys) or 0
 
 
 def _tag_self(client: Any, run_id: str) -> None:
@@ -137,11 +137,12 @@ def _supervise_deployments(ctx: RunContext, plan: dict[str, str], merger_deploym
     from prefect.client.orchestration import get_client
 
     logger = get_run_logger()
-    jobs = make_jobs(ctx, plan, merger_deployment, evaluator_deployment, aws_credentials_block)
     with get_client(sync_client=True) as client:
         _tag_self(client, ctx.run_id)
-        supervisor = DeploymentSupervisor(ctx, jobs, client)
+        supervisor = deployment_supervisor(ctx, client, plan, merger_deployment=merger_deployment,
+                                           evaluator_deployment=evaluator_deployment,
+                                           aws_credentials_block=aws_credentials_block)
         logger.info("run %s: learners %s", ctx.run_id, ", ".join(f"{k} -> {v}" for k, v in plan.items()))
-        reason = supervisor.run_to_end(on_tick=_progress(ctx))
-        restarts = {j.name: j.restarts for j in jobs if j.restarts}
+        reason = supervisor.run_to_end(shutdown_grace_s=120.0, tick_s=1.0, on_tick=_progress(ctx))
+        restarts = {j.name: j.restarts for j in supervisor.jobs.values() if j.restarts}
         return {"run_id": ctx.run_id, "reason": reason, "version": supervisor.latest(), "restarts": restarts}

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.run import tensors as T
 from diloco.merger.step import GradientStream, LearnerGroup, OuterState, outer_step
+from diloco.run import tensors as T
 from diloco.run.context import RunContext
 from diloco.storage import Manifest, StorageError, read_manifest
 from diloco.storage.codec import CodecError, object_checksum

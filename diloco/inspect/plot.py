@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import typer
-
-from diloco.run.events import read_events
-from diloco.run.loops import read_evals
 from diloco.run.context import RunContext
+from diloco.run.evaluator import read_evals
+from diloco.run.events import read_events
 
 STATE_COLORS = {"training": "#2ca02c", "publishing": "#1f77b4", "down": "#d62728", "paused": "#7f7f7f"}
 
@@ -89,19 +87,3 @@ def render_run_plot(ctx: RunContext, out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def plot_run(
-    storage: str = typer.Option(..., "--storage", help="Where the run lives: file://DIR, s3://bucket/prefix."),
-    run_id: str = typer.Option(..., "--run-id", help="The run's id."),
-    out: Path = typer.Option(Path("out/run.png"), "--out", help="The PNG to write."),
-) -> None:
-    """Plot a run: held-out loss per version, and a timeline per learner with the merges marked."""
-    from diloco.cli import user_errors
-    from diloco.run.context import open_run
-
-    with user_errors():
-        if out.suffix.lower() != ".png":
-            raise typer.BadParameter(f"--out {str(out)!r} must end in .png")
-        path = render_run_plot(open_run(storage, run_id), out)
-        typer.echo(f"wrote {path}")

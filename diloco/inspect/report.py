@@ -12,8 +12,8 @@ import time
 import torch
 
 from diloco.run import tensors as T
-from diloco.run.loops import read_evals
 from diloco.run.context import RunContext
+from diloco.run.evaluator import read_evals
 from diloco.storage import NotFound, StorageError, latest_version, read_manifest
 from diloco.storage.keys import parse_manifest_key
 from diloco.training.model import build_model, set_params

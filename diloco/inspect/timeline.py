@@ -7,7 +7,7 @@ state = "fault:<kind>") are points with t0 == t1.
 
 from __future__ import annotations
 
-from diloco.chaos.lifecycle import Event, run_window
+from diloco.inspect.lifecycle import Event, run_window
 
 Row = tuple[str, str, float, float]
 _LEARNER_KINDS = {"join": "training", "publish": "publishing", "published": "training"}

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.run import tensors as T
 from diloco.learner.courier import Courier
-from diloco.run.events import EventLog
 from diloco.learner.local_state import LocalState, Saved
 from diloco.learner.publisher import Publisher
+from diloco.run import tensors as T
 from diloco.run.context import RunContext
+from diloco.run.events import EventLog
 from diloco.storage import (
     Manifest,
     NotFound,

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from diloco.run import tensors as T
 from diloco.learner.courier import Courier
+from diloco.run import tensors as T
 from diloco.storage.codec import CodecError
 
 log = logging.getLogger("diloco.local_state")

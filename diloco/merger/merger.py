@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.run import tensors as T
-from diloco.run.events import EventLog
 from diloco.merger.step import (
     DeltaInvalid,
     GradientStream,
@@ -25,7 +23,9 @@ from diloco.merger.step import (
     outer_step,
     validate_delta,
 )
+from diloco.run import tensors as T
 from diloco.run.context import RunContext
+from diloco.run.events import EventLog
 from diloco.storage import (
     Conflict,
     DeltaDecision,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
+from diloco.configs import ConfigError
 from diloco.sim.model import SECONDS_PER_YEAR, SimConfig
 from diloco.sim.table import LABELS, PAPER_TABLE, sweep_mtbf, sweep_recovery, table_report
 
@@ -26,7 +26,7 @@ def _config(mtbf_years: float, restart_s: float | None, num_failures: int | None
     try:
         return SimConfig().with_(**changes)
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from e
+        raise ConfigError(str(e)) from e
 
 
 def _print_table(report: dict, console: Console) -> None:
@@ -44,15 +44,13 @@ def _print_table(report: dict, console: Console) -> None:
 
 
 def simulate_goodput(
-    json_path: Path | None = typer.Option(None, "--json", help="Write the table as JSON here."),
-    plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG of goodput against chips here."),
-    mtbf_years: float = typer.Option(
-        1.0, "--mtbf-years", min=1e-6, help="Per-chip mean time between failures."
-    ),
-    restart_s: float | None = typer.Option(None, "--restart-s", min=0.0, help="Data-parallel restart time."),
-    seed: int = typer.Option(0, "--seed", help="Base seed; every cell derives its own."),
-    num_failures: int | None = typer.Option(None, "--num-failures", min=1, help="Monte Carlo size per cell."),
-    sweep: bool = typer.Option(False, "--sweep", help="Add goodput vs per-chip MTBF and vs recovery time."),
+    json_path: Path | None = None,
+    plot_path: Path | None = None,
+    mtbf_years: float = 1.0,
+    restart_s: float | None = None,
+    seed: int = 0,
+    num_failures: int | None = None,
+    sweep: bool = False,
 ) -> None:
     """Goodput of data-parallel, elastic data-parallel and Decoupled DiLoCo at 150k-2.4M chips."""
     cfg = _config(mtbf_years, restart_s, num_failures)

@@ -1,23 +1,12 @@
-"""What every task shares: retry only on errors known to be transient, and artifact keys.
+"""What every task shares: artifact keys.
 
-Contract: a bug is never retried; only TransientError (throttling, 5xx, timeouts) is.
+Contract: tasks never retry — storage requests retry transient errors in the store (one layer per request)
+and a learner's join rides out longer outages in its own loop; a third layer here would multiply the waits.
 """
 
 from __future__ import annotations
 
 import re
-
-from diloco.storage import TransientError
-
-
-def retry_on_transient(task, task_run, state) -> bool:  # noqa: ARG001 - Prefect's signature
-    try:
-        state.result()
-    except TransientError:
-        return True
-    except Exception:  # noqa: BLE001 - anything else is a bug or a permanent error: no retry
-        return False
-    return False
 
 
 def artifact_key(kind: str, run_id: str) -> str:

@@ -8,12 +8,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from diloco.learner.learner import Learner, PhaseStats
-from diloco.run.loops import learner_step
-from diloco.tasks.common import retry_on_transient
+from diloco.learner.loop import learner_step
 
 
-@task(name="join", cache_policy=NO_CACHE, retries=5, retry_delay_seconds=2, retry_condition_fn=retry_on_transient)
+@task(name="join", cache_policy=NO_CACHE)
 def join_task(learner: Learner) -> int:
+    """The join; storage trouble is retried by the one join loop (run_learner's join_with_retry), not here."""
     return learner.join()
 
 

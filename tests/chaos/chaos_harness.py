@@ -19,12 +19,13 @@ from diloco.chaos.control import done_key
 from diloco.chaos.plan import SlowLearner, StorageDegraded, StorageOutage
 from diloco.configs import load_config
 from diloco.inspect.audit import AuditReport, audit_run
-from diloco.run.events import read_events
-from diloco.run.loops import read_evals
 from diloco.inspect.report import manifests
 from diloco.run.context import RunContext, create_run
-from diloco.supervise.local import Supervisor
+from diloco.run.evaluator import read_evals
+from diloco.run.events import read_events
 from diloco.storage import Manifest, StorageError, open_store, read_latest
+from diloco.supervise.core import Supervisor
+from diloco.supervise.local import local_supervisor
 
 TEST_OVERRIDES = {
     "run.num_versions": 1_000_000,  # runs end when their test's condition holds, or at the time limit (a cap)
@@ -55,7 +56,7 @@ def run_plan(tmp_path: Path, plan_yaml: str, run_id: str, until: Until | None = 
     ctx = create_run(open_store(f"file://{root}"), run_id, cfg)
     plan = tmp_path / f"{run_id}.yaml"
     plan.write_text(plan_yaml)
-    supervisor = Supervisor(ctx, prefect=False, log_dir=str(tmp_path / "logs"),
+    supervisor = local_supervisor(ctx, prefect=False, log_dir=str(tmp_path / "logs"),
                             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     agent = attach_chaos(supervisor, plan)
     reason = supervisor.run_to_end(shutdown_grace_s=30, tick_s=0.2,

@@ -30,7 +30,7 @@ from chaos_harness import (
 from diloco.chaos.agent import ChaosAgent
 from diloco.chaos.goodput import compute_goodput
 from diloco.inspect.timeline import timeline
-from diloco.supervise.local import Supervisor
+from diloco.supervise.core import Supervisor
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -111,7 +111,7 @@ def merger_done() -> Callable[[Supervisor, ChaosAgent], bool]:
 
     def done(sup: Supervisor, agent: ChaosAgent) -> bool:
         winners.add(latest_merger(sup) or "")
-        exits = sum(len(p.exits) for p in sup.procs.values() if p.role == "merger")
+        exits = sum(len(p.exits) for p in sup.jobs.values() if p.role == "merger")
         return (time.time() - sup.started_at >= MIN_RUN_S and all_injected(agent) and merger_kills_claimed(agent)
                 and exits >= 4 and {"merger", "merger-2"} <= winners and sup.latest() >= 8 and loss_fell(sup))
 

@@ -14,11 +14,11 @@ import pytest
 from chaos_harness import assert_no_children, wait_for
 
 from diloco.configs import load_config
-from diloco.supervise import local as supervisor_module
-from diloco.run.events import read_events
 from diloco.run.context import create_run
-from diloco.supervise.local import Supervisor
+from diloco.run.events import read_events
 from diloco.storage import commit, open_store, read_manifest
+from diloco.supervise import local as supervisor_module
+from diloco.supervise.local import local_supervisor
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -34,10 +34,11 @@ def test_standby_activation_joins_newest_version(tmp_path: Path, monkeypatch: py
     root = tmp_path / "store"
     ctx = create_run(open_store(f"file://{root}"), "standby", cfg)
     logs = tmp_path / "logs"
-    sup = Supervisor(ctx, log_dir=str(logs), env={"OMP_NUM_THREADS": "1"})
+    sup = local_supervisor(ctx, log_dir=str(logs), env={"OMP_NUM_THREADS": "1"})
+    backend = sup.backend
     proc = sup.add("learner", ctx.learners[0])
     try:
-        sup.spawn_standby(proc)
+        backend.spawn_standby(proc)
         log_file = logs / f"{proc.name}.log"
         wait_for(lambda: log_file.exists() and "standby ready" in log_file.read_text(), 120, "the spare to warm up")
         before = snapshot(root)
@@ -47,19 +48,19 @@ def test_standby_activation_joins_newest_version(tmp_path: Path, monkeypatch: py
         # a newer version than the spare could have seen when it started: it must join this one
         v0 = read_manifest(ctx.store, ctx.keys, 0)
         commit(ctx.store, ctx.keys, v0.model_copy(update={"version": 1, "parent": 0, "created_at": time.time()}))
-        spare_pid = proc.standby.pid
-        sup.spawn(proc)
-        assert proc.popen is not None and proc.popen.pid == spare_pid and proc.standby is None
+        spare_pid = backend.standbys[proc.name].pid
+        sup.start(proc)
+        assert proc.handle is not None and proc.handle.pid == spare_pid and proc.name not in backend.standbys
         sup.events.flush()
         joins = wait_for(lambda: [e for e in read_events(ctx.store, ctx.keys)
                                   if e.get("kind") == "join" and e.get("source") == proc.name], 60, "the join")
         assert joins[0]["version"] == 1
         # the next spare is started; one that dies is respawned
         sup.heal()
-        assert proc.standby is not None and proc.standby.pid != spare_pid
-        dead = proc.standby.pid
+        assert proc.name in backend.standbys and backend.standbys[proc.name].pid != spare_pid
+        dead = backend.standbys[proc.name].pid
         os.killpg(dead, signal.SIGKILL)
-        wait_for(lambda: (sup.heal(), proc.standby is not None and proc.standby.pid != dead)[1], 10,
+        wait_for(lambda: (sup.heal(), proc.name in backend.standbys and backend.standbys[proc.name].pid != dead)[1], 10,
                  "a dead spare to be respawned")
     finally:
         sup.shutdown("test", grace_s=30)

@@ -14,10 +14,10 @@ import pytest
 from chaos_harness import assert_no_children, wait_for
 
 from diloco.configs import load_config
-from diloco.run.events import read_events
 from diloco.run.context import create_run
-from diloco.supervise.local import Supervisor
+from diloco.run.events import read_events
 from diloco.storage import open_store
+from diloco.supervise.local import local_supervisor
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -30,26 +30,26 @@ def test_forked_restart_then_exec_after_the_zygote_dies(tmp_path: Path) -> None:
     cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "run.num_versions": 1_000_000,
                                               "run.restart_backoff_s": 0.1})
     ctx = create_run(open_store(f"file://{tmp_path}/store"), "zygote", cfg)
-    sup = Supervisor(ctx, log_dir=str(tmp_path / "logs"),
-                     env={"OMP_NUM_THREADS": "1", "DILOCO_LOCAL_DIR": str(tmp_path / "local")})
+    sup = local_supervisor(ctx, log_dir=str(tmp_path / "logs"),
+                           env={"OMP_NUM_THREADS": "1", "DILOCO_LOCAL_DIR": str(tmp_path / "local")})
     name = ctx.learners[0]
     try:
         sup.start_all()
-        proc = sup.procs[name]
+        proc, backend = sup.jobs[name], sup.backend
         wait_for(lambda: joins(ctx, name), 120, "the first join")
-        assert sup.zygote is not None and proc.popen.pid != sup.zygote.proc.pid
+        assert backend.zygote is not None and proc.handle.pid != backend.zygote.proc.pid
         # a planned restart is a fork: it joins again within seconds, and no spare was ever started
-        first = proc.popen.pid
+        first = proc.handle.pid
         assert sup.restart_after(name, 0.0, reason="test")
-        wait_for(lambda: (sup.heal(), proc.alive and proc.popen.pid != first)[1], 30, "the forked restart")
+        wait_for(lambda: (sup.heal(), sup.alive(proc) and proc.handle.pid != first)[1], 30, "the forked restart")
         wait_for(lambda: len(joins(ctx, name)) >= 2, 30, "the second join")
-        assert proc.standby is None
+        assert not backend.standbys
         # the zygote dies: the next restart is an exec, recorded, and the learner joins again
-        os.killpg(sup.zygote.proc.pid, signal.SIGKILL)
-        sup.zygote.proc.wait(timeout=10)
-        second = proc.popen.pid
+        os.killpg(backend.zygote.proc.pid, signal.SIGKILL)
+        backend.zygote.proc.wait(timeout=10)
+        second = proc.handle.pid
         assert sup.restart_after(name, 0.0, reason="test")
-        wait_for(lambda: (sup.heal(), proc.alive and proc.popen.pid != second)[1], 30, "the exec restart")
+        wait_for(lambda: (sup.heal(), sup.alive(proc) and proc.handle.pid != second)[1], 30, "the exec restart")
         wait_for(lambda: len(joins(ctx, name)) >= 3, 120, "the join after the exec restart")
         sup.events.flush()
     finally:
@@ -64,12 +64,12 @@ def test_forked_restart_then_exec_after_the_zygote_dies(tmp_path: Path) -> None:
 
 def test_a_stop_request_ends_the_supervised_run(tmp_path: Path) -> None:
     """`diloco stop` on a local run: the supervisor ends (it does not restart the roles that exited)."""
-    from diloco.run.loops import request_stop
+    from diloco.run.signals import request_stop
 
     cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "run.num_versions": 1_000_000})
     ctx = create_run(open_store(f"file://{tmp_path}/store"), "stopped", cfg)
-    sup = Supervisor(ctx, log_dir=str(tmp_path / "logs"),
-                     env={"OMP_NUM_THREADS": "1", "DILOCO_LOCAL_DIR": str(tmp_path / "local")})
+    sup = local_supervisor(ctx, log_dir=str(tmp_path / "logs"),
+                           env={"OMP_NUM_THREADS": "1", "DILOCO_LOCAL_DIR": str(tmp_path / "local")})
     try:
         sup.start_all()
         wait_for(lambda: joins(ctx, ctx.learners[0]), 120, "the join")

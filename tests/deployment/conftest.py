@@ -9,5 +9,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "chaos"))  # removal.py, shared with tests/chaos
 
 from prefect_stack import deployed_run  # noqa: E402, F401 - re-exported fixture

@@ -203,7 +203,7 @@ def _heartbeats(run: DeployedRun) -> int:
 
 def stop_run(run: DeployedRun, timeout_s: float = 120.0) -> str:
     """Request a stop through the bucket and wait for the train flow run to end; its final state type."""
-    from diloco.run.loops import request_stop
+    from diloco.run.signals import request_stop
 
     request_stop(run.context(), "test over")
     return wait_for(lambda: _final_state(run), timeout_s, "the train flow run to end", every_s=2)

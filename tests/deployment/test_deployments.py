@@ -11,10 +11,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from prefect_stack import DeployedRun, latest_version, pools, prefect_yaml, stop_run, wait_for
+from removal import check_removal
 
 pytestmark = [pytest.mark.deployment, pytest.mark.timeout(900)]
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
@@ -93,6 +95,30 @@ def test_killed_learner_is_resubmitted_and_rejoins_at_the_newest_version(deploye
     kinds = [e["kind"] for e in read_events(ctx.store, ctx.keys)
              if e.get("source") == "supervisor" and e.get("learner") == name]
     assert "exit" in kinds and "restart" in kinds
+
+
+def test_a_removed_learner_of_a_local_prefect_run_stays_ended(deployed_run: DeployedRun, tmp_path: Path) -> None:
+    """`diloco run` with Prefect: local processes running the flows; before, the local supervisor
+    started the removed learner's flow again and again."""
+    env = {k: v for k, v in deployed_run.stack.env.items() if k.startswith("PREFECT_")}
+    check_removal(tmp_path, prefect=True, env=env)
+
+
+def test_a_removed_learner_of_the_deployed_run_stays_ended(deployed_run: DeployedRun) -> None:
+    from diloco.run.events import read_events
+
+    name = "eu-west-0"
+    subprocess.run([sys.executable, "-m", "diloco.cli", "remove-learner", "--storage", deployed_run.storage,
+                    "--run-id", deployed_run.run_id, "--learner", name], check=True, timeout=120)
+    wait_for(lambda: all(r.state and r.state.type.value in FINAL for r in flow_runs(deployed_run, f"learner:{name}")),
+             240, f"the flow runs of {name} to end")
+    ended = len(flow_runs(deployed_run, f"learner:{name}"))
+    time.sleep(10)  # several supervisor ticks and back-offs
+    assert len(flow_runs(deployed_run, f"learner:{name}")) == ended, "the removed learner was submitted again"
+    ctx = deployed_run.context()
+    kinds = [e["kind"] for e in read_events(ctx.store, ctx.keys)
+             if e.get("source") == "supervisor" and e.get("learner") == name]
+    assert "removed" in kinds
 
 
 def test_stop_ends_every_flow_run_and_the_run_plots(deployed_run: DeployedRun, tmp_path: Path) -> None:

@@ -10,11 +10,11 @@ import time
 
 from diloco.configs import load_config
 from diloco.inspect.audit import audit_run
-from diloco.run.corpus import load_run_corpus
 from diloco.inspect.gc import collect_orphans
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.run.context import create_run
+from diloco.run.corpus import load_run_corpus
 from diloco.storage import open_store
 
 

@@ -12,12 +12,13 @@ import uuid
 import pytest
 
 from diloco.configs import load_config
-from diloco.run.corpus import load_run_corpus
-from diloco.learner.learner import Learner
-from diloco.run.loops import StopSignal, request_stop, run_learner
-from diloco.merger.merger import Merger, run_merger
 from diloco.inspect.report import manifests
+from diloco.learner.learner import Learner
+from diloco.learner.loop import run_learner
+from diloco.merger.merger import Merger, run_merger
 from diloco.run.context import create_run
+from diloco.run.corpus import load_run_corpus
+from diloco.run.signals import StopSignal, request_stop
 from diloco.storage import open_store, read_latest
 
 pytestmark = pytest.mark.slow

@@ -11,11 +11,11 @@ import pickle
 import torch
 
 from diloco.configs import load_config
-from diloco.run import tensors as T
-from diloco.run.corpus import load_run_corpus
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
+from diloco.run import tensors as T
 from diloco.run.context import create_run, model_identity
+from diloco.run.corpus import load_run_corpus
 from diloco.storage import open_store
 from diloco.training.model import build_model, get_flat_params
 

@@ -17,12 +17,12 @@ from diloco.chaos.control import StorageWindow
 from diloco.chaos.faulty_store import FaultyStore
 from diloco.configs import load_config
 from diloco.inspect.audit import audit_run
-from diloco.run.corpus import load_run_corpus
-from diloco.run.events import EventLog, read_events
+from diloco.inspect.report import manifests
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
-from diloco.inspect.report import manifests
 from diloco.run.context import create_run
+from diloco.run.corpus import load_run_corpus
+from diloco.run.events import EventLog, read_events
 from diloco.storage import open_store
 
 OVERRIDES = {"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,

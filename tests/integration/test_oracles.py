@@ -12,10 +12,10 @@ import uuid
 import torch
 
 from diloco.configs import load_config
-from diloco.run.corpus import load_run_corpus
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.run.context import create_run
+from diloco.run.corpus import load_run_corpus
 from diloco.storage import open_store
 from diloco.training.data import ShardSampler, shard_of
 from diloco.training.inner import InnerTrainer

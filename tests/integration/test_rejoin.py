@@ -11,11 +11,11 @@ import uuid
 import fsspec
 
 from diloco.configs import DataConfig, load_config
-from diloco.run.corpus import load_run_corpus
-from diloco.run.events import EventLog, read_events
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.run.context import create_run
+from diloco.run.corpus import load_run_corpus
+from diloco.run.events import EventLog, read_events
 from diloco.storage import open_store
 
 

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diloco.configs import load_config
-from diloco.run.corpus import load_run_corpus
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.run.context import create_run
+from diloco.run.corpus import load_run_corpus
 from diloco.storage import open_store
 from diloco.training.model import get_flat_params
 

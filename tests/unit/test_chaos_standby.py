@@ -13,7 +13,7 @@ import pytest
 from test_chaos_goodput import CHAIN, EVENTS, ev
 
 from diloco.chaos.goodput import compute_goodput
-from diloco.run import loops
+from diloco.learner import loop as loops
 from diloco.storage import TransientError
 
 

@@ -1,0 +1,131 @@
+"""`diloco bench ...`, `diloco bandwidth`, `diloco simulate-goodput`: the benchmark commands.
+
+Contract: only the options live here; each command imports its benchmark (and torch) when it runs, so
+`diloco --help` stays fast. A benchmark prints a table and writes JSON; a bad option is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from diloco.cli.errors import user_errors
+
+bench = typer.Typer(no_args_is_help=True, help="Benchmarks: each prints a table and can write JSON.")
+app = typer.Typer()
+ALL_METHODS = "dp,sync-fp32,decoupled-int8,decoupled-int4,hetero-int4"  # bench quality's methods, in order
+
+@bench.command("codec")
+def _bench_codec(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    num_params: int = typer.Option(10_000_000, "--num-params", min=1000, help="Model size (~40 MB fp32)."),
+    num_steps: int = typer.Option(20, "--steps", min=1, help="AdamW inner steps behind the delta."),
+    repeats: int = typer.Option(5, "--repeats", min=1, help="Timed repeats; the best counts."),
+) -> None:
+    """Encode and decode a realistic AdamW delta with every codec; print a table."""
+    from diloco.bench.codec import bench_codec
+
+    with user_errors():
+        bench_codec(json_path=json_path, num_params=num_params, num_steps=num_steps, repeats=repeats)
+
+@bench.command("goodput")
+def _bench_goodput(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke mode: the short plan (~90 s per run)."),
+    storage: str = typer.Option("file://runs", "--storage", help="Where both runs live."),
+    plan: Path | None = typer.Option(None, "--plan", help="A fault plan (default: the standard plan)."),
+    checkpoint_cost_s: float = typer.Option(5.0, "--checkpoint-cost-s", min=0.0,
+                                            help="Data-parallel checkpoint cost C for Young-Daly."),
+    measure_runs: str | None = typer.Option(None, "--measure", metavar="CHAOS_RUN,CLEAN_RUN",
+                                            help="Measure two recorded runs in --storage instead of running."),
+) -> None:
+    """Run the bench recipe under the standard fault plan and without faults; compare."""
+    from diloco.bench.goodput import bench_goodput
+
+    with user_errors():
+        bench_goodput(json_path=json_path, quick=quick, storage=storage, plan=plan, checkpoint_cost_s=checkpoint_cost_s, measure_runs=measure_runs)
+
+@bench.command("quality")
+def _bench_quality(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    png_path: Path | None = typer.Option(None, "--png", help="Write the loss-vs-tokens plot here."),
+    num_seeds: int = typer.Option(2, "--seeds", min=1, help="Seeds per method (a second is added when close)."),
+    steps: int | None = typer.Option(None, "--steps", min=1,
+                                     help="Inner steps per learner (= DP steps); default: the recipe's "
+                                          "inner.total_steps."),
+    tokens: int | None = typer.Option(None, "--tokens", min=1, help="Tokens per method (overrides --steps)."),
+    learners: int | None = typer.Option(None, "--learners", min=1, help="M (default: the recipe's)."),
+    methods: str = typer.Option(ALL_METHODS, "--methods", help="Comma-separated subset."),
+    config: str = typer.Option("bench", "--config", help="Recipe name or YAML path."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke run: H=10, 20 steps per learner, 1 seed."),
+    jobs: int = typer.Option(2, "--jobs", min=1, help="Run the methods of a seed in this many processes (2 = both cores)."),
+) -> None:
+    """Held-out loss and traffic at equal tokens: DP, sync DiLoCo, decoupled int8/int4, heterogeneous."""
+    from diloco.bench.quality import bench_quality
+
+    with user_errors():
+        bench_quality(json_path=json_path, png_path=png_path, num_seeds=num_seeds, steps=steps, tokens=tokens, learners=learners, methods=methods, config=config, quick=quick, jobs=jobs)
+
+@bench.command("merge")
+def _bench_merge(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    sizes: str = typer.Option("bench,10m", "--sizes", help="Comma-separated model sizes: bench, 10m, tiny."),
+    learners: str = typer.Option("2,4,8,16,32,64", "--learners", help="Comma-separated learner counts."),
+    codec: str = typer.Option("int4", "--codec", help="Delta codec of the synthetic deltas."),
+) -> None:
+    """Time and peak memory of one merge against the number of learners and the model size."""
+    from diloco.bench.merge import bench_merge
+
+    with user_errors():
+        bench_merge(json_path=json_path, sizes=sizes, learners=learners, codec=codec)
+
+@bench.command("outage")
+def _bench_outage(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    at: int = typer.Option(8, "--at", min=1, help="Round at which the merger goes down."),
+    down: int = typer.Option(6, "--down", min=1, help="Rounds without a merge."),
+    rounds: int = typer.Option(24, "--rounds", min=2, help="Rounds in all."),
+    config: str = typer.Option("bench", "--config", help="Recipe name or YAML path."),
+    jobs: int = typer.Option(2, "--jobs", min=1, help="Rules run side by side in this many processes."),
+) -> None:
+    """Merger outage: the held-out loss around a backlog merge, momentum taking it whole vs at a round's rate."""
+    from diloco.bench.outage import bench_outage
+
+    with user_errors():
+        bench_outage(json_path=json_path, at=at, down=down, rounds=rounds, config=config, jobs=jobs)
+
+@app.command("bandwidth")
+def _bandwidth(
+    num_params: float = typer.Option(..., "--params", min=1, help="Model parameters, e.g. 12e9."),
+    step_time_s: float = typer.Option(..., "--step-time-s", min=1e-6, help="Seconds per inner step."),
+    num_learners: int = typer.Option(..., "--learners", min=1, help="Learners (sites) M."),
+    inner_steps: int = typer.Option(..., "--inner-steps", min=1, help="H: inner steps per phase."),
+    codec: str = typer.Option("int4", "--codec", help="Delta codec: fp32, bf16, int8, int4."),
+    update_codec: str = typer.Option("fp32", "--update-codec", help="Codec of the compact update sent back."),
+    busy: float = typer.Option(0.95, "--busy", min=0.01, max=0.99, help="Fraction of time learners compute."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the row as JSON here."),
+) -> None:
+    """Bandwidth needed between sites: data-parallel all-reduce vs one delta per H steps."""
+    from diloco.bench.bandwidth import bandwidth
+
+    with user_errors():
+        bandwidth(num_params=num_params, step_time_s=step_time_s, num_learners=num_learners, inner_steps=inner_steps, codec=codec, update_codec=update_codec, busy=busy, json_path=json_path)
+
+@app.command("simulate-goodput")
+def _simulate_goodput(
+    json_path: Path | None = typer.Option(None, "--json", help="Write the table as JSON here."),
+    plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG of goodput against chips here."),
+    mtbf_years: float = typer.Option(
+        1.0, "--mtbf-years", min=1e-6, help="Per-chip mean time between failures."
+    ),
+    restart_s: float | None = typer.Option(None, "--restart-s", min=0.0, help="Data-parallel restart time."),
+    seed: int = typer.Option(0, "--seed", help="Base seed; every cell derives its own."),
+    num_failures: int | None = typer.Option(None, "--num-failures", min=1, help="Monte Carlo size per cell."),
+    sweep: bool = typer.Option(False, "--sweep", help="Add goodput vs per-chip MTBF and vs recovery time."),
+) -> None:
+    """Goodput of data-parallel, elastic data-parallel and Decoupled DiLoCo at 150k-2.4M chips."""
+    from diloco.sim.cli import simulate_goodput
+
+    with user_errors():
+        simulate_goodput(json_path=json_path, plot_path=plot_path, mtbf_years=mtbf_years, restart_s=restart_s, seed=seed, num_failures=num_failures, sweep=sweep)

@@ -1,0 +1,92 @@
+"""Operator commands on an existing run: audit, gc, stop, remove-learner, plot.
+
+Contract: each reads (and, for stop and remove-learner, writes one control object in) the run's storage
+only; bad arguments are one line, exit 2; `audit` exits 1 when the history does not hold.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from diloco.cli.errors import user_errors
+from diloco.cli.options import JSON, RUN_ID, STORAGE
+
+app = typer.Typer()
+
+
+@app.command()
+def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
+          replay: bool = typer.Option(True, "--replay/--no-replay", help="Replay every merge bit for bit.")) -> None:
+    """Check the manifest chain, checksums, at-most-once merging, and replay every merge."""
+    with user_errors():
+        from diloco.inspect.audit import audit_run
+        from diloco.run.context import open_run
+
+        report = audit_run(open_run(storage, run_id), do_replay=replay)
+        if json_out:
+            typer.echo(json.dumps(report.to_json()))
+        else:
+            verdict = "OK" if report.ok else "FAILED"
+            typer.echo(f"audit {verdict}: {report.num_versions} versions, {report.deltas_merged} deltas merged, "
+                       f"{report.deltas_rejected} rejected, {report.deltas_lost} lost, "
+                       f"{report.deltas_pending} pending, replay {'ok' if report.replay_ok else 'FAILED'}")
+            for p in report.problems:
+                typer.echo(f"  - {p}")
+        if not report.ok:
+            raise typer.Exit(1)
+
+
+@app.command("gc")
+def gc(storage: str = STORAGE, run_id: str = RUN_ID,
+       min_age_s: float = typer.Option(600.0, "--min-age-s", min=0, help="Only orphans older than this."),
+       dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted.")) -> None:
+    """Delete objects under global/ that no manifest references (left by crashed merges)."""
+    with user_errors():
+        from diloco.inspect.gc import collect_orphans
+        from diloco.run.context import open_run
+
+        report = collect_orphans(open_run(storage, run_id), min_age_s=min_age_s, dry_run=dry_run)
+        removed = len(report.orphans) - len(report.too_young) if dry_run else len(report.deleted)
+        typer.echo(f"{len(report.orphans)} orphans, {'would delete' if dry_run else 'deleted'} {removed}, "
+                   f"{len(report.too_young)} younger than {min_age_s:g}s kept; {report.referenced} objects referenced")
+
+
+@app.command("stop")
+def stop(storage: str = STORAGE, run_id: str = RUN_ID,
+         reason: str = typer.Option("operator", "--reason", help="Recorded in control/stop.")) -> None:
+    """Ask every process of a run to end after its current phase (writes control/stop)."""
+    with user_errors():
+        from diloco.run.context import open_run
+        from diloco.run.signals import request_stop
+
+        request_stop(open_run(storage, run_id), reason)
+        typer.echo(f"stop requested for run {run_id}")
+
+
+@app.command("remove-learner")
+def remove_learner(storage: str = STORAGE, run_id: str = RUN_ID,
+                   learner: str = typer.Option(..., "--learner", help="The learner to remove for good."),
+                   reason: str = typer.Option("operator", "--reason", help="Recorded with the removal.")) -> None:
+    """Remove a learner from a run: it ends after its phase and no supervisor starts it again."""
+    with user_errors():
+        from diloco.run.context import open_run
+        from diloco.run.signals import request_remove
+
+        request_remove(open_run(storage, run_id), learner, reason)
+        typer.echo(f"learner {learner} removed from run {run_id}")
+
+
+@app.command("plot")
+def plot(storage: str = STORAGE, run_id: str = RUN_ID,
+         out: Path = typer.Option(Path("out/run.png"), "--out", help="The PNG to write.")) -> None:
+    """Plot a run: held-out loss per version, and a timeline per learner with the merges marked."""
+    with user_errors():
+        if out.suffix.lower() != ".png":
+            raise typer.BadParameter(f"--out {str(out)!r} must end in .png")
+        from diloco.inspect.plot import render_run_plot
+        from diloco.run.context import open_run
+
+        typer.echo(f"wrote {render_run_plot(open_run(storage, run_id), out)}")

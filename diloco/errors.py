@@ -1,0 +1,22 @@
+"""The errors a user can cause (a bad config, name, run, corpus, or storage that refuses), in one tuple.
+
+Contract: every entry point (the CLI, the launch entry, the Python API) turns exactly these into one clear
+line (exit code 2 on a command line) and lets everything else — a bug — surface with its traceback.
+"""
+
+from __future__ import annotations
+
+from diloco.configs import ConfigError
+from diloco.run.context import RunError
+from diloco.storage import StorageError
+from diloco.storage.keys import KeyError_
+from diloco.training.data import DataError
+
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, RunError, KeyError_, DataError, StorageError)
+
+
+def describe(err: BaseException) -> str:
+    """The one line a user sees: the message, with the kind of storage failure in front."""
+    if isinstance(err, StorageError):
+        return f"storage: {type(err).__name__}: {err}"
+    return str(err)

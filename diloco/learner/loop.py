@@ -1,0 +1,84 @@
+"""The long-running loop of a learner: join (retried through storage trouble), then phases until stopped.
+
+Contract: the loop ends by itself when its stop signal says so (control/stop, the target version, removal)
+or after its count; storage trouble is logged and ridden out, never fatal; a learner fenced by another
+process publishing under its name stops with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from diloco.learner.learner import Learner, PhaseStats
+from diloco.storage import StorageError
+
+log = logging.getLogger("diloco.learner")
+
+
+def write_status(learner: Learner, stats: PhaseStats, state: str) -> None:
+    """The heartbeat after a phase, with the phase's own figures."""
+    learner.heartbeat(state, force=True, loss=stats.loss, tokens_per_phase=stats.tokens, stall_s=stats.stall_s,
+                      steps_per_s=stats.steps / stats.phase_time_s if stats.phase_time_s else 0.0)
+
+
+def learner_step(learner: Learner, should_stop: Callable[[], bool]) -> PhaseStats:
+    """One phase + publish (+ wait in sync mode) + heartbeat: the unit a Prefect task wraps."""
+    stats = learner.run_phase()
+    seq = learner.publish(stats)
+    if seq is not None and learner.cfg.learner.mode == "sync":
+        learner.wait_for_decision(seq, timeout_s=learner.cfg.merger.quorum_timeout_s * 4, should_stop=should_stop)
+    write_status(learner, stats, "training")
+    learner.flush_events()
+    return stats
+
+
+JOIN_ATTEMPTS = 8  # with the back-off below: ~30 s of waiting (plus the store's own retries), then give up
+JOIN_BACKOFF_S = (0.5, 8.0)  # first wait, cap; doubled per attempt
+
+
+def join_with_retry(learner: Learner, join: Callable[[Learner], int], should_stop: Callable[[], bool],
+                    attempts: int = JOIN_ATTEMPTS) -> bool:
+    """Join, retrying StorageError with bounded exponential back-off (a learner restarted during an
+    outage waits it out); the join event is flushed at once so a SIGKILL right after keeps it.
+    Returns False if the run stopped while waiting; re-raises the last StorageError when out of attempts."""
+    wait_s, cap_s = JOIN_BACKOFF_S
+    for attempt in range(1, attempts + 1):
+        try:
+            join(learner)
+            break
+        except StorageError as err:
+            if attempt == attempts:
+                raise
+            log.warning("learner %s: join failed (attempt %d/%d), retrying in %.1f s: %s",
+                        learner.name, attempt, attempts, wait_s, err)
+            time.sleep(wait_s)
+            wait_s = min(wait_s * 2, cap_s)
+            if should_stop():
+                return False
+    learner.events.flush()
+    return True
+
+
+def run_learner(learner: Learner, *, phases: int | None = None, should_stop: Callable[[], bool],
+                on_phase: Callable[[PhaseStats], None] | None = None,
+                step: Callable[[Learner, Callable[[], bool]], PhaseStats] = learner_step,
+                join: Callable[[Learner], int] = Learner.join) -> int:
+    """Join (retried through storage trouble), then phases until stopped; returns the number of phases
+    run. `step` and `join` are the units a Prefect flow wraps as tasks."""
+    if not join_with_retry(learner, join, should_stop):
+        learner.close()
+        return 0
+    done = 0
+    try:
+        while not should_stop() and (phases is None or done < phases):
+            if learner.publisher.fenced.is_set():
+                raise RuntimeError(f"learner {learner.name}: another process publishes under this name")
+            stats = step(learner, should_stop)
+            done += 1
+            if on_phase:
+                on_phase(stats)
+    finally:
+        learner.close()
+    return done

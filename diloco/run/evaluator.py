@@ -1,0 +1,108 @@
+"""The evaluator: the held-out loss of committed versions, written to evals/<version>.json.
+
+Contract: version 0 first, then the newest version on the eval cadence, and the final version at the end;
+storage trouble skips an evaluation (it is tried again), never ends the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from diloco.run import tensors as T
+from diloco.run.context import RunContext
+from diloco.run.events import EventLog
+from diloco.storage import NotFound, StorageError, latest_version, read_manifest
+from diloco.training.data import Corpus, eval_batches
+from diloco.training.inner import evaluate
+from diloco.training.model import build_model, set_params
+
+log = logging.getLogger("diloco.evaluator")
+
+
+class Evaluator:
+    """Held-out loss of committed versions, written to evals/<version>.json."""
+
+    def __init__(self, ctx: RunContext, corpus: Corpus, events: EventLog | None = None) -> None:
+        self.ctx, self.cfg = ctx, ctx.cfg
+        torch.set_num_threads(1)
+        self.model = build_model(self.cfg.model, seed=self.cfg.data.seed)
+        self.batches = eval_batches(corpus.heldout, self.cfg.eval.num_batches, self.cfg.eval.batch_size,
+                                    self.cfg.model.ctx_len, seed=self.cfg.data.seed)
+        self.events = events or EventLog(None, None, "evaluator")
+        self.done: set[int] = set()
+
+    def evaluate_version(self, version: int) -> dict:
+        manifest = read_manifest(self.ctx.store, self.ctx.keys, version)
+        _, params = T.read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+                                   checksum=manifest.params_checksum)
+        set_params(self.model, params)
+        loss = evaluate(self.model, self.batches)
+        record = {"version": version, "loss": loss, "bits_per_byte": loss / 0.6931471805599453,
+                  "tokens_total": manifest.tokens_total, "t": time.time(), "committed_at": manifest.created_at}
+        self.ctx.store.put(self.ctx.keys.eval(version), json.dumps(record).encode())
+        self.done.add(version)
+        return record
+
+    def due(self, latest: int, final: bool = False) -> int | None:
+        """The version to evaluate next: 0 first, then the newest on the cadence, the last at the end."""
+        if 0 not in self.done:
+            return 0
+        if latest in self.done:
+            return None
+        if final or latest % self.cfg.eval.every_versions == 0:
+            return latest
+        return None
+
+    def next_due(self, final: bool = False) -> int | None:
+        """The version to evaluate now, if any (one listing; storage trouble means none yet)."""
+        try:
+            latest = latest_version(self.ctx.store, self.ctx.keys)
+        except StorageError as err:
+            log.warning("evaluation skipped: %s", err)
+            return None
+        return None if latest is None else self.due(latest, final)
+
+
+def read_evals(ctx: RunContext) -> list[dict]:
+    out = []
+    for key in ctx.store.list(ctx.keys.evals_prefix()):
+        try:
+            out.append(json.loads(ctx.store.get(key)))
+        except (StorageError, ValueError):
+            continue
+    return sorted(out, key=lambda r: r.get("version", -1))
+
+
+def run_evaluator(evaluator: Evaluator, *, should_stop: Callable[[], bool], poll_s: float = 0.5,
+                  evaluate: Callable[[Evaluator, int], dict | None] | None = None) -> int:
+    """Evaluate committed versions until stopped, then the final one; returns how many.
+    `evaluate` (default Evaluator.evaluate_version) is the unit a Prefect flow wraps as a task:
+    it runs only when a version is due, never per poll."""
+    evaluate = evaluate or (lambda ev, version: ev.evaluate_version(version))
+    count = 0
+
+    def once(final: bool) -> bool:
+        nonlocal count
+        version = evaluator.next_due(final)
+        if version is None:
+            return False
+        try:
+            evaluate(evaluator, version)
+            count += 1
+        except (StorageError, NotFound) as err:
+            log.warning("evaluation of version %d skipped: %s", version, err)
+            return False
+        return True
+
+    while not should_stop():
+        if not once(False):
+            time.sleep(poll_s)
+    while once(True):  # version 0 and the final version, if still missing
+        pass
+    evaluator.events.flush()
+    return count

@@ -1,0 +1,71 @@
+"""The control objects every role of a run watches: the stop request and a learner's removal.
+
+Contract: `control/stop` (any reason) ends every role after its phase; `control/removed-<learner>` ends that
+learner for good and no supervisor starts it again; both are checked at most once a second, and storage
+trouble while checking means "not yet", never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from diloco.run.context import RunContext
+from diloco.storage import StorageError, latest_version
+from diloco.storage.keys import validate_learner_name
+
+
+class StopSignal:
+    """`control/stop` in the bucket, or the target version committed; checked at most every `every_s`."""
+
+    def __init__(self, ctx: RunContext, target_version: int | None = None, every_s: float = 1.0) -> None:
+        self.ctx, self.target, self.every_s = ctx, target_version, every_s
+        self.store = ctx.store.with_retries(1)  # checked often: an outage must not stall the caller
+        self._last, self._stopped = 0.0, False
+
+    def __call__(self) -> bool:
+        if self._stopped:
+            return True
+        now = time.time()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
+        try:
+            if self.store.exists(self.ctx.keys.stop()):
+                self._stopped = True
+            elif self.target is not None:
+                latest = latest_version(self.store, self.ctx.keys)
+                self._stopped = latest is not None and latest >= self.target
+        except StorageError:
+            return False
+        return self._stopped
+
+
+def request_stop(ctx: RunContext, reason: str) -> None:
+    ctx.store.put(ctx.keys.stop(), json.dumps({"reason": reason, "t": time.time()}).encode())
+
+
+def removed_key(ctx: RunContext, learner: str) -> str:
+    return ctx.keys.control(f"removed-{validate_learner_name(learner)}")
+
+
+def request_remove(ctx: RunContext, learner: str, reason: str = "operator") -> None:
+    """Mark a learner removed: its flow ends after the current phase and is never re-submitted."""
+    ctx.store.put(removed_key(ctx, learner), json.dumps({"reason": reason, "t": time.time()}).encode())
+
+
+class RemovedSignal:
+    """True once control/removed-<learner> exists; checked at most every `every_s`."""
+
+    def __init__(self, ctx: RunContext, learner: str, every_s: float = 1.0) -> None:
+        self.key, self.ctx, self.every_s = removed_key(ctx, learner), ctx, every_s
+        self._last, self._removed = 0.0, False
+
+    def __call__(self) -> bool:
+        if not self._removed and time.time() - self._last >= self.every_s:
+            self._last = time.time()
+            try:
+                self._removed = self.ctx.store.exists(self.key)
+            except StorageError:
+                return False
+        return self._removed

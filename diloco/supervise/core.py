@@ -1,0 +1,338 @@
+"""The supervisor core: one watch loop, one restart policy, the silence check and the stop/removed signals,
+shared by every backend (local processes in supervise/local.py, Prefect deployments in supervise/deployments.py).
+
+Contract: a role that ended, or a learner that went silent, while the run goes on is started again after a
+back-off, at most `run.max_restarts` times in a row without a healthy stretch, then given up; a learner an
+operator removed (`control/removed-<name>`) ends itself, is never started again, and is killed if it has not
+ended REMOVE_GRACE_S after its removal was seen; a planned restart (chaos, operator) is not a crash, and a paused
+role is left alone; the run ends at the target version, on a stop request, at the time limit, or when `until`
+holds; shutdown asks everyone to stop, waits, then kills what is left, so no role of the run keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from diloco.run.context import RunContext
+from diloco.run.events import EventLog
+from diloco.run.signals import RemovedSignal, StopSignal, request_stop
+from diloco.storage import NotFound, StorageError, latest_version
+from diloco.storage.errors import Backoff
+from diloco.storage.records import LearnerStatus, RecordError, read_record
+
+log = logging.getLogger("diloco.supervisor")
+
+RUNNING, STARTING, ENDED, UNKNOWN = "running", "starting", "ended", "unknown"
+JOIN_WAIT_S = 30.0  # a deferred first start (the evaluator) waits for the learners' joins at most this long
+REMOVE_GRACE_S = 30.0  # a removed learner ends itself after its phase; one still running after this is killed
+MAX_REFUSALS = 6  # a role whose start is refused this many times in a row ends the run with the reason
+
+
+class RoleUnstartable(RuntimeError):
+    """A role could not be started at all (e.g. its deployment does not exist): the run cannot go on."""
+
+
+@dataclass
+class Job:
+    """One role of the run (a learner, a merger, the evaluator) over its successive processes or flow runs."""
+
+    role: str  # "learner" | "merger" | "evaluator"
+    name: str
+    spec: dict[str, Any] = field(default_factory=dict)  # what the backend needs to start it (deployment, tags)
+    handle: Any = None  # the backend's: a process, or a flow-run id; None while it is not running
+    started_at: float = 0.0  # when its current start was asked for
+    running_since: float | None = None  # first seen running (a flow run starts seconds after submission)
+    restarts: int = 0  # restarts in a row without a healthy stretch
+    next_start: float = 0.0  # back-off: not before this time
+    removed: bool = False  # an operator removed it, or it was given up
+    removed_at: float | None = None
+    paused: bool = False
+    resumed_at: float = 0.0  # the silence check counts from here after a pause
+    planned_restart_at: float | None = None  # a planned restart (chaos, operator): not a crash
+    deferred_until: float | None = None  # a first start that waits for the learners' joins
+    refusals: int = 0  # starts refused in a row (an API that did not take it)
+    exits: list[Any] = field(default_factory=list)  # exit codes or final states, in order
+    history: list[str] = field(default_factory=list)  # pids or flow-run ids, in order
+
+
+class Backend(Protocol):
+    """How a supervisor starts, watches and ends the roles of a run."""
+
+    defer_evaluator: bool  # start the evaluator only once the learners joined (JOIN_WAIT_S at most)
+
+    def start(self, job: Job, asked: float) -> str | None:
+        """Start the job (sets job.handle); None when started, else why it was refused (tried again later)."""
+
+    def state(self, job: Job) -> tuple[str, Any]:
+        """(RUNNING | STARTING | ENDED | UNKNOWN, the exit code or final state when ENDED)."""
+
+    def kill(self, job: Job, reason: str) -> None:
+        """End the job now; its next state() is ENDED."""
+
+    def pause(self, job: Job) -> bool: ...
+    def resume(self, job: Job) -> bool: ...
+    def tick(self, sup: Supervisor, now: float) -> None: ...
+    def close(self) -> None: ...
+
+
+class Supervisor:
+    """Start every role through a backend, watch them, restart what ended, stop at the target."""
+
+    def __init__(self, ctx: RunContext, backend: Backend, *, events: EventLog | None = None) -> None:
+        self.ctx, self.cfg, self.backend = ctx, ctx.cfg, backend
+        self.events = events or EventLog(ctx.store, ctx.keys, "supervisor")
+        self.jobs: dict[str, Job] = {}
+        self.hooks: list[Callable[[Supervisor], None]] = []  # chaos agents, progress displays
+        self.started_at = time.time()
+        self.backoff = Backoff(self.cfg.run.restart_backoff_s, self.cfg.run.restart_backoff_s * 32)
+        self._removed = {}  # learner -> its RemovedSignal
+        self._stop = StopSignal(ctx, None)
+
+    # ---- jobs --------------------------------------------------------------------------------
+    def add(self, role: str, name: str, **spec: Any) -> Job:
+        job = Job(role, name, spec)
+        self.jobs[name] = job
+        if role == "learner":
+            self._removed[name] = RemovedSignal(self.ctx, name)
+        return job
+
+    def add_run_roles(self) -> None:
+        """The run's learners (from run.json), the merger and the evaluator."""
+        for name in self.ctx.learners:
+            self.add("learner", name)
+        self.add("merger", "merger")
+        self.add("evaluator", "evaluator")
+
+    def alive(self, job: Job) -> bool:
+        return job.handle is not None and self.backend.state(job)[0] in (RUNNING, STARTING, UNKNOWN)
+
+    def start(self, job: Job, asked: float | None = None) -> bool:
+        """Ask the backend to start the job; a refusal is retried later and not counted as a restart."""
+        asked = asked or time.time()
+        refused = self.backend.start(job, asked)
+        if refused is None:
+            job.started_at, job.running_since, job.refusals = asked, None, 0
+            return True
+        job.refusals += 1
+        job.next_start = time.time() + self.cfg.run.restart_backoff_s * 4
+        self.events.emit("submit_failed", role=job.role, learner=job.name, reason=refused[:200])
+        log.warning("run %s: could not start %s (%s); retrying", self.ctx.run_id, job.name, refused)
+        if job.refusals >= MAX_REFUSALS:
+            raise RoleUnstartable(f"{job.role} {job.name} could not be started {job.refusals} times in a row: {refused}")
+        return False
+
+    def start_all(self) -> None:
+        """Start every job now; with a deferring backend the evaluator once the learners joined."""
+        if not self.jobs:
+            self.add_run_roles()
+        asked = time.time()  # several roles at once: each one's start-up counts from here
+        for job in self.jobs.values():
+            if job.role == "evaluator" and self.backend.defer_evaluator:
+                job.deferred_until = asked + JOIN_WAIT_S
+            else:
+                self.start(job, asked)
+
+    def joined(self, job: Job) -> bool:
+        """Whether the job's current process has written a status since it was started (learners do at join)."""
+        if job.handle is None:
+            return False
+        try:
+            status = read_record(self.ctx.store, self.ctx.keys.status(job.name), LearnerStatus)
+        except (NotFound, StorageError, RecordError):
+            return False
+        return status.t >= job.started_at
+
+    # ---- operator and chaos actions ------------------------------------------------------------
+    def kill(self, name: str, reason: str = "") -> None:
+        job = self.jobs[name]
+        if job.handle is not None:
+            self.backend.kill(job, reason)
+
+    def restart_after(self, name: str, delay_s: float, reason: str = "") -> bool:
+        """Kill a running role and start it again delay_s later; not counted toward max_restarts."""
+        job = self.jobs[name]
+        if not self.alive(job):
+            return False
+        job.planned_restart_at = time.time() + delay_s
+        if job.paused:
+            self.resume(name)
+        self.backend.kill(job, reason or "planned restart")
+        return True
+
+    def pause(self, name: str, reason: str = "") -> bool:
+        """Stop a role's process where it is (a straggler); heal() leaves it alone until resume()."""
+        job = self.jobs[name]
+        if job.paused or not self.alive(job) or not self.backend.pause(job):
+            return False
+        job.paused = True
+        self.events.emit("pause", role=job.role, learner=name, reason=reason)
+        return True
+
+    def resume(self, name: str) -> bool:
+        job = self.jobs[name]
+        if not job.paused:
+            return False
+        job.paused, job.resumed_at = False, time.time()
+        if job.handle is not None:
+            self.backend.resume(job)
+        self.events.emit("resume", role=job.role, learner=name)
+        return True
+
+    # ---- the watch loop --------------------------------------------------------------------------
+    def heal(self) -> None:
+        """One tick: removals, deferred starts, ended or silent roles, restarts, the backend's own upkeep."""
+        now = time.time()
+        self._start_deferred(now)
+        for job in self.jobs.values():
+            if job.role == "learner" and not job.removed and self._removed[job.name]():
+                self._remove(job, now)
+            if job.paused or job.deferred_until is not None:
+                continue
+            if job.handle is not None:
+                self._check(job, now)
+            if job.handle is None and not job.removed and now >= job.next_start:
+                self._restart(job)
+        self.backend.tick(self, now)
+
+    def _remove(self, job: Job, now: float) -> None:
+        job.removed, job.removed_at, job.planned_restart_at = True, now, None
+        if job.paused:
+            self.resume(job.name)  # a stopped process cannot see its removal
+        self.events.emit("removed", role=job.role, learner=job.name)
+        log.info("learner %s was removed by an operator; it ends after its phase and is not restarted", job.name)
+
+    def _check(self, job: Job, now: float) -> None:
+        state, detail = self.backend.state(job)
+        if state == RUNNING and job.running_since is None:
+            job.running_since = now
+        if state == ENDED:
+            self._ended(job, detail, now)
+        elif state != RUNNING:
+            return
+        elif job.removed:
+            if now - (job.removed_at or now) > REMOVE_GRACE_S:
+                self.backend.kill(job, "removed, still running")
+        elif job.restarts and now - job.running_since > self.cfg.run.heartbeat_timeout_s:
+            job.restarts = 0  # up for a while: healthy again; max_restarts bounds crash loops, not a lifetime
+        elif job.role == "learner" and self._silent(job, now):
+            self.backend.kill(job, "heartbeat stopped")
+
+    def _ended(self, job: Job, detail: Any, now: float) -> None:
+        job.exits.append(detail)
+        job.handle = None
+        self.events.emit("exit", role=job.role, learner=job.name, **({"code": detail} if isinstance(detail, int)
+                                                                       else {"state": str(detail)}))
+        if job.planned_restart_at is not None:
+            job.next_start = job.planned_restart_at
+        else:
+            job.next_start = now + self.backoff.wait_for(min(job.restarts, 5))
+
+    def _restart(self, job: Job) -> None:
+        if job.planned_restart_at is not None:
+            self.events.emit("restart", role=job.role, learner=job.name, restarts=job.restarts, planned=True)
+            job.planned_restart_at = None
+            self.start(job)
+            return
+        if job.restarts >= self.cfg.run.max_restarts:
+            log.error("%s exceeded max_restarts=%d; leaving it down", job.name, self.cfg.run.max_restarts)
+            self.events.emit("give_up", role=job.role, learner=job.name)
+            job.removed = True
+            return
+        job.restarts += 1
+        if self.start(job):
+            self.events.emit("restart", role=job.role, learner=job.name, restarts=job.restarts)
+        else:
+            job.restarts -= 1  # refused: that attempt never ran
+
+    def _start_deferred(self, now: float) -> None:
+        waiting = [j for j in self.jobs.values() if j.deferred_until is not None]
+        if not waiting:
+            return
+        learners = [j for j in self.jobs.values() if j.role == "learner" and not j.removed]
+        if now < waiting[0].deferred_until and not all(self.joined(j) for j in learners):
+            return
+        for job in waiting:
+            job.deferred_until = None
+            self.start(job)
+
+    def _silent(self, job: Job, now: float) -> bool:
+        """No heartbeat newer than heartbeat_timeout_s, counting from when it was seen running (or resumed)."""
+        timeout = self.cfg.run.heartbeat_timeout_s
+        since = max(job.running_since or now, job.resumed_at)
+        if now - since < timeout:
+            return False
+        try:
+            beat = read_record(self.ctx.store, self.ctx.keys.status(job.name), LearnerStatus).t
+        except NotFound:
+            beat = 0.0
+        except (StorageError, RecordError):
+            return False  # the bucket is the trouble, not the learner
+        return now - max(beat, since) > timeout
+
+    def latest(self) -> int:
+        try:
+            return latest_version(self.ctx.store, self.ctx.keys) or 0
+        except StorageError:
+            return -1
+
+    def run(self, tick_s: float = 0.5, on_tick: Callable[[Supervisor], None] | None = None,
+            until: Callable[[Supervisor], bool] | None = None) -> str:
+        """Watch until the target version, a stop request (`diloco stop`), the time limit, or `until(self)`
+        holds ("done": a test's own end condition, checked each tick); returns why it ended."""
+        target, limit = self.cfg.run.num_versions, self.cfg.run.time_limit_s
+        reason = "time limit"
+        while time.time() - self.started_at < limit:
+            if self.latest() >= target:
+                reason = "target version"
+                break
+            if self._stop():
+                reason = "stop requested"  # the roles end their phase and exit; restarting them would be wrong
+                break
+            if until is not None and until(self):
+                reason = "done"
+                break
+            for hook in self.hooks:
+                hook(self)
+            self.heal()
+            if on_tick:
+                on_tick(self)
+            self.events.flush()
+            time.sleep(tick_s)
+        self.events.emit("end", reason=reason, version=self.latest())
+        return reason
+
+    def shutdown(self, reason: str, grace_s: float = 60.0) -> None:
+        """Ask everyone to stop (control/stop), wait for them (the final evaluation), then end what is left."""
+        try:
+            if not self.ctx.store.exists(self.ctx.keys.stop()):
+                request_stop(self.ctx, reason)
+        except StorageError as err:
+            log.warning("could not write control/stop: %s", err)
+        for job in self.jobs.values():
+            if job.paused:
+                self.resume(job.name)  # a stopped process cannot see control/stop
+        deadline = time.time() + grace_s
+        live = [j for j in self.jobs.values() if j.handle is not None]
+        while live and time.time() < deadline:
+            live = [j for j in live if self.backend.state(j)[0] != ENDED]
+            if live:
+                time.sleep(0.2)
+        for job in live:
+            self.backend.kill(job, "did not stop in time")
+        self.backend.close()
+        self.events.emit("shutdown", reason=reason)
+        self.events.flush()
+
+    def run_to_end(self, shutdown_grace_s: float = 60.0, **run_kwargs: Any) -> str:
+        """start_all, run, and always shut down (nothing of the run is left behind); returns why it ended."""
+        reason = "error"
+        try:
+            self.start_all()
+            reason = self.run(**run_kwargs)
+        finally:
+            self.shutdown(reason, grace_s=shutdown_grace_s)
+        return reason

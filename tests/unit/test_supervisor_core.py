@@ -1,0 +1,192 @@
+"""The supervisor core's decisions, the same for every backend: restarts bounded with back-off, a removed
+learner ended and never started again, a silent learner killed and restarted, a refused start not counted
+(and, refused again and again, the run ends with the reason), planned restarts not counted, a paused role
+left alone. The backend here is a scripted one of our own Backend interface (no Prefect, no processes): what
+each backend does for real is tested in tests/chaos (processes) and tests/deployment (a Prefect server).
+
+Run: .venv/bin/pytest tests/unit/test_supervisor_core.py
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco.configs import load_config
+from diloco.run.context import RunContext, create_run
+from diloco.run.events import read_events
+from diloco.run.signals import request_remove
+from diloco.storage import open_store
+from diloco.supervise import core
+from diloco.supervise.core import ENDED, RUNNING, Job, RoleUnstartable, Supervisor
+
+
+class ScriptedBackend:
+    """Jobs run until the test says they ended; starts can be refused; records every call."""
+
+    defer_evaluator = False
+
+    def __init__(self) -> None:
+        self.ended: dict[str, object] = {}  # job name -> exit detail, once the test ends it
+        self.refuse: list[str] = []  # reasons for the next starts, refused in order
+        self.started: list[str] = []
+        self.killed: list[tuple[str, str]] = []
+        self.paused: list[str] = []
+
+    def start(self, job: Job, asked: float) -> str | None:
+        if self.refuse:
+            return self.refuse.pop(0)
+        self.started.append(job.name)
+        self.ended.pop(job.name, None)
+        job.handle = f"{job.name}#{len(self.started)}"
+        return None
+
+    def state(self, job: Job) -> tuple[str, object]:
+        return (ENDED, self.ended[job.name]) if job.name in self.ended else (RUNNING, None)
+
+    def kill(self, job: Job, reason: str) -> None:
+        self.killed.append((job.name, reason))
+        self.ended[job.name] = -9
+
+    def pause(self, job: Job) -> bool:
+        self.paused.append(job.name)
+        return True
+
+    def resume(self, job: Job) -> bool:
+        return True
+
+    def tick(self, sup: Supervisor, now: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> RunContext:
+    cfg = load_config("tiny").with_overrides({"run.restart_backoff_s": 0.0, "run.max_restarts": 2,
+                                              "run.heartbeat_timeout_s": 5.0})
+    return create_run(open_store(f"file://{tmp_path}/bucket"), "core-1", cfg, learners=["a", "b"])
+
+
+@pytest.fixture
+def sup(ctx: RunContext) -> Supervisor:
+    supervisor = Supervisor(ctx, ScriptedBackend())
+    supervisor.start_all()
+    return supervisor
+
+
+def kinds(ctx: RunContext, name: str) -> list[str]:
+    return [e["kind"] for e in read_events(ctx.store, ctx.keys) if e.get("learner") == name]
+
+
+def test_start_all_starts_every_role_of_the_run(sup: Supervisor) -> None:
+    assert sorted(sup.backend.started) == ["a", "b", "evaluator", "merger"]
+
+
+def test_an_ended_role_is_restarted_until_the_bound(ctx: RunContext, sup: Supervisor) -> None:
+    job = sup.jobs["a"]
+    for attempt in range(1, 4):
+        sup.backend.ended["a"] = 1
+        sup.heal()  # sees the exit and, the back-off being 0, starts it again (or gives up)
+        if attempt <= 2:
+            assert job.restarts == attempt and job.handle is not None
+    assert job.removed and job.handle is None
+    sup.events.flush()
+    got = kinds(ctx, "a")
+    assert got.count("exit") == 3 and got.count("restart") == 2 and got[-1] == "give_up"
+
+
+def test_a_healthy_stretch_resets_the_restart_count(sup: Supervisor) -> None:
+    job = sup.jobs["a"]
+    sup.backend.ended["a"] = 1
+    sup.heal()
+    assert job.restarts == 1
+    sup.heal()  # seen running
+    job.running_since = time.time() - 60  # up for longer than heartbeat_timeout_s
+    sup.heal()
+    assert job.restarts == 0
+
+
+def test_a_removed_learner_is_not_started_again(ctx: RunContext, sup: Supervisor,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    request_remove(ctx, "b")
+    job = sup.jobs["b"]
+    sup.heal()
+    assert job.removed and sup.backend.killed == []  # it ends itself after its phase
+    sup.backend.ended["b"] = 0
+    before = len(sup.backend.started)
+    for _ in range(3):
+        sup.heal()
+    assert job.handle is None and len(sup.backend.started) == before
+    sup.events.flush()
+    assert "removed" in kinds(ctx, "b") and "restart" not in kinds(ctx, "b")
+
+
+def test_a_removed_learner_still_running_after_the_grace_is_killed(ctx: RunContext, sup: Supervisor,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core, "REMOVE_GRACE_S", 0.0)
+    request_remove(ctx, "a")
+    sup.heal()
+    time.sleep(0.01)
+    sup.heal()
+    assert sup.backend.killed == [("a", "removed, still running")]
+    sup.heal()
+    assert sup.jobs["a"].handle is None and sup.backend.started.count("a") == 1
+
+
+def test_a_silent_learner_is_killed_and_restarted(ctx: RunContext, sup: Supervisor) -> None:
+    job = sup.jobs["a"]
+    sup.heal()  # seen running
+    job.running_since = time.time() - 60
+    ctx.store.put(ctx.keys.status("a"), json.dumps({"learner": "a", "state": "training",
+                                                    "t": time.time() - 30}).encode())
+    sup.heal()  # silent: killed (ended)
+    assert sup.backend.killed == [("a", "heartbeat stopped")]
+    sup.heal()  # restarted
+    assert job.restarts == 1 and job.handle is not None and sup.backend.started.count("a") == 2
+
+
+def test_a_refused_start_is_not_a_restart_and_endless_refusals_end_the_run(sup: Supervisor) -> None:
+    job = sup.jobs["a"]
+    sup.backend.ended["a"] = 1
+    sup.backend.refuse = ["server busy"]
+    sup.heal()  # sees the exit; the start is refused: no handle, no restart counted
+    assert job.handle is None and job.restarts == 0 and job.refusals == 1
+    job.next_start = 0.0
+    sup.heal()
+    assert job.handle is not None and job.restarts == 1 and job.refusals == 0
+    sup.backend.ended["a"] = 1
+    sup.backend.refuse = ["deployment 'learner/nope' not found"] * core.MAX_REFUSALS
+    with pytest.raises(RoleUnstartable, match="not found"):
+        for _ in range(core.MAX_REFUSALS):
+            job.next_start = 0.0
+            sup.heal()
+
+
+def test_a_planned_restart_is_not_counted(sup: Supervisor) -> None:
+    job = sup.jobs["a"]
+    assert sup.restart_after("a", 0.0, reason="chaos")
+    sup.heal()  # sees the exit, starts it at the planned time
+    assert job.restarts == 0 and sup.backend.started.count("a") == 2
+
+
+def test_a_paused_learner_is_left_alone(sup: Supervisor) -> None:
+    job = sup.jobs["a"]
+    assert sup.pause("a")
+    sup.backend.ended["a"] = 1
+    sup.heal()
+    assert job.handle is not None and sup.backend.started.count("a") == 1
+    assert sup.resume("a")
+    sup.heal()
+    assert sup.backend.started.count("a") == 2
+
+
+def test_shutdown_writes_the_stop_and_kills_what_does_not_end(ctx: RunContext, sup: Supervisor) -> None:
+    sup.backend.ended.update({"merger": 0, "evaluator": 0})
+    sup.shutdown("test", grace_s=0.1)
+    assert ctx.store.exists(ctx.keys.stop())
+    assert sorted(n for n, _ in sup.backend.killed) == ["a", "b"]
