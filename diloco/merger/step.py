@@ -161,9 +161,9 @@ def outer_step(params: T.Tensors, outer: OuterState, stream: GradientStream, fin
         # applies all of it, but the momentum buffer takes it at one round's rate (grad / rounds), so momentum
         # does not re-apply the whole backlog on every following merge (which spiked the loss after outages).
         rounds = stream.rounds()
-        spread = rounds > 1.0 and cfg.outer.backlog_momentum == "round_rate"
+        spread = rounds > 1.0 and cfg.experimental.backlog_momentum == "round_rate"
         rate = {k: v / rounds for k, v in grad.items()} if spread else grad
-        share = min(1.0, rounds) if cfg.outer.momentum_per == "round" and rounds > 0 else 1.0
+        share = min(1.0, rounds) if cfg.experimental.momentum_per == "round" and rounds > 0 else 1.0
         new_params, momentum = nesterov_step(params, rate, outer.momentum, cfg.outer.lr,
                                              cfg.outer.momentum, cfg.outer.nesterov, share=share)
         if rate is not grad:

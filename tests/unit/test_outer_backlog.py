@@ -49,10 +49,10 @@ def test_a_round_or_less_is_the_plain_partial_nesterov_step():
 
 
 def test_momentum_per_round_makes_a_round_of_partial_merges_one_outer_step():
-    """`outer.momentum_per: round`: a merge carrying share s decays the buffer by mu**s and looks ahead by
+    """`experimental.momentum_per: round`: a merge carrying share s decays the buffer by mu**s and looks ahead by
     s*mu*buf. Two half-round merges of the same pseudo-gradient then move the params like one whole
     round does under the per-merge rule at steady state, where per merge they overshoot."""
-    cfg = CFG.with_overrides({"outer.momentum_per": "round"})
+    cfg = CFG.with_overrides({"experimental.momentum_per": "round"})
     delta = torch.tensor([1.0, -2.0, 0.5, 4.0])
     buf0 = torch.tensor([0.5, 0.5, -1.0, 2.0])
 
