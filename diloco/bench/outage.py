@@ -1,5 +1,5 @@
 """`diloco bench outage`: the merger is down for some rounds while the learners keep shipping; how the
-held-out loss behaves when the backlog is merged, under each `outer.backlog_momentum` rule.
+held-out loss behaves when the backlog is merged, under each `experimental.backlog_momentum` rule.
 
 Contract: in one process per rule, deterministic: bench recipe, M learners, quorum M (every merge is one
 round), H inner steps per phase; at round `--at` the merges stop for `--down` rounds, then the next merge
@@ -40,7 +40,7 @@ def run_rule(rule: str, at: int, down: int, rounds: int, config: str) -> dict[st
     cfg = base.with_overrides({
         "learner.checkpoint": False, "learner.local_state_every_steps": 0, "learner.device": "cpu",
         "merger.quorum": base.run.num_learners, "merger.grace_cap_s": 0.0,
-        "inner.total_steps": base.inner.steps_per_phase * rounds, "outer.backlog_momentum": rule,
+        "inner.total_steps": base.inner.steps_per_phase * rounds, "experimental.backlog_momentum": rule,
     })
     corpus = load_run_corpus(cfg.data)
     held = HeldOut(cfg, corpus)

@@ -68,16 +68,26 @@ class OuterConfig(_Strict):
     max_staleness: int = Field(8, ge=0)  # older deltas are rejected ("stale")
     staleness_power: float = Field(0.5, ge=0)  # discount = (1 + staleness) ** -power
     update_codec: Codec = "fp32"  # how the compact update version-1 -> version is shipped to learners
-    # A merge that carries fewer tokens than a full round (every learner's phase) moves the global
+    # A merge that carries fewer steps than a full round (every learner's phase) moves the global
     # by that share only; otherwise K=1 merges each apply a whole outer step and momentum overshoots.
     partial_scaling: bool = True
+
+
+class ExperimentalConfig(_Strict):
+    """Research options of the outer step: kept to reproduce a measurement, not to tune a run."""
+
     # A merge carrying more than a round (a backlog after the merger or the storage was down): momentum takes
     # it at one round's rate ("round_rate"), or whole ("whole": the loss spikes; `diloco bench outage`).
     backlog_momentum: Literal["round_rate", "whole"] = "round_rate"
     # Momentum per "merge" (every merge decays it by mu and adds mu*buf: K=1 merges re-apply the look-ahead
     # once per delta) or per "round" (a merge carrying a share s of a round decays it by mu**s and adds
-    # s*mu*buf: a round of partial merges is about one outer step; docs/ENGINE.md).
+    # s*mu*buf: a round of partial merges is about one outer step, but trains worse; docs/ENGINE.md).
     momentum_per: Literal["merge", "round"] = "merge"
+
+
+# Keys that moved to another section: naming the old place is an error that names the new one.
+MOVED_KEYS = {"outer.backlog_momentum": "experimental.backlog_momentum",
+              "outer.momentum_per": "experimental.momentum_per"}
 
 
 class MergerConfig(_Strict):
@@ -139,6 +149,7 @@ class Config(_Strict):
     data: DataConfig = DataConfig()
     inner: InnerConfig = InnerConfig()
     outer: OuterConfig = OuterConfig()
+    experimental: ExperimentalConfig = ExperimentalConfig()
     merger: MergerConfig = MergerConfig()
     learner: LearnerConfig = LearnerConfig()
     eval: EvalConfig = EvalConfig()
@@ -153,6 +164,7 @@ class Config(_Strict):
         for dotted, value in overrides.items():
             if value is None:
                 continue
+            _refuse_moved([dotted], source="overrides")
             node = data
             *parents, leaf = dotted.split(".")
             for p in parents:
@@ -173,13 +185,38 @@ def _format_validation(err: ValidationError, source: str) -> str:
     return f"invalid config ({source}): " + "; ".join(lines)
 
 
+def _refuse_moved(dotted_keys: list[str], source: str) -> None:
+    for dotted in dotted_keys:
+        if dotted in MOVED_KEYS:
+            raise ConfigError(f"invalid config ({source}): {dotted} moved to {MOVED_KEYS[dotted]}")
+
+
+def _dotted_keys(data: dict) -> list[str]:
+    return [f"{section}.{key}" for section, body in data.items() if isinstance(body, dict) for key in body]
+
+
 def _validate(data: Any, source: str) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid config ({source}): the top level must be a mapping")
+    _refuse_moved(_dotted_keys(data), source)
     try:
         return Config.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation(err, source)) from None
+
+
+def config_from_record(data: dict) -> Config:
+    """The config stored in a run record (run.json); a record written before a key moved (MOVED_KEYS)
+    is read with the key at its new place, so older runs still open. pydantic's ValidationError if invalid."""
+    if not isinstance(data, dict):
+        return Config.model_validate(data)
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for old, new in MOVED_KEYS.items():
+        old_section, old_key = old.split(".")
+        if isinstance(data.get(old_section), dict) and old_key in data[old_section]:
+            new_section, new_key = new.split(".")
+            data.setdefault(new_section, {}).setdefault(new_key, data[old_section].pop(old_key))
+    return Config.model_validate(data)
 
 
 def recipe_names() -> list[str]:

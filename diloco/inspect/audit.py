@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.merger.step import GradientStream, LearnerGroup, OuterState, outer_step
+from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
 from diloco.run import tensors as T
 from diloco.run.context import RunContext
 from diloco.storage import Manifest, StorageError, read_manifest
@@ -106,6 +106,7 @@ def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport)
 
 def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
     """Recompute every version from its parent, the parent's outer state and the stored deltas."""
+    optimizer = outer_optimizer(ctx.cfg, len(ctx.learners))
     for prev, m in zip(chain, chain[1:], strict=False):
         try:
             _, params = T.read_tensors(ctx.store, prev.params_key, checksum=prev.params_checksum)
@@ -114,7 +115,7 @@ def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
                 outer = OuterState.from_tensors(raw, params)
             else:
                 outer = OuterState.zeros_like(params)
-            stream = GradientStream(params, prev.version, ctx.cfg, len(ctx.learners))
+            stream = gradient_stream(params, prev.version, ctx.cfg.outer)
             group: LearnerGroup | None = None
             for d in m.merged():  # a learner's deltas are contiguous, in the merger's order
                 if group is not None and group.learner != d.learner:
@@ -125,7 +126,7 @@ def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
                 group.add(d.seq, header, delta)
             if group is not None:
                 stream.add(group)
-            result = outer_step(params, outer, stream, ctx.fingerprint)
+            result = outer_step(params, outer, stream, ctx.fingerprint, optimizer)
         except (StorageError, CodecError, ValueError) as err:
             report.replay_ok = False
             report.problem(f"version {m.version}: replay could not read its inputs: {err}")

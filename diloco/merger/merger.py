@@ -20,6 +20,8 @@ from diloco.merger.step import (
     GradientStream,
     LearnerGroup,
     OuterState,
+    gradient_stream,
+    outer_optimizer,
     outer_step,
     validate_delta,
 )
@@ -66,6 +68,7 @@ class Merger:
         self.stage_hook = stage_hook or (lambda stage: None)  # chaos: kill at a named stage
         self.gap_seen: dict[tuple[str, int], float] = {}
         self.ema = {"phase_s": 0.0, "quorum_s": 0.0, "merge_s": 0.0}
+        self.optimizer = outer_optimizer(self.cfg, len(ctx.learners))
 
     # ---- state ---------------------------------------------------------------------------
     def load(self) -> int:
@@ -153,7 +156,7 @@ class Merger:
             pending = self.pending()
         t0 = time.time()
         decisions, stream, phase_times = self._decide(pending)
-        result = outer_step(self.params, self.outer, stream, self.ctx.fingerprint)
+        result = outer_step(self.params, self.outer, stream, self.ctx.fingerprint, self.optimizer)
         for d in decisions:
             if d.status == "merged":
                 d.weight = result.weights.get(d.learner, 0.0)
@@ -165,7 +168,7 @@ class Merger:
         """Read, validate and fold the deltas learner by learner (streamed: memory does not grow
         with the number of learners)."""
         decisions: list[DeltaDecision] = []
-        stream = GradientStream(self.params, self.version, self.cfg, len(self.ctx.learners))
+        stream = gradient_stream(self.params, self.version, self.cfg.outer)
         phase_times: list[float] = []
         for learner, seqs in sorted(pending.lost.items()):
             for seq in seqs:

@@ -1,8 +1,8 @@
-"""The deterministic core of one merge: validated deltas -> combined pseudo-gradient -> Nesterov
--> quantized update -> new global. Shared by the merger and by `audit` replay.
+"""The deterministic core of one merge: validate -> fold the deltas (GradientStream) -> the outer
+optimizer -> quantize the update (`outer.update_codec`) -> new global. Shared by the merger and `audit`.
 
-Contract: a pure function of (params, outer state, the merged deltas in decision order, config);
-replaying it on the stored objects reproduces the committed bits.
+Contract: outer_step is a pure function of (params, outer state, the merged deltas in decision order,
+the optimizer); replaying it on the stored objects reproduces the committed bits.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.configs import Config
+from diloco.configs import Config, OuterConfig
 from diloco.run import tensors as T
-from diloco.storage.codec import CodecError, Header
+from diloco.storage.codec import Header
 from diloco.training.merge import Combiner, delta_weight
 from diloco.training.model import EMBEDDING_PARAMS
-from diloco.training.outer import nesterov_step
+from diloco.training.outer import OuterOptimizer, OuterState
+
+__all__ = ["DeltaInvalid", "GradientStream", "LearnerGroup", "OuterOptimizer", "OuterState", "StepResult",
+           "gradient_stream", "outer_optimizer", "outer_step", "validate_delta"]
 
 
 class DeltaInvalid(ValueError):
@@ -45,9 +48,9 @@ class LearnerGroup:
         else:
             T.add_(self.total, delta)
 
-    def weight(self, version: int, cfg: Config) -> float:
+    def weight(self, version: int, staleness_power: float) -> float:
         staleness = max(0, version - self.min_base)
-        return delta_weight(self.tokens, self.steps, staleness, cfg.outer.staleness_power)
+        return delta_weight(self.tokens, self.steps, staleness, staleness_power)
 
 
 def validate_delta(header: Header, delta: T.Tensors, *, learner: str, seq: int, version: int,
@@ -78,107 +81,66 @@ def validate_delta(header: Header, delta: T.Tensors, *, learner: str, seq: int, 
 
 
 @dataclass
-class OuterState:
-    momentum: T.Tensors
-    residual: T.Tensors
-
-    @classmethod
-    def zeros_like(cls, params: T.Tensors) -> OuterState:
-        return cls({k: torch.zeros_like(v) for k, v in params.items()},
-                   {k: torch.zeros_like(v) for k, v in params.items()})
-
-    def to_tensors(self) -> T.Tensors:
-        out = {f"momentum/{k}": v for k, v in self.momentum.items()}
-        out.update({f"residual/{k}": v for k, v in self.residual.items()})
-        return out
-
-    @classmethod
-    def from_tensors(cls, tensors: T.Tensors, params: T.Tensors) -> OuterState:
-        try:
-            return cls({k: tensors[f"momentum/{k}"] for k in params}, {k: tensors[f"residual/{k}"] for k in params})
-        except KeyError as err:
-            raise CodecError(f"outer state lacks tensor {err}") from None
-
-
-@dataclass
 class StepResult:
     update_bytes: bytes
     params: T.Tensors  # the new global: old params + dequantize(update)
     outer: OuterState
     weights: dict[str, float]  # learner -> normalised weight
     update_norm: float
-    scale: float  # share of a full round's tokens this merge carries (1.0 without partial scaling)
+    scale: float  # share of a full round's steps this merge carries (1.0 without partial scaling)
 
 
 class GradientStream:
-    """Fold learner groups into the combined pseudo-gradient one at a time (memory: one
-    accumulator, whatever the number of learners); then `finish` scales it by the round share."""
+    """Fold learner groups into the combined pseudo-gradient one at a time (memory: one accumulator,
+    whatever the number of learners); `finish` hands back the combination and the normalised weights.
+    `direct` names the tensors averaged directly under RDA (the paper's embeddings)."""
 
-    def __init__(self, params: T.Tensors, version: int, cfg: Config, num_learners: int) -> None:
-        self.version, self.cfg, self.num_learners = version, cfg, num_learners
-        direct = tuple(k for k in params if k in EMBEDDING_PARAMS)  # the paper averages embeddings directly
-        self.combiner = Combiner(cfg.outer.merge_rule, direct=direct)
+    def __init__(self, version: int, merge_rule: str, staleness_power: float, direct: tuple[str, ...] = ()) -> None:
+        self.version, self.staleness_power = version, staleness_power
+        self.combiner = Combiner(merge_rule, direct=direct)
         self.weights: dict[str, float] = {}
-        self.tokens = 0
+        self.tokens = 0  # merged, for the record
+        self.steps = 0  # merged: the outer optimizer's round share counts these
 
     def add(self, group: LearnerGroup) -> None:
-        weight = group.weight(self.version, self.cfg)
+        weight = group.weight(self.version, self.staleness_power)
         self.weights[group.learner] = weight
         self.tokens += group.tokens
+        self.steps += group.steps
         self.combiner.add(group.total, weight)
         group.total = None  # released: the combiner holds all that is needed
 
-    def rounds(self) -> float:
-        """Tokens merged / tokens of a full round (every learner one phase); 1.0 without partial scaling."""
-        if not self.cfg.outer.partial_scaling:
-            return 1.0
-        cfg = self.cfg
-        per_phase = cfg.inner.steps_per_phase * cfg.data.batch_size * cfg.model.ctx_len
-        return self.tokens / (max(1, self.num_learners) * per_phase)
-
-    def round_share(self) -> float:
-        """rounds(), capped at 1: the scale of a partial merge's pseudo-gradient."""
-        return min(1.0, self.rounds())
-
-    def finish(self) -> tuple[T.Tensors | None, dict[str, float], float]:
+    def finish(self) -> tuple[T.Tensors | None, dict[str, float]]:
+        """(combined pseudo-gradient, learner -> normalised weight); None when nothing has weight."""
         total_w = sum(self.weights.values())
         normalised = {k: (w / total_w if total_w > 0 else 0.0) for k, w in self.weights.items()}
-        scale = self.round_share()
         if not self.weights or total_w <= 0:
-            return None, normalised, scale
-        grad = self.combiner.result()
-        if scale != 1.0:
-            grad = {k: v * scale for k, v in grad.items()}
-        return grad, normalised, scale
+            return None, normalised
+        return self.combiner.result(), normalised
 
 
-def outer_step(params: T.Tensors, outer: OuterState, stream: GradientStream, fingerprint: str) -> StepResult:
-    """Nesterov step on the streamed pseudo-gradient, then quantize the update (error feedback)."""
-    grad, normalised, scale = stream.finish()
-    cfg = stream.cfg
-    if grad is not None:
-        # A backlog (the merger or the storage was down): several rounds of progress in one merge. The step
-        # applies all of it, but the momentum buffer takes it at one round's rate (grad / rounds), so momentum
-        # does not re-apply the whole backlog on every following merge (which spiked the loss after outages).
-        rounds = stream.rounds()
-        spread = rounds > 1.0 and cfg.outer.backlog_momentum == "round_rate"
-        rate = {k: v / rounds for k, v in grad.items()} if spread else grad
-        share = min(1.0, rounds) if cfg.outer.momentum_per == "round" and rounds > 0 else 1.0
-        new_params, momentum = nesterov_step(params, rate, outer.momentum, cfg.outer.lr,
-                                             cfg.outer.momentum, cfg.outer.nesterov, share=share)
-        if rate is not grad:
-            for k in new_params:
-                new_params[k] -= cfg.outer.lr * (grad[k] - rate[k])
-        exact = {k: (new_params[k] - params[k]) + outer.residual[k] for k in params}
-    else:  # every delta was rejected: a no-op version that records the decisions
-        momentum = outer.momentum
-        exact = {k: outer.residual[k].clone() for k in params}
-    version = stream.version
-    update_bytes = T.encode_tensors(exact, codec_name=cfg.outer.update_codec, kind="update",
-                                    fingerprint=fingerprint, meta={"version": version + 1})
+def gradient_stream(params: T.Tensors, version: int, outer: OuterConfig) -> GradientStream:
+    """The stream of the merge on top of `version`, with the run's merge rule and staleness power."""
+    direct = tuple(k for k in params if k in EMBEDDING_PARAMS)  # the paper averages embeddings directly
+    return GradientStream(version, outer.merge_rule, outer.staleness_power, direct=direct)
+
+
+def outer_optimizer(cfg: Config, num_learners: int) -> OuterOptimizer:
+    """The run's outer optimizer; a round is every one of `num_learners` learners' phase."""
+    steps_per_round = cfg.inner.steps_per_phase * max(1, num_learners)
+    return OuterOptimizer(cfg.outer, cfg.experimental, steps_per_round)
+
+
+def outer_step(params: T.Tensors, outer: OuterState, stream: GradientStream, fingerprint: str,
+               optimizer: OuterOptimizer) -> StepResult:
+    """Combine, the outer step, quantize the exact update, keep what quantization left as the residual."""
+    grad, normalised = stream.finish()
+    update = optimizer.update(params, outer, grad, stream.steps)
+    update_bytes = T.encode_tensors(update.exact, codec_name=optimizer.update_codec, kind="update",
+                                    fingerprint=fingerprint, meta={"version": stream.version + 1})
     _, shipped = T.decode_tensors(update_bytes)
-    residual = {k: exact[k] - shipped[k] for k in params}
     new_global = T.clone(params)
     T.add_(new_global, shipped)
     norm = float(torch.sqrt(sum((v.double() ** 2).sum() for v in shipped.values())))
-    return StepResult(update_bytes, new_global, OuterState(momentum, residual), normalised, norm, scale)
+    return StepResult(update_bytes, new_global, optimizer.state_after(update, shipped), normalised, norm,
+                      update.share)

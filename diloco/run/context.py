@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco import __version__
-from diloco.configs import Config
+from diloco.configs import Config, config_from_record
 from diloco.run import tensors as T
 from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, manifest_exists, open_store
 from diloco.storage.keys import new_nonce
@@ -112,6 +112,6 @@ def open_run(store: ObjectStore | str, run_id: str) -> RunContext:
         raise RunError(f"run {run_id!r}: run.json is not valid JSON: {err}") from None
     if not isinstance(record, dict) or record.get("schema_version") != RUN_SCHEMA_VERSION:
         raise RunError(f"run {run_id!r}: unsupported run.json schema {record.get('schema_version')!r}")
-    cfg = Config.model_validate(record["config"])
+    cfg = config_from_record(record["config"])
     return RunContext(store, keys, cfg, record["fingerprint"], list(record["learners"]),
                       float(record.get("created_at") or 0.0))

@@ -1,4 +1,4 @@
-"""Pure PyTorch training pieces: model, data, inner AdamW loop, outer Nesterov step, merge rules.
+"""Pure PyTorch training pieces: model, data, inner AdamW loop, the outer optimizer, merge rules.
 
 Contract: imports neither Prefect nor fsspec; everything here is deterministic given its seeds.
 """
@@ -14,7 +14,7 @@ from diloco.training.model import (
     param_names,
     set_params,
 )
-from diloco.training.outer import nesterov_step
+from diloco.training.outer import OuterOptimizer, OuterState, OuterUpdate, nesterov_step
 
 __all__ = [
     "GPT",
@@ -22,6 +22,9 @@ __all__ = [
     "Corpus",
     "DataError",
     "InnerTrainer",
+    "OuterOptimizer",
+    "OuterState",
+    "OuterUpdate",
     "ShardSampler",
     "build_model",
     "delta_weight",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diloco.configs import load_config
-from diloco.merger.step import GradientStream, LearnerGroup, OuterState, outer_step
+from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
 
 CFG = load_config("tiny").with_overrides({"run.num_learners": 2, "outer.update_codec": "fp32"})
 PHASE_TOKENS = CFG.inner.steps_per_phase * CFG.data.batch_size * CFG.model.ctx_len
@@ -19,11 +19,12 @@ LR, MU = CFG.outer.lr, CFG.outer.momentum
 
 def step(delta: torch.Tensor, phases: int, outer: OuterState) -> tuple[dict, OuterState, float]:
     params = {"w": torch.zeros(4)}
-    stream = GradientStream(params, version=0, cfg=CFG, num_learners=2)
+    stream = gradient_stream(params, version=0, outer=CFG.outer)
     stream.add(LearnerGroup("local-0", seqs=list(range(phases)), tokens=phases * PHASE_TOKENS,
                             steps=phases * CFG.inner.steps_per_phase, min_base=0, total={"w": delta.clone()}))
-    result = outer_step(params, outer, stream, "fp")
-    return result.params, result.outer, stream.rounds()
+    optimizer = outer_optimizer(CFG, num_learners=2)
+    result = outer_step(params, outer, stream, "fp", optimizer)
+    return result.params, result.outer, optimizer.rounds(stream.steps)
 
 
 @pytest.mark.parametrize("phases", [6, 20])
@@ -49,19 +50,19 @@ def test_a_round_or_less_is_the_plain_partial_nesterov_step():
 
 
 def test_momentum_per_round_makes_a_round_of_partial_merges_one_outer_step():
-    """`outer.momentum_per: round`: a merge carrying share s decays the buffer by mu**s and looks ahead by
+    """`experimental.momentum_per: round`: a merge carrying share s decays the buffer by mu**s and looks ahead by
     s*mu*buf. Two half-round merges of the same pseudo-gradient then move the params like one whole
     round does under the per-merge rule at steady state, where per merge they overshoot."""
-    cfg = CFG.with_overrides({"outer.momentum_per": "round"})
+    cfg = CFG.with_overrides({"experimental.momentum_per": "round"})
     delta = torch.tensor([1.0, -2.0, 0.5, 4.0])
     buf0 = torch.tensor([0.5, 0.5, -1.0, 2.0])
 
     def half(outer: OuterState, config) -> tuple[torch.Tensor, OuterState]:
         params = {"w": torch.zeros(4)}
-        stream = GradientStream(params, version=0, cfg=config, num_learners=2)
+        stream = gradient_stream(params, version=0, outer=config.outer)
         stream.add(LearnerGroup("local-0", seqs=[0], tokens=PHASE_TOKENS, steps=CFG.inner.steps_per_phase,
                                 min_base=0, total={"w": delta.clone()}))
-        result = outer_step(params, outer, stream, "fp")
+        result = outer_step(params, outer, stream, "fp", outer_optimizer(config, num_learners=2))
         return result.params["w"], result.outer
 
     step1, outer1 = half(OuterState({"w": buf0.clone()}, {"w": torch.zeros(4)}), cfg)
