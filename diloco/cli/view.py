@@ -78,13 +78,15 @@ def execute_run(*, config: str, storage: str | None, learners: int | None, versi
                 corpus: str | None, run_id: str | None, json_out: bool, prefect: bool, chaos: Path | None,
                 time_limit_s: float | None, live: bool) -> None:
     from diloco import api
+    from diloco.configs.effects import knob_warnings
 
-    cfg = api.resolve_config(config, {
-        "run.num_learners": learners, "run.num_versions": versions, "data.corpus": corpus,
-        "run.storage": storage, "run.time_limit_s": time_limit_s,
-    })
+    overrides = {"run.num_learners": learners, "run.num_versions": versions, "data.corpus": corpus,
+                 "run.storage": storage, "run.time_limit_s": time_limit_s}
+    cfg = api.resolve_config(config, overrides)
     ctx = api.create(cfg, run_id, chaos)
     console = Console(stderr=json_out)
+    for line in knob_warnings(config, overrides, cfg, "prefect" if prefect else cfg.run.start_method):
+        console.print(f"[yellow]warning:[/yellow] {line}", markup=True, highlight=False)
     console.print(f"[bold]diloco[/bold] run [cyan]{ctx.run_id}[/cyan] in {ctx.store.url}: "
                   f"{cfg.run.num_learners} learners, target {cfg.run.num_versions} versions, recipe {cfg.name}")
     with LiveView(ctx, console, live and console.is_terminal):

@@ -88,6 +88,8 @@ class ExperimentalConfig(_Strict):
 # Keys that moved to another section: naming the old place is an error that names the new one.
 MOVED_KEYS = {"outer.backlog_momentum": "experimental.backlog_momentum",
               "outer.momentum_per": "experimental.momentum_per"}
+# Keys that were removed: naming one is an error that says why; a run record that has one still opens.
+REMOVED_KEYS = {"learner.slowdown": "a learner's slowdown is set by a chaos plan's `slow` fault (docs/CHAOS.md)"}
 
 
 class MergerConfig(_Strict):
@@ -108,7 +110,6 @@ class LearnerConfig(_Strict):
     max_updates_behind: int = Field(4, ge=1)  # further behind: fetch full params, not updates
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int = Field(1, ge=1)  # torch threads per learner process
-    slowdown: float = Field(1.0, ge=1.0)  # heterogeneous hardware: sleep so a step takes this x longer
     checkpoint: bool = True  # inner optimizer state + data cursor after each publish
     # local state on the learner's host (DILOCO_LOCAL_DIR, default .diloco/local): written at every publish and
     # every this many steps, so a restarted process resumes without the bucket and loses < this many steps; 0 = off
@@ -189,6 +190,8 @@ def _refuse_moved(dotted_keys: list[str], source: str) -> None:
     for dotted in dotted_keys:
         if dotted in MOVED_KEYS:
             raise ConfigError(f"invalid config ({source}): {dotted} moved to {MOVED_KEYS[dotted]}")
+        if dotted in REMOVED_KEYS:
+            raise ConfigError(f"invalid config ({source}): {dotted} was removed: {REMOVED_KEYS[dotted]}")
 
 
 def _dotted_keys(data: dict) -> list[str]:
@@ -216,6 +219,10 @@ def config_from_record(data: dict) -> Config:
         if isinstance(data.get(old_section), dict) and old_key in data[old_section]:
             new_section, new_key = new.split(".")
             data.setdefault(new_section, {}).setdefault(new_key, data[old_section].pop(old_key))
+    for old in REMOVED_KEYS:
+        section, key = old.split(".")
+        if isinstance(data.get(section), dict):
+            data[section].pop(key, None)
     return Config.model_validate(data)
 
 

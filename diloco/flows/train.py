@@ -77,9 +77,12 @@ def _deployment_run(storage: str, run_id: str, config: str | None, overrides: di
         if config is None:
             raise RunError(f"no run {run_id!r} in {storage}: pass `config` (a recipe) to create it") from None
         from diloco.configs import load_config
+        from diloco.configs.effects import knob_warnings
         from diloco.storage import open_store
 
         cfg = load_config(config).with_overrides(overrides or {})
+        for line in knob_warnings(config, overrides, cfg, "deployments"):
+            get_run_logger().warning(line)
         names = list(learners) if learners else list(regional_names(cfg.run.num_learners))
         ctx = create_run(open_store(storage), run_id, cfg, learners=names)
     return ctx, placement(ctx.learners, learners or regional_names(len(ctx.learners)))

@@ -72,7 +72,7 @@ class Learner:
         torch.set_num_threads(self.cfg.learner.num_threads)  # one failure domain, one core by default
         self.corpus = corpus
         self.events = events or EventLog(None, None, name)
-        self.slowdown = slowdown if slowdown is not None else self.cfg.learner.slowdown
+        self.slowdown = slowdown or 1.0  # heterogeneous hardware (a chaos plan's `slow` fault): steps take this x longer
         self.local = None
         if self.cfg.learner.local_state_every_steps > 0:
             self.local = LocalState(ctx.store.url, ctx.run_id, name, ctx.created_at, ctx.fingerprint)

@@ -43,3 +43,29 @@ def test_a_run_record_from_before_the_move_opens_with_the_keys_moved():
     cfg = config_from_record(record)
     assert (cfg.experimental.backlog_momentum, cfg.experimental.momentum_per) == ("whole", "round")
     assert config_from_record(cfg.model_dump(mode="json")) == cfg
+
+
+def test_a_knob_without_effect_on_the_chosen_path_is_named_once() -> None:
+    from diloco.configs import load_config
+    from diloco.configs.effects import knob_warnings
+
+    cfg = load_config("tiny").with_overrides({"run.warm_standby": True, "learner.mode": "sync"})
+    overrides = {"run.warm_standby": True, "learner.mode": "sync", "run.num_learners": None}
+    fork = knob_warnings("tiny", overrides, cfg, "fork")
+    assert len(fork) == 2 and fork[0].startswith("run.warm_standby has no effect here")
+    assert "learner.probe_every_steps" in fork[1]  # set by the tiny recipe, and a sync learner never probes
+    assert knob_warnings("tiny", overrides, cfg, "exec") == fork[1:]
+    assert [w.split()[0] for w in knob_warnings("tiny", {}, load_config("tiny"), "prefect")] == []
+    assert knob_warnings("tiny", {"run.start_method": "exec"}, cfg, "prefect")[0].startswith("run.start_method")
+
+
+def test_a_removed_key_is_refused_with_its_reason_and_an_old_record_still_opens() -> None:
+    import pytest
+
+    from diloco.configs import ConfigError, config_from_record, load_config
+
+    with pytest.raises(ConfigError, match="learner.slowdown was removed: .*chaos plan"):
+        load_config("tiny").with_overrides({"learner.slowdown": 2.0})
+    record = load_config("tiny").model_dump(mode="json")
+    record["learner"]["slowdown"] = 1.0
+    assert config_from_record(record) == load_config("tiny")
