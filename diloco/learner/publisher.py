@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from diloco.run.events import EventLog
 from diloco.storage import Conflict, StorageError
-from diloco.storage.store import ObjectStore
+from diloco.storage.store import Store
 
 log = logging.getLogger("diloco.publisher")
 MAX_PENDING = 2  # deltas in flight before the learner stalls: overlap one phase, never pile up
@@ -24,7 +24,7 @@ MAX_PENDING = 2  # deltas in flight before the learner stalls: overlap one phase
 class Publisher:
     """One upload thread per learner; FIFO, so deltas land in seq order."""
 
-    def __init__(self, store: ObjectStore, events: EventLog, max_backoff_s: float = 5.0,
+    def __init__(self, store: Store, events: EventLog, max_backoff_s: float = 5.0,
                  on_landed: Callable[[int], None] | None = None) -> None:
         self.store, self.events, self.max_backoff_s = store, events, max_backoff_s
         self.on_landed = on_landed  # called with a delta's seq once it has landed (the local spool drops it)

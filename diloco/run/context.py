@@ -19,7 +19,7 @@ from diloco.configs import Config
 from diloco.run import tensors as T
 from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, manifest_exists, open_store
 from diloco.storage.keys import new_nonce
-from diloco.storage.store import ObjectStore
+from diloco.storage.store import Store
 from diloco.training.model import build_model, get_flat_params, model_fingerprint
 
 RUN_SCHEMA_VERSION = 1
@@ -31,7 +31,7 @@ class RunError(ValueError):
 
 @dataclass
 class RunContext:
-    store: ObjectStore
+    store: Store
     keys: RunKeys
     cfg: Config
     fingerprint: str
@@ -61,7 +61,7 @@ def _run_record(cfg: Config, run_id: str, fingerprint: str, learners: list[str])
     }
 
 
-def create_run(store: ObjectStore, run_id: str, cfg: Config, learners: list[str] | None = None) -> RunContext:
+def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | None = None) -> RunContext:
     """Create run.json and version 0, or join an existing run with the same config."""
     keys = RunKeys(run_id)
     learners = learners or cfg.learner_names()
@@ -99,7 +99,7 @@ def _commit_version_zero(ctx: RunContext, model: torch.nn.Module) -> None:
         commit(ctx.store, ctx.keys, manifest)
 
 
-def open_run(store: ObjectStore | str, run_id: str) -> RunContext:
+def open_run(store: Store | str, run_id: str) -> RunContext:
     """The context of an existing run, its config read from run.json."""
     if isinstance(store, str):
         store = open_store(store)

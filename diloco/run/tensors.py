@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from diloco.storage import codec
-from diloco.storage.store import ObjectStore
+from diloco.storage.store import Store
 
 Tensors = dict[str, torch.Tensor]
 
@@ -43,7 +43,7 @@ def decode_tensors(
 
 
 def write_tensors(
-    store: ObjectStore, key: str, tensors: Tensors, *, kind: str, fingerprint: str,
+    store: Store, key: str, tensors: Tensors, *, kind: str, fingerprint: str,
     codec_name: str = "fp32", meta: dict[str, Any] | None = None,
 ) -> tuple[int, str]:
     """Encode and put; returns (size in bytes, object checksum)."""
@@ -53,7 +53,7 @@ def write_tensors(
 
 
 def read_tensors(
-    store: ObjectStore, key: str, *, fingerprint: str | None = None, checksum: str | None = None,
+    store: Store, key: str, *, fingerprint: str | None = None, checksum: str | None = None,
     max_bytes: int | None = None,
 ) -> tuple[codec.Header, Tensors]:
     """Get, verify the recorded checksum (when given), decode."""

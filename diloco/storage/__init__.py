@@ -33,7 +33,7 @@ from diloco.storage.manifest import (
     read_manifest,
     write_json,
 )
-from diloco.storage.store import ObjectStore, open_store
+from diloco.storage.store import ObjectStore, Store, open_store
 
 __all__ = [
     "BadRequest",
@@ -47,6 +47,7 @@ __all__ = [
     "PermissionDenied",
     "RunKeys",
     "StorageError",
+    "Store",
     "TransientError",
     "commit",
     "latest_version",
