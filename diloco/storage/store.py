@@ -8,7 +8,6 @@ from a cache; put_if_absent is a true atomic exclusive create; errors are transl
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -94,11 +93,7 @@ class ObjectStore:
         """This store (the same backend) with another retry budget:
         e.g. 1 for a probe or heartbeat that is simply tried again later, so a storage outage does not
         hold up the training loop for the full back-off on every call."""
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        clone = copy.copy(self)  # FaultyStore subclasses this store until the WrapperStore base (next)
-        clone.max_retries = max_retries
-        return clone
+        return ObjectStore(self.url, max_retries=max_retries, backend=self._backend)
 
     def _call(self, fn: Callable[[], T], key: str, *, writing: bool = False) -> T:
         return call_with_retries(fn, max_retries=self.max_retries, key=key, writing=writing)

@@ -1,4 +1,5 @@
-"""One conformance suite for ObjectStore, run against memory://, file:// and a real S3 server (moto).
+"""One conformance suite for the Store interface, run against memory://, file:// and a real S3 server (moto),
+for ObjectStore itself and for each WrapperStore over it (CountingStore, FaultyStore with no fault active).
 
 Also: the error-translation table and the retry loop, fed real exception objects (botocore
 ClientError, OSError, botocore connection errors), and real faults (a dead endpoint, a missing bucket).
@@ -10,11 +11,15 @@ from __future__ import annotations
 import errno
 import os
 import socket
+from collections.abc import Callable
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ReadTimeoutError
 from s3fs.errors import translate_boto_error
 
+from diloco.bench._traffic import CountingStore
+from diloco.chaos.control import StorageWindow
+from diloco.chaos.faulty_store import FaultyStore
 from diloco.storage import (
     BadRequest,
     Conflict,
@@ -25,6 +30,7 @@ from diloco.storage import (
     PermissionDenied,
     RunKeys,
     StorageError,
+    Store,
     TransientError,
     commit,
     latest_version,
@@ -43,9 +49,36 @@ BAD_KEYS = ["", "/abs", "a//b", "a/", "../x", "a/../b", "a/./b", ".", "..", "a\\
 
 # ---------------------------------------------------------------- the conformance suite
 
+Connect = Callable[[str], Store]
+WRAPPERS: dict[str, Callable[[Store], Store]] = {
+    "plain": lambda store: store,
+    "counting": CountingStore,
+    "faulty": lambda store: FaultyStore(store, [StorageWindow(t0=0.0, t1=1.0, outage=True)]),  # long over
+}
 
-def test_put_get_roundtrip(store_url: str) -> None:
-    store = open_store(store_url)
+
+@pytest.fixture(params=sorted(WRAPPERS))
+def connect(request: pytest.FixtureRequest) -> Connect:
+    """Opens a store on a URL as ObjectStore itself, or wrapped in each WrapperStore (no fault active):
+    every suite test runs on every backend x every wrapper."""
+    wrap = WRAPPERS[request.param]
+    return lambda url: wrap(open_store(url))
+
+
+def test_with_retries_is_the_same_store(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
+    quick = store.with_retries(1)
+    assert type(quick) is type(store) and quick.url == store.url
+    assert quick.max_retries == 1 and store.max_retries == 5
+    quick.put("q/k", b"v")
+    assert store.get("q/k") == b"v" and store.list("q/") == ["q/k"]
+    with pytest.raises(ValueError, match="max_retries"):
+        store.with_retries(-1)
+
+
+
+def test_put_get_roundtrip(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     payload = bytes(range(256)) * 10
     store.put("a/b/c.bin", payload)
     store.put("empty", b"")
@@ -56,8 +89,8 @@ def test_put_get_roundtrip(store_url: str) -> None:
     assert store.exists("a/b/c.bin") and store.exists("empty")
 
 
-def test_overwrite_replaces_content(store_url: str) -> None:
-    store = open_store(store_url)
+def test_overwrite_replaces_content(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     store.put("k.json", b"old content")
     store.put("k.json", b"new")
     assert store.get("k.json") == b"new"
@@ -65,8 +98,8 @@ def test_overwrite_replaces_content(store_url: str) -> None:
     assert store.list("") == ["k.json"]
 
 
-def test_missing_object_is_notfound(store_url: str) -> None:
-    store = open_store(store_url)
+def test_missing_object_is_notfound(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     with pytest.raises(NotFound):
         store.get("nope/x")
     with pytest.raises(NotFound):
@@ -76,8 +109,8 @@ def test_missing_object_is_notfound(store_url: str) -> None:
     assert store.list("") == []
 
 
-def test_folder_of_keys_is_not_an_object(store_url: str) -> None:
-    store = open_store(store_url)
+def test_folder_of_keys_is_not_an_object(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     store.put("run/versions/1.json", b"{}")
     assert not store.exists("run/versions")
     with pytest.raises(NotFound):
@@ -86,8 +119,8 @@ def test_folder_of_keys_is_not_an_object(store_url: str) -> None:
         store.get("run/versions")
 
 
-def test_list_is_recursive_sorted_and_relative(store_url: str) -> None:
-    store = open_store(store_url)
+def test_list_is_recursive_sorted_and_relative(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     for key in ["b", "a/x", "a/b/d/e", "a/b/c", "ab/z", "a/b2"]:
         store.put(key, key.encode())
     assert store.list("") == ["a/b/c", "a/b/d/e", "a/b2", "a/x", "ab/z", "b"]
@@ -97,16 +130,16 @@ def test_list_is_recursive_sorted_and_relative(store_url: str) -> None:
     assert store.list("a") == ["a/b/c", "a/b/d/e", "a/b2", "a/x", "ab/z"]
 
 
-def test_zero_padded_keys_list_in_numeric_order(store_url: str) -> None:
-    store = open_store(store_url)
+def test_zero_padded_keys_list_in_numeric_order(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     keys = RunKeys("run")
     for version in [10, 2, 100, 0, 9]:
         store.put(keys.manifest(version), b"{}")
     assert store.list(keys.versions_prefix()) == [keys.manifest(v) for v in [0, 2, 9, 10, 100]]
 
 
-def test_listing_is_never_cached(store_url: str) -> None:
-    reader, writer = open_store(store_url), open_store(store_url)
+def test_listing_is_never_cached(store_url: str, connect: Connect) -> None:
+    reader, writer = connect(store_url), connect(store_url)
     assert reader.list("p/") == []
     writer.put("p/1", b"1")
     assert reader.list("p/") == ["p/1"]
@@ -118,8 +151,8 @@ def test_listing_is_never_cached(store_url: str) -> None:
     assert not reader.exists("p/1")
 
 
-def test_delete_removes_and_absent_is_ok(store_url: str) -> None:
-    store = open_store(store_url)
+def test_delete_removes_and_absent_is_ok(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     store.put("d/x", b"x")
     store.delete("d/x")
     assert not store.exists("d/x")
@@ -128,8 +161,8 @@ def test_delete_removes_and_absent_is_ok(store_url: str) -> None:
     assert store.list("") == []
 
 
-def test_put_if_absent_is_exclusive(store_url: str) -> None:
-    store, other = open_store(store_url), open_store(store_url)
+def test_put_if_absent_is_exclusive(store_url: str, connect: Connect) -> None:
+    store, other = connect(store_url), connect(store_url)
     store.put_if_absent("v/1.json", b"winner")
     with pytest.raises(Conflict):
         other.put_if_absent("v/1.json", b"loser")
@@ -140,8 +173,8 @@ def test_put_if_absent_is_exclusive(store_url: str) -> None:
     assert store.list("") == ["v/1.json"]
 
 
-def test_bad_keys_are_rejected_before_any_io(store_url: str) -> None:
-    store = open_store(store_url)
+def test_bad_keys_are_rejected_before_any_io(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     for key in BAD_KEYS:
         for call in (store.get, store.get_size, store.exists, store.delete):
             with pytest.raises(BadRequest):
@@ -155,8 +188,8 @@ def test_bad_keys_are_rejected_before_any_io(store_url: str) -> None:
     assert store.list("") == []
 
 
-def test_json_helpers_roundtrip(store_url: str) -> None:
-    store = open_store(store_url)
+def test_json_helpers_roundtrip(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     write_json(store, "r/run.json", {"b": 1, "a": [1, 2]}, exclusive=True)
     assert read_json(store, "r/run.json") == {"a": [1, 2], "b": 1}
     with pytest.raises(Conflict):
@@ -171,8 +204,8 @@ def _manifest(run_id: str, version: int, merger_id: str = "m0") -> Manifest:
                     params_key=RunKeys(run_id).params(version, "0123abcd"), params_checksum="c")
 
 
-def test_commit_protocol(store_url: str) -> None:
-    store, keys = open_store(store_url), RunKeys("run-1")
+def test_commit_protocol(store_url: str, connect: Connect) -> None:
+    store, keys = connect(store_url), RunKeys("run-1")
     assert latest_version(store, keys) is None and read_latest(store, keys) is None
     assert not manifest_exists(store, keys, 0)
     for version in range(3):
