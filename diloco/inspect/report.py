@@ -5,21 +5,22 @@ Contract: read-only; every figure is computed from stored manifests, evals and h
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
 import torch
 
 from diloco.run import tensors as T
-from diloco.run.loops import read_evals
 from diloco.run.context import RunContext
-from diloco.storage import NotFound, StorageError, latest_version, read_manifest
+from diloco.run.loops import read_evals
+from diloco.storage import StorageError, latest_version, read_manifest
 from diloco.storage.keys import parse_manifest_key
+from diloco.storage.records import LearnerStatus, RecordError, read_record
 from diloco.training.model import build_model, set_params
 
 
 def learner_status(ctx: RunContext) -> list[dict]:
+    """Each learner's last status (LearnerStatus fields, plus age_s), or state 'never reported'."""
     names = set(ctx.learners)
     for key in ctx.store.list(ctx.keys.learners_prefix()):
         parts = key.split("/")
@@ -28,11 +29,11 @@ def learner_status(ctx: RunContext) -> list[dict]:
     rows = []
     for name in sorted(names):
         try:
-            status = json.loads(ctx.store.get(ctx.keys.status(name)))
-            status["age_s"] = time.time() - float(status.get("t", 0))
-        except (NotFound, StorageError, ValueError):
-            status = {"learner": name, "state": "never reported"}
-        rows.append(status)
+            record = read_record(ctx.store, ctx.keys.status(name), LearnerStatus)
+        except (StorageError, RecordError):
+            rows.append({"learner": name, "state": "never reported"})
+            continue
+        rows.append({**record.model_dump(exclude_none=True), "age_s": time.time() - record.t})
     return rows
 
 

@@ -7,7 +7,6 @@ and `r = G`. The learner never waits for anyone, except in `sync` mode, the sync
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -16,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.run import tensors as T
 from diloco.learner.courier import Courier
-from diloco.run.events import EventLog
 from diloco.learner.local_state import LocalState, Saved
 from diloco.learner.publisher import Publisher
+from diloco.run import tensors as T
 from diloco.run.context import RunContext
+from diloco.run.events import EventLog
 from diloco.storage import (
     Manifest,
     NotFound,
@@ -33,6 +32,7 @@ from diloco.storage import (
 )
 from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
+from diloco.storage.records import LearnerStatus, write_record
 from diloco.training.data import Corpus, ShardSampler, shard_of
 from diloco.training.inner import InnerTrainer
 from diloco.training.model import build_model, get_flat_params, set_params
@@ -206,22 +206,23 @@ class Learner:
         self.ref = T.clone(params)
         self.base = manifest.version
 
-    def heartbeat(self, state: str = "training", force: bool = False, wait: bool = False, **extra: object) -> None:
+    def heartbeat(self, state: str = "training", force: bool = False, wait: bool = False, **phase: float) -> None:
         """Refresh learners/<me>/status.json (at most every HEARTBEAT_EVERY_S unless forced);
-        `extra` adds fields (the per-phase figures after a phase). Written by the courier thread unless
-        `wait`: the status is taken now, so a stuck training thread still goes silent."""
+        `phase` sets LearnerStatus fields (the per-phase figures after a phase). Written by the courier
+        thread unless `wait`: the status is taken now, so a stuck training thread still goes silent."""
         now = time.time()
         if not force and now - self._last_beat < HEARTBEAT_EVERY_S:
             return
         self._last_beat = now
-        status = {"learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.seq - 1,
-                  "base_version": self.base, "step": self.trainer.step, "cursor": self.sampler.cursor,
-                  "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published, **extra}
-        key, data = self.ctx.keys.status(self.name), json.dumps(status).encode()
+        status = LearnerStatus.model_validate({
+            "learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.seq - 1,
+            "base_version": self.base, "step": self.trainer.step, "cursor": self.sampler.cursor,
+            "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published, **phase})
+        key = self.ctx.keys.status(self.name)
 
         def write() -> None:
             try:
-                self.quick.put(key, data)
+                write_record(self.quick, key, status)
             except StorageError as err:
                 log.warning("heartbeat of %s failed: %s", self.name, err)
 

@@ -7,7 +7,6 @@ process of a run reads its config from run.json, so they cannot disagree.
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import time
 from dataclasses import dataclass
@@ -19,10 +18,9 @@ from diloco.configs import Config
 from diloco.run import tensors as T
 from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, manifest_exists, open_store
 from diloco.storage.keys import new_nonce
+from diloco.storage.records import RecordError, RunRecord, read_record, write_record
 from diloco.storage.store import Store
 from diloco.training.model import build_model, get_flat_params, model_fingerprint
-
-RUN_SCHEMA_VERSION = 1
 
 
 class RunError(ValueError):
@@ -48,17 +46,10 @@ def model_identity(cfg: Config, model: torch.nn.Module | None = None) -> str:
     return model_fingerprint(model, cfg.model)
 
 
-def _run_record(cfg: Config, run_id: str, fingerprint: str, learners: list[str]) -> dict:
-    return {
-        "schema_version": RUN_SCHEMA_VERSION,
-        "run_id": run_id,
-        "created_at": time.time(),
-        "created_by": socket.gethostname(),
-        "diloco_version": __version__,
-        "fingerprint": fingerprint,
-        "learners": learners,
-        "config": cfg.model_dump(mode="json"),
-    }
+def _run_record(cfg: Config, run_id: str, fingerprint: str, learners: list[str]) -> RunRecord:
+    return RunRecord(run_id=run_id, created_at=time.time(), created_by=socket.gethostname(),
+                     diloco_version=__version__, fingerprint=fingerprint, learners=learners,
+                     config=cfg.model_dump(mode="json"))
 
 
 def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | None = None) -> RunContext:
@@ -69,7 +60,7 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
     fingerprint = model_identity(cfg, model)
     record = _run_record(cfg, run_id, fingerprint, learners)
     try:
-        store.put_if_absent(keys.run_json(), json.dumps(record, indent=1).encode())
+        write_record(store, keys.run_json(), record, exclusive=True)
     except Conflict:
         ctx = open_run(store, run_id)
         if ctx.cfg.model_dump() != cfg.model_dump():
@@ -78,7 +69,7 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
                 "choose another --run-id or the same config"
             ) from None
         return ctx
-    ctx = RunContext(store, keys, cfg, fingerprint, learners, record["created_at"])
+    ctx = RunContext(store, keys, cfg, fingerprint, learners, record.created_at)
     _commit_version_zero(ctx, model)
     return ctx
 
@@ -105,13 +96,10 @@ def open_run(store: Store | str, run_id: str) -> RunContext:
         store = open_store(store)
     keys = RunKeys(run_id)
     try:
-        record = json.loads(store.get(keys.run_json()))
+        record = read_record(store, keys.run_json(), RunRecord)
     except NotFound:
         raise RunError(f"no run {run_id!r} in {store.url} (missing {keys.run_json()})") from None
-    except ValueError as err:
-        raise RunError(f"run {run_id!r}: run.json is not valid JSON: {err}") from None
-    if not isinstance(record, dict) or record.get("schema_version") != RUN_SCHEMA_VERSION:
-        raise RunError(f"run {run_id!r}: unsupported run.json schema {record.get('schema_version')!r}")
-    cfg = Config.model_validate(record["config"])
-    return RunContext(store, keys, cfg, record["fingerprint"], list(record["learners"]),
-                      float(record.get("created_at") or 0.0))
+    except RecordError as err:
+        raise RunError(f"run {run_id!r}: {err}") from None
+    cfg = Config.model_validate(record.config)
+    return RunContext(store, keys, cfg, record.fingerprint, list(record.learners), record.created_at)

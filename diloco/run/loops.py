@@ -1,4 +1,4 @@
-"""The long-running loops of a learner and of the evaluator, plus the stop signals they share.
+"""The long-running loops of a learner and of the evaluator, plus the signals they share (stop, removed).
 
 Contract: a loop ends by itself when the run is stopped (control/stop), when the target version
 is committed, or after its count; storage trouble is logged and ridden out, never fatal.
@@ -6,18 +6,25 @@ is committed, or after its count; storage trouble is logged and ridden out, neve
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 
 import torch
 
-from diloco.run import tensors as T
-from diloco.run.events import EventLog
 from diloco.learner.learner import Learner, PhaseStats
+from diloco.run import tensors as T
 from diloco.run.context import RunContext
+from diloco.run.events import EventLog
 from diloco.storage import NotFound, StorageError, latest_version, read_manifest
+from diloco.storage.records import (
+    EvalRecord,
+    RecordError,
+    RemovedMark,
+    StopRequest,
+    read_record,
+    write_record,
+)
 from diloco.training.data import Corpus, eval_batches
 from diloco.training.inner import evaluate
 from diloco.training.model import build_model, set_params
@@ -52,7 +59,31 @@ class StopSignal:
 
 
 def request_stop(ctx: RunContext, reason: str) -> None:
-    ctx.store.put(ctx.keys.stop(), json.dumps({"reason": reason, "t": time.time()}).encode())
+    """Ask every role of the run to end (control/stop)."""
+    write_record(ctx.store, ctx.keys.stop(), StopRequest(reason=reason, t=time.time()))
+
+
+def request_remove(ctx: RunContext, learner: str, reason: str = "operator") -> None:
+    """Mark a learner removed (control/removed-<learner>): it ends after the current phase and is never
+    restarted or re-submitted."""
+    write_record(ctx.store, ctx.keys.removed(learner), RemovedMark(reason=reason, t=time.time()))
+
+
+class RemovedSignal:
+    """True once control/removed-<learner> exists; checked at most every `every_s`."""
+
+    def __init__(self, ctx: RunContext, learner: str, every_s: float = 1.0) -> None:
+        self.key, self.ctx, self.every_s = ctx.keys.removed(learner), ctx, every_s
+        self._last, self._removed = 0.0, False
+
+    def __call__(self) -> bool:
+        if not self._removed and time.time() - self._last >= self.every_s:
+            self._last = time.time()
+            try:
+                self._removed = self.ctx.store.exists(self.key)
+            except StorageError:
+                return False
+        return self._removed
 
 
 def write_status(learner: Learner, stats: PhaseStats, state: str) -> None:
@@ -140,11 +171,11 @@ class Evaluator:
                                    checksum=manifest.params_checksum)
         set_params(self.model, params)
         loss = evaluate(self.model, self.batches)
-        record = {"version": version, "loss": loss, "bits_per_byte": loss / 0.6931471805599453,
-                  "tokens_total": manifest.tokens_total, "t": time.time(), "committed_at": manifest.created_at}
-        self.ctx.store.put(self.ctx.keys.eval(version), json.dumps(record).encode())
+        record = EvalRecord(version=version, loss=loss, bits_per_byte=loss / 0.6931471805599453,
+                            tokens_total=manifest.tokens_total, t=time.time(), committed_at=manifest.created_at)
+        write_record(self.ctx.store, self.ctx.keys.eval(version), record)
         self.done.add(version)
-        return record
+        return record.model_dump()
 
     def due(self, latest: int, final: bool = False) -> int | None:
         """The version to evaluate next: 0 first, then the newest on the cadence, the last at the end."""
@@ -167,13 +198,14 @@ class Evaluator:
 
 
 def read_evals(ctx: RunContext) -> list[dict]:
+    """Every readable eval record of the run (EvalRecord fields), by version; unreadable ones are skipped."""
     out = []
     for key in ctx.store.list(ctx.keys.evals_prefix()):
         try:
-            out.append(json.loads(ctx.store.get(key)))
-        except (StorageError, ValueError):
+            out.append(read_record(ctx.store, key, EvalRecord))
+        except (StorageError, RecordError):
             continue
-    return sorted(out, key=lambda r: r.get("version", -1))
+    return [r.model_dump() for r in sorted(out, key=lambda r: r.version)]
 
 
 def run_evaluator(evaluator: Evaluator, *, should_stop: Callable[[], bool], poll_s: float = 0.5,

@@ -133,6 +133,10 @@ class RunKeys:
     def stop(self) -> str:
         return self.control("stop")
 
+    def removed(self, learner: str) -> str:
+        """The mark of a learner an operator removed for good."""
+        return self.control(f"removed-{validate_learner_name(learner)}")
+
     def control(self, name: str) -> str:
         return f"{self.run_id}/control/{validate_name(name, 'control name')}"
 

@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from diloco.run.events import EventLog
-from diloco.run.loops import StopSignal, request_stop
+from diloco.run.loops import RemovedSignal, StopSignal, request_remove, request_stop  # the first two moved there
 from diloco.run.context import RunContext
 from diloco.storage import NotFound, StorageError, latest_version
-from diloco.storage.keys import validate_learner_name
 
 if TYPE_CHECKING:
     from uuid import UUID
@@ -34,33 +33,6 @@ LEARNER_DEPLOYMENTS = ("learner/learner-us-east", "learner/learner-eu-west")  # 
 MERGER_DEPLOYMENT = "outer-merge/outer-merge"
 EVALUATOR_DEPLOYMENT = "evaluate/evaluate"
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "CRASHED"})
-
-
-# ---- operator removal: control/removed-<learner> ----------------------------------------------
-def removed_key(ctx: RunContext, learner: str) -> str:
-    return ctx.keys.control(f"removed-{validate_learner_name(learner)}")
-
-
-def request_remove(ctx: RunContext, learner: str, reason: str = "operator") -> None:
-    """Mark a learner removed: its flow ends after the current phase and is never re-submitted."""
-    ctx.store.put(removed_key(ctx, learner), json.dumps({"reason": reason, "t": time.time()}).encode())
-
-
-class RemovedSignal:
-    """True once control/removed-<learner> exists; checked at most every `every_s`."""
-
-    def __init__(self, ctx: RunContext, learner: str, every_s: float = 1.0) -> None:
-        self.key, self.ctx, self.every_s = removed_key(ctx, learner), ctx, every_s
-        self._last, self._removed = 0.0, False
-
-    def __call__(self) -> bool:
-        if not self._removed and time.time() - self._last >= self.every_s:
-            self._last = time.time()
-            try:
-                self._removed = self.ctx.store.exists(self.key)
-            except StorageError:
-                return False
-        return self._removed
 
 
 def remove_learner(
