@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.run import tensors as T
 from diloco.merger.step import GradientStream, LearnerGroup, OuterState, outer_step
+from diloco.run import tensors as T
 from diloco.run.context import RunContext
-from diloco.storage import Manifest, StorageError, read_manifest
+from diloco.storage import Manifest, StorageError, list_versions, read_manifest
 from diloco.storage.codec import CodecError, object_checksum
-from diloco.storage.keys import parse_delta_key, parse_manifest_key
+from diloco.storage.keys import parse_delta_key
 
 
 @dataclass
@@ -52,8 +52,7 @@ def _check_object(ctx: RunContext, key: str, checksum: str, what: str, report: A
 
 
 def load_chain(ctx: RunContext, report: AuditReport) -> list[Manifest]:
-    versions = sorted(v for v in (parse_manifest_key(k) for k in ctx.store.list(ctx.keys.versions_prefix()))
-                      if v is not None)
+    versions = list_versions(ctx.store, ctx.keys)
     if versions != list(range(len(versions))):
         report.problem(f"manifest chain is not contiguous from 0: {versions[:20]}")
     chain = []

@@ -13,8 +13,7 @@ import torch
 from diloco.run import tensors as T
 from diloco.run.context import RunContext
 from diloco.run.loops import read_evals
-from diloco.storage import StorageError, latest_version, read_manifest
-from diloco.storage.keys import parse_manifest_key
+from diloco.storage import Manifest, StorageError, latest_version, list_versions, read_manifest
 from diloco.storage.records import LearnerStatus, RecordError, read_record
 from diloco.training.model import build_model, set_params
 
@@ -37,10 +36,9 @@ def learner_status(ctx: RunContext) -> list[dict]:
     return rows
 
 
-def manifests(ctx: RunContext) -> list:
-    versions = sorted(v for v in (parse_manifest_key(k) for k in ctx.store.list(ctx.keys.versions_prefix()))
-                      if v is not None)
-    return [read_manifest(ctx.store, ctx.keys, v) for v in versions]
+def manifests(ctx: RunContext) -> list[Manifest]:
+    """Every committed manifest of the run, by version."""
+    return [read_manifest(ctx.store, ctx.keys, v) for v in list_versions(ctx.store, ctx.keys)]
 
 
 def num_params(ctx: RunContext) -> int:

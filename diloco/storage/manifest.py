@@ -121,11 +121,16 @@ def read_manifest(store: Store, keys: RunKeys, version: int) -> Manifest:
     return manifest
 
 
+def list_versions(store: Store, keys: RunKeys) -> list[int]:
+    """Every committed version, sorted, from one fresh listing (never cached); other keys are ignored."""
+    versions = (parse_manifest_key(key) for key in store.list(keys.versions_prefix()))
+    return sorted(v for v in versions if v is not None)
+
+
 def latest_version(store: Store, keys: RunKeys) -> int | None:
     """The highest committed version (a fresh listing, never cached), or None before version 0."""
-    versions = [parse_manifest_key(key) for key in store.list(keys.versions_prefix())]
-    found = [v for v in versions if v is not None]
-    return max(found) if found else None
+    versions = list_versions(store, keys)
+    return versions[-1] if versions else None
 
 
 def read_latest(store: Store, keys: RunKeys) -> Manifest | None:

@@ -34,6 +34,7 @@ from diloco.storage import (
     TransientError,
     commit,
     latest_version,
+    list_versions,
     manifest_exists,
     open_store,
     read_json,
@@ -207,6 +208,7 @@ def _manifest(run_id: str, version: int, merger_id: str = "m0") -> Manifest:
 def test_commit_protocol(store_url: str, connect: Connect) -> None:
     store, keys = connect(store_url), RunKeys("run-1")
     assert latest_version(store, keys) is None and read_latest(store, keys) is None
+    assert list_versions(store, keys) == []
     assert not manifest_exists(store, keys, 0)
     for version in range(3):
         commit(store, keys, _manifest("run-1", version))
@@ -214,6 +216,7 @@ def test_commit_protocol(store_url: str, connect: Connect) -> None:
         commit(store, keys, _manifest("run-1", 2, merger_id="late"))
     store.put(keys.versions_prefix() + "garbage.txt", b"not a manifest")
     assert latest_version(store, keys) == 2
+    assert list_versions(store, keys) == [0, 1, 2]  # sorted; the garbage key is not a version
     assert read_latest(store, keys) == _manifest("run-1", 2)
     assert read_manifest(store, keys, 1) == _manifest("run-1", 1)
     assert manifest_exists(store, keys, 2) and not manifest_exists(store, keys, 3)
