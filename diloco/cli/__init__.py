@@ -60,12 +60,12 @@ def user_errors():
     from diloco.configs import ConfigError
     from diloco.run.context import RunError
     from diloco.storage import StorageError
-    from diloco.storage.keys import KeyError_
+    from diloco.storage.keys import InvalidName
     from diloco.training.data import DataError
 
     try:
         yield
-    except (ConfigError, RunError, KeyError_, DataError) as err:
+    except (ConfigError, RunError, InvalidName, DataError) as err:
         _fail(str(err))
     except StorageError as err:
         _fail(f"storage: {type(err).__name__}: {err}")

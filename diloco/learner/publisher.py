@@ -34,7 +34,6 @@ class Publisher:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
-        self.published: list[int] = []
         self.bytes_published = 0
         self.fenced = threading.Event()  # another process published one of our seqs: we must stop
 
@@ -87,7 +86,6 @@ class Publisher:
             key, data, seq, checkpoint, counted = item
             try:
                 if self._put_with_retry(key, data, exclusive=True):
-                    self.published.append(seq)
                     self.bytes_published += len(data)
                     self.events.emit("published", key=key, seq=seq, bytes=len(data))
                     if self.on_landed is not None:

@@ -13,7 +13,7 @@ from diloco.storage.errors import (
     TransientError,
 )
 from diloco.storage.keys import (
-    KeyError_,
+    InvalidName,
     RunKeys,
     new_nonce,
     parse_delta_key,
@@ -29,10 +29,8 @@ from diloco.storage.manifest import (
     latest_version,
     list_versions,
     manifest_exists,
-    read_json,
     read_latest,
     read_manifest,
-    write_json,
 )
 from diloco.storage.store import ObjectStore, Store, open_store
 
@@ -40,7 +38,7 @@ __all__ = [
     "BadRequest",
     "Conflict",
     "DeltaDecision",
-    "KeyError_",
+    "InvalidName",
     "Manifest",
     "ManifestError",
     "NotFound",
@@ -58,10 +56,8 @@ __all__ = [
     "open_store",
     "parse_delta_key",
     "parse_manifest_key",
-    "read_json",
     "read_latest",
     "read_manifest",
     "validate_learner_name",
     "validate_run_id",
-    "write_json",
 ]

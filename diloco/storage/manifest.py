@@ -20,7 +20,7 @@ KNOWN_SCHEMA_VERSIONS = (1,)
 
 
 class ManifestError(ValueError):
-    """A manifest (or another JSON record of the run) is malformed or has an unknown schema_version."""
+    """A manifest is malformed or has an unknown schema_version (the other records: storage.records)."""
 
 
 class DeltaDecision(BaseModel):
@@ -143,16 +143,3 @@ def manifest_exists(store: Store, keys: RunKeys, version: int) -> bool:
     """The cheap probe a learner uses for 'is version v committed yet?' (one HEAD request)."""
     return store.exists(keys.manifest(version))
 
-
-def write_json(store: Store, key: str, obj: Any, *, exclusive: bool = False) -> None:
-    """Store a JSON document (run.json, status.json, evals); exclusive=True means put_if_absent."""
-    data = json.dumps(obj, sort_keys=True, indent=1).encode()
-    if exclusive:
-        store.put_if_absent(key, data)
-    else:
-        store.put(key, data)
-
-
-def read_json(store: Store, key: str) -> Any:
-    """A stored JSON document. NotFound if absent; ManifestError if it is not valid JSON."""
-    return _loads(store.get(key), repr(key))

@@ -37,12 +37,11 @@ from diloco.storage import (
     list_versions,
     manifest_exists,
     open_store,
-    read_json,
     read_latest,
     read_manifest,
-    write_json,
 )
 from diloco.storage.errors import backoff_s, call_with_retries, translate_error
+from diloco.storage.records import RecordError, StopRequest, read_record, write_record
 
 BAD_KEYS = ["", "/abs", "a//b", "a/", "../x", "a/../b", "a/./b", ".", "..", "a\\b", "a\nb", "a\x00b",
             "x/.diloco-tmp-123", "k" * 1025]
@@ -189,15 +188,16 @@ def test_bad_keys_are_rejected_before_any_io(store_url: str, connect: Connect) -
     assert store.list("") == []
 
 
-def test_json_helpers_roundtrip(store_url: str, connect: Connect) -> None:
+def test_record_helpers_roundtrip(store_url: str, connect: Connect) -> None:
     store = connect(store_url)
-    write_json(store, "r/run.json", {"b": 1, "a": [1, 2]}, exclusive=True)
-    assert read_json(store, "r/run.json") == {"a": [1, 2], "b": 1}
+    record = StopRequest(reason="done", t=1.5)
+    write_record(store, "r/control/stop", record, exclusive=True)
+    assert read_record(store, "r/control/stop", StopRequest) == record
     with pytest.raises(Conflict):
-        write_json(store, "r/run.json", {"other": True}, exclusive=True)
+        write_record(store, "r/control/stop", StopRequest(reason="other", t=2.0), exclusive=True)
     store.put("r/broken.json", b"{not json")
-    with pytest.raises(ManifestError):
-        read_json(store, "r/broken.json")
+    with pytest.raises(RecordError):
+        read_record(store, "r/broken.json", StopRequest)
 
 
 def _manifest(run_id: str, version: int, merger_id: str = "m0") -> Manifest:
