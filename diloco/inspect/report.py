@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from diloco.run import tensors as T
 from diloco.run.context import RunContext
 from diloco.run.loops import read_evals
+from diloco.run.objects import read_tensors
 from diloco.storage import Manifest, StorageError, latest_version, list_versions, read_manifest
 from diloco.storage.records import LearnerStatus, RecordError, read_record
 from diloco.training.model import build_model, set_params
@@ -82,7 +82,7 @@ def summarize(ctx: RunContext) -> dict:
 def sample_text(ctx: RunContext, prompt: str = "ROMEO:\n", num_bytes: int = 240, seed: int = 0) -> str:
     version = latest_version(ctx.store, ctx.keys) or 0
     m = read_manifest(ctx.store, ctx.keys, version)
-    _, params = T.read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)
+    _, params = read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)
     model = build_model(ctx.cfg.model, seed=ctx.cfg.data.seed)
     set_params(model, params)
     model.eval()

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.run import tensors as T
-from diloco.run.events import EventLog
 from diloco.merger.step import (
     DeltaInvalid,
     GradientStream,
@@ -26,6 +24,8 @@ from diloco.merger.step import (
     validate_delta,
 )
 from diloco.run.context import RunContext
+from diloco.run.events import EventLog
+from diloco.run.objects import decode_tensors, read_tensors, write_tensors
 from diloco.storage import (
     Conflict,
     DeltaDecision,
@@ -72,10 +72,10 @@ class Merger:
         manifest = read_latest(self.ctx.store, self.ctx.keys)
         if manifest is None:
             raise RuntimeError(f"run {self.ctx.run_id} has no version 0")
-        _, params = T.read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+        _, params = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                    checksum=manifest.params_checksum)
         if manifest.outer_key:
-            header, raw = T.read_tensors(self.ctx.store, manifest.outer_key, fingerprint=self.ctx.fingerprint,
+            header, raw = read_tensors(self.ctx.store, manifest.outer_key, fingerprint=self.ctx.fingerprint,
                                          checksum=manifest.outer_checksum)
             self.outer = OuterState.from_tensors(raw, params)
             self.ema.update({k: float(v) for k, v in header.meta.get("ema", {}).items() if k in self.ema})
@@ -193,7 +193,7 @@ class Merger:
                 raise DeltaInvalid(f"oversized: {size} bytes > max_delta_bytes {self.cfg.merger.max_delta_bytes}")
             data = self.ctx.store.get(key)
             base.bytes, base.checksum = len(data), object_checksum(data)
-            header, delta = T.decode_tensors(data, fingerprint=self.ctx.fingerprint,
+            header, delta = decode_tensors(data, fingerprint=self.ctx.fingerprint,
                                              max_bytes=self.cfg.merger.max_delta_bytes)
             staleness = validate_delta(header, delta, learner=learner, seq=seq, version=self.version,
                                        params=self.params, cfg=self.cfg)
@@ -216,11 +216,11 @@ class Merger:
         self.stage_hook("writing")
         params_key, update_key, outer_key = keys.params(version, nonce), keys.update(version, nonce), keys.outer(version, nonce)
         store.put(update_key, result.update_bytes)
-        _, params_sum = T.write_tensors(store, params_key, result.params, kind="params",
+        _, params_sum = write_tensors(store, params_key, result.params, kind="params",
                                         fingerprint=self.ctx.fingerprint)
         merge_s = time.time() - t0
         ema = self._next_ema(phase_times, quorum_wait, merge_s)
-        _, outer_sum = T.write_tensors(store, outer_key, result.outer.to_tensors(), kind="outer",
+        _, outer_sum = write_tensors(store, outer_key, result.outer.to_tensors(), kind="outer",
                                        fingerprint=self.ctx.fingerprint, meta={"ema": ema})
         self.stage_hook("before_manifest")
         cursors = dict(self.manifest.cursors)

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.configs import Config
-from diloco.run import tensors as T
+from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.storage.codec import CodecError, Header
 from diloco.training.merge import Combiner, delta_weight
 from diloco.training.model import EMBEDDING_PARAMS
 from diloco.training.outer import nesterov_step
+from diloco.training.tensors import Tensors, add_, all_finite, clone, same_layout
 
 
 class DeltaInvalid(ValueError):
@@ -32,9 +33,9 @@ class LearnerGroup:
     tokens: int = 0
     steps: int = 0
     min_base: int = 1 << 62
-    total: T.Tensors | None = None
+    total: Tensors | None = None
 
-    def add(self, seq: int, header: Header, delta: T.Tensors) -> None:
+    def add(self, seq: int, header: Header, delta: Tensors) -> None:
         meta = header.meta
         self.seqs.append(seq)
         self.tokens += int(meta["tokens"])
@@ -43,15 +44,15 @@ class LearnerGroup:
         if self.total is None:
             self.total = delta
         else:
-            T.add_(self.total, delta)
+            add_(self.total, delta)
 
     def weight(self, version: int, cfg: Config) -> float:
         staleness = max(0, version - self.min_base)
         return delta_weight(self.tokens, self.steps, staleness, cfg.outer.staleness_power)
 
 
-def validate_delta(header: Header, delta: T.Tensors, *, learner: str, seq: int, version: int,
-                   params: T.Tensors, cfg: Config) -> int:
+def validate_delta(header: Header, delta: Tensors, *, learner: str, seq: int, version: int,
+                   params: Tensors, cfg: Config) -> int:
     """Check one decoded delta against its key, the current version and the model; returns staleness."""
     meta = header.meta
     if header.kind != "delta":
@@ -70,30 +71,30 @@ def validate_delta(header: Header, delta: T.Tensors, *, learner: str, seq: int, 
     staleness = version - base
     if staleness > cfg.outer.max_staleness:
         raise DeltaInvalid(f"stale: staleness {staleness} > max_staleness {cfg.outer.max_staleness}")
-    if not T.same_layout(delta, params):
+    if not same_layout(delta, params):
         raise DeltaInvalid("tensor names or shapes do not match the model")
-    if not T.all_finite(delta):
+    if not all_finite(delta):
         raise DeltaInvalid("non-finite values (NaN or Inf)")
     return staleness
 
 
 @dataclass
 class OuterState:
-    momentum: T.Tensors
-    residual: T.Tensors
+    momentum: Tensors
+    residual: Tensors
 
     @classmethod
-    def zeros_like(cls, params: T.Tensors) -> OuterState:
+    def zeros_like(cls, params: Tensors) -> OuterState:
         return cls({k: torch.zeros_like(v) for k, v in params.items()},
                    {k: torch.zeros_like(v) for k, v in params.items()})
 
-    def to_tensors(self) -> T.Tensors:
+    def to_tensors(self) -> Tensors:
         out = {f"momentum/{k}": v for k, v in self.momentum.items()}
         out.update({f"residual/{k}": v for k, v in self.residual.items()})
         return out
 
     @classmethod
-    def from_tensors(cls, tensors: T.Tensors, params: T.Tensors) -> OuterState:
+    def from_tensors(cls, tensors: Tensors, params: Tensors) -> OuterState:
         try:
             return cls({k: tensors[f"momentum/{k}"] for k in params}, {k: tensors[f"residual/{k}"] for k in params})
         except KeyError as err:
@@ -103,7 +104,7 @@ class OuterState:
 @dataclass
 class StepResult:
     update_bytes: bytes
-    params: T.Tensors  # the new global: old params + dequantize(update)
+    params: Tensors  # the new global: old params + dequantize(update)
     outer: OuterState
     weights: dict[str, float]  # learner -> normalised weight
     update_norm: float
@@ -114,7 +115,7 @@ class GradientStream:
     """Fold learner groups into the combined pseudo-gradient one at a time (memory: one
     accumulator, whatever the number of learners); then `finish` scales it by the round share."""
 
-    def __init__(self, params: T.Tensors, version: int, cfg: Config, num_learners: int) -> None:
+    def __init__(self, params: Tensors, version: int, cfg: Config, num_learners: int) -> None:
         self.version, self.cfg, self.num_learners = version, cfg, num_learners
         direct = tuple(k for k in params if k in EMBEDDING_PARAMS)  # the paper averages embeddings directly
         self.combiner = Combiner(cfg.outer.merge_rule, direct=direct)
@@ -140,7 +141,7 @@ class GradientStream:
         """rounds(), capped at 1: the scale of a partial merge's pseudo-gradient."""
         return min(1.0, self.rounds())
 
-    def finish(self) -> tuple[T.Tensors | None, dict[str, float], float]:
+    def finish(self) -> tuple[Tensors | None, dict[str, float], float]:
         total_w = sum(self.weights.values())
         normalised = {k: (w / total_w if total_w > 0 else 0.0) for k, w in self.weights.items()}
         scale = self.round_share()
@@ -152,7 +153,7 @@ class GradientStream:
         return grad, normalised, scale
 
 
-def outer_step(params: T.Tensors, outer: OuterState, stream: GradientStream, fingerprint: str) -> StepResult:
+def outer_step(params: Tensors, outer: OuterState, stream: GradientStream, fingerprint: str) -> StepResult:
     """Nesterov step on the streamed pseudo-gradient, then quantize the update (error feedback)."""
     grad, normalised, scale = stream.finish()
     cfg = stream.cfg
@@ -174,11 +175,11 @@ def outer_step(params: T.Tensors, outer: OuterState, stream: GradientStream, fin
         momentum = outer.momentum
         exact = {k: outer.residual[k].clone() for k in params}
     version = stream.version
-    update_bytes = T.encode_tensors(exact, codec_name=cfg.outer.update_codec, kind="update",
+    update_bytes = encode_tensors(exact, codec_name=cfg.outer.update_codec, kind="update",
                                     fingerprint=fingerprint, meta={"version": version + 1})
-    _, shipped = T.decode_tensors(update_bytes)
+    _, shipped = decode_tensors(update_bytes)
     residual = {k: exact[k] - shipped[k] for k in params}
-    new_global = T.clone(params)
-    T.add_(new_global, shipped)
+    new_global = clone(params)
+    add_(new_global, shipped)
     norm = float(torch.sqrt(sum((v.double() ** 2).sum() for v in shipped.values())))
     return StepResult(update_bytes, new_global, OuterState(momentum, residual), normalised, norm, scale)

@@ -15,7 +15,7 @@ import torch
 
 from diloco import __version__
 from diloco.configs import Config
-from diloco.run import tensors as T
+from diloco.run.objects import write_tensors
 from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, manifest_exists, open_store
 from diloco.storage.keys import new_nonce
 from diloco.storage.records import RecordError, RunRecord, read_record, write_record
@@ -79,7 +79,7 @@ def _commit_version_zero(ctx: RunContext, model: torch.nn.Module) -> None:
         return
     nonce = new_nonce()
     key = ctx.keys.params(0, nonce)
-    _, checksum = T.write_tensors(
+    _, checksum = write_tensors(
         ctx.store, key, get_flat_params(model), kind="params", fingerprint=ctx.fingerprint
     )
     manifest = Manifest(

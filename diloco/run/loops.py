@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 
 from diloco.learner.learner import Learner, PhaseStats
-from diloco.run import tensors as T
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
+from diloco.run.objects import read_tensors
 from diloco.storage import NotFound, StorageError, latest_version, read_manifest
 from diloco.storage.records import (
     EvalRecord,
@@ -167,7 +167,7 @@ class Evaluator:
 
     def evaluate_version(self, version: int) -> dict:
         manifest = read_manifest(self.ctx.store, self.ctx.keys, version)
-        _, params = T.read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+        _, params = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                    checksum=manifest.params_checksum)
         set_params(self.model, params)
         loss = evaluate(self.model, self.batches)
