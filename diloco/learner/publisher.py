@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable
 
 from diloco.run.events import EventLog
 from diloco.storage import Conflict, StorageError
+from diloco.storage.errors import Backoff
 from diloco.storage.store import Store
 
 log = logging.getLogger("diloco.publisher")
 MAX_PENDING = 2  # deltas in flight before the learner stalls: overlap one phase, never pile up
+FIRST_BACKOFF_S = 0.1  # the first wait before an upload is retried; doubled up to max_backoff_s, jittered
 
 
 class Publisher:
@@ -107,7 +108,7 @@ class Publisher:
 
     def _put_with_retry(self, key: str, data: bytes, attempts: int | None = None,
                         exclusive: bool = False) -> bool:
-        delay, n = 0.1, 0
+        backoff, n = Backoff(FIRST_BACKOFF_S, self.max_backoff_s, jitter=True), 0
         while not self._closing.is_set() and not self.fenced.is_set():
             try:
                 if exclusive:
@@ -127,8 +128,8 @@ class Publisher:
                 if attempts is not None and n >= attempts:
                     log.warning("giving up on %s after %d attempts: %s", key, n, err)
                     return False
-                log.warning("upload of %s failed (%s); retrying in %.1fs", key, err, delay)
+                wait_s = backoff.next_s()
+                log.warning("upload of %s failed (%s); retrying in %.1fs", key, err, wait_s)
                 self.events.emit("publish_retry", key=key, reason=str(err))
-                time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, self.max_backoff_s)
+                time.sleep(wait_s)
         return False

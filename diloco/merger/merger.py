@@ -37,10 +37,12 @@ from diloco.storage import (
     read_latest,
 )
 from diloco.storage.codec import CodecError, object_checksum
+from diloco.storage.errors import Backoff
 from diloco.storage.keys import new_nonce, parse_delta_key
 
 log = logging.getLogger("diloco.merger")
 EMA = 0.3  # weight of the newest observation in the grace-window moving averages
+STORAGE_BACKOFF_S = (0.5, 10.0)  # first wait, cap (doubled per failed merge) while the bucket is in trouble
 
 
 @dataclass
@@ -267,7 +269,7 @@ def run_merger(merger: Merger, *, max_merges: int | None = None, target_version:
     """Merge until stopped, the target version is committed, or max_merges merges were made.
     `merge` is the unit a Prefect flow wraps as a task (default: Merger.merge_once)."""
     merge = merge or (lambda m, stop: m.merge_once(stop))
-    merges, backoff = 0, 0.5
+    merges, backoff = 0, Backoff(*STORAGE_BACKOFF_S)
     merger.load()
     while not should_stop():
         if target_version is not None and merger.version >= target_version:
@@ -276,12 +278,12 @@ def run_merger(merger: Merger, *, max_merges: int | None = None, target_version:
             break
         try:
             manifest = merge(merger, should_stop)
-            backoff = 0.5
+            backoff.reset()
         except StorageError as err:
-            log.warning("merge failed on storage (%s); retrying in %.1fs", err, backoff)
+            wait_s = backoff.next_s()
+            log.warning("merge failed on storage (%s); retrying in %.1fs", err, wait_s)
             merger.events.emit("storage_error", reason=str(err))
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+            time.sleep(wait_s)
             with contextlib.suppress(StorageError):
                 merger.load()
             continue
