@@ -12,8 +12,8 @@ import signal
 
 from diloco.chaos.control import ChaosControl, claim, read_control
 from diloco.chaos.faulty_store import FaultyStore
-from diloco.run.events import EventLog
 from diloco.run.context import RunContext
+from diloco.run.events import EventLog
 from diloco.storage import StorageError
 from diloco.storage.store import Store
 
