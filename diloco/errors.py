@@ -9,10 +9,10 @@ from __future__ import annotations
 from diloco.configs import ConfigError
 from diloco.run.context import RunError
 from diloco.storage import StorageError
-from diloco.storage.keys import KeyError_
+from diloco.storage.keys import InvalidName
 from diloco.training.data import DataError
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, RunError, KeyError_, DataError, StorageError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, RunError, InvalidName, DataError, StorageError)
 
 
 def describe(err: BaseException) -> str:

@@ -1,15 +1,17 @@
 """A store wrapper that counts the bytes one process actually writes and reads, by object kind.
 
-Contract: behaves exactly like the wrapped ObjectStore; counts only successful get/put calls.
+Contract: behaves exactly like the wrapped store; counts only successful get/put calls, in every
+view of it (with_retries shares the counters).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass, field
 
-from diloco.storage.store import ObjectStore
+from diloco.storage.store import Store
+from diloco.storage.wrapper import WrapperStore
 
 
 def object_kind(key: str) -> str:
@@ -24,35 +26,51 @@ def object_kind(key: str) -> str:
     return "other"
 
 
-class CountingStore:
-    """Delegates to an ObjectStore; `sent[kind]` / `received[kind]` hold bytes put / got."""
+@dataclass
+class Traffic:
+    """Bytes put (`sent`) and got (`received`) by object kind; shared by every view of one CountingStore."""
 
-    def __init__(self, inner: ObjectStore) -> None:
-        self._inner = inner
-        self._lock = threading.Lock()  # the publisher thread puts while the learner gets
-        self.sent: Counter[str] = Counter()
-        self.received: Counter[str] = Counter()
+    sent: Counter[str] = field(default_factory=Counter)
+    received: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the publisher thread puts while the learner gets
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+
+class CountingStore(WrapperStore):
+    """Forwards to `inner`; `sent[kind]` / `received[kind]` hold bytes put / got. `shared`: the counters
+    of another view (what with_retries passes)."""
+
+    def __init__(self, inner: Store, *, shared: Traffic | None = None) -> None:
+        super().__init__(inner)
+        self.traffic = shared or Traffic()
+
+    def _over(self, inner: Store) -> CountingStore:
+        return CountingStore(inner, shared=self.traffic)
+
+    @property
+    def sent(self) -> Counter[str]:
+        return self.traffic.sent
+
+    @property
+    def received(self) -> Counter[str]:
+        return self.traffic.received
 
     def reset(self) -> None:
-        with self._lock:
-            self.sent.clear()
-            self.received.clear()
+        with self.traffic.lock:
+            self.traffic.sent.clear()
+            self.traffic.received.clear()
 
     def get(self, key: str) -> bytes:
-        data = self._inner.get(key)
-        with self._lock:
-            self.received[object_kind(key)] += len(data)
+        data = self.inner.get(key)
+        with self.traffic.lock:
+            self.traffic.received[object_kind(key)] += len(data)
         return data
 
     def put(self, key: str, data: bytes) -> None:
-        self._inner.put(key, data)
-        with self._lock:
-            self.sent[object_kind(key)] += len(data)
+        self.inner.put(key, data)
+        with self.traffic.lock:
+            self.traffic.sent[object_kind(key)] += len(data)
 
     def put_if_absent(self, key: str, data: bytes) -> None:
-        self._inner.put_if_absent(key, data)
-        with self._lock:
-            self.sent[object_kind(key)] += len(data)
+        self.inner.put_if_absent(key, data)
+        with self.traffic.lock:
+            self.traffic.sent[object_kind(key)] += len(data)

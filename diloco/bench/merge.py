@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco.configs import Config, ConfigError, load_config
-from diloco.run import tensors as T
 from diloco.run.context import create_run, open_run
+from diloco.run.objects import encode_tensors, read_tensors
 from diloco.storage import open_store, read_latest
 
 SIZES = {  # model overrides; "bench" is the recipe's own model
@@ -35,14 +35,14 @@ DEFAULT_LEARNERS = "2,4,8,16,32,64"
 def _publish_fake_deltas(cfg: Config, storage: str, run_id: str) -> int:
     """Version 0 plus one Gaussian delta per learner (the learner codec); returns the delta size."""
     ctx = create_run(open_store(storage), run_id, cfg)
-    _, params = T.read_tensors(ctx.store, read_latest(ctx.store, ctx.keys).params_key)
+    _, params = read_tensors(ctx.store, read_latest(ctx.store, ctx.keys).params_key)
     gen = torch.Generator().manual_seed(0)
     size = 0
     for i, name in enumerate(ctx.learners):
         delta = {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in params.items()}
         meta = {"learner": name, "seq": 0, "base_version": 0, "tokens": 1024 * (i + 1), "steps": 50,
                 "phase_time_s": 1.0, "train_loss": 2.0, "created_at": 0.0}
-        data = T.encode_tensors(delta, codec_name=cfg.learner.codec, kind="delta", fingerprint=ctx.fingerprint,
+        data = encode_tensors(delta, codec_name=cfg.learner.codec, kind="delta", fingerprint=ctx.fingerprint,
                                 meta=meta)
         ctx.store.put_if_absent(ctx.keys.delta(name, 0), data)
         size = len(data)

@@ -12,7 +12,7 @@ import time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from diloco.storage import Conflict, NotFound, RunKeys, StorageError
-from diloco.storage.store import ObjectStore
+from diloco.storage.store import Store
 
 CONTROL_NAME = "chaos.json"
 
@@ -58,11 +58,11 @@ def done_key(keys: RunKeys, fault_id: str) -> str:
     return keys.control(f"chaos-done-{fault_id}")
 
 
-def write_control(store: ObjectStore, keys: RunKeys, control: ChaosControl) -> None:
+def write_control(store: Store, keys: RunKeys, control: ChaosControl) -> None:
     store.put(control_key(keys), control.model_dump_json(indent=1).encode())
 
 
-def read_control(store: ObjectStore, keys: RunKeys) -> ChaosControl | None:
+def read_control(store: Store, keys: RunKeys) -> ChaosControl | None:
     """The run's chaos control, or None when the run has none (or it is unreadable right now)."""
     try:
         data = store.get(control_key(keys))
@@ -74,7 +74,7 @@ def read_control(store: ObjectStore, keys: RunKeys) -> ChaosControl | None:
         return None
 
 
-def claim(store: ObjectStore, keys: RunKeys, fault_id: str) -> bool:
+def claim(store: Store, keys: RunKeys, fault_id: str) -> bool:
     """Exclusive create of the done marker: True for exactly one caller, ever."""
     try:
         store.put_if_absent(done_key(keys, fault_id), json.dumps({"t": time.time()}).encode())

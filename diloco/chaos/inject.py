@@ -12,10 +12,11 @@ import time
 import numpy as np
 import torch
 
-from diloco.run import tensors as T
 from diloco.run.context import RunContext
+from diloco.run.objects import encode_tensors
 from diloco.storage.keys import parse_delta_key
 from diloco.training.model import build_model, get_flat_params
+from diloco.training.tensors import Tensors, clone
 
 MAX_OVERSIZED_BYTES = 64 << 20  # above this max_delta_bytes, "oversized" is a wrong-layout delta instead
 
@@ -34,10 +35,10 @@ class Injector:
             self.next_seq[learner] = max([p[1] for p in listed if p] + [-1]) + 1
         return self.next_seq[learner]
 
-    def encode(self, learner: str, seq: int, base: int, tensors: T.Tensors | None = None) -> bytes:
+    def encode(self, learner: str, seq: int, base: int, tensors: Tensors | None = None) -> bytes:
         meta = {"learner": learner, "seq": seq, "base_version": base, "tokens": 1, "steps": 1,
                 "phase_time_s": 0.0, "train_loss": 0.0, "created_at": time.time(), "chaos": True}
-        return T.encode_tensors(tensors if tensors is not None else self.zeros, codec_name="fp32", kind="delta",
+        return encode_tensors(tensors if tensors is not None else self.zeros, codec_name="fp32", kind="delta",
                                 fingerprint=self.ctx.fingerprint, meta=meta, shuffle=False)
 
     def write(self, learner: str, seq: int, data: bytes) -> str:
@@ -67,7 +68,7 @@ class Injector:
         if variant == "duplicated":
             return self._copy_of_live(), "header names another learner/seq"
         if variant == "nan":
-            tensors = T.clone(self.zeros)
+            tensors = clone(self.zeros)
             next(iter(tensors.values())).view(-1)[0] = float("nan")
             return self.encode(learner, seq, version, tensors), "non-finite"
         if variant == "oversized":

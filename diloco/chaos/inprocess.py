@@ -15,7 +15,7 @@ from diloco.chaos.faulty_store import FaultyStore
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.storage import StorageError
-from diloco.storage.store import ObjectStore
+from diloco.storage.store import Store
 
 log = logging.getLogger("diloco.chaos")
 
@@ -35,7 +35,7 @@ def apply_chaos(ctx: RunContext) -> ChaosControl | None:
 class MergerSaboteur:
     """A Merger.stage_hook: at each stage, look for a kill order for this merger and obey it."""
 
-    def __init__(self, ctx: RunContext, raw_store: ObjectStore, merger_id: str, events: EventLog) -> None:
+    def __init__(self, ctx: RunContext, raw_store: Store, merger_id: str, events: EventLog) -> None:
         self.ctx, self.raw, self.merger_id, self.events = ctx, raw_store, merger_id, events
 
     def __call__(self, stage: str) -> None:

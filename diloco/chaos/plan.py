@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from diloco.configs import ConfigError
-from diloco.storage.keys import KeyError_, validate_learner_name
+from diloco.storage.keys import InvalidName, validate_learner_name
 
 MergeStage = Literal["listing", "writing", "before_manifest", "after_manifest"]
 BadVariant = Literal["corrupt", "truncated", "duplicated", "nan", "oversized", "stale"]
@@ -32,7 +32,7 @@ class _Strict(BaseModel):
 def _name(value: str, what: str) -> str:
     try:
         return validate_learner_name(value)
-    except KeyError_ as err:
+    except InvalidName as err:
         raise ValueError(f"{what}: {err}") from None
 
 

@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 RECIPE_DIR = Path(__file__).parent
 LEARNER_NAME_RE = re.compile(r"^[a-z0-9-]{1,48}$")
-RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 Codec = Literal["fp32", "bf16", "int8", "int4"]
 
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
-from diloco.run import tensors as T
 from diloco.run.context import RunContext
-from diloco.storage import Manifest, StorageError, read_manifest
+from diloco.run.objects import read_tensors
+from diloco.storage import Manifest, StorageError, list_versions, read_manifest
 from diloco.storage.codec import CodecError, object_checksum
-from diloco.storage.keys import parse_delta_key, parse_manifest_key
+from diloco.storage.keys import parse_delta_key
 
 
 @dataclass
@@ -52,8 +52,7 @@ def _check_object(ctx: RunContext, key: str, checksum: str, what: str, report: A
 
 
 def load_chain(ctx: RunContext, report: AuditReport) -> list[Manifest]:
-    versions = sorted(v for v in (parse_manifest_key(k) for k in ctx.store.list(ctx.keys.versions_prefix()))
-                      if v is not None)
+    versions = list_versions(ctx.store, ctx.keys)
     if versions != list(range(len(versions))):
         report.problem(f"manifest chain is not contiguous from 0: {versions[:20]}")
     chain = []
@@ -109,9 +108,9 @@ def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
     optimizer = outer_optimizer(ctx.cfg, len(ctx.learners))
     for prev, m in zip(chain, chain[1:], strict=False):
         try:
-            _, params = T.read_tensors(ctx.store, prev.params_key, checksum=prev.params_checksum)
+            _, params = read_tensors(ctx.store, prev.params_key, checksum=prev.params_checksum)
             if prev.outer_key:
-                _, raw = T.read_tensors(ctx.store, prev.outer_key, checksum=prev.outer_checksum)
+                _, raw = read_tensors(ctx.store, prev.outer_key, checksum=prev.outer_checksum)
                 outer = OuterState.from_tensors(raw, params)
             else:
                 outer = OuterState.zeros_like(params)
@@ -121,7 +120,7 @@ def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
                 if group is not None and group.learner != d.learner:
                     stream.add(group)
                     group = None
-                header, delta = T.read_tensors(ctx.store, ctx.keys.delta(d.learner, d.seq), checksum=d.checksum)
+                header, delta = read_tensors(ctx.store, ctx.keys.delta(d.learner, d.seq), checksum=d.checksum)
                 group = group or LearnerGroup(d.learner)
                 group.add(d.seq, header, delta)
             if group is not None:
@@ -139,12 +138,12 @@ def _compare_replay(ctx: RunContext, m: Manifest, result, report: AuditReport) -
         report.replay_ok = False
         report.problem(f"version {m.version}: replayed update differs from the committed one")
         return
-    _, stored = T.read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)
+    _, stored = read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)
     if any(not torch.equal(stored[k], result.params[k]) for k in stored):
         report.replay_ok = False
         report.problem(f"version {m.version}: replayed parameters differ from the committed ones")
         return
-    _, raw = T.read_tensors(ctx.store, m.outer_key, checksum=m.outer_checksum)
+    _, raw = read_tensors(ctx.store, m.outer_key, checksum=m.outer_checksum)
     if any(not torch.equal(raw[k], v) for k, v in result.outer.to_tensors().items()):
         report.replay_ok = False
         report.problem(f"version {m.version}: replayed outer state differs from the committed one")

@@ -5,21 +5,21 @@ Contract: read-only; every figure is computed from stored manifests, evals and h
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
 import torch
 
-from diloco.run import tensors as T
 from diloco.run.context import RunContext
 from diloco.run.evaluator import read_evals
-from diloco.storage import NotFound, StorageError, latest_version, read_manifest
-from diloco.storage.keys import parse_manifest_key
+from diloco.run.objects import read_tensors
+from diloco.storage import Manifest, StorageError, latest_version, list_versions, read_manifest
+from diloco.storage.records import LearnerStatus, RecordError, read_record
 from diloco.training.model import build_model, set_params
 
 
 def learner_status(ctx: RunContext) -> list[dict]:
+    """Each learner's last status (LearnerStatus fields, plus age_s), or state 'never reported'."""
     names = set(ctx.learners)
     for key in ctx.store.list(ctx.keys.learners_prefix()):
         parts = key.split("/")
@@ -28,18 +28,17 @@ def learner_status(ctx: RunContext) -> list[dict]:
     rows = []
     for name in sorted(names):
         try:
-            status = json.loads(ctx.store.get(ctx.keys.status(name)))
-            status["age_s"] = time.time() - float(status.get("t", 0))
-        except (NotFound, StorageError, ValueError):
-            status = {"learner": name, "state": "never reported"}
-        rows.append(status)
+            record = read_record(ctx.store, ctx.keys.status(name), LearnerStatus)
+        except (StorageError, RecordError):
+            rows.append({"learner": name, "state": "never reported"})
+            continue
+        rows.append({**record.model_dump(exclude_none=True), "age_s": time.time() - record.t})
     return rows
 
 
-def manifests(ctx: RunContext) -> list:
-    versions = sorted(v for v in (parse_manifest_key(k) for k in ctx.store.list(ctx.keys.versions_prefix()))
-                      if v is not None)
-    return [read_manifest(ctx.store, ctx.keys, v) for v in versions]
+def manifests(ctx: RunContext) -> list[Manifest]:
+    """Every committed manifest of the run, by version."""
+    return [read_manifest(ctx.store, ctx.keys, v) for v in list_versions(ctx.store, ctx.keys)]
 
 
 def num_params(ctx: RunContext) -> int:
@@ -83,7 +82,7 @@ def summarize(ctx: RunContext) -> dict:
 def sample_text(ctx: RunContext, prompt: str = "ROMEO:\n", num_bytes: int = 240, seed: int = 0) -> str:
     version = latest_version(ctx.store, ctx.keys) or 0
     m = read_manifest(ctx.store, ctx.keys, version)
-    _, params = T.read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)
+    _, params = read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)
     model = build_model(ctx.cfg.model, seed=ctx.cfg.data.seed)
     set_params(model, params)
     model.eval()

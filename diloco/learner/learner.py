@@ -7,7 +7,6 @@ and `r = G`. The learner never waits for anyone, except in `sync` mode, the sync
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -19,9 +18,9 @@ import torch
 from diloco.learner.courier import Courier
 from diloco.learner.local_state import LocalState, Saved
 from diloco.learner.publisher import Publisher
-from diloco.run import tensors as T
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
+from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
 from diloco.storage import (
     Manifest,
     NotFound,
@@ -33,9 +32,11 @@ from diloco.storage import (
 )
 from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
+from diloco.storage.records import LearnerStatus, write_record
 from diloco.training.data import Corpus, ShardSampler, shard_of
 from diloco.training.inner import InnerTrainer
 from diloco.training.model import build_model, get_flat_params, set_params
+from diloco.training.tensors import Tensors, add_, clone, sub
 
 log = logging.getLogger("diloco.learner")
 HEARTBEAT_EVERY_S = 2.0  # status.json refresh while training; the supervisor's timeout is far longer
@@ -82,8 +83,8 @@ class Learner:
         self.model = build_model(self.cfg.model, seed=self.cfg.data.seed).to(self.device)
         self.base = -1
         self.seq = 0
-        self.glob: T.Tensors = {}
-        self.ref: T.Tensors = {}
+        self.glob: Tensors = {}
+        self.ref: Tensors = {}
         self.tokens_since_publish = 0
         self.steps_since_publish = 0
         self.loss_ema = float("nan")
@@ -101,7 +102,7 @@ class Learner:
         if manifest is None:
             raise RuntimeError(f"run {self.ctx.run_id} has no committed version")
         self._load_full(manifest)
-        self._set_theta(T.clone(self.glob))
+        self._set_theta(clone(self.glob))
         self.seq = self._next_seq(manifest)
         self.trainer = InnerTrainer(self.model, self.cfg.inner, device=self.device)
         step, cursor = self._restore_checkpoint()
@@ -161,7 +162,7 @@ class Learner:
                      unshipped_steps=self.steps_since_publish)
         return True
 
-    def save_local(self, exported: tuple[T.Tensors, dict] | None = None) -> None:
+    def save_local(self, exported: tuple[Tensors, dict] | None = None) -> None:
         """Snapshot the whole state (copies; `exported`: the optimizer state already copied) and queue
         its write to this host (diloco.learner.local_state: encoded and written off the training thread)."""
         if self.local is None:
@@ -170,7 +171,7 @@ class Learner:
         meta = {"learner": self.name, "next_seq": self.seq, "base_version": self.base, "step": self.trainer.step,
                 "cursor": self.sampler.cursor, "optimizer": opt_meta, "steps_since_publish": self.steps_since_publish,
                 "tokens_since_publish": self.tokens_since_publish}
-        self.local.save({"theta": self.theta(), "ref": T.clone(self.ref), "glob": self.glob, "opt": opt}, meta)
+        self.local.save({"theta": self.theta(), "ref": clone(self.ref), "glob": self.glob, "opt": opt}, meta)
 
     def _next_seq(self, manifest: Manifest) -> int:
         listed = [parse_delta_key(k) for k in self.ctx.store.list(self.ctx.keys.deltas_prefix(self.name))]
@@ -181,7 +182,7 @@ class Learner:
         if not self.cfg.learner.checkpoint:
             return 0, 0
         try:
-            header, state = T.read_tensors(self.ctx.store, self.ctx.keys.checkpoint(self.name, "state"))
+            header, state = read_tensors(self.ctx.store, self.ctx.keys.checkpoint(self.name, "state"))
         except NotFound:
             return 0, 0
         except (CodecError, StorageError) as err:
@@ -200,28 +201,29 @@ class Learner:
         return int(meta.get("step", 0)), int(meta.get("cursor", 0))
 
     def _load_full(self, manifest: Manifest) -> None:
-        _, params = T.read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+        _, params = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                    checksum=manifest.params_checksum)
         self.glob = params
-        self.ref = T.clone(params)
+        self.ref = clone(params)
         self.base = manifest.version
 
-    def heartbeat(self, state: str = "training", force: bool = False, wait: bool = False, **extra: object) -> None:
+    def heartbeat(self, state: str = "training", force: bool = False, wait: bool = False, **phase: float) -> None:
         """Refresh learners/<me>/status.json (at most every HEARTBEAT_EVERY_S unless forced);
-        `extra` adds fields (the per-phase figures after a phase). Written by the courier thread unless
-        `wait`: the status is taken now, so a stuck training thread still goes silent."""
+        `phase` sets LearnerStatus fields (the per-phase figures after a phase). Written by the courier
+        thread unless `wait`: the status is taken now, so a stuck training thread still goes silent."""
         now = time.time()
         if not force and now - self._last_beat < HEARTBEAT_EVERY_S:
             return
         self._last_beat = now
-        status = {"learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.seq - 1,
-                  "base_version": self.base, "step": self.trainer.step, "cursor": self.sampler.cursor,
-                  "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published, **extra}
-        key, data = self.ctx.keys.status(self.name), json.dumps(status).encode()
+        status = LearnerStatus.model_validate({
+            "learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.seq - 1,
+            "base_version": self.base, "step": self.trainer.step, "cursor": self.sampler.cursor,
+            "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published, **phase})
+        key = self.ctx.keys.status(self.name)
 
         def write() -> None:
             try:
-                self.quick.put(key, data)
+                write_record(self.quick, key, status)
             except StorageError as err:
                 log.warning("heartbeat of %s failed: %s", self.name, err)
 
@@ -234,10 +236,10 @@ class Learner:
         """Write the buffered events from the courier thread (EventLog keeps them if the write fails)."""
         self.courier.post("events", self.events.flush)
 
-    def _set_theta(self, theta: T.Tensors) -> None:
+    def _set_theta(self, theta: Tensors) -> None:
         set_params(self.model, theta)
 
-    def theta(self) -> T.Tensors:
+    def theta(self) -> Tensors:
         return get_flat_params(self.model)
 
     # ---- the inner phase -----------------------------------------------------------------
@@ -287,7 +289,7 @@ class Learner:
             self.events.emit("publish_deferred", learner=self.name, seq=self.seq, steps=self.steps_since_publish)
             self.save_local()
             return None
-        delta = T.sub(self.ref, self.theta())
+        delta = sub(self.ref, self.theta())
         seq = self.seq
         meta = {
             "learner": self.name, "seq": seq, "base_version": self.base,
@@ -295,10 +297,10 @@ class Learner:
             "phase_time_s": time.time() - self.phase_t0, "train_loss": self.loss_ema,
             "created_at": time.time(),
         }
-        data = T.encode_tensors(delta, codec_name=cfg.learner.codec, kind="delta",
+        data = encode_tensors(delta, codec_name=cfg.learner.codec, kind="delta",
                                 fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
-        _, shipped = T.decode_tensors(data)
-        T.add_(self.ref, shipped, alpha=-1.0)
+        _, shipped = decode_tensors(data)
+        add_(self.ref, shipped, alpha=-1.0)
         # one copy of the optimizer state for both snapshots (encoders only read it)
         exported = self.trainer.export_state() if cfg.learner.checkpoint or self.local is not None else None
         checkpoint = (self.ctx.keys.checkpoint(self.name, "state"), self._checkpoint(seq, exported)) \
@@ -317,12 +319,12 @@ class Learner:
                          tokens=meta["tokens"], steps=meta["steps"], stall_s=stall)
         return seq
 
-    def _checkpoint(self, seq: int, exported: tuple[T.Tensors, dict]) -> Callable[[], bytes]:
+    def _checkpoint(self, seq: int, exported: tuple[Tensors, dict]) -> Callable[[], bytes]:
         """The bucket checkpoint after delta `seq`: the state copied now, encoded by the publisher's thread."""
         tensors, opt_meta = exported
         meta = {"learner": self.name, "seq": seq, "step": self.trainer.step, "cursor": self.sampler.cursor,
                 "base_version": self.base, "optimizer": opt_meta}
-        return lambda: T.encode_tensors(tensors, codec_name="fp32", kind="state",
+        return lambda: encode_tensors(tensors, codec_name="fp32", kind="state",
                                         fingerprint=self.ctx.fingerprint, meta=meta)
 
     # ---- carry ---------------------------------------------------------------------------
@@ -344,23 +346,23 @@ class Learner:
         """Move to `version`: theta = G + (theta - r) (carry) or G (overwrite); r = G."""
         behind = version - self.base
         if behind <= self.cfg.learner.max_updates_behind:
-            glob = T.clone(self.glob)
+            glob = clone(self.glob)
             for v in range(self.base + 1, version + 1):
                 m = read_manifest(self.ctx.store, self.ctx.keys, v)
-                _, update = T.read_tensors(self.ctx.store, m.update_key, fingerprint=self.ctx.fingerprint,
+                _, update = read_tensors(self.ctx.store, m.update_key, fingerprint=self.ctx.fingerprint,
                                            checksum=m.update_checksum)
-                T.add_(glob, update)
+                add_(glob, update)
         else:
             m = read_manifest(self.ctx.store, self.ctx.keys, version)
-            _, glob = T.read_tensors(self.ctx.store, m.params_key, fingerprint=self.ctx.fingerprint,
+            _, glob = read_tensors(self.ctx.store, m.params_key, fingerprint=self.ctx.fingerprint,
                                      checksum=m.params_checksum)
         theta = self.theta()
         if self.cfg.learner.mode == "overwrite":
-            new_theta = T.clone(glob)
+            new_theta = clone(glob)
         else:
             new_theta = {k: glob[k] + (theta[k] - self.ref[k]) for k in glob}
         self._set_theta(new_theta)
-        self.glob, self.ref = glob, T.clone(glob)
+        self.glob, self.ref = glob, clone(glob)
         self.events.emit("install", learner=self.name, version=version, previous=self.base, behind=behind)
         self.base = version
         return version

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.learner.courier import Courier
-from diloco.run import tensors as T
+from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.storage.codec import CodecError
+from diloco.training.tensors import Tensors
 
 log = logging.getLogger("diloco.local_state")
 ENV_DIR = "DILOCO_LOCAL_DIR"  # where learners keep their local state; default .diloco/local under the cwd
@@ -42,7 +43,7 @@ PARTS = ("theta", "ref", "glob", "opt")
 @dataclass
 class Saved:
     meta: dict
-    parts: dict[str, T.Tensors]  # theta / ref / glob: the model's params; opt: the AdamW state tensors
+    parts: dict[str, Tensors]  # theta / ref / glob: the model's params; opt: the AdamW state tensors
 
 
 def local_root() -> Path:
@@ -75,13 +76,13 @@ class LocalState:
         self._writer.close(None)
 
     # ---- state ---------------------------------------------------------------------------
-    def save(self, parts: dict[str, T.Tensors], meta: dict) -> None:
+    def save(self, parts: dict[str, Tensors], meta: dict) -> None:
         """Queue a save of these tensors (the caller must not change them afterwards) and meta."""
         self._submit(lambda: self._save_now(parts, meta))
 
-    def _save_now(self, parts: dict[str, T.Tensors], meta: dict) -> None:
+    def _save_now(self, parts: dict[str, Tensors], meta: dict) -> None:
         tensors = {f"{part}/{k}": v for part in PARTS for k, v in parts[part].items()}
-        data = T.encode_tensors(tensors, codec_name="fp32", kind="state", fingerprint=self.fingerprint,
+        data = encode_tensors(tensors, codec_name="fp32", kind="state", fingerprint=self.fingerprint,
                                 meta={**meta, "identity": self.identity}, shuffle=False)
         self._write(STATE_FILE, data)
 
@@ -96,14 +97,14 @@ class LocalState:
             log.warning("local state %s unreadable: %s", path, err)
             return None
         try:
-            header, tensors = T.decode_tensors(data, fingerprint=self.fingerprint)
+            header, tensors = decode_tensors(data, fingerprint=self.fingerprint)
         except CodecError as err:
             log.warning("local state %s ignored: %s", path, err)
             return None
         if header.meta.get("identity") != self.identity:
             log.info("local state %s belongs to another run; ignored", path)
             return None
-        parts: dict[str, T.Tensors] = {p: {} for p in PARTS}
+        parts: dict[str, Tensors] = {p: {} for p in PARTS}
         for key, value in tensors.items():
             part, _, name = key.partition("/")
             if part not in parts:

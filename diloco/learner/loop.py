@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from diloco.learner.learner import Learner, PhaseStats
 from diloco.storage import StorageError
+from diloco.storage.errors import Backoff
 
 log = logging.getLogger("diloco.learner")
 
@@ -43,7 +44,7 @@ def join_with_retry(learner: Learner, join: Callable[[Learner], int], should_sto
     """Join, retrying StorageError with bounded exponential back-off (a learner restarted during an
     outage waits it out); the join event is flushed at once so a SIGKILL right after keeps it.
     Returns False if the run stopped while waiting; re-raises the last StorageError when out of attempts."""
-    wait_s, cap_s = JOIN_BACKOFF_S
+    backoff = Backoff(*JOIN_BACKOFF_S)
     for attempt in range(1, attempts + 1):
         try:
             join(learner)
@@ -51,10 +52,10 @@ def join_with_retry(learner: Learner, join: Callable[[Learner], int], should_sto
         except StorageError as err:
             if attempt == attempts:
                 raise
+            wait_s = backoff.next_s()
             log.warning("learner %s: join failed (attempt %d/%d), retrying in %.1f s: %s",
                         learner.name, attempt, attempts, wait_s, err)
             time.sleep(wait_s)
-            wait_s = min(wait_s * 2, cap_s)
             if should_stop():
                 return False
     learner.events.flush()

@@ -8,23 +8,24 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable
 
 from diloco.run.events import EventLog
 from diloco.storage import Conflict, StorageError
-from diloco.storage.store import ObjectStore
+from diloco.storage.errors import Backoff
+from diloco.storage.store import Store
 
 log = logging.getLogger("diloco.publisher")
 MAX_PENDING = 2  # deltas in flight before the learner stalls: overlap one phase, never pile up
+FIRST_BACKOFF_S = 0.1  # the first wait before an upload is retried; doubled up to max_backoff_s, jittered
 
 
 class Publisher:
     """One upload thread per learner; FIFO, so deltas land in seq order."""
 
-    def __init__(self, store: ObjectStore, events: EventLog, max_backoff_s: float = 5.0,
+    def __init__(self, store: Store, events: EventLog, max_backoff_s: float = 5.0,
                  on_landed: Callable[[int], None] | None = None) -> None:
         self.store, self.events, self.max_backoff_s = store, events, max_backoff_s
         self.on_landed = on_landed  # called with a delta's seq once it has landed (the local spool drops it)
@@ -34,7 +35,6 @@ class Publisher:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
-        self.published: list[int] = []
         self.bytes_published = 0
         self.fenced = threading.Event()  # another process published one of our seqs: we must stop
 
@@ -87,7 +87,6 @@ class Publisher:
             key, data, seq, checkpoint, counted = item
             try:
                 if self._put_with_retry(key, data, exclusive=True):
-                    self.published.append(seq)
                     self.bytes_published += len(data)
                     self.events.emit("published", key=key, seq=seq, bytes=len(data))
                     if self.on_landed is not None:
@@ -109,7 +108,7 @@ class Publisher:
 
     def _put_with_retry(self, key: str, data: bytes, attempts: int | None = None,
                         exclusive: bool = False) -> bool:
-        delay, n = 0.1, 0
+        backoff, n = Backoff(FIRST_BACKOFF_S, self.max_backoff_s, jitter=True), 0
         while not self._closing.is_set() and not self.fenced.is_set():
             try:
                 if exclusive:
@@ -129,8 +128,8 @@ class Publisher:
                 if attempts is not None and n >= attempts:
                     log.warning("giving up on %s after %d attempts: %s", key, n, err)
                     return False
-                log.warning("upload of %s failed (%s); retrying in %.1fs", key, err, delay)
+                wait_s = backoff.next_s()
+                log.warning("upload of %s failed (%s); retrying in %.1fs", key, err, wait_s)
                 self.events.emit("publish_retry", key=key, reason=str(err))
-                time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, self.max_backoff_s)
+                time.sleep(wait_s)
         return False

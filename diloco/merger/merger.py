@@ -25,9 +25,9 @@ from diloco.merger.step import (
     outer_step,
     validate_delta,
 )
-from diloco.run import tensors as T
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
+from diloco.run.objects import decode_tensors, read_tensors, write_tensors
 from diloco.storage import (
     Conflict,
     DeltaDecision,
@@ -39,10 +39,12 @@ from diloco.storage import (
     read_latest,
 )
 from diloco.storage.codec import CodecError, object_checksum
+from diloco.storage.errors import Backoff
 from diloco.storage.keys import new_nonce, parse_delta_key
 
 log = logging.getLogger("diloco.merger")
 EMA = 0.3  # weight of the newest observation in the grace-window moving averages
+STORAGE_BACKOFF_S = (0.5, 10.0)  # first wait, cap (doubled per failed merge) while the bucket is in trouble
 
 
 @dataclass
@@ -75,10 +77,10 @@ class Merger:
         manifest = read_latest(self.ctx.store, self.ctx.keys)
         if manifest is None:
             raise RuntimeError(f"run {self.ctx.run_id} has no version 0")
-        _, params = T.read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+        _, params = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                    checksum=manifest.params_checksum)
         if manifest.outer_key:
-            header, raw = T.read_tensors(self.ctx.store, manifest.outer_key, fingerprint=self.ctx.fingerprint,
+            header, raw = read_tensors(self.ctx.store, manifest.outer_key, fingerprint=self.ctx.fingerprint,
                                          checksum=manifest.outer_checksum)
             self.outer = OuterState.from_tensors(raw, params)
             self.ema.update({k: float(v) for k, v in header.meta.get("ema", {}).items() if k in self.ema})
@@ -196,7 +198,7 @@ class Merger:
                 raise DeltaInvalid(f"oversized: {size} bytes > max_delta_bytes {self.cfg.merger.max_delta_bytes}")
             data = self.ctx.store.get(key)
             base.bytes, base.checksum = len(data), object_checksum(data)
-            header, delta = T.decode_tensors(data, fingerprint=self.ctx.fingerprint,
+            header, delta = decode_tensors(data, fingerprint=self.ctx.fingerprint,
                                              max_bytes=self.cfg.merger.max_delta_bytes)
             staleness = validate_delta(header, delta, learner=learner, seq=seq, version=self.version,
                                        params=self.params, cfg=self.cfg)
@@ -219,11 +221,11 @@ class Merger:
         self.stage_hook("writing")
         params_key, update_key, outer_key = keys.params(version, nonce), keys.update(version, nonce), keys.outer(version, nonce)
         store.put(update_key, result.update_bytes)
-        _, params_sum = T.write_tensors(store, params_key, result.params, kind="params",
+        _, params_sum = write_tensors(store, params_key, result.params, kind="params",
                                         fingerprint=self.ctx.fingerprint)
         merge_s = time.time() - t0
         ema = self._next_ema(phase_times, quorum_wait, merge_s)
-        _, outer_sum = T.write_tensors(store, outer_key, result.outer.to_tensors(), kind="outer",
+        _, outer_sum = write_tensors(store, outer_key, result.outer.to_tensors(), kind="outer",
                                        fingerprint=self.ctx.fingerprint, meta={"ema": ema})
         self.stage_hook("before_manifest")
         cursors = dict(self.manifest.cursors)
@@ -270,7 +272,7 @@ def run_merger(merger: Merger, *, max_merges: int | None = None, target_version:
     """Merge until stopped, the target version is committed, or max_merges merges were made.
     `merge` is the unit a Prefect flow wraps as a task (default: Merger.merge_once)."""
     merge = merge or (lambda m, stop: m.merge_once(stop))
-    merges, backoff = 0, 0.5
+    merges, backoff = 0, Backoff(*STORAGE_BACKOFF_S)
     merger.load()
     while not should_stop():
         if target_version is not None and merger.version >= target_version:
@@ -279,12 +281,12 @@ def run_merger(merger: Merger, *, max_merges: int | None = None, target_version:
             break
         try:
             manifest = merge(merger, should_stop)
-            backoff = 0.5
+            backoff.reset()
         except StorageError as err:
-            log.warning("merge failed on storage (%s); retrying in %.1fs", err, backoff)
+            wait_s = backoff.next_s()
+            log.warning("merge failed on storage (%s); retrying in %.1fs", err, wait_s)
             merger.events.emit("storage_error", reason=str(err))
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+            time.sleep(wait_s)
             with contextlib.suppress(StorageError):
                 merger.load()
             continue

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.configs import Config, OuterConfig
-from diloco.run import tensors as T
+from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.storage.codec import Header
 from diloco.training.merge import Combiner, delta_weight
 from diloco.training.model import EMBEDDING_PARAMS
 from diloco.training.outer import OuterOptimizer, OuterState
+from diloco.training.tensors import Tensors, add_, all_finite, clone, same_layout
 
 __all__ = ["DeltaInvalid", "GradientStream", "LearnerGroup", "OuterOptimizer", "OuterState", "StepResult",
            "gradient_stream", "outer_optimizer", "outer_step", "validate_delta"]
@@ -35,9 +36,9 @@ class LearnerGroup:
     tokens: int = 0
     steps: int = 0
     min_base: int = 1 << 62
-    total: T.Tensors | None = None
+    total: Tensors | None = None
 
-    def add(self, seq: int, header: Header, delta: T.Tensors) -> None:
+    def add(self, seq: int, header: Header, delta: Tensors) -> None:
         meta = header.meta
         self.seqs.append(seq)
         self.tokens += int(meta["tokens"])
@@ -46,15 +47,15 @@ class LearnerGroup:
         if self.total is None:
             self.total = delta
         else:
-            T.add_(self.total, delta)
+            add_(self.total, delta)
 
     def weight(self, version: int, staleness_power: float) -> float:
         staleness = max(0, version - self.min_base)
         return delta_weight(self.tokens, self.steps, staleness, staleness_power)
 
 
-def validate_delta(header: Header, delta: T.Tensors, *, learner: str, seq: int, version: int,
-                   params: T.Tensors, cfg: Config) -> int:
+def validate_delta(header: Header, delta: Tensors, *, learner: str, seq: int, version: int,
+                   params: Tensors, cfg: Config) -> int:
     """Check one decoded delta against its key, the current version and the model; returns staleness."""
     meta = header.meta
     if header.kind != "delta":
@@ -73,9 +74,9 @@ def validate_delta(header: Header, delta: T.Tensors, *, learner: str, seq: int, 
     staleness = version - base
     if staleness > cfg.outer.max_staleness:
         raise DeltaInvalid(f"stale: staleness {staleness} > max_staleness {cfg.outer.max_staleness}")
-    if not T.same_layout(delta, params):
+    if not same_layout(delta, params):
         raise DeltaInvalid("tensor names or shapes do not match the model")
-    if not T.all_finite(delta):
+    if not all_finite(delta):
         raise DeltaInvalid("non-finite values (NaN or Inf)")
     return staleness
 
@@ -83,7 +84,7 @@ def validate_delta(header: Header, delta: T.Tensors, *, learner: str, seq: int, 
 @dataclass
 class StepResult:
     update_bytes: bytes
-    params: T.Tensors  # the new global: old params + dequantize(update)
+    params: Tensors  # the new global: old params + dequantize(update)
     outer: OuterState
     weights: dict[str, float]  # learner -> normalised weight
     update_norm: float
@@ -110,7 +111,7 @@ class GradientStream:
         self.combiner.add(group.total, weight)
         group.total = None  # released: the combiner holds all that is needed
 
-    def finish(self) -> tuple[T.Tensors | None, dict[str, float]]:
+    def finish(self) -> tuple[Tensors | None, dict[str, float]]:
         """(combined pseudo-gradient, learner -> normalised weight); None when nothing has weight."""
         total_w = sum(self.weights.values())
         normalised = {k: (w / total_w if total_w > 0 else 0.0) for k, w in self.weights.items()}
@@ -119,7 +120,7 @@ class GradientStream:
         return self.combiner.result(), normalised
 
 
-def gradient_stream(params: T.Tensors, version: int, outer: OuterConfig) -> GradientStream:
+def gradient_stream(params: Tensors, version: int, outer: OuterConfig) -> GradientStream:
     """The stream of the merge on top of `version`, with the run's merge rule and staleness power."""
     direct = tuple(k for k in params if k in EMBEDDING_PARAMS)  # the paper averages embeddings directly
     return GradientStream(version, outer.merge_rule, outer.staleness_power, direct=direct)
@@ -131,16 +132,16 @@ def outer_optimizer(cfg: Config, num_learners: int) -> OuterOptimizer:
     return OuterOptimizer(cfg.outer, cfg.experimental, steps_per_round)
 
 
-def outer_step(params: T.Tensors, outer: OuterState, stream: GradientStream, fingerprint: str,
+def outer_step(params: Tensors, outer: OuterState, stream: GradientStream, fingerprint: str,
                optimizer: OuterOptimizer) -> StepResult:
     """Combine, the outer step, quantize the exact update, keep what quantization left as the residual."""
     grad, normalised = stream.finish()
     update = optimizer.update(params, outer, grad, stream.steps)
-    update_bytes = T.encode_tensors(update.exact, codec_name=optimizer.update_codec, kind="update",
+    update_bytes = encode_tensors(update.exact, codec_name=optimizer.update_codec, kind="update",
                                     fingerprint=fingerprint, meta={"version": stream.version + 1})
-    _, shipped = T.decode_tensors(update_bytes)
-    new_global = T.clone(params)
-    T.add_(new_global, shipped)
+    _, shipped = decode_tensors(update_bytes)
+    new_global = clone(params)
+    add_(new_global, shipped)
     norm = float(torch.sqrt(sum((v.double() ** 2).sum() for v in shipped.values())))
     return StepResult(update_bytes, new_global, optimizer.state_after(update, shipped), normalised, norm,
                       update.share)

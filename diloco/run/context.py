@@ -7,7 +7,6 @@ process of a run reads its config from run.json, so they cannot disagree.
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import time
 from dataclasses import dataclass
@@ -16,13 +15,12 @@ import torch
 
 from diloco import __version__
 from diloco.configs import Config, config_from_record
-from diloco.run import tensors as T
+from diloco.run.objects import write_tensors
 from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, manifest_exists, open_store
 from diloco.storage.keys import new_nonce
-from diloco.storage.store import ObjectStore
+from diloco.storage.records import RecordError, RunRecord, read_record, write_record
+from diloco.storage.store import Store
 from diloco.training.model import build_model, get_flat_params, model_fingerprint
-
-RUN_SCHEMA_VERSION = 1
 
 
 class RunError(ValueError):
@@ -31,7 +29,7 @@ class RunError(ValueError):
 
 @dataclass
 class RunContext:
-    store: ObjectStore
+    store: Store
     keys: RunKeys
     cfg: Config
     fingerprint: str
@@ -48,20 +46,13 @@ def model_identity(cfg: Config, model: torch.nn.Module | None = None) -> str:
     return model_fingerprint(model, cfg.model)
 
 
-def _run_record(cfg: Config, run_id: str, fingerprint: str, learners: list[str]) -> dict:
-    return {
-        "schema_version": RUN_SCHEMA_VERSION,
-        "run_id": run_id,
-        "created_at": time.time(),
-        "created_by": socket.gethostname(),
-        "diloco_version": __version__,
-        "fingerprint": fingerprint,
-        "learners": learners,
-        "config": cfg.model_dump(mode="json"),
-    }
+def _run_record(cfg: Config, run_id: str, fingerprint: str, learners: list[str]) -> RunRecord:
+    return RunRecord(run_id=run_id, created_at=time.time(), created_by=socket.gethostname(),
+                     diloco_version=__version__, fingerprint=fingerprint, learners=learners,
+                     config=cfg.model_dump(mode="json"))
 
 
-def create_run(store: ObjectStore, run_id: str, cfg: Config, learners: list[str] | None = None) -> RunContext:
+def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | None = None) -> RunContext:
     """Create run.json and version 0, or join an existing run with the same config."""
     keys = RunKeys(run_id)
     learners = learners or cfg.learner_names()
@@ -69,7 +60,7 @@ def create_run(store: ObjectStore, run_id: str, cfg: Config, learners: list[str]
     fingerprint = model_identity(cfg, model)
     record = _run_record(cfg, run_id, fingerprint, learners)
     try:
-        store.put_if_absent(keys.run_json(), json.dumps(record, indent=1).encode())
+        write_record(store, keys.run_json(), record, exclusive=True)
     except Conflict:
         ctx = open_run(store, run_id)
         if ctx.cfg.model_dump() != cfg.model_dump():
@@ -78,7 +69,7 @@ def create_run(store: ObjectStore, run_id: str, cfg: Config, learners: list[str]
                 "choose another --run-id or the same config"
             ) from None
         return ctx
-    ctx = RunContext(store, keys, cfg, fingerprint, learners, record["created_at"])
+    ctx = RunContext(store, keys, cfg, fingerprint, learners, record.created_at)
     _commit_version_zero(ctx, model)
     return ctx
 
@@ -88,7 +79,7 @@ def _commit_version_zero(ctx: RunContext, model: torch.nn.Module) -> None:
         return
     nonce = new_nonce()
     key = ctx.keys.params(0, nonce)
-    _, checksum = T.write_tensors(
+    _, checksum = write_tensors(
         ctx.store, key, get_flat_params(model), kind="params", fingerprint=ctx.fingerprint
     )
     manifest = Manifest(
@@ -99,19 +90,16 @@ def _commit_version_zero(ctx: RunContext, model: torch.nn.Module) -> None:
         commit(ctx.store, ctx.keys, manifest)
 
 
-def open_run(store: ObjectStore | str, run_id: str) -> RunContext:
+def open_run(store: Store | str, run_id: str) -> RunContext:
     """The context of an existing run, its config read from run.json."""
     if isinstance(store, str):
         store = open_store(store)
     keys = RunKeys(run_id)
     try:
-        record = json.loads(store.get(keys.run_json()))
+        record = read_record(store, keys.run_json(), RunRecord)
     except NotFound:
         raise RunError(f"no run {run_id!r} in {store.url} (missing {keys.run_json()})") from None
-    except ValueError as err:
-        raise RunError(f"run {run_id!r}: run.json is not valid JSON: {err}") from None
-    if not isinstance(record, dict) or record.get("schema_version") != RUN_SCHEMA_VERSION:
-        raise RunError(f"run {run_id!r}: unsupported run.json schema {record.get('schema_version')!r}")
-    cfg = config_from_record(record["config"])
-    return RunContext(store, keys, cfg, record["fingerprint"], list(record["learners"]),
-                      float(record.get("created_at") or 0.0))
+    except RecordError as err:
+        raise RunError(f"run {run_id!r}: {err}") from None
+    cfg = config_from_record(record.config)
+    return RunContext(store, keys, cfg, record.fingerprint, list(record.learners), record.created_at)

@@ -6,17 +6,17 @@ storage trouble skips an evaluation (it is tried again), never ends the loop.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 
 import torch
 
-from diloco.run import tensors as T
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
+from diloco.run.objects import read_tensors
 from diloco.storage import NotFound, StorageError, latest_version, read_manifest
+from diloco.storage.records import EvalRecord, RecordError, read_record, write_record
 from diloco.training.data import Corpus, eval_batches
 from diloco.training.inner import evaluate
 from diloco.training.model import build_model, set_params
@@ -38,15 +38,15 @@ class Evaluator:
 
     def evaluate_version(self, version: int) -> dict:
         manifest = read_manifest(self.ctx.store, self.ctx.keys, version)
-        _, params = T.read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+        _, params = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                    checksum=manifest.params_checksum)
         set_params(self.model, params)
         loss = evaluate(self.model, self.batches)
-        record = {"version": version, "loss": loss, "bits_per_byte": loss / 0.6931471805599453,
-                  "tokens_total": manifest.tokens_total, "t": time.time(), "committed_at": manifest.created_at}
-        self.ctx.store.put(self.ctx.keys.eval(version), json.dumps(record).encode())
+        record = EvalRecord(version=version, loss=loss, bits_per_byte=loss / 0.6931471805599453,
+                            tokens_total=manifest.tokens_total, t=time.time(), committed_at=manifest.created_at)
+        write_record(self.ctx.store, self.ctx.keys.eval(version), record)
         self.done.add(version)
-        return record
+        return record.model_dump()
 
     def due(self, latest: int, final: bool = False) -> int | None:
         """The version to evaluate next: 0 first, then the newest on the cadence, the last at the end."""
@@ -69,13 +69,14 @@ class Evaluator:
 
 
 def read_evals(ctx: RunContext) -> list[dict]:
+    """Every readable eval record of the run (EvalRecord fields), by version; unreadable ones are skipped."""
     out = []
     for key in ctx.store.list(ctx.keys.evals_prefix()):
         try:
-            out.append(json.loads(ctx.store.get(key)))
-        except (StorageError, ValueError):
+            out.append(read_record(ctx.store, key, EvalRecord))
+        except (StorageError, RecordError):
             continue
-    return sorted(out, key=lambda r: r.get("version", -1))
+    return [r.model_dump() for r in sorted(out, key=lambda r: r.version)]
 
 
 def run_evaluator(evaluator: Evaluator, *, should_stop: Callable[[], bool], poll_s: float = 0.5,

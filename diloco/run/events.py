@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from diloco.storage import RunKeys, StorageError
-from diloco.storage.store import ObjectStore
+from diloco.storage.store import Store
 
 log = logging.getLogger("diloco.events")
 
@@ -22,7 +22,7 @@ log = logging.getLogger("diloco.events")
 class EventLog:
     """Buffer events of one source (a learner, the merger, the supervisor) and flush them."""
 
-    def __init__(self, store: ObjectStore | None, keys: RunKeys | None, source: str) -> None:
+    def __init__(self, store: Store | None, keys: RunKeys | None, source: str) -> None:
         self.store, self.keys, self.source = store, keys, source
         self._buf: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -52,7 +52,7 @@ class EventLog:
             return False
 
 
-def read_events(store: ObjectStore, keys: RunKeys) -> list[dict[str, Any]]:
+def read_events(store: Store, keys: RunKeys) -> list[dict[str, Any]]:
     """Every recorded event of a run, sorted by time; malformed lines are skipped."""
     events: list[dict[str, Any]] = []
     for key in store.list(keys.events_prefix()):

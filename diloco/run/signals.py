@@ -7,12 +7,11 @@ trouble while checking means "not yet", never a crash.
 
 from __future__ import annotations
 
-import json
 import time
 
 from diloco.run.context import RunContext
 from diloco.storage import StorageError, latest_version
-from diloco.storage.keys import validate_learner_name
+from diloco.storage.records import RemovedMark, StopRequest, write_record
 
 
 class StopSignal:
@@ -42,23 +41,21 @@ class StopSignal:
 
 
 def request_stop(ctx: RunContext, reason: str) -> None:
-    ctx.store.put(ctx.keys.stop(), json.dumps({"reason": reason, "t": time.time()}).encode())
-
-
-def removed_key(ctx: RunContext, learner: str) -> str:
-    return ctx.keys.control(f"removed-{validate_learner_name(learner)}")
+    """Ask every role of the run to end (control/stop)."""
+    write_record(ctx.store, ctx.keys.stop(), StopRequest(reason=reason, t=time.time()))
 
 
 def request_remove(ctx: RunContext, learner: str, reason: str = "operator") -> None:
-    """Mark a learner removed: its flow ends after the current phase and is never re-submitted."""
-    ctx.store.put(removed_key(ctx, learner), json.dumps({"reason": reason, "t": time.time()}).encode())
+    """Mark a learner removed (control/removed-<learner>): it ends after the current phase and is never
+    restarted or re-submitted."""
+    write_record(ctx.store, ctx.keys.removed(learner), RemovedMark(reason=reason, t=time.time()))
 
 
 class RemovedSignal:
     """True once control/removed-<learner> exists; checked at most every `every_s`."""
 
     def __init__(self, ctx: RunContext, learner: str, every_s: float = 1.0) -> None:
-        self.key, self.ctx, self.every_s = removed_key(ctx, learner), ctx, every_s
+        self.key, self.ctx, self.every_s = ctx.keys.removed(learner), ctx, every_s
         self._last, self._removed = 0.0, False
 
     def __call__(self) -> bool:

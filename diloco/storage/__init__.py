@@ -13,7 +13,7 @@ from diloco.storage.errors import (
     TransientError,
 )
 from diloco.storage.keys import (
-    KeyError_,
+    InvalidName,
     RunKeys,
     new_nonce,
     parse_delta_key,
@@ -27,19 +27,18 @@ from diloco.storage.manifest import (
     ManifestError,
     commit,
     latest_version,
+    list_versions,
     manifest_exists,
-    read_json,
     read_latest,
     read_manifest,
-    write_json,
 )
-from diloco.storage.store import ObjectStore, open_store
+from diloco.storage.store import ObjectStore, Store, open_store
 
 __all__ = [
     "BadRequest",
     "Conflict",
     "DeltaDecision",
-    "KeyError_",
+    "InvalidName",
     "Manifest",
     "ManifestError",
     "NotFound",
@@ -47,18 +46,18 @@ __all__ = [
     "PermissionDenied",
     "RunKeys",
     "StorageError",
+    "Store",
     "TransientError",
     "commit",
     "latest_version",
+    "list_versions",
     "manifest_exists",
     "new_nonce",
     "open_store",
     "parse_delta_key",
     "parse_manifest_key",
-    "read_json",
     "read_latest",
     "read_manifest",
     "validate_learner_name",
     "validate_run_id",
-    "write_json",
 ]

@@ -21,26 +21,26 @@ MAX_VERSION = 10**20 - 1  # the widest number that keeps `{version:020d}` sortin
 MAX_SEQ = 10**12 - 1  # likewise for `{seq:012d}`
 
 
-class KeyError_(ValueError):
+class InvalidName(ValueError):
     """A learner name, run id, version, seq or nonce is invalid; the message names it."""
 
 
 def _check(pattern: re.Pattern[str], value: object, what: str, rule: str) -> str:
     if not isinstance(value, str) or pattern.fullmatch(value) is None:
-        raise KeyError_(f"{what} {value!r} is invalid: must match {rule}")
+        raise InvalidName(f"{what} {value!r} is invalid: must match {rule}")
     return value
 
 
 def validate_learner_name(name: str) -> str:
-    """`[a-z0-9-]{1,48}` or KeyError_ naming the bad value."""
+    """`[a-z0-9-]{1,48}` or InvalidName naming the bad value."""
     return _check(_LEARNER_RE, name, "learner name", "[a-z0-9-]{1,48}")
 
 
 def validate_run_id(run_id: str) -> str:
-    """`[a-z0-9][a-z0-9._-]{0,63}`, and not '.' / '..' — or KeyError_."""
+    """`[a-z0-9][a-z0-9._-]{0,63}`, and not '.' / '..' — or InvalidName."""
     _check(_RUN_ID_RE, run_id, "run id", "[a-z0-9][a-z0-9._-]{0,63}")
     if ".." in run_id:
-        raise KeyError_(f"run id {run_id!r} is invalid: must not contain '..'")
+        raise InvalidName(f"run id {run_id!r} is invalid: must not contain '..'")
     return run_id
 
 
@@ -50,13 +50,13 @@ def validate_name(name: str, what: str = "name") -> str:
 
 
 def validate_nonce(nonce: str) -> str:
-    """`[0-9a-f]{8,32}` or KeyError_."""
+    """`[0-9a-f]{8,32}` or InvalidName."""
     return _check(_NONCE_RE, nonce, "nonce", "[0-9a-f]{8,32}")
 
 
 def _check_int(value: object, what: str, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
-        raise KeyError_(f"{what} {value!r} is invalid: must be an int in [0, {maximum}]")
+        raise InvalidName(f"{what} {value!r} is invalid: must be an int in [0, {maximum}]")
     return value
 
 
@@ -132,6 +132,10 @@ class RunKeys:
 
     def stop(self) -> str:
         return self.control("stop")
+
+    def removed(self, learner: str) -> str:
+        """The mark of a learner an operator removed for good."""
+        return self.control(f"removed-{validate_learner_name(learner)}")
 
     def control(self, name: str) -> str:
         return f"{self.run_id}/control/{validate_name(name, 'control name')}"

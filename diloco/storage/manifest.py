@@ -13,14 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from diloco.storage.errors import Conflict
 from diloco.storage.keys import RunKeys, parse_manifest_key
-from diloco.storage.store import ObjectStore
+from diloco.storage.store import Store
 
 SCHEMA_VERSION = 1
 KNOWN_SCHEMA_VERSIONS = (1,)
 
 
 class ManifestError(ValueError):
-    """A manifest (or another JSON record of the run) is malformed or has an unknown schema_version."""
+    """A manifest is malformed or has an unknown schema_version (the other records: storage.records)."""
 
 
 class DeltaDecision(BaseModel):
@@ -95,7 +95,7 @@ def _loads(data: bytes, what: str) -> Any:
         raise ManifestError(f"{what} is not valid JSON: {exc}") from exc
 
 
-def commit(store: ObjectStore, keys: RunKeys, manifest: Manifest) -> None:
+def commit(store: Store, keys: RunKeys, manifest: Manifest) -> None:
     """Commit a version: exclusive create of its manifest. Conflict if another writer got there first.
 
     Everything the manifest references must already be written. On Conflict, reload the latest
@@ -110,7 +110,7 @@ def commit(store: ObjectStore, keys: RunKeys, manifest: Manifest) -> None:
         raise Conflict(f"version {manifest.version} of run {keys.run_id!r} is already committed") from exc
 
 
-def read_manifest(store: ObjectStore, keys: RunKeys, version: int) -> Manifest:
+def read_manifest(store: Store, keys: RunKeys, version: int) -> Manifest:
     """The committed manifest of a version. NotFound if not committed; ManifestError if malformed."""
     manifest = Manifest.from_bytes(store.get(keys.manifest(version)))
     if manifest.version != version or manifest.run_id != keys.run_id:
@@ -121,33 +121,25 @@ def read_manifest(store: ObjectStore, keys: RunKeys, version: int) -> Manifest:
     return manifest
 
 
-def latest_version(store: ObjectStore, keys: RunKeys) -> int | None:
+def list_versions(store: Store, keys: RunKeys) -> list[int]:
+    """Every committed version, sorted, from one fresh listing (never cached); other keys are ignored."""
+    versions = (parse_manifest_key(key) for key in store.list(keys.versions_prefix()))
+    return sorted(v for v in versions if v is not None)
+
+
+def latest_version(store: Store, keys: RunKeys) -> int | None:
     """The highest committed version (a fresh listing, never cached), or None before version 0."""
-    versions = [parse_manifest_key(key) for key in store.list(keys.versions_prefix())]
-    found = [v for v in versions if v is not None]
-    return max(found) if found else None
+    versions = list_versions(store, keys)
+    return versions[-1] if versions else None
 
 
-def read_latest(store: ObjectStore, keys: RunKeys) -> Manifest | None:
+def read_latest(store: Store, keys: RunKeys) -> Manifest | None:
     """The manifest of the latest committed version, or None if nothing is committed yet."""
     version = latest_version(store, keys)
     return None if version is None else read_manifest(store, keys, version)
 
 
-def manifest_exists(store: ObjectStore, keys: RunKeys, version: int) -> bool:
+def manifest_exists(store: Store, keys: RunKeys, version: int) -> bool:
     """The cheap probe a learner uses for 'is version v committed yet?' (one HEAD request)."""
     return store.exists(keys.manifest(version))
 
-
-def write_json(store: ObjectStore, key: str, obj: Any, *, exclusive: bool = False) -> None:
-    """Store a JSON document (run.json, status.json, evals); exclusive=True means put_if_absent."""
-    data = json.dumps(obj, sort_keys=True, indent=1).encode()
-    if exclusive:
-        store.put_if_absent(key, data)
-    else:
-        store.put(key, data)
-
-
-def read_json(store: ObjectStore, key: str) -> Any:
-    """A stored JSON document. NotFound if absent; ManifestError if it is not valid JSON."""
-    return _loads(store.get(key), repr(key))

@@ -1,25 +1,140 @@
-"""TEMPORARY shim (replaced by the storage helper's records module at merge): typed bucket records."""
+"""Typed bucket records: every JSON object of a run other than the manifest — run.json, a learner's
+status.json, evals/<version>.json and the control flags (control/stop, control/removed-<learner>).
+
+Contract: a record is written with to_bytes() and read with from_bytes(), which raises RecordError
+naming the object and what is wrong (never a pydantic error); optional fields left unset are not written.
+"""
 
 from __future__ import annotations
 
 import json
+from typing import Any, ClassVar, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from diloco.storage.store import Store
+
+RUN_SCHEMA_VERSION = 1
+KNOWN_RUN_SCHEMA_VERSIONS = (1,)
 
 
 class RecordError(ValueError):
-    """A stored record is malformed."""
+    """A stored record is not valid JSON or does not fit its schema; the message names the object."""
 
 
-class LearnerStatus(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    learner: str = ""
-    state: str = ""
-    t: float = 0.0
+class Record(BaseModel):
+    """The base of every record: strict fields (unknown ones refused), one JSON encoding."""
+
+    model_config = ConfigDict(extra="forbid")
+    what: ClassVar[str] = "record"  # how errors name the object
+
+    def to_bytes(self) -> bytes:
+        """JSON; a float NaN is written as NaN (a learner's loss before its first phase)."""
+        return json.dumps(self.model_dump(exclude_none=True), indent=1).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, key: str = "") -> Self:
+        """Parse a stored record; RecordError names the object (and its key, when given)."""
+        name = f"{cls.what} {key!r}" if key else cls.what
+        try:
+            obj = json.loads(data)
+        except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise RecordError(f"{name} is not valid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise RecordError(f"{name} must be a JSON object, got {type(obj).__name__}")
+        cls._check(obj, name)
+        try:
+            return cls.model_validate(obj)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(record)'}: {e['msg']}" for e in exc.errors())
+            raise RecordError(f"{name} is malformed: {problems}") from None
+
+    @classmethod
+    def _check(cls, obj: dict[str, Any], name: str) -> None:
+        """A record's own check before validation (schema versions)."""
 
 
-def read_record(store, key: str, cls: type[BaseModel]) -> BaseModel:
-    try:
-        return cls.model_validate(json.loads(store.get(key)))
-    except (ValueError, ValidationError) as err:
-        raise RecordError(f"{key}: {err}") from None
+class RunRecord(Record):
+    """run.json: the resolved config and the model fingerprint every process of the run reads."""
+
+    what: ClassVar[str] = "run record"
+    schema_version: int = RUN_SCHEMA_VERSION
+    run_id: str
+    created_at: float  # unix seconds: tells a new run from an old one of the same id
+    created_by: str  # host name
+    diloco_version: str
+    fingerprint: str
+    learners: list[str]
+    config: dict[str, Any]  # Config.model_dump(mode="json")
+
+    @classmethod
+    def _check(cls, obj: dict[str, Any], name: str) -> None:
+        schema = obj.get("schema_version")
+        if schema not in KNOWN_RUN_SCHEMA_VERSIONS:
+            raise RecordError(
+                f"{name}: schema_version {schema!r} is unknown (this code reads {KNOWN_RUN_SCHEMA_VERSIONS})"
+            )
+
+
+class LearnerStatus(Record):
+    """learners/<learner>/status.json: a learner's heartbeat (the supervisor reads `t` and `pid`)."""
+
+    what: ClassVar[str] = "learner status"
+    learner: str
+    state: str  # joined, training, waiting, ...
+    t: float  # unix seconds of the beat
+    pid: int
+    seq: int  # the last seq published (-1: none yet)
+    base_version: int
+    step: int
+    cursor: int  # data cursor
+    loss: float  # the last phase's mean training loss; NaN before the first phase
+    bytes_published: int
+    tokens_per_phase: int | None = None  # the figures of the phase just ended, after a phase
+    stall_s: float | None = None
+    steps_per_s: float | None = None
+
+
+class EvalRecord(Record):
+    """evals/<version>.json: the held-out loss of one committed version."""
+
+    what: ClassVar[str] = "eval record"
+    version: int = Field(ge=0)
+    loss: float  # nats per byte
+    bits_per_byte: float
+    tokens_total: int = 0  # tokens merged up to this version
+    t: float = 0.0  # unix seconds of the evaluation
+    committed_at: float = 0.0  # the version's manifest created_at
+
+
+class StopRequest(Record):
+    """control/stop: every role of the run ends when it sees this."""
+
+    what: ClassVar[str] = "stop request"
+    reason: str
+    t: float
+
+
+class RemovedMark(Record):
+    """control/removed-<learner>: an operator removed the learner for good."""
+
+    what: ClassVar[str] = "removal mark"
+    reason: str
+    t: float
+
+
+R = TypeVar("R", bound=Record)
+
+
+def read_record(store: Store, key: str, cls: type[R]) -> R:
+    """The record at key. NotFound if absent; RecordError if it does not parse as `cls`."""
+    return cls.from_bytes(store.get(key), key=key)
+
+
+def write_record(store: Store, key: str, record: Record, *, exclusive: bool = False) -> None:
+    """Store a record; exclusive=True means put_if_absent (Conflict if the key exists)."""
+    data = record.to_bytes()
+    if exclusive:
+        store.put_if_absent(key, data)
+    else:
+        store.put(key, data)

@@ -83,11 +83,6 @@ class Combiner:
         self.num_added += 1
         self.total_weight += weight
 
-    def add_(self, delta: dict[str, torch.Tensor], weight: float) -> Combiner:
-        """add() that returns self, for chaining."""
-        self.add(delta, weight)
-        return self
-
     def result(self) -> dict[str, torch.Tensor]:
         """The combined pseudo-gradient: name -> fp32 CPU tensor, in the first delta's order."""
         if self._shapes is None:

@@ -25,8 +25,11 @@ def seqs_of(ctx, name: str) -> list[int]:
 
 
 def check_removal(tmp_path: Path, *, prefect: bool, env: dict[str, str] | None = None) -> None:
+    # a long heartbeat timeout: on 2 busy cores (the deployment tests run a deployed run beside this one) an
+    # exec'd Prefect learner can take a minute to join, and a silence kill would be a restart this test forbids
     cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "run.num_versions": 1_000_000,
-                                              "run.time_limit_s": 240, "run.restart_backoff_s": 0.2})
+                                              "run.time_limit_s": 300, "run.restart_backoff_s": 0.2,
+                                              "run.heartbeat_timeout_s": 180})
     url = f"file://{tmp_path}/store"
     ctx = create_run(open_store(url), "removal", cfg)
     sup = local_supervisor(ctx, prefect=prefect, log_dir=str(tmp_path / "logs"),

@@ -13,9 +13,9 @@ import torch
 from diloco.configs import load_config
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
-from diloco.run import tensors as T
 from diloco.run.context import create_run, model_identity
 from diloco.run.corpus import load_run_corpus
+from diloco.run.objects import encode_tensors
 from diloco.storage import open_store
 from diloco.training.model import build_model, get_flat_params
 
@@ -32,7 +32,7 @@ class Exploit:
 
 def _encode_delta(ctx, params, learner, seq, *, fingerprint=None, **meta):
     base = {"learner": learner, "seq": seq, "base_version": 0, "tokens": 1000, "steps": 10} | meta
-    return T.encode_tensors(params, codec_name="fp32", kind="delta", fingerprint=fingerprint or ctx.fingerprint,
+    return encode_tensors(params, codec_name="fp32", kind="delta", fingerprint=fingerprint or ctx.fingerprint,
                             meta=base)
 
 

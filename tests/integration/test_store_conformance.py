@@ -1,20 +1,22 @@
-"""One conformance suite for ObjectStore, run against memory://, file:// and a real S3 server (moto).
+"""One conformance suite for the Store interface, run against memory://, file:// and a real S3 server (moto),
+for ObjectStore itself and for each WrapperStore over it (CountingStore, FaultyStore with no fault active).
 
-Also: the error-translation table and the retry loop, fed real exception objects (botocore
-ClientError, OSError, botocore connection errors), and real faults (a dead endpoint, a missing bucket).
+Also: manifests, URLs and the local disk, and real faults (a dead endpoint, a missing bucket). The
+error-translation table and the retry loop: tests/unit/test_storage_errors.py.
 Run: `.venv/bin/pytest tests/integration/test_store_conformance.py` (add `-m "not s3"` to skip S3).
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import socket
+from collections.abc import Callable
 
 import pytest
-from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ReadTimeoutError
-from s3fs.errors import translate_boto_error
 
+from diloco.bench._traffic import CountingStore
+from diloco.chaos.control import StorageWindow
+from diloco.chaos.faulty_store import FaultyStore
 from diloco.storage import (
     BadRequest,
     Conflict,
@@ -24,18 +26,17 @@ from diloco.storage import (
     ObjectStore,
     PermissionDenied,
     RunKeys,
-    StorageError,
+    Store,
     TransientError,
     commit,
     latest_version,
+    list_versions,
     manifest_exists,
     open_store,
-    read_json,
     read_latest,
     read_manifest,
-    write_json,
 )
-from diloco.storage.errors import backoff_s, call_with_retries, translate_error
+from diloco.storage.records import RecordError, StopRequest, read_record, write_record
 
 BAD_KEYS = ["", "/abs", "a//b", "a/", "../x", "a/../b", "a/./b", ".", "..", "a\\b", "a\nb", "a\x00b",
             "x/.diloco-tmp-123", "k" * 1025]
@@ -43,9 +44,36 @@ BAD_KEYS = ["", "/abs", "a//b", "a/", "../x", "a/../b", "a/./b", ".", "..", "a\\
 
 # ---------------------------------------------------------------- the conformance suite
 
+Connect = Callable[[str], Store]
+WRAPPERS: dict[str, Callable[[Store], Store]] = {
+    "plain": lambda store: store,
+    "counting": CountingStore,
+    "faulty": lambda store: FaultyStore(store, [StorageWindow(t0=0.0, t1=1.0, outage=True)]),  # long over
+}
 
-def test_put_get_roundtrip(store_url: str) -> None:
-    store = open_store(store_url)
+
+@pytest.fixture(params=sorted(WRAPPERS))
+def connect(request: pytest.FixtureRequest) -> Connect:
+    """Opens a store on a URL as ObjectStore itself, or wrapped in each WrapperStore (no fault active):
+    every suite test runs on every backend x every wrapper."""
+    wrap = WRAPPERS[request.param]
+    return lambda url: wrap(open_store(url))
+
+
+def test_with_retries_is_the_same_store(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
+    quick = store.with_retries(1)
+    assert type(quick) is type(store) and quick.url == store.url
+    assert quick.max_retries == 1 and store.max_retries == 5
+    quick.put("q/k", b"v")
+    assert store.get("q/k") == b"v" and store.list("q/") == ["q/k"]
+    with pytest.raises(ValueError, match="max_retries"):
+        store.with_retries(-1)
+
+
+
+def test_put_get_roundtrip(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     payload = bytes(range(256)) * 10
     store.put("a/b/c.bin", payload)
     store.put("empty", b"")
@@ -56,8 +84,8 @@ def test_put_get_roundtrip(store_url: str) -> None:
     assert store.exists("a/b/c.bin") and store.exists("empty")
 
 
-def test_overwrite_replaces_content(store_url: str) -> None:
-    store = open_store(store_url)
+def test_overwrite_replaces_content(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     store.put("k.json", b"old content")
     store.put("k.json", b"new")
     assert store.get("k.json") == b"new"
@@ -65,8 +93,8 @@ def test_overwrite_replaces_content(store_url: str) -> None:
     assert store.list("") == ["k.json"]
 
 
-def test_missing_object_is_notfound(store_url: str) -> None:
-    store = open_store(store_url)
+def test_missing_object_is_notfound(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     with pytest.raises(NotFound):
         store.get("nope/x")
     with pytest.raises(NotFound):
@@ -76,8 +104,8 @@ def test_missing_object_is_notfound(store_url: str) -> None:
     assert store.list("") == []
 
 
-def test_folder_of_keys_is_not_an_object(store_url: str) -> None:
-    store = open_store(store_url)
+def test_folder_of_keys_is_not_an_object(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     store.put("run/versions/1.json", b"{}")
     assert not store.exists("run/versions")
     with pytest.raises(NotFound):
@@ -86,8 +114,8 @@ def test_folder_of_keys_is_not_an_object(store_url: str) -> None:
         store.get("run/versions")
 
 
-def test_list_is_recursive_sorted_and_relative(store_url: str) -> None:
-    store = open_store(store_url)
+def test_list_is_recursive_sorted_and_relative(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     for key in ["b", "a/x", "a/b/d/e", "a/b/c", "ab/z", "a/b2"]:
         store.put(key, key.encode())
     assert store.list("") == ["a/b/c", "a/b/d/e", "a/b2", "a/x", "ab/z", "b"]
@@ -95,19 +123,18 @@ def test_list_is_recursive_sorted_and_relative(store_url: str) -> None:
     assert store.list("a/b/") == ["a/b/c", "a/b/d/e"]
     assert store.list("a/b") == ["a/b/c", "a/b/d/e", "a/b2"]  # a plain string prefix
     assert store.list("a") == ["a/b/c", "a/b/d/e", "a/b2", "a/x", "ab/z"]
-    assert list(store.iter_list("a/b/")) == ["a/b/c", "a/b/d/e"]
 
 
-def test_zero_padded_keys_list_in_numeric_order(store_url: str) -> None:
-    store = open_store(store_url)
+def test_zero_padded_keys_list_in_numeric_order(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     keys = RunKeys("run")
     for version in [10, 2, 100, 0, 9]:
         store.put(keys.manifest(version), b"{}")
     assert store.list(keys.versions_prefix()) == [keys.manifest(v) for v in [0, 2, 9, 10, 100]]
 
 
-def test_listing_is_never_cached(store_url: str) -> None:
-    reader, writer = open_store(store_url), open_store(store_url)
+def test_listing_is_never_cached(store_url: str, connect: Connect) -> None:
+    reader, writer = connect(store_url), connect(store_url)
     assert reader.list("p/") == []
     writer.put("p/1", b"1")
     assert reader.list("p/") == ["p/1"]
@@ -119,8 +146,8 @@ def test_listing_is_never_cached(store_url: str) -> None:
     assert not reader.exists("p/1")
 
 
-def test_delete_removes_and_absent_is_ok(store_url: str) -> None:
-    store = open_store(store_url)
+def test_delete_removes_and_absent_is_ok(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     store.put("d/x", b"x")
     store.delete("d/x")
     assert not store.exists("d/x")
@@ -129,8 +156,8 @@ def test_delete_removes_and_absent_is_ok(store_url: str) -> None:
     assert store.list("") == []
 
 
-def test_put_if_absent_is_exclusive(store_url: str) -> None:
-    store, other = open_store(store_url), open_store(store_url)
+def test_put_if_absent_is_exclusive(store_url: str, connect: Connect) -> None:
+    store, other = connect(store_url), connect(store_url)
     store.put_if_absent("v/1.json", b"winner")
     with pytest.raises(Conflict):
         other.put_if_absent("v/1.json", b"loser")
@@ -141,8 +168,8 @@ def test_put_if_absent_is_exclusive(store_url: str) -> None:
     assert store.list("") == ["v/1.json"]
 
 
-def test_bad_keys_are_rejected_before_any_io(store_url: str) -> None:
-    store = open_store(store_url)
+def test_bad_keys_are_rejected_before_any_io(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
     for key in BAD_KEYS:
         for call in (store.get, store.get_size, store.exists, store.delete):
             with pytest.raises(BadRequest):
@@ -156,15 +183,16 @@ def test_bad_keys_are_rejected_before_any_io(store_url: str) -> None:
     assert store.list("") == []
 
 
-def test_json_helpers_roundtrip(store_url: str) -> None:
-    store = open_store(store_url)
-    write_json(store, "r/run.json", {"b": 1, "a": [1, 2]}, exclusive=True)
-    assert read_json(store, "r/run.json") == {"a": [1, 2], "b": 1}
+def test_record_helpers_roundtrip(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
+    record = StopRequest(reason="done", t=1.5)
+    write_record(store, "r/control/stop", record, exclusive=True)
+    assert read_record(store, "r/control/stop", StopRequest) == record
     with pytest.raises(Conflict):
-        write_json(store, "r/run.json", {"other": True}, exclusive=True)
+        write_record(store, "r/control/stop", StopRequest(reason="other", t=2.0), exclusive=True)
     store.put("r/broken.json", b"{not json")
-    with pytest.raises(ManifestError):
-        read_json(store, "r/broken.json")
+    with pytest.raises(RecordError):
+        read_record(store, "r/broken.json", StopRequest)
 
 
 def _manifest(run_id: str, version: int, merger_id: str = "m0") -> Manifest:
@@ -172,9 +200,10 @@ def _manifest(run_id: str, version: int, merger_id: str = "m0") -> Manifest:
                     params_key=RunKeys(run_id).params(version, "0123abcd"), params_checksum="c")
 
 
-def test_commit_protocol(store_url: str) -> None:
-    store, keys = open_store(store_url), RunKeys("run-1")
+def test_commit_protocol(store_url: str, connect: Connect) -> None:
+    store, keys = connect(store_url), RunKeys("run-1")
     assert latest_version(store, keys) is None and read_latest(store, keys) is None
+    assert list_versions(store, keys) == []
     assert not manifest_exists(store, keys, 0)
     for version in range(3):
         commit(store, keys, _manifest("run-1", version))
@@ -182,6 +211,7 @@ def test_commit_protocol(store_url: str) -> None:
         commit(store, keys, _manifest("run-1", 2, merger_id="late"))
     store.put(keys.versions_prefix() + "garbage.txt", b"not a manifest")
     assert latest_version(store, keys) == 2
+    assert list_versions(store, keys) == [0, 1, 2]  # sorted; the garbage key is not a version
     assert read_latest(store, keys) == _manifest("run-1", 2)
     assert read_manifest(store, keys, 1) == _manifest("run-1", 1)
     assert manifest_exists(store, keys, 2) and not manifest_exists(store, keys, 3)
@@ -301,129 +331,3 @@ def test_dead_endpoint_is_transient_after_bounded_retries(s3_url: str, monkeypat
     store._backend.fs.retries = 1  # type: ignore[attr-defined]  # s3fs's own retry loop: keep it short
     with pytest.raises(TransientError):
         store.get("k")
-
-
-# ---------------------------------------------------------------- the translation table
-
-
-def _client_error(code: str, status: int, condition: str = "") -> ClientError:
-    error = {"Code": code, "Message": f"{code} happened"}
-    if condition:
-        error["Condition"] = condition
-    return ClientError({"Error": error, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
-
-
-@pytest.mark.parametrize(
-    "code, status, kind",
-    [
-        ("SlowDown", 503, TransientError),
-        ("ServiceUnavailable", 503, TransientError),
-        ("InternalError", 500, TransientError),
-        ("502", 502, TransientError),
-        ("ThrottlingException", 400, TransientError),
-        ("TooManyRequests", 429, TransientError),
-        ("PreconditionFailed", 412, Conflict),
-        ("ConditionalRequestConflict", 409, Conflict),
-        ("AccessDenied", 403, PermissionDenied),
-        ("Unauthorized", 401, PermissionDenied),
-        ("InvalidAccessKeyId", 403, PermissionDenied),
-        ("InvalidArgument", 400, BadRequest),
-        ("SomethingNew", 400, BadRequest),
-        ("NoSuchKey", 404, NotFound),
-        ("NoSuchBucket", 404, BadRequest),
-    ],
-)
-def test_client_errors_translate(code: str, status: int, kind: type[StorageError]) -> None:
-    raw = _client_error(code, status, condition="If-None-Match" if status == 412 else "")
-    wrapped = translate_boto_error(raw)  # what s3fs actually raises: an OSError with the cause attached
-    for exc in (raw, wrapped):
-        err = translate_error(exc, key="k")
-        assert type(err) is kind, (exc, err)
-        assert err.__cause__ is exc
-
-
-@pytest.mark.parametrize(
-    "exc, kind",
-    [
-        (FileExistsError(errno.EEXIST, "exists"), Conflict),
-        (OSError(errno.EEXIST, "exists"), Conflict),
-        (FileNotFoundError(errno.ENOENT, "gone"), NotFound),
-        (PermissionError(errno.EACCES, "no"), PermissionDenied),
-        (ConnectionResetError(errno.ECONNRESET, "reset"), TransientError),
-        (TimeoutError("slow"), TransientError),
-        (OSError(errno.EBUSY, "busy"), TransientError),
-        (OSError(errno.ENAMETOOLONG, "long"), BadRequest),
-        (OSError(errno.ENOSPC, "full"), StorageError),
-        (EndpointConnectionError(endpoint_url="http://x"), TransientError),
-        (ReadTimeoutError(endpoint_url="http://x"), TransientError),
-        (NoCredentialsError(), PermissionDenied),
-    ],
-)
-def test_os_and_botocore_errors_translate(exc: BaseException, kind: type[StorageError]) -> None:
-    assert type(translate_error(exc)) is kind
-
-
-def test_folder_collisions_depend_on_direction() -> None:
-    assert type(translate_error(IsADirectoryError(errno.EISDIR, "dir"))) is NotFound
-    assert type(translate_error(IsADirectoryError(errno.EISDIR, "dir"), writing=True)) is BadRequest
-
-
-# ---------------------------------------------------------------- the retry loop
-
-
-class _Flaky:
-    """Raises the given real exceptions in order, then returns 'ok'."""
-
-    def __init__(self, *failures: BaseException) -> None:
-        self.failures, self.calls = list(failures), 0
-
-    def __call__(self) -> str:
-        self.calls += 1
-        if self.failures:
-            raise self.failures.pop(0)
-        return "ok"
-
-
-def test_transient_errors_are_retried_then_succeed() -> None:
-    waits: list[float] = []
-    flaky = _Flaky(translate_boto_error(_client_error("SlowDown", 503)), ConnectionResetError())
-    assert call_with_retries(flaky, max_retries=5, sleep=waits.append) == "ok"
-    assert flaky.calls == 3 and len(waits) == 2 and all(w > 0 for w in waits)
-
-
-def test_retries_are_bounded() -> None:
-    waits: list[float] = []
-    flaky = _Flaky(*[TimeoutError()] * 10)
-    with pytest.raises(TransientError):
-        call_with_retries(flaky, max_retries=3, sleep=waits.append)
-    assert flaky.calls == 4 and len(waits) == 3
-
-
-@pytest.mark.parametrize(
-    "exc, kind",
-    [
-        (_client_error("AccessDenied", 403), PermissionDenied),
-        (_client_error("InvalidArgument", 400), BadRequest),
-        (_client_error("PreconditionFailed", 412), Conflict),
-        (FileNotFoundError(), NotFound),
-    ],
-)
-def test_permanent_errors_are_never_retried(exc: BaseException, kind: type[StorageError]) -> None:
-    waits: list[float] = []
-    flaky = _Flaky(exc)
-    with pytest.raises(kind):
-        call_with_retries(flaky, max_retries=5, sleep=waits.append)
-    assert flaky.calls == 1 and waits == []
-
-
-def test_bugs_are_not_translated() -> None:
-    with pytest.raises(ZeroDivisionError):
-        call_with_retries(lambda: 1 // 0, max_retries=3, sleep=lambda _s: None)
-
-
-def test_backoff_is_jittered_exponential_and_capped() -> None:
-    for attempt in range(12):
-        cap = min(2.0, 0.05 * 2**attempt)
-        samples = {backoff_s(attempt) for _ in range(20)}
-        assert all(cap / 2 <= s <= cap for s in samples)
-        assert len(samples) > 1

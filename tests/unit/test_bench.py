@@ -111,6 +111,17 @@ def test_counting_store_counts_by_kind(tmp_path) -> None:
     assert object_kind("run/versions/00000000000000000001.json") == "manifest"
 
 
+
+def test_counting_store_views_count_too(tmp_path) -> None:
+    store = CountingStore(open_store(f"file://{tmp_path}"))
+    quick = store.with_retries(1)  # what a learner's heartbeats and probes go through
+    assert isinstance(quick, CountingStore) and quick.max_retries == 1 and store.max_retries == 5
+    quick.put("run/learners/a-0/status.json", b"y" * 3)
+    assert quick.get("run/learners/a-0/status.json") == b"y" * 3
+    assert store.sent["other"] == 3 and store.received["other"] == 3
+    store.reset()
+    assert sum(quick.sent.values()) == 0
+
 # ---- smoke runs ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_quality_quick_smoke(tmp_path) -> None:

@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from diloco.storage.keys import (
-    KeyError_,
+    InvalidName,
     RunKeys,
     new_nonce,
     parse_delta_key,
@@ -73,11 +73,11 @@ def test_padded_seqs_sort_lexically_in_numeric_order(seqs: list[int]) -> None:
      "١٢", None, 3, b"abc"],
 )
 def test_hostile_learner_names_are_rejected(name: object) -> None:
-    with pytest.raises(KeyError_, match="learner name"):
+    with pytest.raises(InvalidName, match="learner name"):
         validate_learner_name(name)  # type: ignore[arg-type]
-    with pytest.raises(KeyError_):
+    with pytest.raises(InvalidName):
         K.delta(name, 0)  # type: ignore[arg-type]
-    with pytest.raises(KeyError_):
+    with pytest.raises(InvalidName):
         K.status(name)  # type: ignore[arg-type]
 
 
@@ -90,9 +90,9 @@ def test_good_learner_names_are_accepted(name: str) -> None:
     "run_id", ["", ".", "..", "a..b", "-a", ".a", "_a", "A", "a/b", "a\\b", "r" * 65, "é", "a\n", "a b", None]
 )
 def test_bad_run_ids_are_rejected(run_id: object) -> None:
-    with pytest.raises(KeyError_, match="run id"):
+    with pytest.raises(InvalidName, match="run id"):
         validate_run_id(run_id)  # type: ignore[arg-type]
-    with pytest.raises(KeyError_):
+    with pytest.raises(InvalidName):
         RunKeys(run_id)  # type: ignore[arg-type]
 
 
@@ -104,19 +104,19 @@ def test_good_run_ids_are_accepted(run_id: str) -> None:
 @pytest.mark.parametrize("bad", [-1, 10**20, True, 1.0, "3", None])
 def test_bad_versions_are_rejected(bad: object) -> None:
     for build in (K.manifest, K.eval, lambda v: K.params(v, NONCE)):
-        with pytest.raises(KeyError_, match="version"):
+        with pytest.raises(InvalidName, match="version"):
             build(bad)
 
 
 @pytest.mark.parametrize("bad", [-1, 10**12, False, 2.0, "1"])
 def test_bad_seqs_are_rejected(bad: object) -> None:
-    with pytest.raises(KeyError_, match="seq"):
+    with pytest.raises(InvalidName, match="seq"):
         K.delta("a", bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("nonce", ["", "abc", "0123456G", "ABCDEF01", "a" * 33, "../../x", "0123abcd/"])
 def test_bad_nonces_are_rejected(nonce: str) -> None:
-    with pytest.raises(KeyError_, match="nonce"):
+    with pytest.raises(InvalidName, match="nonce"):
         K.params(1, nonce)
 
 
@@ -124,7 +124,7 @@ def test_bad_nonces_are_rejected(nonce: str) -> None:
 def test_bad_names_are_rejected(name: str) -> None:
     for build in (lambda n: K.checkpoint("a", n), lambda n: K.event(n, "x"), lambda n: K.event("a", n),
                   K.control):
-        with pytest.raises(KeyError_):
+        with pytest.raises(InvalidName):
             build(name)
 
 
@@ -186,7 +186,7 @@ def test_no_accepted_input_escapes_the_run(
 ) -> None:
     try:
         keys = RunKeys(run_id)
-    except KeyError_:
+    except InvalidName:
         return
     builders = [
         lambda: keys.delta(learner, seq), lambda: keys.status(learner), lambda: keys.deltas_prefix(learner),
@@ -196,7 +196,7 @@ def test_no_accepted_input_escapes_the_run(
     for build in builders:
         try:
             key = build()
-        except KeyError_:
+        except InvalidName:
             continue
         assert _inside(run_id, key.rstrip("/")), key
         check_key(key.rstrip("/"))

@@ -17,9 +17,10 @@ import torch
 
 from diloco.configs import load_config
 from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
-from diloco.run import tensors as T
+from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.training.merge import Combiner, delta_weight
 from diloco.training.model import EMBEDDING_PARAMS
+from diloco.training.tensors import add_, clone
 
 M = 3  # learners in the run
 BASE = load_config("tiny").with_overrides({"run.num_learners": M})
@@ -72,12 +73,12 @@ def _old_outer_step(params, outer, groups, version, cfg, num_learners, fingerpri
     else:
         momentum = outer.momentum
         exact = {k: outer.residual[k].clone() for k in params}
-    update_bytes = T.encode_tensors(exact, codec_name=cfg.outer.update_codec, kind="update",
+    update_bytes = encode_tensors(exact, codec_name=cfg.outer.update_codec, kind="update",
                                     fingerprint=fingerprint, meta={"version": version + 1})
-    _, shipped = T.decode_tensors(update_bytes)
+    _, shipped = decode_tensors(update_bytes)
     residual = {k: exact[k] - shipped[k] for k in params}
-    new_global = T.clone(params)
-    T.add_(new_global, shipped)
+    new_global = clone(params)
+    add_(new_global, shipped)
     norm = float(torch.sqrt(sum((v.double() ** 2).sum() for v in shipped.values())))
     return update_bytes, new_global, OuterState(momentum, residual), normalised, norm, scale
 

@@ -9,7 +9,6 @@ Run: .venv/bin/pytest tests/unit/test_supervisor_core.py
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from diloco.run.context import RunContext, create_run
 from diloco.run.events import read_events
 from diloco.run.signals import request_remove
 from diloco.storage import open_store
+from diloco.storage.records import LearnerStatus, write_record
 from diloco.supervise import core
 from diloco.supervise.core import ENDED, RUNNING, Job, RoleUnstartable, Supervisor
 
@@ -142,8 +142,9 @@ def test_a_silent_learner_is_killed_and_restarted(ctx: RunContext, sup: Supervis
     job = sup.jobs["a"]
     sup.heal()  # seen running
     job.running_since = time.time() - 60
-    ctx.store.put(ctx.keys.status("a"), json.dumps({"learner": "a", "state": "training",
-                                                    "t": time.time() - 30}).encode())
+    write_record(ctx.store, ctx.keys.status("a"), LearnerStatus(
+        learner="a", state="training", t=time.time() - 30, pid=1, seq=0, base_version=0, step=10, cursor=10,
+        loss=3.0, bytes_published=100))
     sup.heal()  # silent: killed (ended)
     assert sup.backend.killed == [("a", "heartbeat stopped")]
     sup.heal()  # restarted

@@ -1,6 +1,6 @@
-"""Tensor objects in the bucket: torch <-> numpy, and encode/write, read/decode with checks.
+"""Tensor objects in the bucket: encode/write and read/decode tensor dicts through the codec, with checks.
 
-Contract: every tensor object is written by the pickle-free codec and read back with size and
+Contract: every tensor object is written by the pickle-free codec and read back with size, checksum and
 fingerprint checks; callers get fp32 CPU torch tensors.
 """
 
@@ -8,21 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-import torch
-
 from diloco.storage import codec
-from diloco.storage.store import ObjectStore
-
-Tensors = dict[str, torch.Tensor]
-
-
-def to_numpy(tensors: Tensors) -> dict[str, np.ndarray]:
-    return {k: v.detach().to("cpu", torch.float32).contiguous().numpy() for k, v in tensors.items()}
-
-
-def to_torch(arrays: dict[str, np.ndarray]) -> Tensors:
-    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in arrays.items()}
+from diloco.storage.store import Store
+from diloco.training.tensors import Tensors, to_numpy, to_torch
 
 
 def encode_tensors(
@@ -43,7 +31,7 @@ def decode_tensors(
 
 
 def write_tensors(
-    store: ObjectStore, key: str, tensors: Tensors, *, kind: str, fingerprint: str,
+    store: Store, key: str, tensors: Tensors, *, kind: str, fingerprint: str,
     codec_name: str = "fp32", meta: dict[str, Any] | None = None,
 ) -> tuple[int, str]:
     """Encode and put; returns (size in bytes, object checksum)."""
@@ -53,7 +41,7 @@ def write_tensors(
 
 
 def read_tensors(
-    store: ObjectStore, key: str, *, fingerprint: str | None = None, checksum: str | None = None,
+    store: Store, key: str, *, fingerprint: str | None = None, checksum: str | None = None,
     max_bytes: int | None = None,
 ) -> tuple[codec.Header, Tensors]:
     """Get, verify the recorded checksum (when given), decode."""
@@ -61,24 +49,3 @@ def read_tensors(
     if checksum and codec.object_checksum(data) != checksum:
         raise codec.CodecError(f"{key}: checksum {codec.object_checksum(data)} != recorded {checksum}")
     return decode_tensors(data, fingerprint=fingerprint, max_bytes=max_bytes)
-
-
-def add_(target: Tensors, other: Tensors, alpha: float = 1.0) -> None:
-    for k, v in target.items():
-        v.add_(other[k], alpha=alpha)
-
-
-def sub(a: Tensors, b: Tensors) -> Tensors:
-    return {k: a[k] - b[k] for k in a}
-
-
-def clone(t: Tensors) -> Tensors:
-    return {k: v.detach().clone() for k, v in t.items()}
-
-
-def all_finite(t: Tensors) -> bool:
-    return all(bool(torch.isfinite(v).all()) for v in t.values())
-
-
-def same_layout(a: Tensors, b: Tensors) -> bool:
-    return list(a) == list(b) and all(a[k].shape == b[k].shape for k in a)

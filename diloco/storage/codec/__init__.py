@@ -1,0 +1,119 @@
+"""The delta codec: a versioned JSON header plus a block-quantized, shuffled, lz4-framed payload.
+
+Contract: pickle-free; encode(decode(x)) is exact for fp32; decode of a truncated, corrupted,
+oversized, wrong-version or hostile object raises CodecError before allocating anything large.
+The same container carries deltas, full params, compact updates and outer-optimizer state.
+
+Layout byte by byte, error bounds and refusals: docs/CODEC.md. int8/int4 refuse NaN/Inf (CodecError);
+fp32/bf16 carry them so the merger's finiteness check sees them. Here: encode and decode; the header,
+its limits and checks in header.py; the per-tensor streams and lz4 frames in payload.py.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from diloco.storage.codec.header import (
+    CODECS,
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_NAME_CHARS,
+    CodecError,
+    Header,
+    TensorSpec,
+    check_encode_args,
+    elements_of,
+    fingerprint_of,
+    object_checksum,
+    pack_header,
+    read_header,
+    read_layout,
+    stream_bytes,
+)
+from diloco.storage.codec.payload import decode_stream, encode_stream, frame_stream, unframe_stream
+
+__all__ = ["CODECS", "FORMAT_VERSION", "MAGIC", "CodecError", "Header", "TensorSpec", "decode", "encode",
+           "fingerprint_of", "object_checksum", "read_header"]
+
+
+def _as_input(name: Any, value: Any) -> np.ndarray:
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+        raise CodecError(
+            f"tensor names must be non-empty strings of at most {MAX_NAME_CHARS} chars, got {name!r}"
+        )
+    arr = np.asarray(value)
+    if arr.dtype != np.float32:
+        raise CodecError(f"tensor {name!r} has dtype {arr.dtype}; the codec takes float32")
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
+
+
+def encode(
+    tensors: Mapping[str, np.ndarray],
+    *,
+    codec: str,
+    kind: str,
+    fingerprint: str,
+    meta: Mapping[str, Any] | None = None,
+    shuffle: bool = True,
+    block_size: int = 256,
+) -> bytes:
+    """float32 arrays (in the given order) -> bytes. meta must be JSON-serialisable.
+
+    shuffle applies to fp32/bf16 only (int8/int4 bytes have no planes); the header records the
+    effective value. int8/int4 raise CodecError on NaN/Inf; fp32/bf16 carry them.
+    """
+    check_encode_args(codec, kind, fingerprint, block_size)
+    if meta is not None and not isinstance(meta, Mapping):
+        raise CodecError(f"meta must be a mapping, got {type(meta).__name__}")
+    shuffle = bool(shuffle) and codec in ("fp32", "bf16")
+    parts: list[Any] = []
+    entries = []
+    crc = 0
+    for name, value in tensors.items():
+        arr = _as_input(name, value)
+        frames, lengths = frame_stream(encode_stream(arr.reshape(-1), codec, shuffle, block_size, name))
+        for part in frames:
+            crc = zlib.crc32(part, crc)
+        parts += frames
+        entries.append({"name": name, "shape": list(arr.shape), "frames": lengths})
+    fields = {
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "codec": codec,
+        "block_size": block_size,
+        "shuffle": shuffle,
+        "fingerprint": fingerprint,
+        "meta": dict(meta or {}),
+        "tensors": entries,
+        "payload_bytes": sum(sum(e["frames"]) for e in entries),
+        "payload_crc32": crc,
+    }
+    return b"".join([pack_header(fields), *parts])
+
+
+def decode(
+    data: bytes, *, max_bytes: int | None = None, expected_fingerprint: str | None = None
+) -> tuple[Header, dict[str, np.ndarray]]:
+    """bytes -> (header, float32 arrays). Verifies the checksum and every size before allocating."""
+    layout = read_layout(data, max_bytes, allow_partial=False)
+    header = layout.header
+    if expected_fingerprint is not None and header.fingerprint != expected_fingerprint:
+        raise CodecError(
+            f"fingerprint mismatch: object has {header.fingerprint!r}, expected {expected_fingerprint!r}"
+        )
+    view = memoryview(data).cast("B")
+    payload = view[layout.payload_offset :]
+    if zlib.crc32(payload) != layout.payload_crc32:
+        raise CodecError("payload checksum mismatch: the payload is corrupt")
+    out: dict[str, np.ndarray] = {}
+    pos = 0
+    for spec, stored in zip(header.tensors, layout.frames, strict=True):
+        raw = stream_bytes(header.codec, elements_of(spec.shape), header.block_size)
+        stream = unframe_stream(payload[pos : pos + sum(stored)], stored, raw, spec.name)
+        pos += sum(stored)
+        out[spec.name] = decode_stream(stream, header.codec, header.shuffle, header.block_size, spec)
+    return header, out

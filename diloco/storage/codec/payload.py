@@ -1,0 +1,192 @@
+"""The codec's payload: per-tensor streams (fp32, bf16, block-quantized int8/int4, byte-shuffled) and
+their lz4 frames.
+
+Contract: encode_stream / decode_stream are exact inverses for fp32 and bounded-error for int8/int4
+(half a step per block); unframe_stream trusts only frame lengths the header has already validated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lz4.block
+import numpy as np
+
+from diloco.storage.codec.header import (
+    FRAME_BYTES,
+    CodecError,
+    TensorSpec,
+    elements_of,
+    frame_sizes,
+    stream_bytes,
+)
+
+_LEVELS = {"int8": 127, "int4": 7}
+_CHUNK_ELEMENTS = 1 << 16  # quantize in 256 KiB chunks so temporaries stay in L2
+
+
+# ---------------------------------------------------------------------------------- quantizers
+
+
+def _quantize_rows(x2: np.ndarray, scales: np.ndarray, out: np.ndarray, codec: str, name: str) -> None:
+    """x2 (rows, B) f32 -> scales (rows,) f32 and out: int8 (rows, B) or int4 packed (rows, B/2)."""
+    rows, bsz = x2.shape
+    levels = _LEVELS[codec]
+    step = max(1, _CHUNK_ELEMENTS // bsz)
+    t = np.empty((min(step, rows), bsz), np.float32)  # (R, B) scratch, stays in cache
+    amax = np.empty(min(step, rows), np.float32)
+    inv = np.empty((min(step, rows), 1), np.float32)
+    q8 = np.empty((min(step, rows), bsz), np.int8) if codec == "int4" else None
+    for s in range(0, rows, step):
+        e = min(rows, s + step)
+        xs, ts, am, iv = x2[s:e], t[: e - s], amax[: e - s], inv[: e - s]
+        np.abs(xs, out=ts)
+        np.max(ts, axis=1, out=am)
+        if not np.isfinite(am).all():
+            raise CodecError(f"non-finite values in tensor {name!r}: {codec} cannot carry NaN/Inf")
+        np.divide(levels, am[:, None], out=iv, where=am[:, None] > 0)
+        iv[am == 0] = 0.0
+        np.multiply(xs, iv, out=ts)
+        np.rint(ts, out=ts)  # |ts| <= levels: no clipping needed
+        np.multiply(am, 1.0 / levels, out=scales[s:e])
+        if q8 is None:
+            np.copyto(out[s:e], ts, casting="unsafe")
+        else:
+            _pack_int4(ts, q8[: e - s], out[s:e])
+
+
+def _pack_int4(ts: np.ndarray, q8: np.ndarray, packed: np.ndarray) -> None:
+    """ts (R, B) integral floats in -7..7 -> packed (R, B/2): low nibble first half, high second."""
+    h = ts.shape[1] // 2
+    np.copyto(q8, ts, casting="unsafe")
+    lo, hi = q8[:, :h], q8[:, h:]
+    np.left_shift(hi, 4, out=hi)
+    np.bitwise_and(lo, 0x0F, out=lo)
+    np.bitwise_or(lo, hi, out=packed)
+
+
+def _dequantize_rows(scales: np.ndarray, q: np.ndarray, y2: np.ndarray, codec: str) -> None:
+    """Inverse of _quantize_rows: scales (rows,), q int8 (rows, B) or packed (rows, B/2) -> y2."""
+    rows, bsz = y2.shape
+    if codec == "int8":
+        np.multiply(q, scales[:, None], out=y2)
+        return
+    h = bsz // 2
+    step = max(1, _CHUNK_ELEMENTS // bsz)
+    lo = np.empty((min(step, rows), h), np.int8)
+    for s in range(0, rows, step):
+        e = min(rows, s + step)
+        p, ls, sc = q[s:e], lo[: e - s], scales[s:e, None]
+        np.left_shift(p, 4, out=ls)
+        np.right_shift(ls, 4, out=ls)  # arithmetic: sign-extends the low nibble
+        np.multiply(ls, sc, out=y2[s:e, :h])
+        np.right_shift(p, 4, out=ls)
+        np.multiply(ls, sc, out=y2[s:e, h:])
+
+
+def _to_bf16(x: np.ndarray) -> np.ndarray:
+    """f32 (n,) -> bf16 bits as u16 (n,), round-to-nearest-even; NaN stays NaN (torch's cast)."""
+    import torch  # local: only bf16 needs it, and torch's cast uses the CPU's bf16 instructions
+
+    return torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def _from_bf16(h: np.ndarray) -> np.ndarray:
+    """bf16 bits u16 (n,) -> f32 (n,): exact (a bf16 is the top half of an f32)."""
+    y = h.astype(np.uint32)
+    np.left_shift(y, 16, out=y)
+    return y.view(np.float32)
+
+
+def _shuffle(u8: np.ndarray, width: int) -> np.ndarray:
+    """(n*width,) bytes -> byte planes: all first bytes, then all second bytes, ..."""
+    return np.ascontiguousarray(u8.reshape(-1, width).T).reshape(-1)
+
+
+def _unshuffle(u8: np.ndarray, width: int) -> np.ndarray:
+    return np.ascontiguousarray(u8.reshape(width, -1).T).reshape(-1)
+
+
+def encode_stream(x: np.ndarray, codec: str, shuffle: bool, block_size: int, name: str) -> np.ndarray:
+    """One tensor, flat contiguous f32 (n,) -> its raw payload stream (u8)."""
+    if codec == "fp32":
+        u8 = x.view(np.uint8)
+        return _shuffle(u8, 4) if shuffle else u8
+    if codec == "bf16":
+        u8 = _to_bf16(x).view(np.uint8)
+        return _shuffle(u8, 2) if shuffle else u8
+    n, bsz = x.size, block_size
+    nb, nfull = -(-n // bsz), n // bsz
+    stream = np.empty(stream_bytes(codec, n, bsz), np.uint8)
+    scales = stream[: 4 * nb].view(np.float32)
+    q = stream[4 * nb :].view(np.int8).reshape(nb, bsz if codec == "int8" else bsz // 2)
+    if nfull:
+        _quantize_rows(x[: nfull * bsz].reshape(nfull, bsz), scales[:nfull], q[:nfull], codec, name)
+    if nb > nfull:  # zero-padded last block
+        pad = np.zeros((1, bsz), np.float32)
+        pad[0, : n - nfull * bsz] = x[nfull * bsz :]
+        _quantize_rows(pad, scales[nfull:], q[nfull:], codec, name)
+    return stream
+
+
+def decode_stream(
+    stream: np.ndarray, codec: str, shuffle: bool, block_size: int, spec: TensorSpec
+) -> np.ndarray:
+    """Inverse of encode_stream; returns a fresh writable f32 array of spec.shape."""
+    n, bsz = elements_of(spec.shape), block_size
+    if codec == "fp32":
+        y = _unshuffle(stream, 4) if shuffle else stream.copy()
+        return y.view(np.float32).reshape(spec.shape)
+    if codec == "bf16":
+        h = _unshuffle(stream, 2) if shuffle else stream.copy()
+        return _from_bf16(h.view(np.uint16)).reshape(spec.shape)
+    nb, nfull = -(-n // bsz), n // bsz
+    scales = stream[: 4 * nb].copy().view(np.float32)  # copy: aligned, and small
+    if not (np.isfinite(scales).all() and (scales >= 0).all()):
+        raise CodecError(f"tensor {spec.name!r}: block scales must be finite and >= 0")
+    q = stream[4 * nb :].view(np.int8).reshape(nb, bsz if codec == "int8" else bsz // 2)
+    y = np.empty(n, np.float32)
+    if nfull:
+        _dequantize_rows(scales[:nfull], q[:nfull], y[: nfull * bsz].reshape(nfull, bsz), codec)
+    if nb > nfull:
+        pad = np.empty((1, bsz), np.float32)
+        _dequantize_rows(scales[nfull:], q[nfull:], pad, codec)
+        y[nfull * bsz :] = pad[0, : n - nfull * bsz]
+    return y.reshape(spec.shape)
+
+
+# ------------------------------------------------------------------------------------- framing
+
+
+def frame_stream(stream: np.ndarray) -> tuple[list[Any], list[int]]:
+    """Raw stream -> (frame buffers, stored lengths). A frame lz4 cannot shrink is stored raw."""
+    view = memoryview(stream).cast("B")
+    parts, lengths = [], []
+    for start in range(0, len(view), FRAME_BYTES):
+        raw = view[start : start + FRAME_BYTES]
+        packed = lz4.block.compress(raw, store_size=False)
+        part = packed if len(packed) < len(raw) else raw
+        parts.append(part)
+        lengths.append(len(part))
+    return parts, lengths
+
+
+def unframe_stream(view: memoryview, stored: list[int], raw_bytes: int, name: str) -> np.ndarray:
+    """Stored frames (lengths already validated against the header) -> the raw stream (u8)."""
+    sizes = frame_sizes(raw_bytes)
+    out = np.empty(raw_bytes, np.uint8) if len(sizes) > 1 else None
+    pos = 0
+    for i, (length, size) in enumerate(zip(stored, sizes, strict=True)):
+        frame = view[pos : pos + length]
+        pos += length
+        if length < size:
+            try:
+                frame = lz4.block.decompress(frame, uncompressed_size=size)
+            except lz4.block.LZ4BlockError as exc:
+                raise CodecError(f"tensor {name!r}: lz4 frame {i} is corrupt ({exc})") from None
+            if len(frame) != size:
+                raise CodecError(f"tensor {name!r}: lz4 frame {i} holds {len(frame)} bytes, expected {size}")
+        if out is None:
+            return np.frombuffer(frame, np.uint8)
+        out[i * FRAME_BYTES : i * FRAME_BYTES + size] = np.frombuffer(frame, np.uint8)
+    return out if out is not None else np.empty(0, np.uint8)
