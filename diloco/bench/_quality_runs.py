@@ -142,7 +142,7 @@ def _drive(cfg: Config, method: Method, learners: list[Learner], merger: Merger,
         merged_per_round.append(len(manifest.merged()))
         if method.mode == "sync":
             for learner in learners:
-                if manifest.version > learner.base:
+                if manifest.version > learner.state.base:
                     learner.install(manifest.version)
         if tokens >= next_eval or tokens >= target_tokens:
             curve.append((tokens, held.loss(merger.params)))

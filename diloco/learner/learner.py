@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.learner.courier import Courier
-from diloco.learner.local_state import LocalState, Saved
+from diloco.learner.local_state import LocalState
 from diloco.learner.publisher import Publisher
+from diloco.learner.resume import resume
+from diloco.learner.state import LearnerState
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
 from diloco.storage import (
-    Manifest,
-    NotFound,
     StorageError,
     latest_version,
     manifest_exists,
@@ -31,7 +31,6 @@ from diloco.storage import (
     read_manifest,
 )
 from diloco.storage.codec import CodecError
-from diloco.storage.keys import parse_delta_key
 from diloco.storage.records import LearnerStatus, write_record
 from diloco.training.data import Corpus, ShardSampler, shard_of
 from diloco.training.inner import InnerTrainer
@@ -81,86 +80,36 @@ class Learner:
         self.courier = Courier(f"courier-{name}")  # statuses and event flushes, off the training thread
         self.publisher = Publisher(ctx.store, self.events, on_landed=self.local.unspool if self.local else None)
         self.model = build_model(self.cfg.model, seed=self.cfg.data.seed).to(self.device)
-        self.base = -1
-        self.seq = 0
-        self.glob: Tensors = {}
-        self.ref: Tensors = {}
-        self.tokens_since_publish = 0
-        self.steps_since_publish = 0
+        self.trainer = InnerTrainer(self.model, self.cfg.inner, device=self.device)
+        shard, num_shards = shard_of(name, ctx.learners)
+        self.sampler = ShardSampler(corpus.train, shard, num_shards, self.cfg.data.batch_size,
+                                    self.cfg.model.ctx_len, self.cfg.data.seed)
+        self.state = LearnerState()
         self.loss_ema = float("nan")
         self.phase_t0 = time.time()
         self._last_beat = 0.0
 
     # ---- join / rejoin -------------------------------------------------------------------
     def join(self) -> int:
-        """Resume from this host's local state when it is current; else start from the newest committed
-        version, resuming optimizer state and data cursor from the bucket's checkpoint."""
-        saved = self.local.load() if self.local else None
-        if saved is not None and self._resume_local(saved):
-            return self.base
-        manifest = read_latest(self.ctx.store, self.ctx.keys)
-        if manifest is None:
-            raise RuntimeError(f"run {self.ctx.run_id} has no committed version")
-        self._load_full(manifest)
-        self._set_theta(clone(self.glob))
-        self.seq = self._next_seq(manifest)
-        self.trainer = InnerTrainer(self.model, self.cfg.inner, device=self.device)
-        step, cursor = self._restore_checkpoint()
-        self._joined(cursor, step)
-        return self.base
-
-    def _joined(self, cursor: int, step: int, **extra: object) -> None:
-        shard, num_shards = shard_of(self.name, self.ctx.learners)
-        self.sampler = ShardSampler(
-            self.corpus.train, shard, num_shards, self.cfg.data.batch_size, self.cfg.model.ctx_len,
-            self.cfg.data.seed, cursor=cursor,
-        )
-        self.events.emit("join", learner=self.name, version=self.base, seq=self.seq, cursor=cursor, step=step,
-                         **extra)
+        """Resume (diloco.learner.resume: this host's local state when it is current, else the newest committed
+        version with the bucket checkpoint's optimizer state and data cursor); returns the base version."""
+        resumed = resume(self.ctx, self.name, local=self.local, events=self.events, set_theta=self._set_theta,
+                         import_optimizer=self._import_optimizer, requeue=self._requeue,
+                         use_checkpoint=self.cfg.learner.checkpoint)
+        self.state, self.sampler.cursor = resumed.state, resumed.cursor
+        self.events.emit("join", learner=self.name, version=self.state.base, seq=self.state.seq,
+                         cursor=resumed.cursor, step=resumed.step, **resumed.extra)
         self.heartbeat("joined", force=True, wait=True)  # the supervisor reads it to see the join
-        log.info("learner %s joined at version %d, next seq %d, data cursor %d, step %d %s",
-                 self.name, self.base, self.seq, cursor, step, extra or "")
+        log.info("learner %s joined at version %d, next seq %d, data cursor %d, step %d %s", self.name,
+                 self.state.base, self.state.seq, resumed.cursor, resumed.step, resumed.extra or "")
+        return self.state.base
 
-    def _resume_local(self, saved: Saved) -> bool:
-        """Continue from the local state (no download): True, or False (state cleared) when the bucket
-        has moved past it — a seq of ours listed or decided beyond it. Without the bucket (an outage)
-        the state is trusted: the publisher's exclusive create still fences a duplicate."""
-        meta = saved.meta
-        next_seq = int(meta["next_seq"])
-        try:
-            manifest = read_latest(self.ctx.store, self.ctx.keys)
-            bucket_next = self._next_seq(manifest) if manifest is not None else 0
-        except StorageError as err:
-            log.warning("learner %s: bucket unreachable (%s); resuming from local state unchecked", self.name, err)
-            bucket_next = None
-        if bucket_next is not None and bucket_next > next_seq:
-            log.info("learner %s: local state (next seq %d) is behind the bucket (%d); dropped",
-                     self.name, next_seq, bucket_next)
-            self.local.clear()
-            return False
-        self.trainer = InnerTrainer(self.model, self.cfg.inner, device=self.device)
-        try:
-            self.trainer.import_state(saved.parts["opt"], meta.get("optimizer") or {})
-            self._set_theta(saved.parts["theta"])
-        except (ValueError, KeyError, RuntimeError) as err:
-            log.warning("learner %s: local state does not fit (%s); dropped", self.name, err)
-            self.local.clear()
-            return False
-        self.glob, self.ref, self.base, self.seq = saved.parts["glob"], saved.parts["ref"], int(meta["base_version"]), next_seq
-        self.steps_since_publish = int(meta.get("steps_since_publish", 0))
-        self.tokens_since_publish = int(meta.get("tokens_since_publish", 0))
-        requeued = []
-        for seq, data in self.local.spooled():
-            if seq >= next_seq:  # written just before a crash that the state does not include: redone
-                self.local.unspool(seq)
-            elif bucket_next is None or seq >= bucket_next:
-                self.publisher.requeue(self.ctx.keys.delta(self.name, seq), data, seq=seq)
-                requeued.append(seq)
-            else:
-                self.local.unspool(seq)  # listed or decided already
-        self._joined(int(meta["cursor"]), self.trainer.step, local=True, requeued=requeued,
-                     unshipped_steps=self.steps_since_publish)
-        return True
+    def _import_optimizer(self, tensors: Tensors, meta: dict) -> int:
+        self.trainer.import_state(tensors, meta)
+        return self.trainer.step
+
+    def _requeue(self, seq: int, data: bytes) -> None:
+        self.publisher.requeue(self.ctx.keys.delta(self.name, seq), data, seq=seq)
 
     def save_local(self, exported: tuple[Tensors, dict] | None = None) -> None:
         """Snapshot the whole state (copies; `exported`: the optimizer state already copied) and queue
@@ -168,44 +117,10 @@ class Learner:
         if self.local is None:
             return
         opt, opt_meta = exported or self.trainer.export_state()
-        meta = {"learner": self.name, "next_seq": self.seq, "base_version": self.base, "step": self.trainer.step,
-                "cursor": self.sampler.cursor, "optimizer": opt_meta, "steps_since_publish": self.steps_since_publish,
-                "tokens_since_publish": self.tokens_since_publish}
-        self.local.save({"theta": self.theta(), "ref": clone(self.ref), "glob": self.glob, "opt": opt}, meta)
-
-    def _next_seq(self, manifest: Manifest) -> int:
-        listed = [parse_delta_key(k) for k in self.ctx.store.list(self.ctx.keys.deltas_prefix(self.name))]
-        seqs = [p[1] for p in listed if p and p[0] == self.name]
-        return max([*seqs, manifest.cursors.get(self.name, -1)]) + 1
-
-    def _restore_checkpoint(self) -> tuple[int, int]:
-        if not self.cfg.learner.checkpoint:
-            return 0, 0
-        try:
-            header, state = read_tensors(self.ctx.store, self.ctx.keys.checkpoint(self.name, "state"))
-        except NotFound:
-            return 0, 0
-        except (CodecError, StorageError) as err:
-            log.warning("learner %s: checkpoint unreadable (%s); starting fresh state", self.name, err)
-            self.events.emit("checkpoint_unreadable", learner=self.name, reason=str(err))
-            return 0, 0
-        meta = header.meta
-        try:
-            self.trainer.import_state(state, meta.get("optimizer") or {})
-        except ValueError as err:
-            log.warning("learner %s: checkpoint does not fit (%s); starting fresh state", self.name, err)
-            self.events.emit("checkpoint_unreadable", learner=self.name, reason=str(err))
-            return 0, 0
-        self.events.emit("resume", learner=self.name, step=meta.get("step"), cursor=meta.get("cursor"),
-                         checkpoint_seq=meta.get("seq"))
-        return int(meta.get("step", 0)), int(meta.get("cursor", 0))
-
-    def _load_full(self, manifest: Manifest) -> None:
-        _, params = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
-                                   checksum=manifest.params_checksum)
-        self.glob = params
-        self.ref = clone(params)
-        self.base = manifest.version
+        meta = {"learner": self.name, "step": self.trainer.step, "cursor": self.sampler.cursor,
+                "optimizer": opt_meta, **self.state.meta()}
+        self.local.save({"theta": self.theta(), "ref": clone(self.state.ref), "glob": self.state.glob, "opt": opt},
+                        meta)
 
     def heartbeat(self, state: str = "training", force: bool = False, wait: bool = False, **phase: float) -> None:
         """Refresh learners/<me>/status.json (at most every HEARTBEAT_EVERY_S unless forced);
@@ -216,8 +131,8 @@ class Learner:
             return
         self._last_beat = now
         status = LearnerStatus.model_validate({
-            "learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.seq - 1,
-            "base_version": self.base, "step": self.trainer.step, "cursor": self.sampler.cursor,
+            "learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.state.seq - 1,
+            "base_version": self.state.base, "step": self.trainer.step, "cursor": self.sampler.cursor,
             "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published, **phase})
         key = self.ctx.keys.status(self.name)
 
@@ -255,8 +170,8 @@ class Learner:
             ts = time.time()
             x, y = self.sampler.next_batch()
             losses.append(self.trainer.train_step(x.to(self.device), y.to(self.device)))
-            self.steps_since_publish += 1
-            self.tokens_since_publish += tokens_per_step
+            self.state.steps_since_publish += 1
+            self.state.tokens_since_publish += tokens_per_step
             if self.slowdown > 1.0:
                 time.sleep((time.time() - ts) * (self.slowdown - 1.0))
             self.heartbeat()
@@ -271,7 +186,7 @@ class Learner:
         stats.loss = sum(losses) / len(losses)
         stats.phase_time_s = time.time() - t0
         self.loss_ema = stats.loss
-        self.events.emit("phase", learner=self.name, version=self.base, steps=stats.steps,
+        self.events.emit("phase", learner=self.name, version=self.state.base, steps=stats.steps,
                          tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss)
         return stats
 
@@ -280,27 +195,27 @@ class Learner:
         """Ship r - theta as delta `seq`; keep the quantization error in r (error feedback).
         Nothing is published (None) when no step was taken since the last delta, or when MAX_PENDING
         deltas are still uploading (not in sync mode): what is in r - theta ships with the next one."""
-        cfg = self.cfg
-        if self.steps_since_publish == 0:
+        cfg, state = self.cfg, self.state
+        if state.steps_since_publish == 0:
             return None
         if cfg.learner.mode != "sync" and self.publisher.full():
             # Storage down or slow: train on rather than wait. Nothing is shipped now; the progress stays
             # in r - theta and ships with the next delta (one delta, its steps and tokens add up).
-            self.events.emit("publish_deferred", learner=self.name, seq=self.seq, steps=self.steps_since_publish)
+            self.events.emit("publish_deferred", learner=self.name, seq=state.seq, steps=state.steps_since_publish)
             self.save_local()
             return None
-        delta = sub(self.ref, self.theta())
-        seq = self.seq
+        delta = sub(state.ref, self.theta())
+        seq = state.seq
         meta = {
-            "learner": self.name, "seq": seq, "base_version": self.base,
-            "tokens": self.tokens_since_publish, "steps": self.steps_since_publish,
+            "learner": self.name, "seq": seq, "base_version": state.base,
+            "tokens": state.tokens_since_publish, "steps": state.steps_since_publish,
             "phase_time_s": time.time() - self.phase_t0, "train_loss": self.loss_ema,
             "created_at": time.time(),
         }
         data = encode_tensors(delta, codec_name=cfg.learner.codec, kind="delta",
                                 fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
         _, shipped = decode_tensors(data)
-        add_(self.ref, shipped, alpha=-1.0)
+        add_(state.ref, shipped, alpha=-1.0)
         # one copy of the optimizer state for both snapshots (encoders only read it)
         exported = self.trainer.export_state() if cfg.learner.checkpoint or self.local is not None else None
         checkpoint = (self.ctx.keys.checkpoint(self.name, "state"), self._checkpoint(seq, exported)) \
@@ -308,14 +223,12 @@ class Learner:
         if self.local is not None:
             self.local.spool(seq, data)  # until it lands: a crash while the bucket is away loses nothing
         stall = self.publisher.submit(self.ctx.keys.delta(self.name, seq), data, seq=seq, checkpoint=checkpoint)
-        self.seq += 1
-        self.tokens_since_publish = 0
-        self.steps_since_publish = 0
+        state.shipped()
         self.phase_t0 = time.time()
         self.save_local(exported)
         if stats is not None:
             stats.seq, stats.stall_s, stats.delta_bytes = seq, stall, len(data)
-        self.events.emit("publish", learner=self.name, seq=seq, version=self.base, bytes=len(data),
+        self.events.emit("publish", learner=self.name, seq=seq, version=state.base, bytes=len(data),
                          tokens=meta["tokens"], steps=meta["steps"], stall_s=stall)
         return seq
 
@@ -323,7 +236,7 @@ class Learner:
         """The bucket checkpoint after delta `seq`: the state copied now, encoded by the publisher's thread."""
         tensors, opt_meta = exported
         meta = {"learner": self.name, "seq": seq, "step": self.trainer.step, "cursor": self.sampler.cursor,
-                "base_version": self.base, "optimizer": opt_meta}
+                "base_version": self.state.base, "optimizer": opt_meta}
         return lambda: encode_tensors(tensors, codec_name="fp32", kind="state",
                                         fingerprint=self.ctx.fingerprint, meta=meta)
 
@@ -331,23 +244,24 @@ class Learner:
     def maybe_install(self) -> int | None:
         """Cheap probe for version base+1; on a newer version install it and return it."""
         try:
-            if not manifest_exists(self.quick, self.ctx.keys, self.base + 1):
+            if not manifest_exists(self.quick, self.ctx.keys, self.state.base + 1):
                 return None
             latest = latest_version(self.ctx.store, self.ctx.keys)
-            if latest is None or latest <= self.base:
+            if latest is None or latest <= self.state.base:
                 return None
             return self.install(latest)
         except (StorageError, CodecError) as err:
             log.warning("learner %s: probe/install failed (%s); training on", self.name, err)
-            self.events.emit("install_failed", learner=self.name, version=self.base, reason=str(err))
+            self.events.emit("install_failed", learner=self.name, version=self.state.base, reason=str(err))
             return None
 
     def install(self, version: int) -> int:
         """Move to `version`: theta = G + (theta - r) (carry) or G (overwrite); r = G."""
-        behind = version - self.base
+        state = self.state
+        behind = version - state.base
         if behind <= self.cfg.learner.max_updates_behind:
-            glob = clone(self.glob)
-            for v in range(self.base + 1, version + 1):
+            glob = clone(state.glob)
+            for v in range(state.base + 1, version + 1):
                 m = read_manifest(self.ctx.store, self.ctx.keys, v)
                 _, update = read_tensors(self.ctx.store, m.update_key, fingerprint=self.ctx.fingerprint,
                                            checksum=m.update_checksum)
@@ -360,11 +274,10 @@ class Learner:
         if self.cfg.learner.mode == "overwrite":
             new_theta = clone(glob)
         else:
-            new_theta = {k: glob[k] + (theta[k] - self.ref[k]) for k in glob}
+            new_theta = {k: glob[k] + (theta[k] - state.ref[k]) for k in glob}
         self._set_theta(new_theta)
-        self.glob, self.ref = glob, clone(glob)
-        self.events.emit("install", learner=self.name, version=version, previous=self.base, behind=behind)
-        self.base = version
+        self.events.emit("install", learner=self.name, version=version, previous=state.base, behind=behind)
+        state.base, state.glob, state.ref = version, glob, clone(glob)
         return version
 
     def wait_for_decision(self, seq: int, timeout_s: float, should_stop=lambda: False) -> int | None:
@@ -376,7 +289,7 @@ class Learner:
             try:
                 m = read_latest(self.ctx.store, self.ctx.keys)
                 if m is not None and m.cursors.get(self.name, -1) >= seq:
-                    return self.install(m.version) if m.version > self.base else self.base
+                    return self.install(m.version) if m.version > self.state.base else self.state.base
             except StorageError as err:
                 log.warning("learner %s: waiting for version failed (%s)", self.name, err)
             time.sleep(self.cfg.merger.poll_interval_s)
@@ -387,5 +300,5 @@ class Learner:
         if self.local is not None:
             self.local.close()
         self.courier.close()
-        self.events.emit("stop", learner=self.name, seq=self.seq, version=self.base)
+        self.events.emit("stop", learner=self.name, seq=self.state.seq, version=self.state.base)
         self.events.flush()

@@ -79,7 +79,7 @@ def test_restart_resumes_mid_phase_from_local_state(tmp_path, corpus):
 
     second = learner(ctx, corpus)
     assert second.join() == saved.meta["base_version"]
-    assert second.seq == 2 and second.steps_since_publish == 5
+    assert second.state.seq == 2 and second.state.steps_since_publish == 5
     assert second.sampler.cursor == saved.meta["cursor"] and second.trainer.step == saved.meta["step"]
     theta = second.theta()
     assert all(torch.equal(theta[k], saved.parts["theta"][k]) for k in theta)
@@ -111,7 +111,7 @@ def test_delta_kept_from_an_outage_lands_after_the_restart(tmp_path, corpus):
 
     second = learner(learner_ctx, corpus)
     second.join()  # the bucket is unreachable: resumes unchecked from the local state
-    assert second.seq == 2
+    assert second.state.seq == 2
     faulty.windows.clear()  # storage is back
     assert second.publisher.drain(timeout_s=60)
     assert ctx.store.get(ctx.keys.delta("local-0", 1)) == spooled[0][1]  # the very bytes computed before the crash
@@ -133,14 +133,14 @@ def test_state_the_bucket_moved_past_is_dropped(tmp_path, corpus, monkeypatch):
     monkeypatch.setenv("DILOCO_LOCAL_DIR", str(tmp_path / "another-host"))
     elsewhere = learner(ctx, corpus)  # the same learner restarted on another host: no local state there
     elsewhere.join()
-    assert elsewhere.seq == 2
+    assert elsewhere.state.seq == 2
     ship(elsewhere, merger, 2)  # seqs 2 and 3
     elsewhere.close()
     monkeypatch.setenv("DILOCO_LOCAL_DIR", str(home.parents[2]))
     back = learner(ctx, corpus)
     assert back.local.dir == home and back.local.load() is not None
     back.join()
-    assert back.seq == 4 and not joins(ctx, back)[-1].get("local")
+    assert back.state.seq == 4 and not joins(ctx, back)[-1].get("local")
     assert back.local.load() is None  # cleared
     back.close()
 
@@ -156,7 +156,7 @@ def test_state_of_another_run_or_unreadable_is_ignored(tmp_path, corpus):
     fresh = learner(ctx2, corpus)
     assert fresh.local.dir == first.local.dir and fresh.local.load() is None
     fresh.join()
-    assert fresh.seq == 0 and fresh.base == 0 and not joins(ctx2, fresh)[-1].get("local")
+    assert fresh.state.seq == 0 and fresh.state.base == 0 and not joins(ctx2, fresh)[-1].get("local")
     fresh.close()
 
     state_file.write_bytes(b"\x00garbage" * 100)  # torn or hostile: never trusted
@@ -178,7 +178,7 @@ def test_an_outage_defers_shipping_not_training(tmp_path, corpus):
     faulty.windows[:] = [StorageWindow(t0=time.time(), outage=True)]
     seqs = [worker.publish(worker.run_phase()) for _ in range(4)]
     assert seqs == [0, 1, None, None]  # two deltas wait for the bucket; then training goes on unshipped
-    assert worker.steps_since_publish == 2 * h
+    assert worker.state.steps_since_publish == 2 * h
     faulty.windows.clear()
     assert worker.publisher.drain(timeout_s=60)
     worker.run_phase()

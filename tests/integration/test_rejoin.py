@@ -40,7 +40,7 @@ def test_restarted_learner_resumes_cursor_step_and_seq(tmp_path):
 
     second = Learner(ctx, "local-0", corpus, events=EventLog(ctx.store, ctx.keys, "local-0"))
     assert second.join() == merger.version == 2
-    assert second.seq == 2  # never reuses a seq
+    assert second.state.seq == 2  # never reuses a seq
     assert second.sampler.cursor == published_cursor  # the unshipped phase is replayed, nothing skipped
     assert second.trainer.step == published_step  # the schedule continues where the shipped work ended
     second.close()

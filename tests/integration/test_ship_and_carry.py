@@ -79,16 +79,16 @@ def test_shipped_plus_carried_is_all_progress(corpus, ops, codec):
         if op == "train":
             learner.run_phase()
         elif op == "publish":
-            before = {k: v.clone() for k, v in learner.ref.items()}
+            before = {k: v.clone() for k, v in learner.state.ref.items()}
             learner.publish()
             learner.publisher.drain()
             for k in shipped:  # progress shipped = what left the reference
-                shipped[k] += before[k] - learner.ref[k]
+                shipped[k] += before[k] - learner.state.ref[k]
         elif op == "merge":
             merger.merge_once(_once())
         else:
             learner.maybe_install()
-        carried = {k: learner.theta()[k] - learner.ref[k] for k in shipped}
+        carried = {k: learner.theta()[k] - learner.state.ref[k] for k in shipped}
         for k in shipped:  # shipped (as progress) + carried == all local progress
             assert torch.allclose(-shipped[k] + carried[k], meter.total[k], atol=1e-5), op
     # one learner, outer lr 1, no momentum: the global is exactly the start plus what was shipped

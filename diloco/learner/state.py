@@ -1,0 +1,45 @@
+"""Where a learner stands in its run, besides its model and optimizer: the learner state object (DESIGN §5).
+
+Contract: `base` is the version the reference builds on, `glob` that version's parameters, `ref` (r) the
+global plus everything shipped since; theta lives in the model. `seq` is the next delta's number, never
+reused. The steps and tokens since the last delta are the progress that ships with the next one. The
+object is all a save needs besides theta, the optimizer and the data cursor (diloco.learner.local_state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diloco.training.tensors import Tensors, clone
+
+
+@dataclass
+class LearnerState:
+    base: int = -1  # the global version r builds on (-1: not joined)
+    seq: int = 0  # the next delta's seq
+    glob: Tensors = field(default_factory=dict)  # the installed global version's parameters
+    ref: Tensors = field(default_factory=dict)  # r: glob plus everything shipped since it was installed
+    steps_since_publish: int = 0  # progress in r - theta not shipped yet ...
+    tokens_since_publish: int = 0  # ... and the tokens it was made of
+
+    @classmethod
+    def at_version(cls, version: int, params: Tensors, next_seq: int) -> LearnerState:
+        """Just joined at `version`: r = the global, nothing unshipped."""
+        return cls(base=version, seq=next_seq, glob=params, ref=clone(params))
+
+    def meta(self) -> dict:
+        """The JSON part of a save (the tensors glob and ref are saved beside it)."""
+        return {"next_seq": self.seq, "base_version": self.base, "steps_since_publish": self.steps_since_publish,
+                "tokens_since_publish": self.tokens_since_publish}
+
+    @classmethod
+    def from_saved(cls, meta: dict, glob: Tensors, ref: Tensors) -> LearnerState:
+        """Back from a save's meta and tensors; KeyError/ValueError when the meta is not a save's."""
+        return cls(base=int(meta["base_version"]), seq=int(meta["next_seq"]), glob=glob, ref=ref,
+                   steps_since_publish=int(meta.get("steps_since_publish", 0)),
+                   tokens_since_publish=int(meta.get("tokens_since_publish", 0)))
+
+    def shipped(self) -> None:
+        """A delta went out: the next one starts from nothing unshipped."""
+        self.seq += 1
+        self.steps_since_publish = self.tokens_since_publish = 0
