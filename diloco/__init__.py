@@ -3,4 +3,18 @@
 Learners and the outer merger only ever talk to a bucket; Prefect schedules them.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+__all__ = ["TrainSpec", "train"]
+
+
+def __getattr__(name: str) -> object:
+    """`diloco.TrainSpec` and `diloco.train`, imported on first use (so `import diloco.cli` stays light)."""
+    if name == "TrainSpec":
+        from diloco.training.spec import TrainSpec
+
+        return TrainSpec
+    if name == "train":
+        from diloco.api import train
+
+        return train
+    raise AttributeError(f"module 'diloco' has no attribute {name!r}")

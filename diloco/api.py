@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from diloco.configs import Config, load_config
-from diloco.run.context import RunContext, create_run
+from diloco.run.context import RunContext
+from diloco.run.create import create_run
 from diloco.storage import open_store
 
 STATE_DIR = Path(".diloco")  # logs and the local Prefect server's home, under the current directory
@@ -31,8 +32,8 @@ def resolve_config(config: str | Config = "demo", overrides: dict[str, Any] | No
 
 
 def create(cfg: Config, run_id: str | None = None, chaos: str | Path | None = None) -> RunContext:
-    """Validate, then create the run (or join it with the same config); nothing is written on a bad input."""
-    from diloco.run.corpus import load_run_corpus
+    """Validate, then create the run (or join it with the same config); nothing is written on a bad input
+    (create_run builds the spec, checks its model and runs its functions once before it writes)."""
     from diloco.storage.keys import validate_run_id
 
     run_id = validate_run_id(run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -40,7 +41,6 @@ def create(cfg: Config, run_id: str | None = None, chaos: str | Path | None = No
         from diloco.flows.local import check_chaos_plan
 
         check_chaos_plan(chaos)  # validate before anything is created
-    load_run_corpus(cfg.data)  # a bad corpus fails here, before the run exists
     return create_run(open_store(cfg.run.storage), run_id, cfg)
 
 
@@ -59,7 +59,16 @@ def prefect_api(announce: Callable[[str], None] = log.info) -> Iterator[str]:
 
 def supervise(ctx: RunContext, *, prefect: bool = True, chaos: str | Path | None = None,
               announce: Callable[[str], None] = log.info) -> str:
-    """Run every role of the run until it ends (target version, stop request, time limit); why it ended."""
+    """Run every role of the run until it ends (target version, stop request, time limit), then score what
+    the evaluator did not reach (version 0, the final version); why it ended."""
+    from diloco.run.evaluator import evaluate_missing
+
+    reason = _supervise(ctx, prefect=prefect, chaos=chaos, announce=announce)
+    evaluate_missing(ctx)
+    return reason
+
+
+def _supervise(ctx: RunContext, *, prefect: bool, chaos: str | Path | None, announce: Callable[[str], None]) -> str:
     log_dir = str(STATE_DIR / "logs" / ctx.run_id)
     plan = str(chaos) if chaos else None
     if prefect:
@@ -72,3 +81,27 @@ def supervise(ctx: RunContext, *, prefect: bool = True, chaos: str | Path | None
     from diloco.flows.local import supervise_local
 
     return supervise_local(ctx, prefect=False, log_dir=log_dir, chaos_plan=plan)
+
+
+def train(spec: Callable[..., Any] | str | None = None, *, config: str | Config = "demo",
+          spec_args: dict[str, Any] | None = None, learners: int | None = None, versions: int | None = None,
+          storage: str | None = None, run_id: str | None = None, time_limit_s: float | None = None,
+          overrides: dict[str, Any] | None = None, prefect: bool = False, chaos: str | Path | None = None) -> dict:
+    """Train a TrainSpec with the same supervised run as `diloco run`; returns what `diloco run --json` prints.
+
+    `spec` is the factory itself (a module-level function; in a script, guard the call with
+    `if __name__ == "__main__":`, since the learner processes import the script to find the factory) or its
+    "module:function" / "file.py:function" reference; None keeps the recipe's (the built-in GPT).
+    `config` is a recipe name, a YAML path or a Config; `overrides` are dotted keys. Without Prefect by
+    default (prefect=True reports to PREFECT_API_URL, or a local server started for the run).
+    """
+    from diloco.inspect.report import summarize, summary_json
+    from diloco.specs.loader import reference_of
+
+    cfg = resolve_config(config, {
+        **(overrides or {}), "run.num_learners": learners, "run.num_versions": versions, "run.storage": storage,
+        "run.time_limit_s": time_limit_s, "spec": reference_of(spec) if spec is not None else None,
+        "spec_args": spec_args})
+    ctx = create(cfg, run_id, chaos)
+    supervise(ctx, prefect=prefect, chaos=chaos)
+    return summary_json(summarize(ctx))

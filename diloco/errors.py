@@ -11,8 +11,9 @@ from diloco.run.context import RunError
 from diloco.storage import StorageError
 from diloco.storage.keys import InvalidName
 from diloco.training.data import DataError
+from diloco.training.spec import SpecError
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, RunError, InvalidName, DataError, StorageError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, RunError, InvalidName, DataError, SpecError, StorageError)
 
 
 def describe(err: BaseException) -> str:

@@ -37,7 +37,6 @@ def make_learner(storage: str, run_id: str, name: str):
     from diloco.chaos.inprocess import apply_chaos
     from diloco.learner.learner import Learner
     from diloco.run.context import open_run
-    from diloco.run.corpus import load_run_corpus
     from diloco.run.events import EventLog
     from diloco.run.signals import RemovedSignal, StopSignal
     from diloco.storage.keys import validate_learner_name
@@ -52,7 +51,7 @@ def make_learner(storage: str, run_id: str, name: str):
     slowdown = control.slowdown.get(name) if control else None
     # events are kept and flushed again on failure: one quick retry, so an outage does not stall each phase
     events = EventLog(ctx.store.with_retries(1), ctx.keys, name)
-    learner = Learner(ctx, name, load_run_corpus(ctx.cfg.data), events=events, slowdown=slowdown)
+    learner = Learner(ctx, name, events=events, slowdown=slowdown)
     stopped, removed = StopSignal(ctx, ctx.cfg.run.num_versions), RemovedSignal(ctx, name)
     return learner, lambda: stopped() or removed()
 
@@ -78,14 +77,13 @@ def make_evaluator(storage: str, run_id: str):
     """The evaluator of the run, and its stop signal."""
     from diloco.chaos.inprocess import apply_chaos
     from diloco.run.context import open_run
-    from diloco.run.corpus import load_run_corpus
     from diloco.run.evaluator import Evaluator
     from diloco.run.events import EventLog
     from diloco.run.signals import StopSignal
 
     ctx = open_run(storage, run_id)
     apply_chaos(ctx)
-    evaluator = Evaluator(ctx, load_run_corpus(ctx.cfg.data), events=EventLog(ctx.store, ctx.keys, "evaluator"))
+    evaluator = Evaluator(ctx, events=EventLog(ctx.store, ctx.keys, "evaluator"))
     return evaluator, StopSignal(ctx, ctx.cfg.run.num_versions)
 
 

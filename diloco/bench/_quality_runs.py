@@ -17,9 +17,11 @@ from diloco.bench.bandwidth import allreduce_bytes_per_step
 from diloco.configs import Config
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
-from diloco.run.context import create_run
+from diloco.run.create import create_run
+from diloco.specs.gpt import make_spec
+from diloco.specs.text import Corpus
 from diloco.storage import open_store
-from diloco.training.data import Corpus, ShardSampler, eval_batches
+from diloco.training.data import ShardSampler, eval_batches
 from diloco.training.inner import InnerTrainer, evaluate
 from diloco.training.model import build_model, get_flat_params, set_params
 
@@ -163,7 +165,7 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
         store = open_store(f"file://{tmp}")
         ctx = create_run(store, f"q-{method.name}-s{cfg.data.seed}", cfg)
         counters = [CountingStore(store) for _ in ctx.learners]
-        learners = [Learner(replace(ctx, store=c), n, corpus) for c, n in zip(counters, ctx.learners, strict=True)]
+        learners = [Learner(replace(ctx, store=c), n, make_spec(ctx.cfg, corpus)) for c, n in zip(counters, ctx.learners, strict=True)]
         for learner, counter in zip(learners, counters, strict=True):
             learner.join()
             counter.reset()  # the initial download is not per-step traffic (DP has it too)

@@ -26,7 +26,7 @@ LOSS_WINDOW = 5  # versions averaged around equal merged tokens
 
 def _supervised_run(storage: str, run_id: str, cfg, plan_path: Path | None, log_root: Path):
     from diloco.chaos.agent import attach_chaos
-    from diloco.run.context import create_run
+    from diloco.run.create import create_run
     from diloco.storage import open_store
     from diloco.supervise.local import local_supervisor
 
@@ -63,7 +63,6 @@ def _loss_at_tokens(ctx, chain, tokens: int, k: int = LOSS_WINDOW) -> tuple[floa
     """Mean held-out loss of the k versions whose merged tokens are closest to `tokens` (evaluated
     if needed): one version's loss jumps by ~0.1 nats from merge to merge; returns (loss, version, tokens)
     of the closest one alongside."""
-    from diloco.run.corpus import load_run_corpus
     from diloco.run.evaluator import Evaluator, read_evals
 
     nearest = sorted(chain[1:] or chain, key=lambda m: (abs(m.tokens_total - tokens), -m.version))[:k]
@@ -72,7 +71,7 @@ def _loss_at_tokens(ctx, chain, tokens: int, k: int = LOSS_WINDOW) -> tuple[floa
     losses = []
     for m in nearest:
         if m.version not in done:
-            evaluator = evaluator or Evaluator(ctx, load_run_corpus(ctx.cfg.data))
+            evaluator = evaluator or Evaluator(ctx)
             done[m.version] = evaluator.evaluate_version(m.version)
         losses.append(float(done[m.version]["loss"]))
     return sum(losses) / len(losses), nearest[0].version, nearest[0].tokens_total

@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco.configs import Config, ConfigError, load_config
-from diloco.run.context import create_run, open_run
+from diloco.run.context import open_run
+from diloco.run.create import create_run
 from diloco.run.objects import encode_tensors, read_tensors
 from diloco.storage import open_store, read_latest
 

@@ -31,8 +31,8 @@ def run_rule(rule: str, at: int, down: int, rounds: int, config: str) -> dict[st
     from diloco.configs import load_config
     from diloco.learner.learner import Learner
     from diloco.merger.merger import Merger
-    from diloco.run.context import create_run
-    from diloco.run.corpus import load_run_corpus
+    from diloco.run.create import create_run
+    from diloco.specs.gpt import load_corpus, make_spec
     from diloco.storage import open_store
 
     torch.set_num_threads(1)
@@ -42,13 +42,13 @@ def run_rule(rule: str, at: int, down: int, rounds: int, config: str) -> dict[st
         "merger.quorum": base.run.num_learners, "merger.grace_cap_s": 0.0,
         "inner.total_steps": base.inner.steps_per_phase * rounds, "experimental.backlog_momentum": rule,
     })
-    corpus = load_run_corpus(cfg.data)
+    corpus = load_corpus(cfg.data)
     held = HeldOut(cfg, corpus)
     t0 = time.time()
     curve = []
     with tempfile.TemporaryDirectory(prefix="diloco-outage-") as tmp:
         ctx = create_run(open_store(f"file://{tmp}"), f"outage-{rule}", cfg)
-        learners = [Learner(ctx, name, corpus) for name in ctx.learners]
+        learners = [Learner(ctx, name, make_spec(ctx.cfg, corpus)) for name in ctx.learners]
         for learner in learners:
             learner.join()
         merger = Merger(ctx)

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from diloco.bench._quality_runs import METHODS, HeldOut, Method, RunResult, run_method
 from diloco.configs import Config, ConfigError, load_config
-from diloco.run.corpus import load_run_corpus
+from diloco.specs.gpt import load_corpus
 
 NATS_PER_BIT = math.log(2)
 CLOSE_NATS = 0.03  # methods closer than this to DP get a second seed (if only one was asked for)
@@ -55,7 +55,7 @@ def _needs_more_seeds(runs: dict[str, list[RunResult]]) -> bool:
 def _one_run(cfg: Config, method: Method, steps: int, seed: int) -> RunResult:
     """A whole run in this process (also the unit a --jobs worker process executes)."""
     torch.set_num_threads(1)  # deterministic, and polite on a shared machine
-    corpus = load_run_corpus(cfg.data)
+    corpus = load_corpus(cfg.data)
     return run_method(cfg, method, corpus, HeldOut(cfg, corpus), steps, seed)
 
 
@@ -84,7 +84,7 @@ def run_quality(cfg: Config, methods: tuple[Method, ...], steps: int, num_seeds:
         seeds.append(seed)
     out = {"methods": {m.name: {"label": m.label, **_summarise(runs[m.name], seeds)} for m in methods}}
     out.update(_ratios(out["methods"]))
-    out["config"] = _config_record(cfg, steps, seeds, load_run_corpus(cfg.data).source)
+    out["config"] = _config_record(cfg, steps, seeds, load_corpus(cfg.data).source)
     return out
 
 

@@ -12,10 +12,10 @@ import time
 import numpy as np
 import torch
 
+from diloco.inspect.model_out import version_params
 from diloco.run.context import RunContext
 from diloco.run.objects import encode_tensors
 from diloco.storage.keys import parse_delta_key
-from diloco.training.model import build_model, get_flat_params
 from diloco.training.tensors import Tensors, clone
 
 MAX_OVERSIZED_BYTES = 64 << 20  # above this max_delta_bytes, "oversized" is a wrong-layout delta instead
@@ -26,7 +26,8 @@ class Injector:
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
-        self.zeros = {k: torch.zeros_like(v) for k, v in get_flat_params(build_model(ctx.cfg.model)).items()}
+        _, params = version_params(ctx, 0)  # the run's layout from version 0's tensors: no user code needed
+        self.zeros = {k: torch.zeros_like(v) for k, v in params.items()}
         self.next_seq: dict[str, int] = {}
 
     def _seq(self, learner: str) -> int:

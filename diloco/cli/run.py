@@ -30,6 +30,12 @@ def run(
     chaos: Path = typer.Option(None, "--chaos", help="A YAML fault plan to apply to the run."),
     time_limit_s: float = typer.Option(None, "--time-limit-s", help="Stop the run after this many seconds."),
     live: bool = typer.Option(True, "--live/--no-live", help="Show a live progress table."),
+    spec: str = typer.Option(None, "--spec", help="Your TrainSpec: path/to/file.py:make_spec or package.module:make_spec "
+                             "(default: the recipe's, the built-in GPT)."),
+    spec_arg: list[str] = typer.Option(None, "--spec-arg", help="key=value for the spec's factory (repeatable; "
+                                       "values parsed as YAML scalars)."),
+    override: list[str] = typer.Option(None, "--override", "-o", help="key=value config override at creation, e.g. "
+                                       "-o inner.steps_per_phase=20 (repeatable; values parsed as YAML)."),
 ) -> None:
     """Train: create the run, start merger, evaluator and learners as processes, report at the end."""
     from diloco.cli.view import execute_run
@@ -37,7 +43,8 @@ def run(
     with user_errors():
         execute_run(config=config, storage=storage, learners=learners, versions=versions, corpus=corpus,
                     run_id=run_id, json_out=json_out, prefect=prefect, chaos=chaos,
-                    time_limit_s=time_limit_s, live=live)
+                    time_limit_s=time_limit_s, live=live, spec=spec, spec_args=spec_arg or [],
+                    overrides=override or [])
 
 
 @app.command()

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from diloco.inspect.report import learner_status, nats_to_bits, sample_text, summarize
+from diloco.inspect.report import learner_status, nats_to_bits, sample_text, summarize, summary_json
 from diloco.run.context import RunContext, open_run
 from diloco.storage import StorageError, latest_version, open_store
 
@@ -32,7 +32,7 @@ def progress_table(ctx: RunContext, started: float) -> Table:
         table = Table(title=f"run {ctx.run_id}: storage unavailable ({err})")
         return table
     last = evals[-1] if evals else None
-    loss = f"{last['loss']:.3f} nats/byte @ v{last['version']}" if last else "—"
+    loss = f"{last['loss']:.3f} {last.get('metric', 'nats/byte')} @ v{last['version']}" if last else "—"
     table = Table(title=f"run {ctx.run_id} · version {version}/{ctx.cfg.run.num_versions} · "
                         f"held-out {loss} · {time.time() - started:.0f}s")
     for col in ("learner", "state", "seq", "base", "step", "loss", "steps/s", "MB sent", "heartbeat"):
@@ -76,12 +76,18 @@ class LiveView:
 
 def execute_run(*, config: str, storage: str | None, learners: int | None, versions: int | None,
                 corpus: str | None, run_id: str | None, json_out: bool, prefect: bool, chaos: Path | None,
-                time_limit_s: float | None, live: bool) -> None:
+                time_limit_s: float | None, live: bool, spec: str | None = None, spec_args: list[str] = (),
+                overrides: list[str] = ()) -> None:
     from diloco import api
+    from diloco.configs import parse_overrides
     from diloco.configs.effects import knob_warnings
+    from diloco.specs.loader import absolute, parse_spec_args
 
-    overrides = {"run.num_learners": learners, "run.num_versions": versions, "data.corpus": corpus,
-                 "run.storage": storage, "run.time_limit_s": time_limit_s}
+    overrides = {**parse_overrides(list(overrides)),
+                 "run.num_learners": learners, "run.num_versions": versions, "data.corpus": corpus,
+                 "run.storage": storage, "run.time_limit_s": time_limit_s,
+                 "spec": absolute(spec) if spec else None,
+                 "spec_args": parse_spec_args(list(spec_args)) if spec_args else None}
     cfg = api.resolve_config(config, overrides)
     ctx = api.create(cfg, run_id, chaos)
     console = Console(stderr=json_out)
@@ -103,25 +109,29 @@ def _final_report(ctx: RunContext, console: Console, json_out: bool) -> None:
         table.add_row(label, value)
     console.print(table)
     try:
-        console.print("[bold]Sampled from the final model:[/bold]")
-        console.print(sample_text(ctx), markup=False, highlight=False)
-    except StorageError as err:
+        text = sample_text(ctx)
+        if text is not None:
+            console.print("[bold]Sampled from the final model:[/bold]")
+            console.print(text, markup=False, highlight=False)
+    except (StorageError, ValueError) as err:  # ValueError: the spec's (SpecError) or the run's (RunError)
         console.print(f"(no sample: {err})")
     if json_out:
-        keys = ("run_id", "storage", "num_versions", "num_learners", "initial_eval_loss", "final_eval_loss",
-                "deltas_merged", "deltas_rejected", "bytes_published")
-        typer.echo(json.dumps({k: summary[k] for k in keys} | {"extra": {k: v for k, v in summary.items() if k not in keys}}))
+        typer.echo(json.dumps(summary_json(summary)))
 
 
-def _fmt_loss(loss: float | None) -> str:
-    return "—" if loss is None else f"{loss:.3f} nats/byte ({nats_to_bits(loss):.3f} bits/byte)"
+def _fmt_loss(loss: float | None, metric: str = "nats/byte") -> str:
+    if loss is None:
+        return "—"
+    if metric == "nats/byte":
+        return f"{loss:.3f} nats/byte ({nats_to_bits(loss):.3f} bits/byte)"
+    return f"{loss:.4f} {metric}"
 
 
 def _summary_rows(s: dict) -> list[tuple[str, str]]:
     ratio = s["traffic_ratio_vs_dp"]
     return [
-        ("held-out loss, version 0", _fmt_loss(s["initial_eval_loss"])),
-        (f"held-out loss, version {s['final_eval_version']}", _fmt_loss(s["final_eval_loss"])),
+        ("held-out loss, version 0", _fmt_loss(s["initial_eval_loss"], s["metric"])),
+        (f"held-out loss, version {s['final_eval_version']}", _fmt_loss(s["final_eval_loss"], s["metric"])),
         ("versions committed", str(s["num_versions"])),
         ("deltas merged / rejected", f"{s['deltas_merged']} / {s['deltas_rejected']}"),
         ("tokens merged", f"{s['tokens_merged']:,}"),

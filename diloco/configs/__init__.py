@@ -14,6 +14,7 @@ from diloco.configs.schema import (
     RunConfig,
     config_from_record,
     load_config,
+    parse_overrides,
     recipe_names,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "RunConfig",
     "config_from_record",
     "load_config",
+    "parse_overrides",
     "recipe_names",
 ]

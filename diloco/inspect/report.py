@@ -8,14 +8,11 @@ from __future__ import annotations
 import math
 import time
 
-import torch
-
+from diloco.inspect.model_out import num_params, sample
 from diloco.run.context import RunContext
 from diloco.run.evaluator import read_evals
-from diloco.run.objects import read_tensors
-from diloco.storage import Manifest, StorageError, latest_version, list_versions, read_manifest
+from diloco.storage import Manifest, StorageError, list_versions, read_manifest
 from diloco.storage.records import LearnerStatus, RecordError, read_record
-from diloco.training.model import build_model, set_params
 
 
 def learner_status(ctx: RunContext) -> list[dict]:
@@ -39,11 +36,6 @@ def learner_status(ctx: RunContext) -> list[dict]:
 def manifests(ctx: RunContext) -> list[Manifest]:
     """Every committed manifest of the run, by version."""
     return [read_manifest(ctx.store, ctx.keys, v) for v in list_versions(ctx.store, ctx.keys)]
-
-
-def num_params(ctx: RunContext) -> int:
-    model = build_model(ctx.cfg.model, seed=ctx.cfg.data.seed)
-    return sum(p.numel() for p in model.parameters())
 
 
 def dp_bytes(num_params_: int, steps_per_learner: float, num_learners: int) -> float:
@@ -71,6 +63,7 @@ def summarize(ctx: RunContext) -> dict:
         "initial_eval_loss": initial["loss"] if initial else None,
         "final_eval_loss": final["loss"] if final else None,
         "final_eval_version": final["version"] if final else None,
+        "metric": (final or {}).get("metric") or "nats/byte",
         "deltas_merged": len(merged), "deltas_rejected": len(rejected),
         "bytes_published": int(bytes_published), "dp_bytes_equivalent": int(dp_total),
         "traffic_ratio_vs_dp": (dp_total / bytes_published) if bytes_published else None,
@@ -79,17 +72,18 @@ def summarize(ctx: RunContext) -> dict:
     }
 
 
-def sample_text(ctx: RunContext, prompt: str = "ROMEO:\n", num_bytes: int = 240, seed: int = 0) -> str:
-    version = latest_version(ctx.store, ctx.keys) or 0
-    m = read_manifest(ctx.store, ctx.keys, version)
-    _, params = read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)
-    model = build_model(ctx.cfg.model, seed=ctx.cfg.data.seed)
-    set_params(model, params)
-    model.eval()
-    idx = torch.tensor([list(prompt.encode())], dtype=torch.long)
-    gen = torch.Generator().manual_seed(seed)
-    out = model.generate(idx, num_bytes, temperature=0.8, top_k=40, generator=gen)
-    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+JSON_KEYS = ("run_id", "storage", "num_versions", "num_learners", "initial_eval_loss", "final_eval_loss",
+             "deltas_merged", "deltas_rejected", "bytes_published")
+
+
+def summary_json(summary: dict) -> dict:
+    """What `diloco run --json` prints last and diloco.train returns: the main keys, the rest under `extra`."""
+    return {k: summary[k] for k in JSON_KEYS} | {"extra": {k: v for k, v in summary.items() if k not in JSON_KEYS}}
+
+
+def sample_text(ctx: RunContext, prompt: str | None = None) -> str | None:
+    """Text the run's spec samples from its newest version (None when the spec has no sample)."""
+    return sample(ctx, None, prompt)
 
 
 def nats_to_bits(loss: float | None) -> float | None:

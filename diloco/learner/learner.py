@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +23,7 @@ from diloco.learner.state import LearnerState
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
+from diloco.run.spec import build_model, check_layout, load_run_spec
 from diloco.storage import (
     StorageError,
     latest_version,
@@ -32,9 +33,10 @@ from diloco.storage import (
 )
 from diloco.storage.codec import CodecError
 from diloco.storage.records import LearnerStatus, write_record
-from diloco.training.data import Corpus, ShardSampler, shard_of
+from diloco.training.data import shard_of
 from diloco.training.inner import InnerTrainer
-from diloco.training.model import build_model, get_flat_params, set_params
+from diloco.training.model import get_flat_params, set_params
+from diloco.training.spec import SpecError, TrainSpec
 from diloco.training.tensors import Tensors, add_, clone, sub
 
 log = logging.getLogger("diloco.learner")
@@ -65,12 +67,12 @@ def pick_device(name: str) -> str:
 class Learner:
     """One island of compute. Drive it with join(), then run_phase() + publish() in a loop."""
 
-    def __init__(self, ctx: RunContext, name: str, corpus: Corpus, *, events: EventLog | None = None,
-                 slowdown: float | None = None) -> None:
+    def __init__(self, ctx: RunContext, name: str, spec: TrainSpec | None = None, *,
+                 events: EventLog | None = None, slowdown: float | None = None) -> None:
         self.ctx, self.name, self.cfg = ctx, name, ctx.cfg
         self.device = pick_device(self.cfg.learner.device)
         torch.set_num_threads(self.cfg.learner.num_threads)  # one failure domain, one core by default
-        self.corpus = corpus
+        self.spec = spec or load_run_spec(ctx)
         self.events = events or EventLog(None, None, name)
         self.slowdown = slowdown or 1.0  # heterogeneous hardware (a chaos plan's `slow` fault): steps take this x longer
         self.local = None
@@ -79,15 +81,35 @@ class Learner:
         self.quick = ctx.store.with_retries(QUICK_RETRIES)
         self.courier = Courier(f"courier-{name}")  # statuses and event flushes, off the training thread
         self.publisher = Publisher(ctx.store, self.events, on_landed=self.local.unspool if self.local else None)
-        self.model = build_model(self.cfg.model, seed=self.cfg.data.seed).to(self.device)
-        self.trainer = InnerTrainer(self.model, self.cfg.inner, device=self.device)
-        shard, num_shards = shard_of(name, ctx.learners)
-        self.sampler = ShardSampler(corpus.train, shard, num_shards, self.cfg.data.batch_size,
-                                    self.cfg.model.ctx_len, self.cfg.data.seed)
+        self.model = build_model(self.spec, self.cfg.data.seed).to(self.device)
+        check_layout(ctx, self.model, f"learner {name}")
+        self.trainer = InnerTrainer(self.model, self.cfg.inner, device=self.device, optimizer=self._optimizer(),
+                                    lr_at_step=self.spec.lr_at, loss=self.spec.loss)
+        self.shard, self.num_shards = shard_of(name, ctx.learners)
+        self.cursor = 0  # batches of this learner's shard consumed so far (what a resume continues from)
+        self._batches: Iterator | None = None  # the spec's batches from `cursor`, opened at join
         self.state = LearnerState()
         self.loss_ema = float("nan")
         self.phase_t0 = time.time()
         self._last_beat = 0.0
+
+    def _optimizer(self) -> torch.optim.Optimizer | None:
+        if self.spec.build_optimizer is None:
+            return None  # the engine's AdamW from inner.*
+        try:
+            opt = self.spec.build_optimizer(list(self.model.parameters()))
+        except Exception as err:  # noqa: BLE001 - user code: one line naming it
+            raise SpecError(f"build_optimizer failed: {type(err).__name__}: {err}") from err
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise SpecError(f"build_optimizer returned a {type(opt).__name__}, not a torch.optim.Optimizer")
+        return opt
+
+    def _open_batches(self) -> None:
+        try:
+            self._batches = iter(self.spec.batches(self.shard, self.num_shards, self.cursor))
+        except Exception as err:  # noqa: BLE001 - user code
+            raise SpecError(f"batches({self.shard}, {self.num_shards}, {self.cursor}) failed: "
+                            f"{type(err).__name__}: {err}") from err
 
     # ---- join / rejoin -------------------------------------------------------------------
     def join(self) -> int:
@@ -96,7 +118,8 @@ class Learner:
         resumed = resume(self.ctx, self.name, local=self.local, events=self.events, set_theta=self._set_theta,
                          import_optimizer=self._import_optimizer, requeue=self._requeue,
                          use_checkpoint=self.cfg.learner.checkpoint)
-        self.state, self.sampler.cursor = resumed.state, resumed.cursor
+        self.state, self.cursor = resumed.state, resumed.cursor
+        self._open_batches()
         self.events.emit("join", learner=self.name, version=self.state.base, seq=self.state.seq,
                          cursor=resumed.cursor, step=resumed.step, **resumed.extra)
         self.heartbeat("joined", force=True, wait=True)  # the supervisor reads it to see the join
@@ -117,7 +140,7 @@ class Learner:
         if self.local is None:
             return
         opt, opt_meta = exported or self.trainer.export_state()
-        meta = {"learner": self.name, "step": self.trainer.step, "cursor": self.sampler.cursor,
+        meta = {"learner": self.name, "step": self.trainer.step, "cursor": self.cursor,
                 "optimizer": opt_meta, **self.state.meta()}
         self.local.save({"theta": self.theta(), "ref": clone(self.state.ref), "glob": self.state.glob, "opt": opt},
                         meta)
@@ -132,7 +155,7 @@ class Learner:
         self._last_beat = now
         status = LearnerStatus.model_validate({
             "learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.state.seq - 1,
-            "base_version": self.state.base, "step": self.trainer.step, "cursor": self.sampler.cursor,
+            "base_version": self.state.base, "step": self.trainer.step, "cursor": self.cursor,
             "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published, **phase})
         key = self.ctx.keys.status(self.name)
 
@@ -159,19 +182,23 @@ class Learner:
 
     # ---- the inner phase -----------------------------------------------------------------
     def run_phase(self) -> PhaseStats:
-        """H inner steps, probing for a newer global version every few steps."""
+        """H inner steps, probing for a newer global version every few steps. A non-finite training loss
+        abandons the phase: its progress never reaches a merge (see abandon_phase)."""
         cfg = self.cfg
         stats = PhaseStats()
         t0 = time.time()
         losses = []
-        tokens_per_step = cfg.data.batch_size * cfg.model.ctx_len
         every = cfg.learner.local_state_every_steps
         for i in range(cfg.inner.steps_per_phase):
             ts = time.time()
-            x, y = self.sampler.next_batch()
-            losses.append(self.trainer.train_step(x.to(self.device), y.to(self.device)))
+            batch = self._next_batch()
+            try:
+                losses.append(self.trainer.train_step(batch))
+            except FloatingPointError as err:
+                return self.abandon_phase(stats, t0, str(err))
             self.state.steps_since_publish += 1
-            self.state.tokens_since_publish += tokens_per_step
+            self.state.tokens_since_publish += self.trainer.last_tokens
+            stats.tokens += self.trainer.last_tokens
             if self.slowdown > 1.0:
                 time.sleep((time.time() - ts) * (self.slowdown - 1.0))
             self.heartbeat()
@@ -182,12 +209,39 @@ class Learner:
             if every and (i + 1) % every == 0 and i + 1 < cfg.inner.steps_per_phase:
                 self.save_local()  # the phase's end is saved by publish()
         stats.steps = cfg.inner.steps_per_phase
-        stats.tokens = stats.steps * tokens_per_step
         stats.loss = sum(losses) / len(losses)
         stats.phase_time_s = time.time() - t0
         self.loss_ema = stats.loss
         self.events.emit("phase", learner=self.name, version=self.state.base, steps=stats.steps,
                          tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss)
+        return stats
+
+    def _next_batch(self) -> object:
+        if self._batches is None:
+            self._open_batches()
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            raise SpecError(f"batches({self.shard}, {self.num_shards}, ...) ran out at batch {self.cursor}: "
+                            "it must yield batches for as long as the run trains") from None
+        self.cursor += 1
+        return batch
+
+    def abandon_phase(self, stats: PhaseStats, t0: float, reason: str) -> PhaseStats:
+        """A non-finite loss: nothing of this learner's unshipped progress may reach a merge. Drop it, reset
+        the optimizer's state (its moments may be poisoned), and rejoin at the newest version (full params);
+        seq, step and data cursor go on. Recorded as a `phase_failed` event with the reason."""
+        log.warning("learner %s: %s; the phase is abandoned and the learner rejoins the newest version",
+                    self.name, reason)
+        self.events.emit("phase_failed", learner=self.name, version=self.state.base, reason=reason[:300],
+                         unshipped_steps=self.state.steps_since_publish, t_start=t0)
+        manifest = read_latest(self.ctx.store, self.ctx.keys)
+        _, glob = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+                               checksum=manifest.params_checksum)
+        self._set_theta(clone(glob))
+        self.trainer.reset_optimizer()
+        self.state = LearnerState.at_version(manifest.version, glob, self.state.seq)
+        stats.phase_time_s, stats.tokens = time.time() - t0, 0
         return stats
 
     # ---- ship ----------------------------------------------------------------------------
@@ -235,7 +289,7 @@ class Learner:
     def _checkpoint(self, seq: int, exported: tuple[Tensors, dict]) -> Callable[[], bytes]:
         """The bucket checkpoint after delta `seq`: the state copied now, encoded by the publisher's thread."""
         tensors, opt_meta = exported
-        meta = {"learner": self.name, "seq": seq, "step": self.trainer.step, "cursor": self.sampler.cursor,
+        meta = {"learner": self.name, "seq": seq, "step": self.trainer.step, "cursor": self.cursor,
                 "base_version": self.state.base, "optimizer": opt_meta}
         return lambda: encode_tensors(tensors, codec_name="fp32", kind="state",
                                         fingerprint=self.ctx.fingerprint, meta=meta)

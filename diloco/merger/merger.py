@@ -25,7 +25,7 @@ from diloco.merger.step import (
     outer_step,
     validate_delta,
 )
-from diloco.run.context import RunContext
+from diloco.run.context import RunContext, direct_names
 from diloco.run.events import EventLog
 from diloco.run.objects import decode_tensors, read_tensors, write_tensors
 from diloco.storage import (
@@ -170,7 +170,7 @@ class Merger:
         """Read, validate and fold the deltas learner by learner (streamed: memory does not grow
         with the number of learners)."""
         decisions: list[DeltaDecision] = []
-        stream = gradient_stream(self.params, self.version, self.cfg.outer)
+        stream = gradient_stream(self.params, self.version, self.cfg.outer, direct_names(self.ctx, self.params))
         phase_times: list[float] = []
         for learner, seqs in sorted(pending.lost.items()):
             for seq in seqs:

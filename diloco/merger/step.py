@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.configs import Config, OuterConfig
+from diloco.run.context import LEGACY_DIRECT
 from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.storage.codec import Header
 from diloco.training.merge import Combiner, delta_weight
-from diloco.training.model import EMBEDDING_PARAMS
 from diloco.training.outer import OuterOptimizer, OuterState
 from diloco.training.tensors import Tensors, add_, all_finite, clone, same_layout
 
@@ -120,9 +120,12 @@ class GradientStream:
         return self.combiner.result(), normalised
 
 
-def gradient_stream(params: Tensors, version: int, outer: OuterConfig) -> GradientStream:
-    """The stream of the merge on top of `version`, with the run's merge rule and staleness power."""
-    direct = tuple(k for k in params if k in EMBEDDING_PARAMS)  # the paper averages embeddings directly
+def gradient_stream(params: Tensors, version: int, outer: OuterConfig,
+                    direct: tuple[str, ...] | None = None) -> GradientStream:
+    """The stream of the merge on top of `version`, with the run's merge rule and staleness power; `direct`:
+    the tensors averaged directly (the run's layout marks its embeddings; None: the built-in GPT's)."""
+    if direct is None:
+        direct = tuple(k for k in params if k in LEGACY_DIRECT)  # the paper averages embeddings directly
     return GradientStream(version, outer.merge_rule, outer.staleness_power, direct=direct)
 
 

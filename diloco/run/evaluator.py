@@ -7,6 +7,7 @@ storage trouble skips an evaluation (it is tried again), never ends the loop.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -15,11 +16,12 @@ import torch
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.objects import read_tensors
+from diloco.run.spec import build_model, check_layout, load_run_spec
 from diloco.storage import NotFound, StorageError, latest_version, read_manifest
 from diloco.storage.records import EvalRecord, RecordError, read_record, write_record
-from diloco.training.data import Corpus, eval_batches
 from diloco.training.inner import evaluate
-from diloco.training.model import build_model, set_params
+from diloco.training.model import set_params
+from diloco.training.spec import SpecError, TrainSpec
 
 log = logging.getLogger("diloco.evaluator")
 
@@ -27,12 +29,15 @@ log = logging.getLogger("diloco.evaluator")
 class Evaluator:
     """Held-out loss of committed versions, written to evals/<version>.json."""
 
-    def __init__(self, ctx: RunContext, corpus: Corpus, events: EventLog | None = None) -> None:
+    def __init__(self, ctx: RunContext, spec: TrainSpec | None = None, events: EventLog | None = None) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
         torch.set_num_threads(1)
-        self.model = build_model(self.cfg.model, seed=self.cfg.data.seed)
-        self.batches = eval_batches(corpus.heldout, self.cfg.eval.num_batches, self.cfg.eval.batch_size,
-                                    self.cfg.model.ctx_len, seed=self.cfg.data.seed)
+        self.spec = spec or load_run_spec(ctx)
+        if self.spec.eval_batches is None:
+            raise SpecError("the spec has no eval_batches: there is no held-out metric to evaluate")
+        self.model = build_model(self.spec, self.cfg.data.seed)
+        check_layout(ctx, self.model, "the evaluator")
+        self.batches = list(self.spec.eval_batches())
         self.events = events or EventLog(None, None, "evaluator")
         self.done: set[int] = set()
 
@@ -41,8 +46,10 @@ class Evaluator:
         _, params = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                    checksum=manifest.params_checksum)
         set_params(self.model, params)
-        loss = evaluate(self.model, self.batches)
-        record = EvalRecord(version=version, loss=loss, bits_per_byte=loss / 0.6931471805599453,
+        loss = evaluate(self.model, self.batches, loss=self.spec.loss)
+        metric = self.spec.metric_name
+        record = EvalRecord(version=version, loss=loss, metric=metric,
+                            bits_per_byte=loss / math.log(2) if metric == "nats/byte" else None,
                             tokens_total=manifest.tokens_total, t=time.time(), committed_at=manifest.created_at)
         write_record(self.ctx.store, self.ctx.keys.eval(version), record)
         self.done.add(version)
@@ -107,3 +114,25 @@ def run_evaluator(evaluator: Evaluator, *, should_stop: Callable[[], bool], poll
         pass
     evaluator.events.flush()
     return count
+
+
+def evaluate_missing(ctx: RunContext, spec: TrainSpec | None = None) -> list[int]:
+    """Score, in this process, version 0 and the newest version when the evaluator did not (a short run can
+    end before the evaluator's first start); returns the versions scored. A spec without eval_batches: none."""
+    try:
+        latest = latest_version(ctx.store, ctx.keys)
+        have = {r["version"] for r in read_evals(ctx)}
+    except StorageError as err:
+        log.warning("final evaluation skipped: %s", err)
+        return []
+    wanted = [v for v in dict.fromkeys((0, latest)) if v is not None and v not in have]
+    if not wanted:
+        return []
+    try:
+        evaluator = Evaluator(ctx, spec)
+    except SpecError as err:
+        log.warning("final evaluation skipped: %s", err)
+        return []
+    for version in wanted:
+        evaluator.evaluate_version(version)
+    return wanted

@@ -130,6 +130,10 @@ class RunKeys:
     def events_prefix(self) -> str:
         return f"{self.run_id}/events/"
 
+    def spec_file(self, name: str) -> str:
+        """A file the run's spec keeps in the bucket (a trained tokenizer, ...), under <run>/spec/."""
+        return f"{self.run_id}/spec/{validate_name(name, 'spec file name')}"
+
     def stop(self) -> str:
         return self.control("stop")
 

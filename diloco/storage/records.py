@@ -66,6 +66,9 @@ class RunRecord(Record):
     fingerprint: str
     learners: list[str]
     config: dict[str, Any]  # Config.model_dump(mode="json")
+    # the model's layout: [{"name", "shape", "dtype", "direct"}], what the merger and audit work from without
+    # the user's code ([] in runs made before TrainSpecs: their fingerprint still guards every object)
+    layout: list[dict[str, Any]] = []
 
     @classmethod
     def _check(cls, obj: dict[str, Any], name: str) -> None:
@@ -100,8 +103,9 @@ class EvalRecord(Record):
 
     what: ClassVar[str] = "eval record"
     version: int = Field(ge=0)
-    loss: float  # nats per byte
-    bits_per_byte: float
+    loss: float  # the spec's held-out metric (the built-in GPT's: nats per byte)
+    metric: str = "nats/byte"  # its name (records written before specs: the GPT's)
+    bits_per_byte: float | None = None  # loss / ln 2 when the metric is nats/byte
     tokens_total: int = 0  # tokens merged up to this version
     t: float = 0.0  # unix seconds of the evaluation
     committed_at: float = 0.0  # the version's manifest created_at

@@ -1,9 +1,9 @@
-"""Pure PyTorch training pieces: model, data, inner AdamW loop, the outer optimizer, merge rules.
+"""Pure PyTorch training pieces: the TrainSpec contract, model, data, inner loop, outer optimizer, merge rules.
 
 Contract: imports neither Prefect nor fsspec; everything here is deterministic given its seeds.
 """
 
-from diloco.training.data import Corpus, DataError, ShardSampler, eval_batches, load_corpus, shard_of
+from diloco.training.data import DataError, ShardSampler, eval_batches, shard_of
 from diloco.training.inner import InnerTrainer, evaluate, lr_at
 from diloco.training.merge import Combiner, delta_weight
 from diloco.training.model import (
@@ -15,23 +15,24 @@ from diloco.training.model import (
     set_params,
 )
 from diloco.training.outer import OuterOptimizer, OuterState, OuterUpdate, nesterov_step
+from diloco.training.spec import SpecError, TrainSpec
 
 __all__ = [
     "GPT",
     "Combiner",
-    "Corpus",
     "DataError",
     "InnerTrainer",
     "OuterOptimizer",
     "OuterState",
     "OuterUpdate",
     "ShardSampler",
+    "SpecError",
+    "TrainSpec",
     "build_model",
     "delta_weight",
     "eval_batches",
     "evaluate",
     "get_flat_params",
-    "load_corpus",
     "lr_at",
     "model_fingerprint",
     "nesterov_step",

@@ -1,4 +1,5 @@
-"""The inner loop: AdamW with warmup + cosine, gradient clipping, and held-out evaluation.
+"""The inner loop: an optimizer (AdamW by default) with a schedule (warmup + cosine by default), gradient
+clipping, and held-out evaluation, over whatever model, batches and loss a TrainSpec brings.
 
 Contract: pure PyTorch; optimizer state exports to plain tensors + JSON (no pickle) and back.
 """
@@ -7,14 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from diloco.configs import InnerConfig
-
-STATE_FORMAT = 1  # version of the export_state layout
-STATE_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter tensors
+from diloco.training import optim_state
+from diloco.training.spec import check_loss, mean_loss, to_device
 
 
 def lr_at(step: int, cfg: InnerConfig) -> float:
@@ -40,12 +42,18 @@ def _autocast(device: str) -> contextlib.AbstractContextManager:
 
 
 class InnerTrainer:
-    """One learner's model + AdamW. `step` counts inner steps done (drives the schedule).
+    """One learner's model, optimizer and schedule. `step` counts inner steps done (drives the schedule).
 
-    Weight decay applies to >= 2-D parameters only. The model is moved to `device`.
+    Default optimizer: AdamW from `cfg`, weight decay on >= 2-D parameters only; default schedule: warmup +
+    cosine from `cfg` (lr_at). A spec may bring its own optimizer (`optimizer`, built over the model's
+    parameters) and schedule (`lr_at_step(step)`, a multiplier of each group's lr at build time) and its own
+    loss (`loss(model, batch) -> (loss, num_tokens)`; default: the built-in GPT's). The model is moved to
+    `device`; on CUDA the forward pass runs under bf16 autocast.
     """
 
-    def __init__(self, model: nn.Module, cfg: InnerConfig, device: str = "cpu", step: int = 0) -> None:
+    def __init__(self, model: nn.Module, cfg: InnerConfig, device: str = "cpu", step: int = 0, *,
+                 optimizer: torch.optim.Optimizer | None = None, lr_at_step: Callable[[int], float] | None = None,
+                 loss: Callable[[nn.Module, Any], tuple[torch.Tensor, int]] | None = None) -> None:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         self.model = model.to(device)
@@ -53,102 +61,88 @@ class InnerTrainer:
         self.device = device
         self.step = step
         self.last_grad_norm = 0.0  # before clipping, of the last train_step
+        self.last_tokens = 0  # tokens of the last train_step (the spec's count)
         self.named = dict(model.named_parameters())  # tied weights once, stable order
+        self.loss_fn = loss or gpt_loss
+        self.opt = optimizer or self._adamw()
+        self.lr_at_step = lr_at_step
+        self.base_lrs = [group["lr"] for group in self.opt.param_groups]
+        self.custom = optimizer is not None or lr_at_step is not None
+        self._set_lr()
+
+    def _adamw(self) -> torch.optim.Optimizer:
         decay = [p for p in self.named.values() if p.dim() >= 2]
         no_decay = [p for p in self.named.values() if p.dim() < 2]
-        self.opt = torch.optim.AdamW(
+        cfg = self.cfg
+        return torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr_at(step, cfg), betas=(cfg.beta1, cfg.beta2),
+            lr=lr_at(self.step, cfg), betas=(cfg.beta1, cfg.beta2),
         )
+
+    def _set_lr(self) -> None:
+        """Every group's lr for the next step: the config's schedule (the default), or the build's lr of
+        the group times the spec's multiplier (or the default schedule's, relative to cfg.lr)."""
+        if not self.custom:
+            lr = lr_at(self.step, self.cfg)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            return
+        scale = self.lr_at_step(self.step) if self.lr_at_step else lr_at(self.step, self.cfg) / self.cfg.lr
+        for group, base in zip(self.opt.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * scale
 
     @property
     def lr(self) -> float:
-        """The learning rate the next train_step will use."""
-        return lr_at(self.step, self.cfg)
+        """The learning rate of the first parameter group at the next train_step."""
+        return float(self.opt.param_groups[0]["lr"])
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One AdamW step on (x, y); returns the training loss (nats/token). Uses bf16 autocast on CUDA.
-
-        A non-finite loss raises FloatingPointError before any parameter changes.
-        """
+    def train_step(self, *batch: Any) -> float:
+        """One optimizer step on a batch (one object, or its parts: `train_step(x, y)`); returns the training
+        loss. A non-finite loss raises FloatingPointError before any parameter changes."""
         self.model.train()
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        data = to_device(batch[0] if len(batch) == 1 else tuple(batch), self.device)
         with _autocast(self.device):
-            _, loss = self.model(x, y)
+            loss, tokens = check_loss(self.loss_fn(self.model, data))
         loss_value = loss.item()
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"inner step {self.step}: loss is {loss_value}")
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(list(self.named.values()), self.cfg.grad_clip)
-        self.last_grad_norm = float(norm)
-        lr = lr_at(self.step, self.cfg)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        self.last_grad_norm, self.last_tokens = float(norm), tokens
+        self._set_lr()
         self.opt.step()
         self.step += 1
         return loss_value
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, json-able meta) of the optimizer state and step — for a pickle-free checkpoint.
-
-        tensors: "exp_avg/<param>" and "exp_avg_sq/<param>" (fp32, CPU) for every parameter that
-        has state; meta: {"format", "step", "param_steps": {param: AdamW step count}}.
-        """
-        tensors: dict[str, torch.Tensor] = {}
-        param_steps: dict[str, int] = {}
-        for name, p in self.named.items():
-            state = self.opt.state.get(p)
-            if not state:
-                continue
-            param_steps[name] = int(float(state["step"]))
-            for key in STATE_KEYS:
-                tensors[f"{key}/{name}"] = state[key].detach().to("cpu", torch.float32).clone()
-        return tensors, {"format": STATE_FORMAT, "step": self.step, "param_steps": param_steps}
+        """(tensors, json-able meta) of the optimizer state and step — a pickle-free checkpoint
+        (diloco.training.optim_state: "<key>/<param>" tensors, meta with "format", "step", "param_steps")."""
+        return optim_state.export_state(self.opt, self.named, self.step)
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Restore what export_state gave, so training continues bit for bit.
+        Raises ValueError (and changes nothing) on an unknown format, name or shape."""
+        self.step = optim_state.import_state(self.opt, self.named, tensors, meta)
+        self._set_lr()
 
-        Raises ValueError (and changes nothing) on an unknown format, name or shape.
-        """
-        if meta.get("format") != STATE_FORMAT:
-            raise ValueError(f"optimizer state format {meta.get('format')!r}, expected {STATE_FORMAT}")
-        step, param_steps = meta.get("step"), meta.get("param_steps", {})
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"optimizer state meta: step must be an int >= 0, got {step!r}")
-        new_state = {}
-        for name, count in param_steps.items():
-            if name not in self.named:
-                raise ValueError(f"optimizer state names unknown parameter {name!r}")
-            p = self.named[name]
-            entry = {"step": torch.tensor(float(count), dtype=torch.get_default_dtype())}
-            for key in STATE_KEYS:
-                t = tensors.get(f"{key}/{name}")
-                if t is None or tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"optimizer state {key}/{name}: missing or shape differs from {tuple(p.shape)}")
-                entry[key] = t.detach().to(device=p.device, dtype=p.dtype).clone()
-            new_state[p] = entry
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer's state (moments, buffers), keep the step (the schedule goes on)."""
         self.opt.state.clear()
-        self.opt.state.update(new_state)
-        self.step = step
-        for group in self.opt.param_groups:
-            group["lr"] = lr_at(self.step, self.cfg)
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: str = "cpu") -> float:
-    """Mean cross-entropy over the batches, nats per byte (model.eval(); the mode is restored)."""
+def gpt_loss(model: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+    """The built-in GPT's loss: batch (x, y), mean cross-entropy per byte, every target byte a token."""
+    x, y = batch
+    _, loss = model(x, y)
+    return loss, y.numel()
+
+
+def evaluate(model: nn.Module, batches: list[Any], device: str = "cpu",
+             loss: Callable[[nn.Module, Any], tuple[torch.Tensor, int]] | None = None) -> float:
+    """The token-weighted mean loss over fixed batches (default: the GPT's, nats per byte); model.eval(),
+    the mode is restored. With bf16 autocast on CUDA."""
     if not batches:
         raise ValueError("evaluate needs at least one batch")
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    try:
-        for x, y in batches:
-            with _autocast(device):
-                _, loss = model(x.to(device), y.to(device))
-            total += loss.item() * y.numel()
-            count += y.numel()
-    finally:
-        model.train(was_training)
-    return total / count
+    with _autocast(device):
+        return mean_loss(model, batches, loss or gpt_loss, device)

@@ -20,7 +20,8 @@ from diloco.chaos.plan import SlowLearner, StorageDegraded, StorageOutage
 from diloco.configs import load_config
 from diloco.inspect.audit import AuditReport, audit_run
 from diloco.inspect.report import manifests
-from diloco.run.context import RunContext, create_run
+from diloco.run.context import RunContext
+from diloco.run.create import create_run
 from diloco.run.evaluator import read_evals
 from diloco.run.events import read_events
 from diloco.storage import Manifest, StorageError, open_store, read_latest

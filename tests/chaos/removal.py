@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from diloco.configs import load_config
-from diloco.run.context import create_run
+from diloco.run.create import create_run
 from diloco.run.events import read_events
 from diloco.storage import latest_version, open_store
 from diloco.storage.keys import parse_delta_key

@@ -14,7 +14,7 @@ import pytest
 from chaos_harness import assert_no_children, wait_for
 
 from diloco.configs import load_config
-from diloco.run.context import create_run
+from diloco.run.create import create_run
 from diloco.run.events import read_events
 from diloco.storage import open_store
 from diloco.supervise.local import local_supervisor

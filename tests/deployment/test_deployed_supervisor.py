@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from diloco.configs import load_config
-from diloco.run.context import RunContext, create_run
+from diloco.run.context import RunContext
+from diloco.run.create import create_run
 from diloco.storage import open_store
 from diloco.supervise.core import Supervisor
 from diloco.supervise.deployments import add_deployment_jobs, placement, regional_names

@@ -13,8 +13,8 @@ from diloco.inspect.audit import audit_run
 from diloco.inspect.gc import collect_orphans
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
-from diloco.run.context import create_run
-from diloco.run.corpus import load_run_corpus
+from diloco.run.create import create_run
+from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store
 
 
@@ -25,7 +25,7 @@ class CrashBeforeManifest(Exception):
 def test_orphans_of_a_crashed_merge_are_collected(tmp_path):
     cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0})
     ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "gc", cfg)
-    learner = Learner(ctx, "local-0", load_run_corpus(cfg.data))
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, load_corpus(cfg.data)))
     learner.join()
 
     def crash(stage: str) -> None:

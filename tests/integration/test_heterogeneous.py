@@ -16,9 +16,9 @@ from diloco.inspect.report import manifests
 from diloco.learner.learner import Learner
 from diloco.learner.loop import run_learner
 from diloco.merger.merger import Merger, run_merger
-from diloco.run.context import create_run
-from diloco.run.corpus import load_run_corpus
+from diloco.run.create import create_run
 from diloco.run.signals import StopSignal, request_stop
+from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store, read_latest
 
 pytestmark = pytest.mark.slow
@@ -30,9 +30,9 @@ def test_fast_learners_never_wait_and_everyone_counts():
         "inner.steps_per_phase": 5, "outer.max_staleness": 50,
     })
     ctx = create_run(open_store(f"memory://hetero-{uuid.uuid4().hex[:10]}"), "hetero", cfg)
-    corpus = load_run_corpus(cfg.data)
+    corpus = load_corpus(cfg.data)
     slow_name = ctx.learners[2]
-    learners = [Learner(ctx, name, corpus, slowdown=6.0 if name == slow_name else 1.0) for name in ctx.learners]
+    learners = [Learner(ctx, name, make_spec(ctx.cfg, corpus), slowdown=6.0 if name == slow_name else 1.0) for name in ctx.learners]
     phases: dict[str, list] = {lr.name: [] for lr in learners}
     threads = [threading.Thread(target=run_learner, args=(lr,), daemon=True,
                                 kwargs={"should_stop": StopSignal(ctx, None, every_s=0.1),

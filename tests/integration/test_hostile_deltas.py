@@ -13,9 +13,10 @@ import torch
 from diloco.configs import load_config
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
-from diloco.run.context import create_run, model_identity
-from diloco.run.corpus import load_run_corpus
+from diloco.run.create import create_run
+from diloco.run.create import fingerprint_of as model_identity
 from diloco.run.objects import encode_tensors
+from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store
 from diloco.training.model import build_model, get_flat_params
 
@@ -40,7 +41,7 @@ def test_hostile_deltas_are_rejected_and_merging_goes_on(tmp_path):
     cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
                                               "merger.max_delta_bytes": 2_000_000})
     ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "hostile", cfg)
-    learner = Learner(ctx, "local-0", load_run_corpus(cfg.data))
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, load_corpus(cfg.data)))
     learner.join()
     learner.run_phase()
     learner.publish()

@@ -20,9 +20,9 @@ from diloco.inspect.audit import audit_run
 from diloco.inspect.report import manifests
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
-from diloco.run.context import create_run
-from diloco.run.corpus import load_run_corpus
+from diloco.run.create import create_run
 from diloco.run.events import EventLog, read_events
+from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store
 
 OVERRIDES = {"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
@@ -31,7 +31,7 @@ OVERRIDES = {"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.
 
 @pytest.fixture
 def corpus():
-    return load_run_corpus(load_config("tiny").data)
+    return load_corpus(load_config("tiny").data)
 
 
 def new_run(tmp_path, run_id="local"):
@@ -40,7 +40,7 @@ def new_run(tmp_path, run_id="local"):
 
 
 def learner(ctx, corpus) -> Learner:
-    return Learner(ctx, "local-0", corpus, events=EventLog(ctx.store, ctx.keys, "local-0"))
+    return Learner(ctx, "local-0", make_spec(ctx.cfg, corpus), events=EventLog(ctx.store, ctx.keys, "local-0"))
 
 
 def ship(worker: Learner, merger: Merger, phases: int) -> None:
@@ -80,7 +80,7 @@ def test_restart_resumes_mid_phase_from_local_state(tmp_path, corpus):
     second = learner(ctx, corpus)
     assert second.join() == saved.meta["base_version"]
     assert second.state.seq == 2 and second.state.steps_since_publish == 5
-    assert second.sampler.cursor == saved.meta["cursor"] and second.trainer.step == saved.meta["step"]
+    assert second.cursor == saved.meta["cursor"] and second.trainer.step == saved.meta["step"]
     theta = second.theta()
     assert all(torch.equal(theta[k], saved.parts["theta"][k]) for k in theta)
     assert joins(ctx, second)[-1]["local"] is True

@@ -14,8 +14,8 @@ import torch
 from diloco.configs import load_config
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
-from diloco.run.context import create_run
-from diloco.run.corpus import load_run_corpus
+from diloco.run.create import create_run
+from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store
 from diloco.training.data import ShardSampler, shard_of
 from diloco.training.inner import InnerTrainer
@@ -30,8 +30,8 @@ ATOL = 1e-4
 def _system(cfg):
     store = open_store(f"memory://oracle-{uuid.uuid4().hex[:10]}")
     ctx = create_run(store, "oracle", cfg)
-    corpus = load_run_corpus(cfg.data)
-    learners = [Learner(ctx, name, corpus) for name in ctx.learners]
+    corpus = load_corpus(cfg.data)
+    learners = [Learner(ctx, name, make_spec(ctx.cfg, corpus)) for name in ctx.learners]
     for learner in learners:
         learner.join()
     merger = Merger(ctx)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from diloco.configs import load_config
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
-from diloco.run.context import create_run
-from diloco.run.corpus import load_run_corpus
+from diloco.run.create import create_run
+from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store
 from diloco.training.model import get_flat_params
 
@@ -27,7 +27,7 @@ OPS = st.lists(st.sampled_from(["train", "publish", "merge", "install"]), min_si
 
 @pytest.fixture(scope="module")
 def corpus():
-    return load_run_corpus(load_config("tiny").data)
+    return load_corpus(load_config("tiny").data)
 
 
 class ProgressMeter:
@@ -38,9 +38,9 @@ class ProgressMeter:
         self.total = {k: torch.zeros_like(v) for k, v in learner.theta().items()}
         original = learner.trainer.train_step
 
-        def counted(x, y):
+        def counted(*batch):
             before = get_flat_params(learner.model)
-            loss = original(x, y)
+            loss = original(*batch)
             after = get_flat_params(learner.model)
             for k in self.total:
                 self.total[k] += after[k] - before[k]
@@ -68,7 +68,7 @@ def test_shipped_plus_carried_is_all_progress(corpus, ops, codec):
         "learner.probe_every_steps": 1000, "outer.max_staleness": 1000,
     })
     ctx = create_run(open_store(f"memory://carry-{uuid.uuid4().hex[:10]}"), "carry", cfg)
-    learner = Learner(ctx, "local-0", corpus)
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.join()
     theta0 = learner.theta()
     meter = ProgressMeter(learner)

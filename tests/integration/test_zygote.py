@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from diloco.configs import load_config
-from diloco.run.context import create_run
+from diloco.run.create import create_run
 from diloco.storage import open_store
 from diloco.supervise.zygote import Zygote
 

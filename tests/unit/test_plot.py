@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from diloco.cli import app
 from diloco.configs import load_config
 from diloco.inspect.plot import loss_points, render_run_plot
-from diloco.run.context import RunContext, create_run
+from diloco.run.context import RunContext
+from diloco.run.create import create_run
 from diloco.run.events import EventLog
 from diloco.storage import open_store
 

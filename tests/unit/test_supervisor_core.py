@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from diloco.configs import load_config
-from diloco.run.context import RunContext, create_run
+from diloco.run.context import RunContext
+from diloco.run.create import create_run
 from diloco.run.events import read_events
 from diloco.run.signals import request_remove
 from diloco.storage import open_store

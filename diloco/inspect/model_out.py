@@ -1,0 +1,113 @@
+"""A committed version's model, out: its parameters, the spec's model loaded with them, text sampled from it,
+and exports (safetensors; the spec's own format, e.g. a Hugging Face save_pretrained folder).
+
+Contract: `version_params` and `export_safetensors` need no user code (the bucket's tensors and the run's
+layout); `load_model`, `sample` and `export_native` build the run's spec (user code) and check its layout.
+Every export is written to a temporary name and renamed, so a failed export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from torch import nn
+
+from diloco.run.context import RunContext, RunError
+from diloco.run.objects import read_tensors
+from diloco.storage import NotFound, latest_version, read_manifest
+from diloco.training.model import set_params
+from diloco.training.spec import SpecError, TrainSpec
+from diloco.training.tensors import Tensors
+
+
+def version_params(ctx: RunContext, version: int | None = None) -> tuple[int, Tensors]:
+    """(version, its parameters): the newest committed version by default; RunError if it is not committed."""
+    newest = latest_version(ctx.store, ctx.keys)
+    version = newest if version is None else version
+    if version is None or version < 0 or (newest is not None and version > newest):
+        raise RunError(f"run {ctx.run_id!r} has no committed version {version} (newest: {newest})")
+    try:
+        manifest = read_manifest(ctx.store, ctx.keys, version)
+    except NotFound:
+        raise RunError(f"run {ctx.run_id!r} has no committed version {version}") from None
+    _, params = read_tensors(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
+                             checksum=manifest.params_checksum)
+    return version, params
+
+
+def num_params(ctx: RunContext) -> int:
+    """Parameters of the run's model (from its layout; the newest version's tensors for an older run)."""
+    if ctx.layout:
+        return sum(math.prod(p["shape"]) for p in ctx.layout)
+    return sum(t.numel() for t in version_params(ctx, 0)[1].values())
+
+
+def load_model(ctx: RunContext, version: int | None = None) -> tuple[TrainSpec, nn.Module, int]:
+    """(the run's spec, its model holding the version's parameters, the version), in eval mode."""
+    from diloco.run.spec import build_model, check_layout, load_run_spec
+
+    spec = load_run_spec(ctx)
+    model = build_model(spec, ctx.cfg.data.seed)
+    check_layout(ctx, model, "the export")
+    version, params = version_params(ctx, version)
+    set_params(model, params)
+    model.eval()
+    return spec, model, version
+
+
+def sample(ctx: RunContext, version: int | None = None, prompt: str | None = None) -> str | None:
+    """Text the spec samples from the version's model (None when the spec has no sample)."""
+    spec, model, _ = load_model(ctx, version)
+    if spec.sample is None:
+        return None
+    takes_prompt = "prompt" in inspect.signature(spec.sample).parameters
+    if prompt is not None and not takes_prompt:
+        raise SpecError("the spec's sample(model) takes no prompt")
+    return spec.sample(model, prompt=prompt) if prompt is not None else spec.sample(model)
+
+
+def _atomic_file(out: Path, write) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def export_safetensors(ctx: RunContext, out: Path, version: int | None = None) -> tuple[Path, int]:
+    """The version's parameters (names as in the layout, tied weights once) as one safetensors file."""
+    from safetensors.torch import save_file
+
+    version, params = version_params(ctx, version)
+    metadata = {"run_id": ctx.run_id, "version": str(version), "fingerprint": ctx.fingerprint,
+                "spec": ctx.cfg.spec, "format": "diloco.params"}
+    tensors = {k: v.contiguous() for k, v in params.items()}
+    return _atomic_file(out, lambda tmp: save_file(tensors, tmp, metadata=metadata)), version
+
+
+def export_native(ctx: RunContext, out: Path, version: int | None = None) -> tuple[Path, int]:
+    """The spec's own export of the version's model into the folder `out` (e.g. save_pretrained)."""
+    spec, model, version = load_model(ctx, version)
+    if spec.export is None:
+        raise SpecError(f"the spec {ctx.cfg.spec!r} has no export(model, folder): only safetensors is available")
+    if out.exists():
+        raise RunError(f"--out {str(out)!r} exists: give a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        spec.export(model, tmp)
+        shutil.move(str(tmp), out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out, version

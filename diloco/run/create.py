@@ -1,0 +1,75 @@
+"""Create a run in the bucket: check its spec, then run.json (config, learners, model layout) and version 0.
+
+Contract: everything is checked before anything is written — the spec is built, its model checked and its
+functions run once (diloco.run.spec.probe) — so a bad input creates nothing; run.json is written once by
+exclusive create; create_run is idempotent for the same config and refuses a different one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+from torch import nn
+
+from diloco import __version__
+from diloco.configs import Config
+from diloco.run.context import RunContext, RunError, open_run
+from diloco.run.objects import write_tensors
+from diloco.run.spec import StagedFiles, build_model, probe, spec_of
+from diloco.storage import Conflict, Manifest, RunKeys, commit, manifest_exists
+from diloco.storage.keys import new_nonce
+from diloco.storage.records import RunRecord, write_record
+from diloco.storage.store import Store
+from diloco.training.model import get_flat_params
+from diloco.training.spec import TrainSpec, layout_fingerprint, model_layout
+
+
+def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | None = None, *,
+               spec: TrainSpec | None = None) -> RunContext:
+    """Create run.json and version 0, or join an existing run with the same config. `spec`: the config's
+    spec already built (it is built here otherwise)."""
+    keys = RunKeys(run_id)
+    learners = learners or cfg.learner_names()
+    files = StagedFiles(store, keys)
+    spec = spec or spec_of(cfg, files)
+    model = build_model(spec, cfg.data.seed)  # version 0, and its layout
+    probe(spec, model)
+    layout = model_layout(model)
+    record = RunRecord(run_id=run_id, created_at=time.time(), created_by=socket.gethostname(),
+                       diloco_version=__version__, fingerprint=layout_fingerprint(layout), learners=learners,
+                       config=cfg.model_dump(mode="json"), layout=layout)
+    files.flush()  # before run.json: a process that sees the run finds its spec files
+    try:
+        write_record(store, keys.run_json(), record, exclusive=True)
+    except Conflict:
+        ctx = open_run(store, run_id)
+        if ctx.cfg.model_dump() != cfg.model_dump():
+            raise RunError(
+                f"run {run_id!r} already exists in {store.url} with a different config; "
+                "choose another --run-id or the same config"
+            ) from None
+        return ctx
+    ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout)
+    _commit_version_zero(ctx, model)
+    return ctx
+
+
+def fingerprint_of(cfg: Config) -> str:
+    """The fingerprint a run of this config would have (its spec's model layout)."""
+    return layout_fingerprint(model_layout(build_model(spec_of(cfg, None), cfg.data.seed)))
+
+
+def _commit_version_zero(ctx: RunContext, model: nn.Module) -> None:
+    if manifest_exists(ctx.store, ctx.keys, 0):
+        return
+    nonce = new_nonce()
+    key = ctx.keys.params(0, nonce)
+    _, checksum = write_tensors(ctx.store, key, get_flat_params(model), kind="params", fingerprint=ctx.fingerprint)
+    manifest = Manifest(
+        run_id=ctx.run_id, version=0, created_at=time.time(), merger_id="init",
+        params_key=key, params_checksum=checksum,
+    )
+    with contextlib.suppress(Conflict):  # another process committed version 0 first; ours is an orphan
+        commit(ctx.store, ctx.keys, manifest)
