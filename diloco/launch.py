@@ -32,8 +32,9 @@ class Units:
     evaluate: Callable[..., Any] | None = None  # (evaluator, version) -> record
 
 
-def make_learner(storage: str, run_id: str, name: str):
-    """The learner `name` of the run, and its stop signal (control/stop, the target version, or removal)."""
+def make_learner(storage: str, run_id: str, name: str, world=None):
+    """The learner `name` of the run, and its stop signal (control/stop, the target version, or removal);
+    `world`: this process is rank 0 of the learner's process group (diloco.learner.world)."""
     from diloco.chaos.inprocess import apply_chaos
     from diloco.learner.learner import Learner
     from diloco.run.context import open_run
@@ -51,7 +52,7 @@ def make_learner(storage: str, run_id: str, name: str):
     slowdown = control.slowdown.get(name) if control else None
     # events are kept and flushed again on failure: one quick retry, so an outage does not stall each phase
     events = EventLog(ctx.store.with_retries(1), ctx.keys, name)
-    learner = Learner(ctx, name, events=events, slowdown=slowdown)
+    learner = Learner(ctx, name, events=events, slowdown=slowdown, world=world)
     stopped, removed = StopSignal(ctx, ctx.cfg.run.num_versions), RemovedSignal(ctx, name)
     return learner, lambda: stopped() or removed()
 
@@ -95,6 +96,9 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
         from diloco.learner.learner import Learner
         from diloco.learner.loop import learner_step, run_learner
 
+        if learner_ranks(storage, run_id, name or "") > 1:
+            run_world(storage, run_id, name or "", phases)  # the ranks never import Prefect: no task units
+            return 0
         learner, should_stop = make_learner(storage, run_id, name or "")
         return run_learner(learner, phases=phases, should_stop=should_stop, step=units.phase or learner_step,
                            join=units.join or Learner.join)
@@ -111,6 +115,50 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
         evaluator, should_stop = make_evaluator(storage, run_id)
         return run_evaluator(evaluator, should_stop=should_stop, evaluate=units.evaluate)
     raise ValueError(f"role {role!r} is unknown: must be one of {', '.join(ROLES)}")
+
+
+def learner_ranks(storage: str, run_id: str, name: str) -> int:
+    from diloco.learner.ranks import ranks_of
+    from diloco.run.context import open_run
+    from diloco.storage.keys import validate_learner_name
+
+    return ranks_of(open_run(storage, run_id), validate_learner_name(name))
+
+
+def _rank(world, storage: str, run_id: str, name: str, phases: int | None) -> None:
+    """One rank of a learner's world: rank 0 is the learner, the others follow it (diloco.learner.ranks)."""
+    if world.leader:
+        from diloco.learner.loop import run_learner
+
+        learner, should_stop = make_learner(storage, run_id, name, world=world)
+        run_learner(learner, phases=phases, should_stop=should_stop)
+        return
+    from diloco.learner.ranks import follow
+    from diloco.run.context import open_run
+
+    follow(world, open_run(storage, run_id), name)
+
+
+def run_world(storage: str, run_id: str, name: str, phases: int | None) -> None:
+    """A learner of `learner.ranks` > 1 processes: launch its world with torch's launcher and wait; raises when
+    any rank failed (one failure domain: the supervisor, or the train flow, restarts the learner as one)."""
+    import functools
+
+    import torch
+
+    from diloco.learner.ranks import ranks_of
+    from diloco.learner.world import launch_world
+    from diloco.run.context import open_run
+    from diloco.training.spec import SpecError
+
+    ctx = open_run(storage, run_id)
+    cfg, ranks = ctx.cfg.learner, ranks_of(ctx, name)
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cuda and ranks > torch.cuda.device_count():
+        raise SpecError(f"learner {name}: learner.ranks = {ranks}, but there are {torch.cuda.device_count()} GPUs")
+    log.info("learner %s: a world of %d ranks (%s)", name, ranks, "nccl" if cuda else "gloo")
+    launch_world(functools.partial(_rank, storage=storage, run_id=run_id, name=name, phases=phases), ranks,
+                 cuda=cuda, timeout_s=cfg.collective_timeout_s, threads=cfg.num_threads)
 
 
 _torch_warm = False  # the throwaway step ran in this process (a zygote's forks inherit it)

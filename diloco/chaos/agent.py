@@ -7,7 +7,9 @@ recorded as an event of source `chaos` (injected, skipped, or ended) in the buck
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from diloco.chaos.plan import (
     Due,
     KillLearner,
     KillMerger,
+    KillRank,
     PauseLearner,
     Plan,
     SecondMerger,
@@ -31,7 +34,8 @@ from diloco.chaos.plan import (
     load_plan,
 )
 from diloco.run.events import EventLog
-from diloco.storage import StorageError, read_manifest
+from diloco.storage import NotFound, StorageError, read_manifest
+from diloco.storage.records import LearnerStatus, RecordError, read_record
 from diloco.supervise.core import Supervisor
 
 log = logging.getLogger("diloco.chaos")
@@ -124,6 +128,8 @@ class ChaosAgent:
         try:
             if isinstance(f, KillLearner):
                 return self._kill_learner(due, f)
+            if isinstance(f, KillRank):
+                return self._kill_rank(due, f)
             if isinstance(f, PauseLearner):
                 return self._pause_learner(due, f)
             if isinstance(f, SlowLearner):
@@ -147,6 +153,22 @@ class ChaosAgent:
             self._emit(due, restart_after_s=f.restart_after_s, signal=int(signal.SIGKILL))
         else:
             self._emit(due, "fault_skipped", reason="learner not running")
+        return True
+
+    def _kill_rank(self, due: Due, f: KillRank) -> bool:
+        """SIGKILL one rank of a learner's world (its pid from the learner's status); the supervisor then sees
+        the whole learner end and restarts it as one. Waits (False) until the learner reported its ranks."""
+        try:
+            status = read_record(self.ctx.store, self.ctx.keys.status(due.learner), LearnerStatus)
+        except (NotFound, RecordError):
+            return False
+        pids = status.rank_pids or []
+        if f.rank >= len(pids):
+            self._emit(due, "fault_skipped", reason=f"learner has {len(pids) or 1} rank(s)")
+            return True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[f.rank], signal.SIGKILL)
+        self._emit(due, rank=f.rank, pid=pids[f.rank], signal=int(signal.SIGKILL))
         return True
 
     def _pause_learner(self, due: Due, f: PauseLearner) -> bool:

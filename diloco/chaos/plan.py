@@ -67,6 +67,11 @@ class KillLearner(_LearnerFault):
     restart_after_s: float = Field(5.0, ge=0)  # the supervisor brings it back after this delay
 
 
+class KillRank(_LearnerFault):
+    kind: Literal["kill_rank"]
+    rank: int = Field(1, ge=0)  # SIGKILL this rank of a multi-rank learner: its whole world ends and restarts
+
+
 class PauseLearner(_LearnerFault):
     kind: Literal["pause_learner"]
     duration_s: float = Field(gt=0)  # SIGSTOP, then SIGCONT after this long: a straggler
@@ -136,7 +141,7 @@ class SeqBackwards(_Fault):
 
 
 Scripted = Annotated[
-    KillLearner | PauseLearner | SlowLearner | KillMerger | SecondMerger | StorageOutage | StorageDegraded
+    KillLearner | KillRank | PauseLearner | SlowLearner | KillMerger | SecondMerger | StorageOutage | StorageDegraded
     | BadDelta | SeqBackwards,
     Field(discriminator="kind"),
 ]

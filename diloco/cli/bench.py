@@ -129,3 +129,15 @@ def _simulate_goodput(
 
     with user_errors():
         simulate_goodput(json_path=json_path, plot_path=plot_path, mtbf_years=mtbf_years, restart_s=restart_s, seed=seed, num_failures=num_failures, sweep=sweep)
+
+@bench.command("ranks")
+def _bench_ranks(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    config: str = typer.Option("bench", "--config", help="Recipe name or YAML path."),
+    phases: int = typer.Option(6, "--phases", min=2, help="Phases per learner (the first is not measured)."),
+) -> None:
+    """Tokens/s of one learner with 1 and with 2 ranks (torch.distributed inside the learner)."""
+    from diloco.bench.ranks import bench_ranks
+
+    with user_errors():
+        bench_ranks(json_path=json_path, config=config, phases=phases)

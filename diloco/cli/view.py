@@ -35,11 +35,11 @@ def progress_table(ctx: RunContext, started: float) -> Table:
     loss = f"{last['loss']:.3f} {last.get('metric', 'nats/byte')} @ v{last['version']}" if last else "—"
     table = Table(title=f"run {ctx.run_id} · version {version}/{ctx.cfg.run.num_versions} · "
                         f"held-out {loss} · {time.time() - started:.0f}s")
-    for col in ("learner", "state", "seq", "base", "step", "loss", "steps/s", "MB sent", "heartbeat"):
+    for col in ("learner", "state", "ranks", "seq", "base", "step", "loss", "steps/s", "MB sent", "heartbeat"):
         table.add_column(col)
     for r in rows:
         table.add_row(
-            r.get("learner", "?"), r.get("state", "?"), str(r.get("seq", "")), str(r.get("base_version", "")),
+            r.get("learner", "?"), r.get("state", "?"), str(r.get("ranks", 1)), str(r.get("seq", "")), str(r.get("base_version", "")),
             str(r.get("step", "")), f"{r['loss']:.3f}" if isinstance(r.get("loss"), float) else "",
             f"{r.get('steps_per_s', 0):.1f}" if "steps_per_s" in r else "",
             f"{r.get('bytes_published', 0) / 1e6:.2f}" if "bytes_published" in r else "",

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 RECIPE_DIR = Path(__file__).parent
 LEARNER_NAME_RE = re.compile(r"^[a-z0-9-]{1,48}$")
 Codec = Literal["fp32", "bf16", "int8", "int4"]
+MAX_RANKS = 64  # processes per learner: a node of accelerators, or a few
 
 
 class ConfigError(ValueError):
@@ -109,7 +110,22 @@ class LearnerConfig(_Strict):
     probe_every_steps: int = Field(10, ge=1)  # a cheap HEAD for version b+1 this often
     max_updates_behind: int = Field(4, ge=1)  # further behind: fetch full params, not updates
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_threads: int = Field(1, ge=1)  # torch threads per learner process
+    num_threads: int = Field(1, ge=1)  # torch threads per learner process (per rank)
+    # A learner as a torch.distributed world of this many processes (DDP; gloo on CPU, nccl on CUDA): the
+    # learner's batch is split across them, so its global batch and tokens per step do not depend on it
+    ranks: int = Field(1, ge=1, le=MAX_RANKS)
+    ranks_per_learner: dict[str, int] = {}  # heterogeneous islands: a learner's own rank count
+    collective_timeout_s: float = Field(600.0, gt=0)  # a rank waiting longer (a hung peer) ends the learner
+
+    @field_validator("ranks_per_learner")
+    @classmethod
+    def _ranks_each(cls, v: dict[str, int]) -> dict[str, int]:
+        for name, n in v.items():
+            if not LEARNER_NAME_RE.match(name):
+                raise ValueError(f"learner.ranks_per_learner: {name!r} is not a learner name ([a-z0-9-]{{1,48}})")
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_RANKS:
+                raise ValueError(f"learner.ranks_per_learner.{name}: {n!r} must be an int in [1, {MAX_RANKS}]")
+        return v
     checkpoint: bool = True  # inner optimizer state + data cursor after each publish
     # local state on the learner's host (DILOCO_LOCAL_DIR, default .diloco/local): written at every publish and
     # every this many steps, so a restarted process resumes without the bucket and loses < this many steps; 0 = off

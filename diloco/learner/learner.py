@@ -18,12 +18,14 @@ import torch
 from diloco.learner.courier import Courier
 from diloco.learner.local_state import LocalState
 from diloco.learner.publisher import Publisher
+from diloco.learner.ranks import build_trainer, lead_step
 from diloco.learner.resume import resume
 from diloco.learner.state import LearnerState
+from diloco.learner.world import FULL, PARAMS, RESET, STOP, World, slice_batch
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
-from diloco.run.spec import build_model, check_layout, load_run_spec
+from diloco.run.spec import load_run_spec
 from diloco.storage import (
     StorageError,
     latest_version,
@@ -34,7 +36,7 @@ from diloco.storage import (
 from diloco.storage.codec import CodecError
 from diloco.storage.records import LearnerStatus, write_record
 from diloco.training.data import shard_of
-from diloco.training.inner import InnerTrainer
+from diloco.training.inner import pick_device
 from diloco.training.model import get_flat_params, set_params
 from diloco.training.spec import SpecError, TrainSpec
 from diloco.training.tensors import Tensors, add_, clone, sub
@@ -56,19 +58,11 @@ class PhaseStats:
     delta_bytes: int = 0
 
 
-def pick_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("learner.device is 'cuda' but no CUDA device is available")
-    return name
-
-
 class Learner:
     """One island of compute. Drive it with join(), then run_phase() + publish() in a loop."""
 
     def __init__(self, ctx: RunContext, name: str, spec: TrainSpec | None = None, *,
-                 events: EventLog | None = None, slowdown: float | None = None) -> None:
+                 events: EventLog | None = None, slowdown: float | None = None, world: World | None = None) -> None:
         self.ctx, self.name, self.cfg = ctx, name, ctx.cfg
         self.device = pick_device(self.cfg.learner.device)
         torch.set_num_threads(self.cfg.learner.num_threads)  # one failure domain, one core by default
@@ -81,10 +75,8 @@ class Learner:
         self.quick = ctx.store.with_retries(QUICK_RETRIES)
         self.courier = Courier(f"courier-{name}")  # statuses and event flushes, off the training thread
         self.publisher = Publisher(ctx.store, self.events, on_landed=self.local.unspool if self.local else None)
-        self.model = build_model(self.spec, self.cfg.data.seed).to(self.device)
-        check_layout(ctx, self.model, f"learner {name}")
-        self.trainer = InnerTrainer(self.model, self.cfg.inner, device=self.device, optimizer=self._optimizer(),
-                                    lr_at_step=self.spec.lr_at, loss=self.spec.loss)
+        self.world = world  # a multi-rank learner's process group (this is rank 0); None: one process
+        self.model, self.trainer = build_trainer(self, world)
         self.shard, self.num_shards = shard_of(name, ctx.learners)
         self.cursor = 0  # batches of this learner's shard consumed so far (what a resume continues from)
         self._batches: Iterator | None = None  # the spec's batches from `cursor`, opened at join
@@ -92,17 +84,6 @@ class Learner:
         self.loss_ema = float("nan")
         self.phase_t0 = time.time()
         self._last_beat = 0.0
-
-    def _optimizer(self) -> torch.optim.Optimizer | None:
-        if self.spec.build_optimizer is None:
-            return None  # the engine's AdamW from inner.*
-        try:
-            opt = self.spec.build_optimizer(list(self.model.parameters()))
-        except Exception as err:  # noqa: BLE001 - user code: one line naming it
-            raise SpecError(f"build_optimizer failed: {type(err).__name__}: {err}") from err
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise SpecError(f"build_optimizer returned a {type(opt).__name__}, not a torch.optim.Optimizer")
-        return opt
 
     def _open_batches(self) -> None:
         try:
@@ -120,6 +101,8 @@ class Learner:
                          use_checkpoint=self.cfg.learner.checkpoint)
         self.state, self.cursor = resumed.state, resumed.cursor
         self._open_batches()
+        if self.world is not None:
+            self.world.pending |= FULL  # the other ranks take parameters, optimizer state, step and cursor
         self.events.emit("join", learner=self.name, version=self.state.base, seq=self.state.seq,
                          cursor=resumed.cursor, step=resumed.step, **resumed.extra)
         self.heartbeat("joined", force=True, wait=True)  # the supervisor reads it to see the join
@@ -156,7 +139,8 @@ class Learner:
         status = LearnerStatus.model_validate({
             "learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.state.seq - 1,
             "base_version": self.state.base, "step": self.trainer.step, "cursor": self.cursor,
-            "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published, **phase})
+            "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published,
+            **({"ranks": self.world.size, "rank_pids": self.world.pids} if self.world else {}), **phase})
         key = self.ctx.keys.status(self.name)
 
         def write() -> None:
@@ -191,6 +175,8 @@ class Learner:
         every = cfg.learner.local_state_every_steps
         for i in range(cfg.inner.steps_per_phase):
             ts = time.time()
+            if self.world is not None:
+                lead_step(self)
             batch = self._next_batch()
             try:
                 losses.append(self.trainer.train_step(batch))
@@ -225,7 +211,7 @@ class Learner:
             raise SpecError(f"batches({self.shard}, {self.num_shards}, ...) ran out at batch {self.cursor}: "
                             "it must yield batches for as long as the run trains") from None
         self.cursor += 1
-        return batch
+        return batch if self.world is None else slice_batch(batch, 0, self.world.size)
 
     def abandon_phase(self, stats: PhaseStats, t0: float, reason: str) -> PhaseStats:
         """A non-finite loss: nothing of this learner's unshipped progress may reach a merge. Drop it, reset
@@ -240,6 +226,8 @@ class Learner:
                                checksum=manifest.params_checksum)
         self._set_theta(clone(glob))
         self.trainer.reset_optimizer()
+        if self.world is not None:
+            self.world.pending |= PARAMS | RESET
         self.state = LearnerState.at_version(manifest.version, glob, self.state.seq)
         stats.phase_time_s, stats.tokens = time.time() - t0, 0
         return stats
@@ -330,6 +318,8 @@ class Learner:
         else:
             new_theta = {k: glob[k] + (theta[k] - state.ref[k]) for k in glob}
         self._set_theta(new_theta)
+        if self.world is not None:
+            self.world.pending |= PARAMS
         self.events.emit("install", learner=self.name, version=version, previous=state.base, behind=behind)
         state.base, state.glob, state.ref = version, glob, clone(glob)
         return version
@@ -350,6 +340,8 @@ class Learner:
         return None
 
     def close(self, timeout_s: float = 60.0) -> None:
+        if self.world is not None:
+            self.world.control(STOP)
         self.publisher.close(timeout_s)
         if self.local is not None:
             self.local.close()

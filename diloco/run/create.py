@@ -35,7 +35,7 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
     files = StagedFiles(store, keys)
     spec = spec or spec_of(cfg, files)
     model = build_model(spec, cfg.data.seed)  # version 0, and its layout
-    probe(spec, model)
+    probe(spec, model, {cfg.learner.ranks, *cfg.learner.ranks_per_learner.values()})
     layout = model_layout(model)
     record = RunRecord(run_id=run_id, created_at=time.time(), created_by=socket.gethostname(),
                        diloco_version=__version__, fingerprint=layout_fingerprint(layout), learners=learners,

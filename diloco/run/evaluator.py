@@ -19,7 +19,7 @@ from diloco.run.objects import read_tensors
 from diloco.run.spec import build_model, check_layout, load_run_spec
 from diloco.storage import NotFound, StorageError, latest_version, read_manifest
 from diloco.storage.records import EvalRecord, RecordError, read_record, write_record
-from diloco.training.inner import evaluate
+from diloco.training.inner import evaluate, pick_device
 from diloco.training.model import set_params
 from diloco.training.spec import SpecError, TrainSpec
 
@@ -35,7 +35,8 @@ class Evaluator:
         self.spec = spec or load_run_spec(ctx)
         if self.spec.eval_batches is None:
             raise SpecError("the spec has no eval_batches: there is no held-out metric to evaluate")
-        self.model = build_model(self.spec, self.cfg.data.seed)
+        self.device = pick_device(self.cfg.learner.device)  # on the device too (bf16 autocast on CUDA)
+        self.model = build_model(self.spec, self.cfg.data.seed).to(self.device)
         check_layout(ctx, self.model, "the evaluator")
         self.batches = list(self.spec.eval_batches())
         self.events = events or EventLog(None, None, "evaluator")
@@ -46,7 +47,7 @@ class Evaluator:
         _, params = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                    checksum=manifest.params_checksum)
         set_params(self.model, params)
-        loss = evaluate(self.model, self.batches, loss=self.spec.loss)
+        loss = evaluate(self.model, self.batches, self.device, loss=self.spec.loss)
         metric = self.spec.metric_name
         record = EvalRecord(version=version, loss=loss, metric=metric,
                             bits_per_byte=loss / math.log(2) if metric == "nats/byte" else None,

@@ -21,7 +21,15 @@ from diloco.run.context import RunContext, RunError
 from diloco.specs.loader import build_spec
 from diloco.storage import Conflict, NotFound, RunKeys
 from diloco.storage.store import Store
-from diloco.training.spec import SpecError, TrainSpec, check_loss, check_model, first_difference, model_layout
+from diloco.training.spec import (
+    SpecError,
+    TrainSpec,
+    check_loss,
+    check_model,
+    first_difference,
+    model_layout,
+    slice_batch,
+)
 
 
 class SpecFiles:
@@ -98,14 +106,20 @@ def check_layout(ctx: RunContext, model: nn.Module, who: str) -> None:
         raise RunError(f"{who}: the spec builds another model than run {ctx.run_id!r}: {diff}")
 
 
-def probe(spec: TrainSpec, model: nn.Module) -> None:
-    """Run the spec's functions once on CPU (a batch and its loss, the held-out batches): SpecError early."""
+def probe(spec: TrainSpec, model: nn.Module, ranks: set[int] = frozenset({1})) -> None:
+    """Run the spec's functions once on CPU (a batch and its loss, the held-out batches; the batch split in
+    equal slices for every rank count of the run's learners): SpecError early."""
     try:
         batch = next(iter(itertools.islice(spec.batches(0, 1, 0), 1)), None)
     except Exception as err:  # noqa: BLE001 - user code
         raise SpecError(f"batches(0, 1, 0) failed: {type(err).__name__}: {err}") from err
     if batch is None:
         raise SpecError("batches(0, 1, 0) yielded no batch")
+    for n in sorted(ranks - {1}):
+        try:
+            slice_batch(batch, 0, n)
+        except ValueError as err:
+            raise SpecError(str(err)) from None
     with torch.no_grad():
         check_loss(_call(spec.loss, model, batch, what="loss"))
     if spec.eval_batches is not None:

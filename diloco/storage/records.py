@@ -93,6 +93,8 @@ class LearnerStatus(Record):
     cursor: int  # data cursor
     loss: float  # the last phase's mean training loss; NaN before the first phase
     bytes_published: int
+    ranks: int = 1  # processes of the learner's world
+    rank_pids: list[int] | None = None  # their process ids, rank 0 first (multi-rank learners)
     tokens_per_phase: int | None = None  # the figures of the phase just ended, after a phase
     stall_s: float | None = None
     steps_per_s: float | None = None

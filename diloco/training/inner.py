@@ -35,6 +35,15 @@ def lr_at(step: int, cfg: InnerConfig) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
 
 
+def pick_device(name: str) -> str:
+    """learner.device: 'auto' is CUDA when present, else CPU; 'cuda' without one is an error."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("learner.device is 'cuda' but no CUDA device is available")
+    return name
+
+
 def _autocast(device: str) -> contextlib.AbstractContextManager:
     if device.startswith("cuda"):
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -53,7 +62,9 @@ class InnerTrainer:
 
     def __init__(self, model: nn.Module, cfg: InnerConfig, device: str = "cpu", step: int = 0, *,
                  optimizer: torch.optim.Optimizer | None = None, lr_at_step: Callable[[int], float] | None = None,
-                 loss: Callable[[nn.Module, Any], tuple[torch.Tensor, int]] | None = None) -> None:
+                 loss: Callable[[nn.Module, Any], tuple[torch.Tensor, int]] | None = None,
+                 forward_model: nn.Module | None = None,
+                 reduce: Callable[[float, int], tuple[float, int, bool]] | None = None) -> None:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         self.model = model.to(device)
@@ -64,6 +75,8 @@ class InnerTrainer:
         self.last_tokens = 0  # tokens of the last train_step (the spec's count)
         self.named = dict(model.named_parameters())  # tied weights once, stable order
         self.loss_fn = loss or gpt_loss
+        self.forward_model = forward_model or self.model  # a DDP wrapper in a multi-rank learner
+        self.reduce = reduce  # a multi-rank learner: (loss, tokens) -> (mean over ranks, sum, all finite)
         self.opt = optimizer or self._adamw()
         self.lr_at_step = lr_at_step
         self.base_lrs = [group["lr"] for group in self.opt.param_groups]
@@ -102,10 +115,12 @@ class InnerTrainer:
         self.model.train()
         data = to_device(batch[0] if len(batch) == 1 else tuple(batch), self.device)
         with _autocast(self.device):
-            loss, tokens = check_loss(self.loss_fn(self.model, data))
-        loss_value = loss.item()
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"inner step {self.step}: loss is {loss_value}")
+            loss, tokens = check_loss(self.loss_fn(self.forward_model, data))
+        loss_value, finite = loss.item(), math.isfinite(loss.item())
+        if self.reduce is not None:  # every rank agrees before the backward pass (DDP's all-reduce needs all)
+            loss_value, tokens, finite = self.reduce(loss_value, tokens)
+        if not finite:
+            raise FloatingPointError(f"inner step {self.step}: loss is {loss_value if self.reduce is None else 'nan'}")
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(list(self.named.values()), self.cfg.grad_clip)

@@ -144,9 +144,20 @@ def model_fingerprint(model: nn.Module, cfg: ModelConfig) -> str:
 
 
 def get_flat_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """name -> fp32 CPU clone of each parameter (tied weights appear once), in param order."""
-    return {name: p.detach().to(device="cpu", dtype=torch.float32).contiguous().clone()
-            for name, p in model.named_parameters()}
+    """name -> fp32 CPU clone of each parameter (tied weights appear once), in param order. From an
+    accelerator: one device-to-host transfer of all of them into pinned memory, then split."""
+    named = list(model.named_parameters())
+    if not named or named[0][1].device.type == "cpu":
+        return {name: p.detach().to(device="cpu", dtype=torch.float32).contiguous().clone() for name, p in named}
+    with torch.no_grad():
+        flat = torch.cat([p.detach().float().reshape(-1) for _, p in named])
+        host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(flat)
+    out, offset = {}, 0
+    for name, p in named:
+        out[name] = host[offset:offset + p.numel()].view(p.shape).clone()
+        offset += p.numel()
+    return out
 
 
 def set_params(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
@@ -162,5 +173,13 @@ def set_params(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
         if tuple(params[name].shape) != tuple(p.shape):
             raise ValueError(f"parameter {name}: shape {tuple(params[name].shape)} != {tuple(p.shape)}")
     with torch.no_grad():
+        first = next(iter(own.values()), None)
+        if first is not None and first.device.type != "cpu":  # one host-to-device transfer of everything
+            host = torch.cat([params[n].detach().float().reshape(-1) for n in own]).pin_memory()
+            flat, offset = host.to(first.device, non_blocking=True), 0
+            for p in own.values():
+                p.copy_(flat[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
+            return
         for name, p in own.items():
             p.copy_(params[name])

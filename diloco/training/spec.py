@@ -126,6 +126,22 @@ def to_device(batch: Batch, device: str) -> Batch:
     return batch
 
 
+def slice_batch(batch: Any, rank: int, size: int) -> Any:
+    """This rank's equal slice (along dim 0) of a batch: a tensor, or a tuple/list/dict of them."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            return batch
+        if batch.shape[0] % size:
+            raise ValueError(f"learner.ranks = {size} does not divide the batch's first dimension {batch.shape[0]}: "
+                             "every rank takes an equal slice")
+        return batch.chunk(size, dim=0)[rank]
+    if isinstance(batch, tuple | list):
+        return type(batch)(slice_batch(b, rank, size) for b in batch)
+    if isinstance(batch, dict):
+        return {k: slice_batch(v, rank, size) for k, v in batch.items()}
+    return batch
+
+
 def mean_loss(model: nn.Module, batches: Iterable[Batch], loss: Callable, device: str = "cpu") -> float:
     """The held-out metric: the token-weighted mean of the spec's loss over fixed batches (eval mode,
     no gradients; the model's mode is restored)."""
