@@ -4,9 +4,9 @@ shared by every backend (local processes in supervise/local.py, Prefect deployme
 Contract: a role that ended, or a learner that went silent, while the run goes on is started again after a
 back-off, at most `run.max_restarts` times in a row without a healthy stretch, then given up; a learner an
 operator removed (`control/removed-<name>`) ends itself, is never started again, and is killed if it has not
-ended REMOVE_GRACE_S after its removal was seen; a planned restart (chaos, operator) is not a crash, and a paused
-role is left alone; the run ends at the target version, on a stop request, at the time limit, or when `until`
-holds; shutdown asks everyone to stop, waits, then kills what is left, so no role of the run keeps running.
+ended REMOVE_GRACE_S (or run.heartbeat_timeout_s, if longer) after its removal was seen; a planned restart
+(chaos, operator) is not a crash, and a paused role is left alone; the run ends at the target version, on a
+stop request, at the time limit, or when `until` holds; shutdown asks everyone to stop, waits, then kills what is left, so no role of the run keeps running.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ log = logging.getLogger("diloco.supervisor")
 
 RUNNING, STARTING, ENDED, UNKNOWN = "running", "starting", "ended", "unknown"
 JOIN_WAIT_S = 30.0  # a deferred first start (the evaluator) waits for the learners' joins at most this long
-REMOVE_GRACE_S = 30.0  # a removed learner ends itself after its phase; one still running after this is killed
+REMOVE_GRACE_S = 30.0  # a removed learner ends itself after its phase; one still running after this (or the
+# heartbeat timeout, if longer: a phase may be that slow) is killed
 MAX_REFUSALS = 6  # a role whose start is refused this many times in a row ends the run with the reason
 
 
@@ -214,7 +215,7 @@ class Supervisor:
         elif state != RUNNING:
             return
         elif job.removed:
-            if now - (job.removed_at or now) > REMOVE_GRACE_S:
+            if now - (job.removed_at or now) > max(REMOVE_GRACE_S, self.cfg.run.heartbeat_timeout_s):
                 self.backend.kill(job, "removed, still running")
         elif job.restarts and now - job.running_since > self.cfg.run.heartbeat_timeout_s:
             job.restarts = 0  # up for a while: healthy again; max_restarts bounds crash loops, not a lifetime
