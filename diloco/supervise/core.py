@@ -6,7 +6,8 @@ back-off, at most `run.max_restarts` times in a row without a healthy stretch, t
 operator removed (`control/removed-<name>`) ends itself, is never started again, and is killed if it has not
 ended REMOVE_GRACE_S (or run.heartbeat_timeout_s, if longer) after its removal was seen; a planned restart
 (chaos, operator) is not a crash, and a paused role is left alone; the run ends at the target version, on a
-stop request, at the time limit, or when `until` holds; shutdown asks everyone to stop, waits, then kills what is left, so no role of the run keeps running.
+stop request, at the time limit, or when `until` holds; shutdown asks everyone to stop, waits, then kills what
+is left, so no role of the run keeps running.
 """
 
 from __future__ import annotations
