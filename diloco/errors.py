@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from diloco.configs import ConfigError
 from diloco.run.context import RunError
+from diloco.run.signing import SigningError
 from diloco.storage import StorageError
 from diloco.storage.keys import InvalidName
 from diloco.training.data import DataError
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, RunError, InvalidName, DataError, StorageError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, RunError, InvalidName, DataError, StorageError,
+                                            SigningError)
 
 
 def describe(err: BaseException) -> str:

@@ -15,6 +15,7 @@ import torch
 
 from diloco import __version__
 from diloco.configs import Config, config_from_record
+from diloco.run.controls import run_overrides
 from diloco.run.objects import write_tensors
 from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, manifest_exists, open_store
 from diloco.storage.keys import new_nonce
@@ -102,4 +103,7 @@ def open_run(store: Store | str, run_id: str) -> RunContext:
     except RecordError as err:
         raise RunError(f"run {run_id!r}: {err}") from None
     cfg = config_from_record(record.config)
+    overrides = run_overrides(store, keys)  # `diloco resume` raised the target / set a new time limit
+    if overrides:
+        cfg = cfg.with_overrides(overrides)
     return RunContext(store, keys, cfg, record.fingerprint, list(record.learners), record.created_at)
