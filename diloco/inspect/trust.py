@@ -54,3 +54,29 @@ def trust_lines(summary: dict[str, Any]) -> list[str]:
     if summary["pending_ops"]:
         lines.append(f"pending (applied at the next merge): {', '.join(summary['pending_ops'])}")
     return lines
+
+
+TRUST_MARKS = {"outlier": "#d62728", "signature": "#9467bd", "admission": "#ff7f0e", "quarantine": "#8c564b"}
+
+
+def mark_trust(ax, events: list[dict], learners: list[str], t0: float) -> None:
+    """On `diloco plot`'s timeline: an x per delta the guard rejected (by check) on its learner's row (a row
+    below for names that never trained), and a label where a learner was quarantined."""
+    rows = {name: i for i, name in enumerate(learners)}
+    other = len(learners)
+    used: dict[str, object] = {}
+    for e in events:
+        if e.get("source", "").startswith("merger") and e.get("kind") == "rejected" and e.get("check") in TRUST_MARKS:
+            y = rows.get(e.get("learner"), other)
+            (line,) = ax.plot(e["t"] - t0, y, marker="x", color=TRUST_MARKS[e["check"]], markersize=6,
+                              linestyle="none", label=f"rejected: {e['check']}")
+            used.setdefault(e["check"], line)
+        elif e.get("kind") == "quarantine":
+            y = rows.get(e.get("learner"), other)
+            ax.annotate(f"quarantined {e.get('learner')}", (e["t"] - t0, y), xytext=(4, 8), textcoords="offset points",
+                        fontsize=7, color=TRUST_MARKS["quarantine"])
+    if used:
+        states = ax.get_legend()
+        ax.legend(handles=list(used.values()), loc="lower right", fontsize=7)
+        if states is not None:
+            ax.add_artist(states)  # keep the states' legend beside this one
