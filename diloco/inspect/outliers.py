@@ -69,3 +69,22 @@ def summarize(rows: list[dict[str, Any]], thresholds: tuple[float, ...] = (3, 5,
             "median_ratio": quantile(0.5), "min_ratio": honest[0] if honest else None,
             "would_reject": {f"{t:g}x": sum(1 for x in honest if x > t) for t in thresholds},
             "top": [{k: r[k] for k in ("version", "learner", "seq", "steps", "staleness", "ratio")} for r in top]}
+
+
+GUARD_CHECKS = ("admission", "quarantine", "signature", "outlier")
+
+
+def guard_figures(ctx: RunContext, honest: list[str] | None = None) -> dict[str, Any]:
+    """What the guard did to the run's own learners (`honest`, default run.json's): rejections and clips by
+    the trust rules (a false rejection when these learners are honest), and the honest ratio distribution."""
+    names = set(ctx.learners if honest is None else honest)
+    chain = manifests(ctx)
+    guarded = [d for m in chain for d in m.decisions if d.learner in names
+               and (d.check in GUARD_CHECKS or d.clip_scale is not None)]
+    rows = [r for r in ratios(ctx) if r["learner"] in names]
+    summary = summarize(rows)
+    return {"guard_rejections": sum(1 for d in guarded if d.status == "rejected"),
+            "guard_clips": sum(1 for d in guarded if d.clip_scale is not None),
+            "guard_reasons": sorted({d.reason.split(":")[0] for d in guarded}),
+            "judged": summary["judged"], "max_ratio": summary["max_ratio"], "p99_ratio": summary["p99_ratio"],
+            "median_ratio": summary["median_ratio"], "top": summary["top"][:3]}
