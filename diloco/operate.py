@@ -42,8 +42,9 @@ def _policy(ctx: RunContext):
 
 
 def admit_learner(storage: str | Store | RunContext, run_id: str | None, learner: str, *, reason: str = "",
-                  by: str | None = None) -> str:
-    """Admit one more learner (elastic join): its deltas are merged from the next merge on; returns the op."""
+                  start: bool = True, by: str | None = None) -> str:
+    """Admit one more learner (elastic join): its deltas are merged from the next merge on, and a running
+    supervisor starts it (unless `start` is False: it runs elsewhere, by hand); returns the op."""
     validate_learner_name(learner)
     ctx = _ctx(storage, run_id)
     state = _policy(ctx).state
@@ -51,7 +52,7 @@ def admit_learner(storage: str | Store | RunContext, run_id: str | None, learner
         raise RunError(f"learner {learner} was removed from run {ctx.run_id}; removal is for good (admit a new name)")
     if learner in state.members:
         raise RunError(f"learner {learner} is already admitted to run {ctx.run_id}")
-    return write_op(ctx.store, ctx.keys, "admit", learner=learner, reason=reason, by=by)
+    return write_op(ctx.store, ctx.keys, "admit", learner=learner, values={"start": start}, reason=reason, by=by)
 
 
 def remove_learner(storage: str | Store | RunContext, run_id: str | None, learner: str, *,

@@ -49,8 +49,8 @@ class Injector:
         if learner in self.admitted:
             return
         if learner not in membership(self.ctx.store, self.ctx.keys, self.ctx.learners).members:
-            write_op(self.ctx.store, self.ctx.keys, "admit", learner=learner, by="chaos",
-                     reason="a chaos writer of hostile deltas")
+            write_op(self.ctx.store, self.ctx.keys, "admit", learner=learner, by="chaos", values={"start": False},
+                     reason="a chaos writer of hostile deltas (no supervisor starts it)")
         self.admitted.add(learner)
 
     def write(self, learner: str, seq: int, data: bytes) -> str:

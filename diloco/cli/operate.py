@@ -20,14 +20,17 @@ REASON = typer.Option("", "--reason", help="Recorded with the control op.")
 
 
 @app.command("admit-learner")
-def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER, reason: str = REASON) -> None:
+def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER, reason: str = REASON,
+                  start: bool = typer.Option(True, "--start/--no-start",
+                                             help="A running supervisor starts it (--no-start: you run it).")) -> None:
     """Admit one more learner (elastic join): its deltas are merged from the next merge on."""
     with user_errors():
         from diloco.operate import admit_learner as admit
 
-        op = admit(storage, run_id, learner, reason=reason)
-        typer.echo(f"learner {learner} admitted to run {run_id} (op {op}); start it with: diloco learner "
-                   f"--storage {storage} --run-id {run_id} --learner {learner}")
+        op = admit(storage, run_id, learner, reason=reason, start=start)
+        how = "a running supervisor starts it within seconds" if start else "start it with: diloco learner " \
+            f"--storage {storage} --run-id {run_id} --learner {learner}"
+        typer.echo(f"learner {learner} admitted to run {run_id} (op {op}); {how}")
 
 
 @app.command("readmit")

@@ -93,10 +93,12 @@ def write_op(store: Store, keys: RunKeys, kind: str, *, learner: str | None = No
 
 @dataclass(frozen=True)
 class Membership:
-    """Who may publish in a run, from run.json's learners and the admit/remove ops (and removal marks)."""
+    """Who may publish in a run, from run.json's learners and the admit/remove ops; `supervised`: the members a
+    supervisor starts (run.json's and those admitted with start on — not, e.g., a writer admitted by a test)."""
 
     members: tuple[str, ...]
     removed: tuple[str, ...]
+    supervised: tuple[str, ...] = ()
 
     def admitted(self, learner: str) -> bool:
         return learner in self.members
@@ -104,16 +106,18 @@ class Membership:
 
 def membership(store: Store, keys: RunKeys, learners: list[str]) -> Membership:
     """The membership now (ops not yet applied by a merge included): run.json learners + admitted - removed."""
-    members, removed = set(learners), set()
+    members, removed, unsupervised = set(learners), set(), set()
     for _, op in read_ops(store, keys):
         if isinstance(op, RecordError) or op.learner is None:
             continue
         if op.kind == "admit" and op.learner not in removed:
             members.add(op.learner)
+            if op.values.get("start") is False:
+                unsupervised.add(op.learner)
         elif op.kind == "remove":
             members.discard(op.learner)
             removed.add(op.learner)
-    return Membership(tuple(sorted(members)), tuple(sorted(removed)))
+    return Membership(tuple(sorted(members)), tuple(sorted(removed)), tuple(sorted(members - unsupervised)))
 
 
 def run_overrides(store: Store, keys: RunKeys) -> dict[str, Any]:

@@ -205,7 +205,7 @@ class Supervisor:
 
     def _members(self) -> list[str]:
         try:
-            return list(membership(self.ctx.store, self.ctx.keys, self.ctx.learners).members)
+            return list(membership(self.ctx.store, self.ctx.keys, self.ctx.learners).supervised)
         except StorageError:
             return list(self.ctx.learners)
 

@@ -67,7 +67,8 @@ def test_a_rogue_in_a_live_run_then_resume_and_fork_from_the_cli(tmp_path: Path)
         latest = read_latest(ctx.store, ctx.keys)
         if "planted" not in state:
             if latest is not None and "outlier_median" in latest.stats:  # the window holds enough honest deltas
-                cli("admit-learner", "--storage", url, "--run-id", ctx.run_id, "--learner", "bad-0", cwd=tmp_path)
+                cli("admit-learner", "--storage", url, "--run-id", ctx.run_id, "--learner", "bad-0", "--no-start",
+                    cwd=tmp_path)
                 latest = read_latest(ctx.store, ctx.keys)  # the command took seconds: versions moved on
                 plant_1000x(ctx, "rogue-0", latest.version)
                 plant_1000x(ctx, "bad-0", latest.version)

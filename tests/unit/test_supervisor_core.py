@@ -191,3 +191,20 @@ def test_shutdown_writes_the_stop_and_kills_what_does_not_end(ctx: RunContext, s
     sup.shutdown("test", grace_s=0.1)
     assert ctx.store.exists(ctx.keys.stop())
     assert sorted(n for n, _ in sup.backend.killed) == ["a", "b"]
+
+
+def test_an_admitted_learner_is_started_and_a_removed_one_is_not_a_job(ctx: RunContext, sup: Supervisor,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from diloco.operate import admit_learner
+
+    monkeypatch.setattr(core, "MEMBERS_EVERY_S", 0.0)
+    admit_learner(ctx, None, "c")
+    admit_learner(ctx, None, "w-0", start=False)  # e.g. run by hand elsewhere: admitted, not supervised here
+    sup.heal()
+    assert sup.backend.started.count("c") == 1 and "w-0" not in sup.jobs
+    sup.events.flush()
+    assert "admitted" in kinds(ctx, "c")
+    request_remove(ctx, "b")
+    fresh = Supervisor(ctx, ScriptedBackend())
+    fresh.start_all()  # a new session (`diloco resume`) starts the members: not the removed one
+    assert sorted(fresh.backend.started) == ["a", "c", "evaluator", "merger"]
