@@ -46,7 +46,7 @@ def test_the_operate_deployment_records_who_and_refuses_bad_input(deployed_run: 
     assert _run_operate(deployed_run, f"storage={url}", "run_id=operated", "action=set",
                         'settings={"merger.quorum": 2}') == "COMPLETED"
     ops = [op for _, op in read_ops(ctx.store, ctx.keys)]
-    assert [(op.kind, op.learner, op.values) for op in ops] == [("admit", "extra-0", {}),
+    assert [(op.kind, op.learner, op.values) for op in ops] == [("admit", "extra-0", {"start": True}),
                                                                 ("set", None, {"merger.quorum": 2})]
     assert all(op.by.startswith("prefect flow run ") for op in ops) and ops[0].reason == "from the UI"
     assert _run_operate(deployed_run, f"storage={url}", "run_id=operated", "action=readmit",
@@ -56,11 +56,16 @@ def test_the_operate_deployment_records_who_and_refuses_bad_input(deployed_run: 
 
 def test_signing_keys_come_from_prefect_secret_blocks(deployed_run: DeployedRun, monkeypatch: pytest.MonkeyPatch) -> None:
     from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    with temporary_settings({PREFECT_API_URL: deployed_run.stack.api_url}):  # this process's settings are loaded
+        _keys_from_blocks(Secret, monkeypatch)
+
+
+def _keys_from_blocks(Secret, monkeypatch: pytest.MonkeyPatch) -> None:
     from diloco.launch import keyring_of_env, signing_key
     from diloco.run.signing import SigningError
 
-    monkeypatch.setenv("PREFECT_API_URL", deployed_run.stack.api_url)
     key = new_key()
     Secret(value=key).save("diloco-key-us-east-0", overwrite=True)
     Secret(value=json.dumps({"us-east-0": key})).save("diloco-keyring", overwrite=True)
