@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,11 +49,13 @@ def make_learner(storage: str, run_id: str, name: str, world=None):
     # standby or a forked learner has paid them already and this is then a few milliseconds
     warm_up()
     ctx = open_run(storage, run_id)
+    check_admitted(ctx, name)
+    key = signing_key() if ctx.cfg.learner.sign else None
     control = apply_chaos(ctx)
     slowdown = control.slowdown.get(name) if control else None
     # events are kept and flushed again on failure: one quick retry, so an outage does not stall each phase
     events = EventLog(ctx.store.with_retries(1), ctx.keys, name)
-    learner = Learner(ctx, name, events=events, slowdown=slowdown, world=world)
+    learner = Learner(ctx, name, events=events, slowdown=slowdown, world=world, signing_key=key)
     stopped, removed = StopSignal(ctx, ctx.cfg.run.num_versions), RemovedSignal(ctx, name)
     return learner, lambda: stopped() or removed()
 
@@ -71,7 +74,56 @@ def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
     control = apply_chaos(ctx)
     events = EventLog(ctx.store, ctx.keys, merger_id)
     hook = MergerSaboteur(ctx, raw_store, merger_id, events) if control else None
-    return Merger(ctx, merger_id, events=events, stage_hook=hook), ctx
+    keyring = keyring_of_env() if ctx.cfg.learner.sign else None
+    return Merger(ctx, merger_id, events=events, stage_hook=hook, keyring=keyring), ctx
+
+
+def load_secret(block_name: str) -> str:
+    """The value of a Prefect Secret block (a signing key, or a keyring's JSON), read only when a *_BLOCK
+    variable names one, so a plain run never imports Prefect; never logged. A missing block is a SigningError."""
+    import json
+
+    from prefect.blocks.system import Secret
+
+    from diloco.run.signing import SigningError
+
+    try:
+        value = Secret.load(block_name).get()
+    except ValueError as err:  # Prefect raises ValueError for a block that does not exist
+        raise SigningError(f"Prefect Secret block {block_name!r}: {err}") from None
+    return json.dumps(value) if isinstance(value, dict | list) else str(value)
+
+
+def _block_loader():
+    return load_secret
+
+
+def signing_key() -> bytes:
+    """This learner's signing key: DILOCO_SIGNING_KEY, or the Secret block DILOCO_SIGNING_KEY_BLOCK names."""
+    from diloco.run.signing import KEY_BLOCK_ENV, learner_key
+
+    return learner_key(load_block=_block_loader() if os.environ.get(KEY_BLOCK_ENV) else None)
+
+
+def keyring_of_env(required: bool = True) -> dict[str, list[bytes]] | None:
+    """The merger's (or audit's) keyring: DILOCO_KEYRING, or the Secret block DILOCO_KEYRING_BLOCK names."""
+    from diloco.run.signing import KEYRING_BLOCK_ENV, load_keyring
+
+    return load_keyring(load_block=_block_loader() if os.environ.get(KEYRING_BLOCK_ENV) else None,
+                        required=required)
+
+
+def check_admitted(ctx, name: str) -> None:
+    """A learner that may not publish in the run stops before it trains (its deltas would be rejected)."""
+    from diloco.run.context import RunError
+    from diloco.run.controls import membership
+
+    member = membership(ctx.store, ctx.keys, ctx.learners)
+    if name in member.removed:
+        raise RunError(f"learner {name} was removed from run {ctx.run_id}")
+    if not member.admitted(name):
+        raise RunError(f"learner {name} is not admitted to run {ctx.run_id} (its learners: "
+                       f"{', '.join(member.members)}); admit it with `diloco admit-learner --learner {name}`")
 
 
 def make_evaluator(storage: str, run_id: str):

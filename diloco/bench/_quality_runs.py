@@ -176,9 +176,12 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
         for learner in learners:
             learner.close()
         versions = merger.version
+        from diloco.inspect.outliers import guard_figures
+
+        guard = guard_figures(ctx)  # the outlier rule over honest deltas: 0 rejections expected (docs/ENGINE.md)
     sent = [c.sent["delta"] for c in counters]
     received = [c.received["global"] for c in counters]
-    extra = {"versions": versions, "deltas_merged": sum(merged), "sent_per_learner": sent,
+    extra = {"versions": versions, "deltas_merged": sum(merged), "guard": guard, "sent_per_learner": sent,
              "received_per_learner": received, "manifest_bytes_read_per_learner": sum(
                  c.received["manifest"] for c in counters) / m}
     return RunResult(curve[-1][1], curve, tokens, sum(sent) / m, sum(received) / m, time.time() - t0, extra)

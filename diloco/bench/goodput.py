@@ -109,6 +109,7 @@ def local_save_cost_s(ctx, repeats: int = 5) -> float:
 def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
     from diloco.chaos.goodput import compute_goodput, per_learner
     from diloco.inspect.audit import audit_run
+    from diloco.inspect.outliers import guard_figures
     from diloco.inspect.report import manifests
     from diloco.run.events import read_events
 
@@ -129,6 +130,7 @@ def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
         "versions": chain[-1].version, "deltas_lost": audit.deltas_lost,
         "deltas_applied_twice": _applied_twice(chain), "audit_ok": audit.ok,
         "final_eval_loss": loss, "no_fault_eval_loss": clean_loss,
+        "guard": {"chaos": guard_figures(chaos_ctx), "no_fault": guard_figures(clean_ctx)},
         "detail": {
             "chaos_run": chaos_ctx.run_id, "no_fault_run": clean_ctx.run_id, "wall_s": g.wall_s,
             "num_learner_failures": g.num_failures, "num_faults": len(faults),

@@ -207,11 +207,11 @@ class ChaosAgent:
         return True
 
     def _bad_delta(self, due: Due, f: BadDelta, version: int) -> bool:
-        made = self.injector.bad_delta(f.variant, f.learner, max(version, 0))
+        made = self.injector.bad_delta(f.variant, f.writer, max(version, 0))
         if made is None:
             return False
         key, expected = made
-        self.events.emit("fault", fault="bad_delta", fault_id=due.fault_id, learner=f.learner,
+        self.events.emit("fault", fault="bad_delta", fault_id=due.fault_id, learner=f.writer,
                          variant=f.variant, key=key, expected=expected)
         return True
 

@@ -1,7 +1,7 @@
 """Hostile deltas: corrupt, truncated, duplicated, NaN, oversized, stale, and a seq that goes backwards.
 
 Contract: each is written under a dedicated chaos learner name (never a live learner's next seq,
-which would fence it), with a correct-looking header where the variant needs one; valid-looking
+which would fence it), admitted to the run first (an operator's `admit` op, by "chaos"), with a correct-looking header where the variant needs one; valid-looking
 filler deltas are zeros with 1 token and 1 step, so a merge that takes one barely moves the model.
 """
 
@@ -14,6 +14,7 @@ import torch
 
 from diloco.inspect.model_out import version_params
 from diloco.run.context import RunContext
+from diloco.run.controls import membership, write_op
 from diloco.run.objects import encode_tensors
 from diloco.storage.keys import parse_delta_key
 from diloco.training.tensors import Tensors, clone
@@ -29,6 +30,7 @@ class Injector:
         _, params = version_params(ctx, 0)  # the run's layout from version 0's tensors: no user code needed
         self.zeros = {k: torch.zeros_like(v) for k, v in params.items()}
         self.next_seq: dict[str, int] = {}
+        self.admitted: set[str] = set()
 
     def _seq(self, learner: str) -> int:
         if learner not in self.next_seq:
@@ -42,7 +44,18 @@ class Injector:
         return encode_tensors(tensors if tensors is not None else self.zeros, codec_name="fp32", kind="delta",
                                 fingerprint=self.ctx.fingerprint, meta=meta, shuffle=False)
 
+    def admit(self, learner: str) -> None:
+        """The chaos writers are admitted learners (their deltas meet the codec and validation, not just the
+        admission check); once per name and run."""
+        if learner in self.admitted:
+            return
+        if learner not in membership(self.ctx.store, self.ctx.keys, self.ctx.learners).members:
+            write_op(self.ctx.store, self.ctx.keys, "admit", learner=learner, by="chaos", values={"start": False},
+                     reason="a chaos writer of hostile deltas (no supervisor starts it)")
+        self.admitted.add(learner)
+
     def write(self, learner: str, seq: int, data: bytes) -> str:
+        self.admit(learner)
         key = self.ctx.keys.delta(learner, seq)
         self.ctx.store.put_if_absent(key, data)
         self.next_seq[learner] = max(self.next_seq.get(learner, 0), seq + 1)

@@ -122,12 +122,18 @@ class StorageDegraded(_Strict):
 class BadDelta(_Fault):
     kind: Literal["bad_delta"]
     variant: BadVariant
-    learner: str = "chaos-0"  # a dedicated name: never a live learner's next seq (that would fence it)
+    # a dedicated name, never a live learner's next seq (that would fence it); by default one per variant
+    # (chaos-<variant>), so that each shows its own rejection rather than the quarantine that follows a row of them
+    learner: str | None = None
 
     @field_validator("learner")
     @classmethod
-    def _learner(cls, v: str) -> str:
-        return _name(v, "learner")
+    def _learner(cls, v: str | None) -> str | None:
+        return None if v is None else _name(v, "learner")
+
+    @property
+    def writer(self) -> str:
+        return self.learner or f"chaos-{self.variant}"
 
 
 class SeqBackwards(_Fault):

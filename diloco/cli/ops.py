@@ -23,16 +23,18 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
     """Check the manifest chain, checksums, at-most-once merging, and replay every merge."""
     with user_errors():
         from diloco.inspect.audit import audit_run
+        from diloco.launch import keyring_of_env
         from diloco.run.context import open_run
 
-        report = audit_run(open_run(storage, run_id), do_replay=replay)
+        report = audit_run(open_run(storage, run_id), do_replay=replay, keyring=keyring_of_env(required=False))
         if json_out:
             typer.echo(json.dumps(report.to_json()))
         else:
             verdict = "OK" if report.ok else "FAILED"
             typer.echo(f"audit {verdict}: {report.num_versions} versions, {report.deltas_merged} deltas merged, "
                        f"{report.deltas_rejected} rejected, {report.deltas_lost} lost, "
-                       f"{report.deltas_pending} pending, replay {'ok' if report.replay_ok else 'FAILED'}")
+                       f"{report.deltas_pending} pending, replay {'ok' if report.replay_ok else 'FAILED'}; "
+                       f"{report.decisions_replayed} decisions replayed, {report.controls_applied} control ops")
             for p in report.problems:
                 typer.echo(f"  - {p}")
         if not report.ok:
@@ -72,10 +74,9 @@ def remove_learner(storage: str = STORAGE, run_id: str = RUN_ID,
                    reason: str = typer.Option("operator", "--reason", help="Recorded with the removal.")) -> None:
     """Remove a learner from a run: it ends after its phase and no supervisor starts it again."""
     with user_errors():
-        from diloco.run.context import open_run
-        from diloco.run.signals import request_remove
+        from diloco.operate import remove_learner as remove
 
-        request_remove(open_run(storage, run_id), learner, reason)
+        remove(storage, run_id, learner, reason=reason)
         typer.echo(f"learner {learner} removed from run {run_id}")
 
 

@@ -146,7 +146,12 @@ def print_status(storage: str, run_id: str, json_out: bool) -> None:
     ctx = open_run(open_store(storage), run_id)
     version = latest_version(ctx.store, ctx.keys)
     rows = learner_status(ctx)
+    from diloco.inspect.trust import trust_lines, trust_summary
+
+    trust = trust_summary(ctx)
     if json_out:
-        typer.echo(json.dumps({"run_id": run_id, "latest_version": version, "learners": rows}))
+        typer.echo(json.dumps({"run_id": run_id, "latest_version": version, "learners": rows, "trust": trust}))
         return
     Console().print(progress_table(ctx, time.time()))
+    for line in trust_lines(trust):
+        Console().print(line, markup=False, highlight=False)

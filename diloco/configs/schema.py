@@ -101,6 +101,14 @@ class MergerConfig(_Strict):
     gap_timeout_s: float = Field(30.0, gt=0)  # a missing seq older than this is declared lost
     poll_interval_s: float = Field(0.2, gt=0)
     max_delta_bytes: int = Field(1 << 30, gt=0)  # refuse bigger objects before reading them
+    # A delta whose norm per step is above outlier_threshold x the median of the last outlier_window merged
+    # deltas is rejected ("reject"), scaled down to that bound ("clip"), or let through ("off"). The honest
+    # maximum measured over this project's benches and chaos runs is in docs/ENGINE.md ("Trust").
+    outlier_rule: Literal["reject", "clip", "off"] = "reject"
+    outlier_threshold: float = Field(20.0, gt=1.0)
+    outlier_window: int = Field(32, ge=1, le=4096)  # merged deltas the running median is taken over
+    outlier_min_samples: int = Field(8, ge=1)  # the rule applies once the window holds this many
+    quarantine_after: int = Field(3, ge=0)  # this many integrity rejections in a row quarantine a learner; 0 = never
 
 
 class LearnerConfig(_Strict):
@@ -130,6 +138,9 @@ class LearnerConfig(_Strict):
     # local state on the learner's host (DILOCO_LOCAL_DIR, default .diloco/local): written at every publish and
     # every this many steps, so a restarted process resumes without the bucket and loses < this many steps; 0 = off
     local_state_every_steps: int = Field(10, ge=0)
+    # sign every delta (HMAC-SHA256, the learner's own key from DILOCO_SIGNING_KEY or a Prefect Secret block);
+    # the merger then rejects unsigned and mis-signed deltas (docs/DEPLOY.md, "Signing")
+    sign: bool = False
 
 
 class EvalConfig(_Strict):

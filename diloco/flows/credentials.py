@@ -30,3 +30,4 @@ def export_aws_credentials(block_name: str) -> None:
             os.environ[name] = str(value)
     log.info("AWS credentials from block %r exported (%s)", block_name,
              ", ".join(n for n, v in values.items() if v))
+

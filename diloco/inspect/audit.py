@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.inspect.audit_trust import check_controls, replay_decisions
 from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
 from diloco.run.context import RunContext, direct_names
 from diloco.run.objects import read_tensors
@@ -26,6 +27,10 @@ class AuditReport:
     deltas_rejected: int = 0
     deltas_lost: int = 0
     deltas_pending: int = 0  # published after the last merge of a run that has ended
+    decisions_replayed: int = 0  # decisions recomputed from the stored objects and found equal
+    decisions_unreplayable: int = 0  # rejected deltas whose object changed or vanished since, or signatures without keys
+    signatures_verified: bool = False  # a keyring was at hand (learner.sign runs)
+    controls_applied: int = 0  # operator control ops recorded in manifests
     replay_ok: bool = True
     problems: list[str] = field(default_factory=list)
 
@@ -36,7 +41,9 @@ class AuditReport:
     def to_json(self) -> dict:
         return {"ok": self.ok, "num_versions": self.num_versions, "deltas_merged": self.deltas_merged,
                 "deltas_rejected": self.deltas_rejected, "deltas_lost": self.deltas_lost,
-                "deltas_pending": self.deltas_pending, "replay_ok": self.replay_ok, "problems": self.problems}
+                "deltas_pending": self.deltas_pending, "decisions_replayed": self.decisions_replayed,
+                "decisions_unreplayable": self.decisions_unreplayable, "signatures_verified": self.signatures_verified,
+                "controls_applied": self.controls_applied, "replay_ok": self.replay_ok, "problems": self.problems}
 
 
 def _check_object(ctx: RunContext, key: str, checksum: str, what: str, report: AuditReport) -> bytes | None:
@@ -103,29 +110,41 @@ def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport)
             report.problem(f"delta {parsed[0]}/{parsed[1]} is at or below the cursor but was never decided")
 
 
-def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
-    """Recompute every version from its parent, the parent's outer state and the stored deltas."""
-    optimizer = outer_optimizer(ctx.cfg, len(ctx.learners))
+def _parent_state(ctx: RunContext, prev: Manifest):
+    _, params = read_tensors(ctx.store, prev.params_key, checksum=prev.params_checksum)
+    if prev.outer_key:
+        _, raw = read_tensors(ctx.store, prev.outer_key, checksum=prev.outer_checksum)
+        return params, OuterState.from_tensors(raw, params)
+    return params, OuterState.zeros_like(params)
+
+
+def _legacy_stream(ctx: RunContext, prev: Manifest, m: Manifest, params):
+    """A manifest written before the guard (no GuardState): the merged deltas as recorded, run.json's config."""
+    stream = gradient_stream(params, prev.version, ctx.cfg.outer, direct_names(ctx, params))
+    group: LearnerGroup | None = None
+    for d in m.merged():  # a learner's deltas are contiguous, in the merger's order
+        if group is not None and group.learner != d.learner:
+            stream.add(group)
+            group = None
+        header, delta = read_tensors(ctx.store, ctx.keys.delta(d.learner, d.seq), checksum=d.checksum)
+        group = group or LearnerGroup(d.learner)
+        group.add(d.seq, header, delta)
+    if group is not None:
+        stream.add(group)
+    return stream, ctx.cfg
+
+
+def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport, keyring=None) -> None:
+    """Recompute every version from its parent, the parent's outer state and guard state, the recorded
+    control ops and the stored deltas: the decisions, the outlier statistics, the guard state and the bits."""
     for prev, m in zip(chain, chain[1:], strict=False):
         try:
-            _, params = read_tensors(ctx.store, prev.params_key, checksum=prev.params_checksum)
-            if prev.outer_key:
-                _, raw = read_tensors(ctx.store, prev.outer_key, checksum=prev.outer_checksum)
-                outer = OuterState.from_tensors(raw, params)
+            params, outer = _parent_state(ctx, prev)
+            if m.guard is None:
+                stream, cfg = _legacy_stream(ctx, prev, m, params)
             else:
-                outer = OuterState.zeros_like(params)
-            stream = gradient_stream(params, prev.version, ctx.cfg.outer, direct_names(ctx, params))
-            group: LearnerGroup | None = None
-            for d in m.merged():  # a learner's deltas are contiguous, in the merger's order
-                if group is not None and group.learner != d.learner:
-                    stream.add(group)
-                    group = None
-                header, delta = read_tensors(ctx.store, ctx.keys.delta(d.learner, d.seq), checksum=d.checksum)
-                group = group or LearnerGroup(d.learner)
-                group.add(d.seq, header, delta)
-            if group is not None:
-                stream.add(group)
-            result = outer_step(params, outer, stream, ctx.fingerprint, optimizer)
+                stream, cfg = replay_decisions(ctx, prev, m, params, report, keyring)
+            result = outer_step(params, outer, stream, ctx.fingerprint, outer_optimizer(cfg, len(ctx.learners)))
         except (StorageError, CodecError, ValueError) as err:
             report.replay_ok = False
             report.problem(f"version {m.version}: replay could not read its inputs: {err}")
@@ -149,15 +168,17 @@ def _compare_replay(ctx: RunContext, m: Manifest, result, report: AuditReport) -
         report.problem(f"version {m.version}: replayed outer state differs from the committed one")
 
 
-def audit_run(ctx: RunContext, do_replay: bool = True) -> AuditReport:
+def audit_run(ctx: RunContext, do_replay: bool = True, keyring: dict[str, list[bytes]] | None = None) -> AuditReport:
+    """Every check; `keyring` (learner -> keys) lets the replay verify signatures of a signed run."""
     torch.set_num_threads(1)  # the merger's reduction order
-    report = AuditReport()
+    report = AuditReport(signatures_verified=keyring is not None and ctx.cfg.learner.sign)
     chain = load_chain(ctx, report)
     for m in chain:
         _check_object(ctx, m.params_key, m.params_checksum, f"version {m.version} params", report)
         if m.version > 0:
             _check_object(ctx, m.update_key, m.update_checksum, f"version {m.version} update", report)
     check_decisions(ctx, chain, report)
+    check_controls(ctx, chain, report)
     if do_replay:
-        replay(ctx, chain, report)
+        replay(ctx, chain, report, keyring)
     return report

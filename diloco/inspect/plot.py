@@ -74,13 +74,18 @@ def render_run_plot(ctx: RunContext, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     evals = read_evals(ctx)
-    rows = timeline_rows(read_events(ctx.store, ctx.keys))
+    events = read_events(ctx.store, ctx.keys)
+    rows = timeline_rows(events)
     num_learners = len({r[0] for r in rows if r[1] in STATE_COLORS})
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6 + 0.3 * num_learners),
                                       gridspec_kw={"height_ratios": [1, 1 + 0.1 * num_learners]})
     _plot_loss(top, evals)
     top.set_title(f"run {ctx.run_id}: held-out loss per version")
     _plot_timeline(bottom, rows)
+    if rows:  # rejections by the guard (outlier, signature, admission, quarantine) and quarantines
+        from diloco.inspect.trust import mark_trust
+
+        mark_trust(bottom, events, sorted({r[0] for r in rows if r[1] in STATE_COLORS}), min(r[2] for r in rows))
     bottom.set_title("learners: training / publishing / down, merges marked")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

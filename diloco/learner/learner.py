@@ -25,6 +25,7 @@ from diloco.learner.world import FULL, PARAMS, RESET, STOP, World, slice_batch
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
+from diloco.run.signing import learner_key, sign
 from diloco.run.spec import load_run_spec
 from diloco.storage import (
     StorageError,
@@ -62,8 +63,11 @@ class Learner:
     """One island of compute. Drive it with join(), then run_phase() + publish() in a loop."""
 
     def __init__(self, ctx: RunContext, name: str, spec: TrainSpec | None = None, *,
-                 events: EventLog | None = None, slowdown: float | None = None, world: World | None = None) -> None:
+                 events: EventLog | None = None, slowdown: float | None = None, world: World | None = None,
+                 signing_key: bytes | None = None) -> None:
         self.ctx, self.name, self.cfg = ctx, name, ctx.cfg
+        # learner.sign: every delta is signed with this learner's key (run/signing.py; never from the bucket)
+        self.signing_key = signing_key or (learner_key() if self.cfg.learner.sign else None)
         self.device = pick_device(self.cfg.learner.device)
         torch.set_num_threads(self.cfg.learner.num_threads)  # one failure domain, one core by default
         self.spec = spec or load_run_spec(ctx)
@@ -115,7 +119,13 @@ class Learner:
         return self.trainer.step
 
     def _requeue(self, seq: int, data: bytes) -> None:
-        self.publisher.requeue(self.ctx.keys.delta(self.name, seq), data, seq=seq)
+        self.publisher.requeue(self.ctx.keys.delta(self.name, seq), data, seq=seq, sidecar=self._signature(seq, data))
+
+    def _signature(self, seq: int, data: bytes) -> tuple[str, bytes] | None:
+        """(key, bytes) of the delta's signature object when signing is on."""
+        if self.signing_key is None:
+            return None
+        return self.ctx.keys.signature(self.name, seq), sign(self.signing_key, self.ctx.run_id, self.name, seq, data)
 
     def save_local(self, exported: tuple[Tensors, dict] | None = None) -> None:
         """Snapshot the whole state (copies; `exported`: the optimizer state already copied) and queue
@@ -264,7 +274,8 @@ class Learner:
             if cfg.learner.checkpoint else None
         if self.local is not None:
             self.local.spool(seq, data)  # until it lands: a crash while the bucket is away loses nothing
-        stall = self.publisher.submit(self.ctx.keys.delta(self.name, seq), data, seq=seq, checkpoint=checkpoint)
+        stall = self.publisher.submit(self.ctx.keys.delta(self.name, seq), data, seq=seq, checkpoint=checkpoint,
+                                      sidecar=self._signature(seq, data))
         state.shipped()
         self.phase_t0 = time.time()
         self.save_local(exported)

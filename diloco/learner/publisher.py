@@ -44,21 +44,22 @@ class Publisher:
             return self._in_flight >= MAX_PENDING
 
     def submit(self, key: str, data: bytes, *, seq: int,
-               checkpoint: tuple[str, Callable[[], bytes]] | None = None) -> float:
+               checkpoint: tuple[str, Callable[[], bytes]] | None = None,
+               sidecar: tuple[str, bytes] | None = None) -> float:
         """Queue a delta (and the checkpoint to write after it: its key, and a function this thread
-        calls to encode it); returns seconds stalled waiting for room."""
+        calls to encode it; and its signature, written before it); returns seconds stalled waiting for room."""
         t0 = time.time()
         with self._room:
             self._room.wait_for(lambda: self._in_flight < MAX_PENDING)
             self._in_flight += 1
         stall = time.time() - t0
-        self._queue.put((key, data, seq, checkpoint, True))
+        self._queue.put((key, data, seq, checkpoint, True, sidecar))
         return stall
 
-    def requeue(self, key: str, data: bytes, *, seq: int) -> None:
+    def requeue(self, key: str, data: bytes, *, seq: int, sidecar: tuple[str, bytes] | None = None) -> None:
         """Queue a delta of a previous process (the local spool at a resume) without waiting for room:
         it was already counted against the queue's bound before the crash."""
-        self._queue.put((key, data, seq, None, False))
+        self._queue.put((key, data, seq, None, False, sidecar))
 
     def drain(self, timeout_s: float = 600.0) -> bool:
         """Wait until everything queued has landed."""
@@ -84,9 +85,11 @@ class Publisher:
             if item is None:
                 self._queue.task_done()
                 return
-            key, data, seq, checkpoint, counted = item
+            key, data, seq, checkpoint, counted, sidecar = item
             try:
-                if self._put_with_retry(key, data, exclusive=True):
+                # the signature lands first (a plain put: it is not history), so the merger never sees the
+                # delta without it
+                if (sidecar is None or self._put_with_retry(*sidecar)) and self._put_with_retry(key, data, exclusive=True):
                     self.bytes_published += len(data)
                     self.events.emit("published", key=key, seq=seq, bytes=len(data))
                     if self.on_landed is not None:

@@ -15,19 +15,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.merger.guard import Policy, entry_of, fold, gate, policy_after, state_of
+from diloco.merger.judge import Judge
 from diloco.merger.step import (
-    DeltaInvalid,
     GradientStream,
     LearnerGroup,
     OuterState,
     gradient_stream,
     outer_optimizer,
     outer_step,
-    validate_delta,
 )
 from diloco.run.context import RunContext, direct_names
+from diloco.run.controls import read_ops
 from diloco.run.events import EventLog
-from diloco.run.objects import decode_tensors, read_tensors, write_tensors
+from diloco.run.objects import read_tensors, write_tensors
+from diloco.run.signing import SigningError
 from diloco.storage import (
     Conflict,
     DeltaDecision,
@@ -38,11 +40,12 @@ from diloco.storage import (
     manifest_exists,
     read_latest,
 )
-from diloco.storage.codec import CodecError, object_checksum
+from diloco.storage.codec import object_checksum
 from diloco.storage.errors import Backoff
 from diloco.storage.keys import new_nonce, parse_delta_key
 
 log = logging.getLogger("diloco.merger")
+CONTROLS_EVERY_S = 1.0  # control ops (pause, set, admit, ...) are listed at most this often while waiting
 EMA = 0.3  # weight of the newest observation in the grace-window moving averages
 STORAGE_BACKOFF_S = (0.5, 10.0)  # first wait, cap (doubled per failed merge) while the bucket is in trouble
 
@@ -63,14 +66,19 @@ class Merger:
     """Drive with load() once, then merge_once() in a loop."""
 
     def __init__(self, ctx: RunContext, merger_id: str = "merger", events: EventLog | None = None,
-                 stage_hook: Callable[[str], None] | None = None) -> None:
-        self.ctx, self.cfg, self.merger_id = ctx, ctx.cfg, merger_id
+                 stage_hook: Callable[[str], None] | None = None,
+                 keyring: dict[str, list[bytes]] | None = None) -> None:
+        self.ctx, self.base_cfg, self.merger_id = ctx, ctx.cfg, merger_id
+        self.cfg = ctx.cfg  # the live config of the next merge (run.json's + `diloco set`), see refresh_policy
+        self.keyring = keyring  # learner -> keys, when learner.sign is on (run/signing.py)
+        if self.cfg.learner.sign and keyring is None:
+            raise SigningError("learner.sign is on: the merger needs a keyring (DILOCO_KEYRING or DILOCO_KEYRING_BLOCK)")
+        self._controls_at = 0.0
         torch.set_num_threads(1)  # reductions in one fixed order: `audit` replays them bit for bit
         self.events = events or EventLog(None, None, merger_id)
         self.stage_hook = stage_hook or (lambda stage: None)  # chaos: kill at a named stage
         self.gap_seen: dict[tuple[str, int], float] = {}
         self.ema = {"phase_s": 0.0, "quorum_s": 0.0, "merge_s": 0.0}
-        self.optimizer = outer_optimizer(self.cfg, len(ctx.learners))
 
     # ---- state ---------------------------------------------------------------------------
     def load(self) -> int:
@@ -87,11 +95,42 @@ class Merger:
         else:
             self.outer = OuterState.zeros_like(params)
         self.params, self.manifest = params, manifest
+        self.policy = Policy(state_of(manifest, self.ctx.learners), [], self.base_cfg)
+        self._controls_at = 0.0
+        self.refresh_policy()
         return manifest.version
 
     @property
     def version(self) -> int:
         return self.manifest.version
+
+    def refresh_policy(self, force: bool = True) -> Policy:
+        """Apply the control ops filed after the last merge's to the last merge's guard state (at most once
+        every CONTROLS_EVERY_S unless forced); a bucket in trouble keeps the policy as it was."""
+        if not force and time.time() - self._controls_at < CONTROLS_EVERY_S:
+            return self.policy
+        self._controls_at = time.time()
+        state = state_of(self.manifest, self.ctx.learners)
+        try:
+            entries = [entry_of(name, op) for name, op in read_ops(self.ctx.store, self.ctx.keys, state.ops_cursor)]
+        except StorageError as err:
+            log.warning("control ops unreadable (%s); merging by the last policy", err)
+            return self.policy
+        self.policy = policy_after(state, entries, self.base_cfg)
+        self.cfg = self.policy.cfg
+        return self.policy
+
+    def wait_while_paused(self, should_stop: Callable[[], bool]) -> bool:
+        """Block while merges are paused (`diloco pause-merges`); False when stopped meanwhile."""
+        if self.policy.state.paused:
+            log.info("merges of run %s are paused", self.ctx.run_id)
+            self.events.emit("paused", version=self.version)
+        while self.policy.state.paused:
+            if should_stop():
+                return False
+            time.sleep(min(CONTROLS_EVERY_S, self.cfg.merger.poll_interval_s * 5))
+            self.refresh_policy(force=False)
+        return True
 
     # ---- discovery -----------------------------------------------------------------------
     def pending(self) -> Pending:
@@ -121,14 +160,18 @@ class Merger:
         return out
 
     def wait_for_quorum(self, should_stop: Callable[[], bool]) -> tuple[Pending, float] | None:
-        cfg, t0 = self.cfg.merger, time.time()
-        quorum = min(cfg.quorum, max(1, len(self.ctx.learners)))
+        t0 = time.time()
         while not should_stop():
             if manifest_exists(self.ctx.store, self.ctx.keys, self.version + 1):
                 return None  # another merger moved on: reload first
+            policy, cfg = self.refresh_policy(force=False), self.cfg.merger
+            if policy.state.paused:
+                return None
+            quorum = min(cfg.quorum, max(1, len(policy.state.members)))
             pending = self.pending()
+            ready = sum(1 for name, seqs in pending.ready.items() if seqs and policy.eligible(name))
             waited = time.time() - t0
-            if pending.num_learners >= quorum or (pending.num_learners and waited >= cfg.quorum_timeout_s):
+            if ready >= quorum or (ready and waited >= cfg.quorum_timeout_s):
                 return pending, waited
             time.sleep(cfg.poll_interval_s)
         return None
@@ -145,10 +188,13 @@ class Merger:
         if manifest_exists(self.ctx.store, self.ctx.keys, self.version + 1):
             self.load()
             return None
+        self.refresh_policy()
+        if not self.wait_while_paused(should_stop):
+            return None
         self.stage_hook("listing")
         got = self.wait_for_quorum(should_stop)
         if got is None:
-            if not should_stop():
+            if not should_stop() and not self.policy.state.paused:
                 self.load()
             return None
         pending, quorum_wait = got
@@ -157,65 +203,78 @@ class Merger:
             time.sleep(grace)
             pending = self.pending()
         t0 = time.time()
-        decisions, stream, phase_times = self._decide(pending)
-        result = outer_step(self.params, self.outer, stream, self.ctx.fingerprint, self.optimizer)
+        policy = self.policy  # frozen for this merge: the ops it applies, the config it merges by
+        decisions, stream, phase_times, judge = self._decide(pending, policy)
+        optimizer = outer_optimizer(policy.cfg, len(self.ctx.learners))
+        result = outer_step(self.params, self.outer, stream, self.ctx.fingerprint, optimizer)
         for d in decisions:
             if d.status == "merged":
                 d.weight = result.weights.get(d.learner, 0.0)
+        guard, newly = fold(policy.state, decisions, self.version + 1, policy.cfg)
+        median = judge.median()
+        trust = {"guard": guard, "controls": policy.entries,
+                 "stats": {} if median is None else {"outlier_median": median,
+                                                     "outlier_bound": median * policy.cfg.merger.outlier_threshold}}
         manifest = self._write_and_commit(decisions, len(stream.weights), result, quorum_wait, grace, t0,
-                                          phase_times)
+                                          phase_times, trust)
+        if manifest is not None:
+            for name in newly:
+                self.events.emit("quarantine", learner=name, version=manifest.version, reason=guard.quarantined[name])
+                log.warning("learner %s quarantined: %s", name, guard.quarantined[name])
+            for entry in policy.entries:
+                self.events.emit("control_applied", version=manifest.version, op=entry.name, op_kind=entry.kind,
+                                 learner=entry.learner, values=entry.values, by=entry.by, refused=entry.refused)
         return manifest
 
-    def _decide(self, pending: Pending) -> tuple[list[DeltaDecision], GradientStream, list[float]]:
-        """Read, validate and fold the deltas learner by learner (streamed: memory does not grow
-        with the number of learners)."""
+    def _decide(self, pending: Pending, policy: Policy) -> tuple[list[DeltaDecision], GradientStream, list[float], Judge]:
+        """Read, judge and fold the deltas learner by learner (streamed: memory does not grow
+        with the number of learners); a learner that may not publish is rejected without a read."""
         decisions: list[DeltaDecision] = []
-        stream = gradient_stream(self.params, self.version, self.cfg.outer, direct_names(self.ctx, self.params))
+        stream = gradient_stream(self.params, self.version, policy.cfg.outer, direct_names(self.ctx, self.params))
+        judge = Judge(self.ctx.run_id, self.ctx.fingerprint, self.version, self.params, policy, self.keyring)
         phase_times: list[float] = []
         for learner, seqs in sorted(pending.lost.items()):
             for seq in seqs:
                 decisions.append(DeltaDecision(
                     learner=learner, seq=seq, status="lost",
-                    reason=f"seq {seq} missing for over {self.cfg.merger.gap_timeout_s:g}s while later seqs arrived"))
+                    reason=f"seq {seq} missing for over {policy.cfg.merger.gap_timeout_s:g}s while later seqs arrived"))
         for learner, seqs in sorted(pending.ready.items()):
             group = LearnerGroup(learner)
             for seq in seqs:
-                decision, header, delta = self._read_one(learner, seq)
+                decision, header, delta = gate(policy, learner, seq), None, None
+                if decision is None:
+                    decision, header, delta = self._read_one(judge, learner, seq)
                 decisions.append(decision)
                 if decision.status == "merged":
                     group.add(seq, header, delta)
                     phase_times.append(float(header.meta.get("phase_time_s", 0.0) or 0.0))
+                elif decision.status == "rejected":
+                    log.warning("rejected %s/%d: %s", learner, seq, decision.reason)
+                    self.events.emit("rejected", learner=learner, seq=seq, reason=decision.reason,
+                                     check=decision.check, version=self.version)
             if group.seqs:
                 stream.add(group)
-        return decisions, stream, phase_times
+        return decisions, stream, phase_times, judge
 
-    def _read_one(self, learner: str, seq: int):
+    def _read_one(self, judge: Judge, learner: str, seq: int):
+        """Fetch one delta (its size first: an oversized one is never read) and its signature, then judge it."""
         key = self.ctx.keys.delta(learner, seq)
-        base = DeltaDecision(learner=learner, seq=seq, status="rejected")
         try:
             size = self.ctx.store.get_size(key)
-            if size > self.cfg.merger.max_delta_bytes:
-                raise DeltaInvalid(f"oversized: {size} bytes > max_delta_bytes {self.cfg.merger.max_delta_bytes}")
-            data = self.ctx.store.get(key)
-            base.bytes, base.checksum = len(data), object_checksum(data)
-            header, delta = decode_tensors(data, fingerprint=self.ctx.fingerprint,
-                                             max_bytes=self.cfg.merger.max_delta_bytes)
-            staleness = validate_delta(header, delta, learner=learner, seq=seq, version=self.version,
-                                       params=self.params, cfg=self.cfg)
+            data = self.ctx.store.get(key) if size <= judge.cfg.merger.max_delta_bytes else None
+            signature = self._signature(learner, seq) if judge.cfg.learner.sign and data is not None else None
         except NotFound:
-            base.status, base.reason = "lost", "object vanished after listing"
-            return base, None, None
-        except (CodecError, DeltaInvalid) as err:
-            base.reason = str(err)[:500]
-            log.warning("rejected %s/%d: %s", learner, seq, base.reason)
-            self.events.emit("rejected", learner=learner, seq=seq, reason=base.reason, version=self.version)
-            return base, None, None
-        meta = header.meta
-        base.status, base.base_version, base.staleness = "merged", meta["base_version"], staleness
-        base.tokens, base.steps = meta["tokens"], meta["steps"]
-        return base, header, delta
+            return DeltaDecision(learner=learner, seq=seq, status="lost", reason="object vanished after listing"), \
+                None, None
+        return judge.judge(learner, seq, size, data, signature)
 
-    def _write_and_commit(self, decisions, num_groups, result, quorum_wait, grace, t0, phase_times):
+    def _signature(self, learner: str, seq: int) -> bytes | None:
+        try:
+            return self.ctx.store.get(self.ctx.keys.signature(learner, seq))
+        except NotFound:
+            return None
+
+    def _write_and_commit(self, decisions, num_groups, result, quorum_wait, grace, t0, phase_times, trust):
         keys, store, version = self.ctx.keys, self.ctx.store, self.version + 1
         nonce = new_nonce()
         self.stage_hook("writing")
@@ -240,7 +299,8 @@ class Merger:
             tokens_total=self.manifest.tokens_total + merged_tokens,
             timing={"quorum_wait_s": quorum_wait, "grace_s": grace, "merge_s": merge_s},
             stats={"update_norm": result.update_norm, "num_learners": float(num_groups), "round_share": result.scale,
-                   "update_bytes": float(len(result.update_bytes))},
+                   "update_bytes": float(len(result.update_bytes)), **trust["stats"]},
+            guard=trust["guard"], controls=trust["controls"],
         )
         try:
             commit(store, keys, manifest)

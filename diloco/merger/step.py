@@ -19,12 +19,16 @@ from diloco.training.merge import Combiner, delta_weight
 from diloco.training.outer import OuterOptimizer, OuterState
 from diloco.training.tensors import Tensors, add_, all_finite, clone, same_layout
 
-__all__ = ["DeltaInvalid", "GradientStream", "LearnerGroup", "OuterOptimizer", "OuterState", "StepResult",
+__all__ = ["DeltaInvalid", "DeltaStale", "GradientStream", "LearnerGroup", "OuterOptimizer", "OuterState", "StepResult",
            "gradient_stream", "outer_optimizer", "outer_step", "validate_delta"]
 
 
 class DeltaInvalid(ValueError):
     """A delta failed validation; the message is the reason recorded in the manifest."""
+
+
+class DeltaStale(DeltaInvalid):
+    """A delta built on a version older than `outer.max_staleness` allows (slow, not suspect)."""
 
 
 @dataclass
@@ -73,7 +77,7 @@ def validate_delta(header: Header, delta: Tensors, *, learner: str, seq: int, ve
         raise DeltaInvalid(f"base version {base} is newer than the current version {version}")
     staleness = version - base
     if staleness > cfg.outer.max_staleness:
-        raise DeltaInvalid(f"stale: staleness {staleness} > max_staleness {cfg.outer.max_staleness}")
+        raise DeltaStale(f"stale: staleness {staleness} > max_staleness {cfg.outer.max_staleness}")
     if not same_layout(delta, params):
         raise DeltaInvalid("tensor names or shapes do not match the model")
     if not all_finite(delta):

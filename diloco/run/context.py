@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diloco.configs import Config, config_from_record
+from diloco.run.controls import run_overrides
 from diloco.storage import NotFound, RunKeys, open_store
 from diloco.storage.records import RecordError, RunRecord, read_record
 from diloco.storage.store import Store
@@ -46,6 +47,9 @@ def open_run(store: Store | str, run_id: str) -> RunContext:
     except RecordError as err:
         raise RunError(f"run {run_id!r}: {err}") from None
     cfg = config_from_record(record.config)
+    overrides = run_overrides(store, keys)  # `diloco resume` raised the target / set a new time limit
+    if overrides:
+        cfg = cfg.with_overrides(overrides)
     return RunContext(store, keys, cfg, record.fingerprint, list(record.learners), record.created_at,
                       list(record.layout))
 

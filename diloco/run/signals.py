@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from diloco.run.context import RunContext
+from diloco.run.controls import write_op
 from diloco.storage import StorageError, latest_version
 from diloco.storage.records import RemovedMark, StopRequest, write_record
 
@@ -45,9 +46,10 @@ def request_stop(ctx: RunContext, reason: str) -> None:
     write_record(ctx.store, ctx.keys.stop(), StopRequest(reason=reason, t=time.time()))
 
 
-def request_remove(ctx: RunContext, learner: str, reason: str = "operator") -> None:
-    """Mark a learner removed (control/removed-<learner>): it ends after the current phase and is never
-    restarted or re-submitted."""
+def request_remove(ctx: RunContext, learner: str, reason: str = "operator", by: str | None = None) -> None:
+    """Remove a learner for good: the `remove` control op (the merger rejects its deltas from its next merge),
+    then the mark control/removed-<learner> (it ends after the current phase and is never restarted)."""
+    write_op(ctx.store, ctx.keys, "remove", learner=learner, reason=reason, by=by)
     write_record(ctx.store, ctx.keys.removed(learner), RemovedMark(reason=reason, t=time.time()))
 
 

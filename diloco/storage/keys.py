@@ -16,6 +16,8 @@ _NONCE_RE = re.compile(r"[0-9a-f]{8,32}")
 _NAME_RE = re.compile(r"[a-z0-9_-][a-z0-9._-]{0,63}")  # checkpoint / event / control names
 _MANIFEST_RE = re.compile(r"(?:.*/)?versions/([0-9]{20})\.json")
 _DELTA_RE = re.compile(r"(?:.*/)?deltas/([a-z0-9-]{1,48})/([0-9]{12})\.delta")
+_OP_RE = re.compile(r"[0-9]{20}-[0-9a-f]{8}")  # a control operation: <time ns:020d>-<nonce>
+_OP_KEY_RE = re.compile(r"(?:.*/)?control/ops/([0-9]{20}-[0-9a-f]{8})\.json")
 
 MAX_VERSION = 10**20 - 1  # the widest number that keeps `{version:020d}` sorting lexically
 MAX_SEQ = 10**12 - 1  # likewise for `{seq:012d}`
@@ -144,6 +146,17 @@ class RunKeys:
     def control(self, name: str) -> str:
         return f"{self.run_id}/control/{validate_name(name, 'control name')}"
 
+    def signature(self, learner: str, seq: int) -> str:
+        """The HMAC of a signed delta, beside it (written before the delta; never listed as a delta)."""
+        return self.delta(learner, seq).removesuffix(".delta") + ".sig"
+
+    def ops_prefix(self) -> str:
+        """Operator controls, one object each, named so that they sort in the order they were made."""
+        return f"{self.run_id}/control/ops/"
+
+    def op(self, name: str) -> str:
+        return f"{self.ops_prefix()}{_check(_OP_RE, name, 'control op name', '<20 digits>-<8 hex>')}.json"
+
 
 def parse_manifest_key(key: str) -> int | None:
     """The version of a manifest key, or None if the key is not a manifest."""
@@ -155,6 +168,12 @@ def parse_delta_key(key: str) -> tuple[str, int] | None:
     """(learner, seq) of a delta key, or None if the key is not a well-formed delta key."""
     match = _DELTA_RE.fullmatch(key) if isinstance(key, str) else None
     return (match.group(1), int(match.group(2))) if match else None
+
+
+def parse_op_key(key: str) -> str | None:
+    """The name of a control-op key (`<time ns:020d>-<nonce>`), or None if the key is not one."""
+    match = _OP_KEY_RE.fullmatch(key) if isinstance(key, str) else None
+    return match.group(1) if match else None
 
 
 def new_nonce() -> str:

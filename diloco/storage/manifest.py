@@ -38,6 +38,41 @@ class DeltaDecision(BaseModel):
     weight: float = 0.0  # normalised weight in the combine (sums to 1 over merged deltas)
     bytes: int = 0
     checksum: str = ""
+    # which check decided a rejection: admission, quarantine, signature, codec, invalid, stale, outlier ("" when
+    # merged or lost; old manifests have none); norm: the delta's L2 norm (fp64 over the decoded tensors)
+    check: str = ""
+    norm: float | None = None
+    clip_scale: float | None = None  # outlier_rule clip: the factor the delta was scaled by
+
+
+class ControlEntry(BaseModel):
+    """An operator control op as the merge that applied it recorded it (storage.records.ControlOp + its name)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str  # control/ops/<name>.json
+    kind: str
+    t: float
+    by: str
+    learner: str | None = None
+    values: dict[str, Any] = {}
+    reason: str = ""
+    refused: str = ""  # why the merger did not apply it (e.g. a key that may not change live)
+
+
+class GuardState(BaseModel):
+    """Who may publish and how the merge judges deltas, after this version (merger/guard.py folds it).
+
+    A manifest without one (older runs, version 0) means: the run.json learners, nothing else."""
+
+    model_config = ConfigDict(extra="forbid")
+    members: list[str] = []  # admitted and not removed, sorted
+    removed: list[str] = []
+    quarantined: dict[str, str] = {}  # learner -> why, since which version
+    streaks: dict[str, int] = {}  # learner -> integrity rejections in a row
+    norms: list[float] = []  # norm per step of the last merged (unclipped) deltas, oldest first
+    settings: dict[str, Any] = {}  # live settings in force (`diloco set`): dotted key -> value
+    paused: bool = False
+    ops_cursor: str = ""  # the name of the last control op applied
 
 
 class Manifest(BaseModel):
@@ -60,7 +95,9 @@ class Manifest(BaseModel):
     cursors: dict[str, int] = {}  # learner -> highest decided seq (merged, rejected or lost)
     tokens_total: int = 0  # tokens merged up to and including this version
     timing: dict[str, float] = {}  # quorum_wait_s, grace_s, merge_s, ...
-    stats: dict[str, float] = {}  # update_norm, ...
+    stats: dict[str, float] = {}  # update_norm, outlier_median, ...
+    guard: GuardState | None = None
+    controls: list[ControlEntry] = []  # operator control ops applied by this merge
 
     def merged(self) -> list[DeltaDecision]:
         return [d for d in self.decisions if d.status == "merged"]

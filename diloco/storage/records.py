@@ -1,5 +1,6 @@
 """Typed bucket records: every JSON object of a run other than the manifest — run.json, a learner's
-status.json, evals/<version>.json and the control flags (control/stop, control/removed-<learner>).
+status.json, evals/<version>.json, the control flags (control/stop, control/removed-<learner>) and the
+operator's control ops (control/ops/...).
 
 Contract: a record is written with to_bytes() and read with from_bytes(), which raises RecordError
 naming the object and what is wrong (never a pydantic error); optional fields left unset are not written.
@@ -8,7 +9,7 @@ naming the object and what is wrong (never a pydantic error); optional fields le
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Self, TypeVar
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -69,6 +70,7 @@ class RunRecord(Record):
     # the model's layout: [{"name", "shape", "dtype", "direct"}], what the merger and audit work from without
     # the user's code ([] in runs made before TrainSpecs: their fingerprint still guards every object)
     layout: list[dict[str, Any]] = []
+    forked_from: dict[str, Any] | None = None  # `diloco fork`: run_id, storage, version, checksums, by, t
 
     @classmethod
     def _check(cls, obj: dict[str, Any], name: str) -> None:
@@ -127,6 +129,22 @@ class RemovedMark(Record):
     what: ClassVar[str] = "removal mark"
     reason: str
     t: float
+
+
+OP_KINDS = ("admit", "remove", "readmit", "pause-merges", "resume-merges", "set", "resume", "fork")
+
+
+class ControlOp(Record):
+    """control/ops/<time>-<nonce>.json: one operator action, written once by exclusive create; the merger
+    applies it at its next merge and records it in that manifest (what, the values, when, who)."""
+
+    what: ClassVar[str] = "control op"
+    kind: Literal["admit", "remove", "readmit", "pause-merges", "resume-merges", "set", "resume", "fork"]
+    t: float  # unix seconds
+    by: str  # user@host, or the Prefect flow run
+    learner: str | None = None  # admit, remove, readmit
+    values: dict[str, Any] = {}  # set: dotted key -> value; resume: the new target; fork: the parent
+    reason: str = ""
 
 
 R = TypeVar("R", bound=Record)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from diloco.run.context import RunContext
+from diloco.run.controls import membership
 from diloco.run.events import EventLog
 from diloco.run.signals import RemovedSignal, StopSignal, request_stop
 from diloco.storage import NotFound, StorageError, latest_version
@@ -31,7 +32,13 @@ RUNNING, STARTING, ENDED, UNKNOWN = "running", "starting", "ended", "unknown"
 JOIN_WAIT_S = 30.0  # a deferred first start (the evaluator) waits for the learners' joins at most this long
 REMOVE_GRACE_S = 30.0  # a removed learner ends itself after its phase; one still running after this (or the
 # heartbeat timeout, if longer: a phase may be that slow) is killed
+MEMBERS_EVERY_S = 5.0  # admitted learners (control ops) are looked for this often
 MAX_REFUSALS = 6  # a role whose start is refused this many times in a row ends the run with the reason
+
+
+def remove_grace_s(cfg) -> float:
+    """How long a removed learner may still run: REMOVE_GRACE_S, or the heartbeat timeout if longer."""
+    return max(REMOVE_GRACE_S, cfg.run.heartbeat_timeout_s)
 
 
 class RoleUnstartable(RuntimeError):
@@ -93,6 +100,8 @@ class Supervisor:
         self.backoff = Backoff(self.cfg.run.restart_backoff_s, self.cfg.run.restart_backoff_s * 32)
         self._removed = {}  # learner -> its RemovedSignal
         self._stop = StopSignal(ctx, None)
+        self.learner_spec: Callable[[str], dict[str, Any]] = lambda name: {}  # a backend's spec of a learner job
+        self._members_at = 0.0
 
     # ---- jobs --------------------------------------------------------------------------------
     def add(self, role: str, name: str, **spec: Any) -> Job:
@@ -103,9 +112,9 @@ class Supervisor:
         return job
 
     def add_run_roles(self) -> None:
-        """The run's learners (from run.json), the merger and the evaluator."""
-        for name in self.ctx.learners:
-            self.add("learner", name)
+        """The run's learners (run.json's, plus the admitted, minus the removed), the merger and the evaluator."""
+        for name in self._members():
+            self.add("learner", name, **self.learner_spec(name))
         self.add("merger", "merger")
         self.add("evaluator", "evaluator")
 
@@ -189,6 +198,7 @@ class Supervisor:
         """One tick: removals, deferred starts, ended or silent roles, restarts, the backend's own upkeep."""
         now = time.time()
         self._start_deferred(now)
+        self._admit_new(now)
         for job in self.jobs.values():
             if job.role == "learner" and not job.removed and self._removed[job.name]():
                 self._remove(job, now)
@@ -199,6 +209,23 @@ class Supervisor:
             if job.handle is None and not job.removed and now >= job.next_start:
                 self._restart(job)
         self.backend.tick(self, now)
+
+    def _members(self) -> list[str]:
+        try:
+            return list(membership(self.ctx.store, self.ctx.keys, self.ctx.learners).supervised)
+        except StorageError:
+            return list(self.ctx.learners)
+
+    def _admit_new(self, now: float) -> None:
+        """A learner admitted while the run goes on (`diloco admit-learner`) gets a job and is started."""
+        if now - self._members_at < MEMBERS_EVERY_S or not self.jobs:
+            return
+        self._members_at = now
+        for name in self._members():
+            if name not in self.jobs:
+                log.info("run %s: learner %s was admitted; starting it", self.ctx.run_id, name)
+                self.events.emit("admitted", role="learner", learner=name)
+                self.start(self.add("learner", name, **self.learner_spec(name)))
 
     def _remove(self, job: Job, now: float) -> None:
         job.removed, job.removed_at, job.planned_restart_at = True, now, None
@@ -216,7 +243,7 @@ class Supervisor:
         elif state != RUNNING:
             return
         elif job.removed:
-            if now - (job.removed_at or now) > max(REMOVE_GRACE_S, self.cfg.run.heartbeat_timeout_s):
+            if now - (job.removed_at or now) > remove_grace_s(self.cfg):
                 self.backend.kill(job, "removed, still running")
         elif job.restarts and now - job.running_since > self.cfg.run.heartbeat_timeout_s:
             job.restarts = 0  # up for a while: healthy again; max_restarts bounds crash loops, not a lifetime

@@ -75,9 +75,17 @@ def add_deployment_jobs(sup: Supervisor, learners: dict[str, str], merger_deploy
     sup.add("merger", "merger", deployment=merger_deployment, parameters=dict(base),
             tags=[run_tag, "role:merger"], flow_run_name=f"merge-{ctx.run_id}")
     for name, deployment in learners.items():
-        sup.add("learner", name, deployment=deployment, parameters={**base, "learner": name},
-                tags=[run_tag, "role:learner", f"learner:{name}", f"region:{region_of(deployment)}"],
-                flow_run_name=name)
+        sup.add("learner", name, **learner_job_spec(base, run_tag, name, deployment))
+    # a learner admitted later goes round-robin over the regions
+    sup.learner_spec = lambda name: learner_job_spec(
+        base, run_tag, name, LEARNER_DEPLOYMENTS[sum(j.role == "learner" for j in sup.jobs.values()) % len(LEARNER_DEPLOYMENTS)])
+
+
+def learner_job_spec(base: dict, run_tag: str, name: str, deployment: str) -> dict:
+    """A learner job's deployment, parameters, tags and flow-run name."""
+    return {"deployment": deployment, "parameters": {**base, "learner": name},
+            "tags": [run_tag, "role:learner", f"learner:{name}", f"region:{region_of(deployment)}"],
+            "flow_run_name": name}
 
 
 class DeploymentBackend:

@@ -18,7 +18,7 @@ def merge_table(manifest: Manifest) -> list[dict]:
         rows.append({
             "learner": d.learner, "seq": d.seq, "status": d.status, "weight": round(d.weight, 4),
             "staleness": d.staleness, "base_version": d.base_version, "tokens": d.tokens, "bytes": d.bytes,
-            "reason": d.reason,
+            "check": d.check, "norm": None if d.norm is None else round(d.norm, 6), "reason": d.reason,
         })
     timing = manifest.timing
     rows.append({"learner": "(merge)", "seq": manifest.version, "status": "committed", "weight": 1.0,
@@ -26,7 +26,22 @@ def merge_table(manifest: Manifest) -> list[dict]:
                  "bytes": int(manifest.stats.get("update_bytes", 0)),
                  "reason": f"wait {timing.get('quorum_wait_s', 0):.2f}s grace {timing.get('grace_s', 0):.2f}s "
                            f"merge {timing.get('merge_s', 0):.3f}s"})
+    rows.append(trust_row(manifest))
     return rows
+
+
+def trust_row(manifest: Manifest) -> dict:
+    """The guard after this merge: quarantined learners, the outlier bound, pause, the ops this merge applied."""
+    guard, stats = manifest.guard, manifest.stats
+    quarantined = ", ".join(f"{k} ({v})" for k, v in guard.quarantined.items()) if guard else ""
+    bound = stats.get("outlier_bound")
+    ops = "; ".join(f"{e.kind}{' ' + e.learner if e.learner else ''} by {e.by}" + (f" REFUSED: {e.refused}" if e.refused else "")
+                    for e in manifest.controls)
+    return {"learner": "(trust)", "seq": manifest.version, "status": "paused" if guard and guard.paused else "guarded",
+            "weight": 0.0, "staleness": 0, "base_version": manifest.parent, "tokens": 0, "bytes": 0,
+            "check": "", "norm": None if bound is None else round(bound, 6),
+            "reason": f"quarantined: {quarantined or 'none'}; outlier bound (norm/step) "
+                      f"{'warming up' if bound is None else f'{bound:.3g}'}" + (f"; controls: {ops}" if ops else "")}
 
 
 @task(name="merge", cache_policy=NO_CACHE)

@@ -19,6 +19,7 @@ from diloco.chaos.control import done_key
 from diloco.chaos.plan import SlowLearner, StorageDegraded, StorageOutage
 from diloco.configs import load_config
 from diloco.inspect.audit import AuditReport, audit_run
+from diloco.inspect.outliers import guard_figures
 from diloco.inspect.report import manifests
 from diloco.run.context import RunContext
 from diloco.run.create import create_run
@@ -113,7 +114,8 @@ def decisions(run: ChaosRun) -> dict[tuple[str, int], list[tuple[int, str, str]]
 
 def assert_invariants(run: ChaosRun) -> None:
     """Versions contiguous; no delta merged twice; every delta decided with a reason (or published
-    after the final merge); replay bit for bit; held-out loss fell; no process left behind."""
+    after the final merge); replay bit for bit; no false rejection by the guard; held-out loss fell; no
+    process left behind."""
     assert run.audit.ok, run.audit.problems
     assert run.audit.replay_ok
     assert [m.version for m in run.chain] == list(range(len(run.chain)))
@@ -123,6 +125,8 @@ def assert_invariants(run: ChaosRun) -> None:
         _version, status, reason = seen[0]
         assert status == "merged" or reason, f"delta {key} {status} without a reason"
     _assert_pending_after_final_merge(run)
+    guard = guard_figures(run.ctx)  # the run's own learners are honest: the guard must never reject or clip one
+    assert guard["guard_rejections"] == 0 and guard["guard_clips"] == 0, guard
     evals = read_evals(run.ctx)
     assert evals and evals[0]["version"] == 0
     assert evals[-1]["version"] > 0 and evals[-1]["loss"] < evals[0]["loss"], evals

@@ -53,7 +53,7 @@ def test_deploy_all_registers_every_deployment_on_its_pool(deployed_run: Deploye
             deployed[f"{client.read_flow(d.flow_id).name}/{d.name}"] = d.work_pool_name
     assert deployed == {"learner/learner-us-east": "region-us-east", "learner/learner-eu-west": "region-eu-west",
                         "outer-merge/outer-merge": "control", "evaluate/evaluate": "control",
-                        "train/train": "control"}
+                        "train/train": "control", "operate/operate": "control"}
 
 
 def test_run_reaches_versions_and_is_visible_through_the_api(deployed_run: DeployedRun) -> None:

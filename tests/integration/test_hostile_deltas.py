@@ -13,6 +13,7 @@ import torch
 from diloco.configs import load_config
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
+from diloco.operate import admit_learner
 from diloco.run.create import create_run
 from diloco.run.create import fingerprint_of as model_identity
 from diloco.run.objects import encode_tensors
@@ -66,6 +67,7 @@ def test_hostile_deltas_are_rejected_and_merging_goes_on(tmp_path):
         "evil-oversized": good + b"\0" * 2_100_000,
     }
     for name, data in hostile.items():
+        admit_learner(ctx, None, name)  # admitted writers: what the codec and validation refuse, not admission
         ctx.store.put(ctx.keys.delta(name, 0), data)
 
     merger = Merger(ctx)

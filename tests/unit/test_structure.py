@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "diloco"
 CORE = {"configs", "storage", "training", "run", "learner", "merger", "supervise", "inspect", "tasks", "errors"}
-ENTRIES = {"cli", "flows", "launch", "api", "zygote"}
+ENTRIES = {"cli", "flows", "launch", "api", "operate", "zygote"}
 LEAVES = {"chaos", "bench"}
 MAY_IMPORT_LEAVES = {"cli", "flows", "launch", "chaos", "bench"}
 MAX_LINES = 450

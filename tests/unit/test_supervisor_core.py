@@ -129,7 +129,7 @@ def test_a_removed_learner_is_not_started_again(ctx: RunContext, sup: Supervisor
 
 def test_a_removed_learner_still_running_after_the_grace_is_killed(ctx: RunContext, sup: Supervisor,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(core, "REMOVE_GRACE_S", 0.0)
+    monkeypatch.setattr(core, "remove_grace_s", lambda cfg: 0.0)
     request_remove(ctx, "a")
     sup.heal()
     time.sleep(0.01)
@@ -192,3 +192,20 @@ def test_shutdown_writes_the_stop_and_kills_what_does_not_end(ctx: RunContext, s
     sup.shutdown("test", grace_s=0.1)
     assert ctx.store.exists(ctx.keys.stop())
     assert sorted(n for n, _ in sup.backend.killed) == ["a", "b"]
+
+
+def test_an_admitted_learner_is_started_and_a_removed_one_is_not_a_job(ctx: RunContext, sup: Supervisor,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from diloco.operate import admit_learner
+
+    monkeypatch.setattr(core, "MEMBERS_EVERY_S", 0.0)
+    admit_learner(ctx, None, "c")
+    admit_learner(ctx, None, "w-0", start=False)  # e.g. run by hand elsewhere: admitted, not supervised here
+    sup.heal()
+    assert sup.backend.started.count("c") == 1 and "w-0" not in sup.jobs
+    sup.events.flush()
+    assert "admitted" in kinds(ctx, "c")
+    request_remove(ctx, "b")
+    fresh = Supervisor(ctx, ScriptedBackend())
+    fresh.start_all()  # a new session (`diloco resume`) starts the members: not the removed one
+    assert sorted(fresh.backend.started) == ["a", "c", "evaluator", "merger"]

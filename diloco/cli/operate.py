@@ -1,0 +1,163 @@
+"""Operator controls on a run: admit-learner, readmit, pause-merges, resume-merges, set, resume, fork; and the
+trust tools: bucket-policy, keygen, outliers.
+
+Contract: each command calls diloco.operate (the Python API the Prefect `operate` flow calls too); a bad
+argument or a control that does not fit the run's state is one line, exit 2, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from diloco.cli.errors import fail, user_errors
+from diloco.cli.options import JSON, RUN_ID, STORAGE
+
+app = typer.Typer()
+LEARNER = typer.Option(..., "--learner", help="The learner's name: [a-z0-9-]{1,48}.")
+REASON = typer.Option("", "--reason", help="Recorded with the control op.")
+
+
+@app.command("admit-learner")
+def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER, reason: str = REASON,
+                  start: bool = typer.Option(True, "--start/--no-start",
+                                             help="A running supervisor starts it (--no-start: you run it).")) -> None:
+    """Admit one more learner (elastic join): its deltas are merged from the next merge on."""
+    with user_errors():
+        from diloco.operate import admit_learner as admit
+
+        op = admit(storage, run_id, learner, reason=reason, start=start)
+        how = "a running supervisor starts it within seconds" if start else "start it with: diloco learner " \
+            f"--storage {storage} --run-id {run_id} --learner {learner}"
+        typer.echo(f"learner {learner} admitted to run {run_id} (op {op}); {how}")
+
+
+@app.command("readmit")
+def readmit(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER, reason: str = REASON) -> None:
+    """End a learner's quarantine: its deltas are judged again from the next merge on."""
+    with user_errors():
+        from diloco.operate import readmit as do_readmit
+
+        op = do_readmit(storage, run_id, learner, reason=reason)
+        typer.echo(f"learner {learner} readmitted to run {run_id} (op {op})")
+
+
+@app.command("pause-merges")
+def pause_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = REASON) -> None:
+    """Pause merging: learners train on and publish; nothing is lost (resume-merges takes it all)."""
+    with user_errors():
+        from diloco.operate import pause_merges as pause
+
+        typer.echo(f"merges of run {run_id} paused (op {pause(storage, run_id, reason=reason)})")
+
+
+@app.command("resume-merges")
+def resume_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = REASON) -> None:
+    """Resume merging after pause-merges."""
+    with user_errors():
+        from diloco.operate import resume_merges as go
+
+        typer.echo(f"merges of run {run_id} resumed (op {go(storage, run_id, reason=reason)})")
+
+
+@app.command("set")
+def set_settings(storage: str = STORAGE, run_id: str = RUN_ID,
+                 assignments: list[str] = typer.Argument(..., help="KEY=VALUE, e.g. merger.quorum=3 outer.lr=0.5"),
+                 reason: str = REASON) -> None:
+    """Change live settings from the next merge on (merger.quorum, merger.grace_cap_s, outer.lr, ...)."""
+    with user_errors():
+        from diloco.operate import parse_assignments
+        from diloco.operate import set_settings as do_set
+
+        values = parse_assignments(assignments)
+        op = do_set(storage, run_id, values, reason=reason)
+        typer.echo(f"run {run_id}: {', '.join(f'{k}={v!r}' for k, v in values.items())} from the next merge (op {op})")
+
+
+@app.command("resume")
+def resume(storage: str = STORAGE, run_id: str = RUN_ID,
+           versions: int = typer.Option(None, "--versions", help="How many MORE versions to train (default: as "
+                                        "many as the run was created with)."),
+           time_limit_s: float = typer.Option(None, "--time-limit-s", help="This session's time limit."),
+           prefect: bool = typer.Option(True, "--prefect/--no-prefect", help="Report to Prefect (as `diloco run`)."),
+           json_out: bool = JSON, live: bool = typer.Option(True, "--live/--no-live", help="Live progress table.")) -> None:
+    """Continue a finished or stopped run: raise the target, clear the stop, start the roles; learners rejoin
+    at the newest version with their checkpoints and data cursors."""
+    with user_errors():
+        from rich.console import Console
+
+        from diloco import api
+        from diloco.cli.view import LiveView, _final_report
+        from diloco.operate import prepare_resume
+        from diloco.run.context import open_run
+
+        plan = prepare_resume(storage, run_id, versions=versions, time_limit_s=time_limit_s)
+        ctx = open_run(storage, run_id)
+        console = Console(stderr=json_out)
+        console.print(f"[bold]diloco[/bold] resume of run [cyan]{run_id}[/cyan] ({plan['state']}) at version "
+                      f"{plan['latest']}: target {plan['previous_target']} -> {plan['target']}")
+        with LiveView(ctx, console, live and console.is_terminal):
+            api.supervise(ctx, prefect=prefect, announce=console.print)
+        _final_report(ctx, console, json_out)
+
+
+@app.command("fork")
+def fork(storage: str = STORAGE, run_id: str = RUN_ID,
+         at_version: int = typer.Option(..., "--at-version", help="The parent's version that becomes version 0."),
+         new_run_id: str = typer.Option(..., "--new-run-id", help="The new run's id."),
+         config: str = typer.Option(None, "--config", help="A recipe or YAML for the new run (same model)."),
+         overrides: list[str] = typer.Option(None, "--set", help="KEY=VALUE overrides of --config.")) -> None:
+    """A new run whose version 0 is this run's version V (params and outer state); the parent is untouched."""
+    with user_errors():
+        from diloco.operate import fork as do_fork
+        from diloco.operate import parse_assignments
+
+        ctx = do_fork(storage, run_id, at_version, new_run_id, config=config,
+                      overrides=parse_assignments(overrides or []))
+        typer.echo(f"run {new_run_id} forked from {run_id} at version {at_version}; train it with: "
+                   f"diloco resume --storage {storage} --run-id {ctx.run_id}")
+
+
+@app.command("bucket-policy")
+def bucket_policy(storage: str = STORAGE, run_id: str = RUN_ID,
+                  learner: str = typer.Option(None, "--learner", help="The policy of this learner."),
+                  role: str = typer.Option(None, "--role", help="merger | evaluator | operator")) -> None:
+    """Print the least-privilege S3 policy (JSON, for AWS IAM or MinIO `mc admin policy`) of one role of a run."""
+    with user_errors():
+        from diloco.inspect.policy import policy_for
+
+        if (learner is None) == (role is None):
+            fail("give exactly one of --learner NAME or --role merger|evaluator|operator")
+        typer.echo(json.dumps(policy_for(storage, run_id, learner=learner, role=role), indent=2))
+
+
+@app.command("keygen")
+def keygen(learners: list[str] = typer.Option(..., "--learner", help="A learner to make a key for (repeat).")) -> None:
+    """Fresh signing keys: the keyring (JSON, for the merger's DILOCO_KEYRING) and each learner's key."""
+    with user_errors():
+        from diloco.run.signing import new_key
+        from diloco.storage.keys import validate_learner_name
+
+        ring = {validate_learner_name(name): new_key() for name in learners}
+        typer.echo(json.dumps(ring))
+
+
+@app.command("outliers")
+def outliers(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
+             window: int = typer.Option(None, "--window", min=1, help="Window (default: the run's)."),
+             min_samples: int = typer.Option(None, "--min-samples", min=1, help="Least samples (the run's).")) -> None:
+    """Replay the outlier statistic over a run: each merged delta's norm per step / the running median."""
+    with user_errors():
+        from diloco.inspect.outliers import ratios, summarize
+        from diloco.run.context import open_run
+
+        summary = summarize(ratios(open_run(storage, run_id), window, min_samples))
+        if json_out:
+            typer.echo(json.dumps(summary))
+            return
+        fmt = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
+        typer.echo(f"{summary['judged']} deltas judged (of {summary['deltas']}), {summary['flagged_outlier']} flagged: "
+                   f"ratio max {fmt(summary['max_ratio'])}, p99 {fmt(summary['p99_ratio'])}, "
+                   f"median {fmt(summary['median_ratio'])}; would reject: "
+                   + ", ".join(f"{k}: {v}" for k, v in summary["would_reject"].items()))

@@ -1,0 +1,102 @@
+"""Judging one delta from its stored bytes: size, signature, codec, validation, then the outlier rule.
+
+Contract: `Judge.judge(learner, seq, size, data, signature)` is a pure function of its inputs, the live config,
+the guard state and the parent's params — the merger and `audit` call it on the same stored objects and get
+the same decision, reason and norm; it never raises on a bad delta (every failure is a rejection with a
+reason); a clipped delta is scaled in place and recorded with its scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from diloco.configs import Config
+from diloco.merger.guard import Policy, window_median
+from diloco.merger.step import DeltaInvalid, DeltaStale, validate_delta
+from diloco.run.objects import decode_tensors
+from diloco.run.signing import verify
+from diloco.storage import DeltaDecision
+from diloco.storage.codec import CodecError, Header, object_checksum
+from diloco.training.tensors import Tensors
+
+
+def delta_norm(delta: Tensors) -> float:
+    """The L2 norm over every tensor, in fp64, in the delta's order (deterministic with one torch thread)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for value in delta.values():
+        total += (value.double() ** 2).sum()
+    return float(torch.sqrt(total))
+
+
+@dataclass
+class Judge:
+    """The judgement of the deltas of one merge on top of `version` (params = that version's)."""
+
+    run_id: str
+    fingerprint: str
+    version: int
+    params: Tensors
+    policy: Policy
+    keyring: dict[str, list[bytes]] | None = None  # None: signatures not checked (audit without keys)
+
+    @property
+    def cfg(self) -> Config:
+        return self.policy.cfg
+
+    def median(self) -> float | None:
+        return None if self.cfg.merger.outlier_rule == "off" else window_median(self.policy.state, self.cfg)
+
+    def judge(self, learner: str, seq: int, size: int, data: bytes | None,
+              signature: bytes | None = None) -> tuple[DeltaDecision, Header | None, Tensors | None]:
+        """(decision, header, delta): header and delta only when merged."""
+        d = DeltaDecision(learner=learner, seq=seq, status="rejected")
+        limit = self.cfg.merger.max_delta_bytes
+        if size > limit or data is None:
+            return self._reject(d, "size", f"oversized: {size} bytes > max_delta_bytes {limit}")
+        d.bytes, d.checksum = len(data), object_checksum(data)
+        if self.cfg.learner.sign and self.keyring is not None:
+            why = verify(self.keyring.get(learner, []), self.run_id, learner, seq, data, signature)
+            if why:
+                return self._reject(d, "signature", why)
+        try:
+            header, delta = decode_tensors(data, fingerprint=self.fingerprint, max_bytes=limit)
+            staleness = validate_delta(header, delta, learner=learner, seq=seq, version=self.version,
+                                       params=self.params, cfg=self.cfg)
+        except DeltaStale as err:
+            return self._reject(d, "stale", str(err))
+        except DeltaInvalid as err:
+            return self._reject(d, "invalid", str(err))
+        except CodecError as err:
+            return self._reject(d, "codec", str(err))
+        meta = header.meta
+        d.status, d.base_version, d.staleness = "merged", meta["base_version"], staleness
+        d.tokens, d.steps = meta["tokens"], meta["steps"]
+        d.norm = delta_norm(delta)
+        if not math.isfinite(d.norm):  # finite values can still overflow fp64's sum of squares
+            return self._reject(d, "invalid", f"norm overflows: {d.norm}")
+        return self._outlier(d, header, delta)
+
+    def _outlier(self, d: DeltaDecision, header: Header, delta: Tensors):
+        median, cfg = self.median(), self.cfg.merger
+        per_step = d.norm / d.steps
+        if median is None or median <= 0.0 or per_step <= cfg.outlier_threshold * median:
+            return d, header, delta
+        bound = cfg.outlier_threshold * median
+        window = min(len(self.policy.state.norms), cfg.outlier_window)
+        what = (f"norm per step {per_step:.3g} is {per_step / median:.0f}x the median {median:.3g} of the last "
+                f"{window} merged (threshold {cfg.outlier_threshold:g}x)")
+        if cfg.outlier_rule == "reject":
+            return self._reject(d, "outlier", f"outlier: {what}")
+        scale = bound / per_step
+        for value in delta.values():
+            value.mul_(scale)
+        d.clip_scale, d.reason, d.check = scale, f"clipped: {what}; scaled by {scale:.3g}", "outlier"
+        return d, header, delta
+
+    @staticmethod
+    def _reject(d: DeltaDecision, check: str, reason: str) -> tuple[DeltaDecision, None, None]:
+        d.status, d.check, d.reason = "rejected", check, reason[:500]
+        return d, None, None

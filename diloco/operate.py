@@ -1,0 +1,227 @@
+"""The operator's controls from Python — the same functions the CLI (diloco/cli/operate.py) and the Prefect
+`operate` flow call: admit, remove, readmit, pause and resume merges, live settings, resume a run, fork it.
+
+Contract: each control validates its input against the run as it is now (the newest manifest plus the ops
+not merged yet) and raises RunError / ConfigError / InvalidName naming the problem with nothing written;
+otherwise it files one control op (who, when, what) — also an event — which the merger applies at its next
+merge and records in that manifest; `by` defaults to user@host (DILOCO_OPERATOR overrides it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+
+from diloco.configs import ConfigError, config_from_record
+from diloco.run.context import RunContext, RunError, open_run
+from diloco.run.controls import write_op
+from diloco.storage import StorageError, latest_version, open_store
+from diloco.storage.keys import validate_learner_name
+from diloco.storage.records import LearnerStatus, RecordError, RunRecord, read_record
+from diloco.storage.store import Store
+
+QUIET_S = 5.0  # a stopped run's roles beat at most this recently once they have all ended
+QUIET_WAIT_S = 30.0  # `resume` waits this long for the roles of a stopping run to end
+
+
+def _ctx(storage: str | Store | RunContext, run_id: str | None) -> RunContext:
+    if isinstance(storage, RunContext):
+        return storage
+    if run_id is None:
+        raise RunError("a run id is needed")
+    return open_run(open_store(storage) if isinstance(storage, str) else storage, run_id)
+
+
+def _policy(ctx: RunContext):
+    from diloco.inspect.trust import current_policy
+
+    return current_policy(ctx)[1]
+
+
+def admit_learner(storage: str | Store | RunContext, run_id: str | None, learner: str, *, reason: str = "",
+                  start: bool = True, by: str | None = None) -> str:
+    """Admit one more learner (elastic join): its deltas are merged from the next merge on, and a running
+    supervisor starts it (unless `start` is False: it runs elsewhere, by hand); returns the op."""
+    validate_learner_name(learner)
+    ctx = _ctx(storage, run_id)
+    state = _policy(ctx).state
+    if learner in state.removed:
+        raise RunError(f"learner {learner} was removed from run {ctx.run_id}; removal is for good (admit a new name)")
+    if learner in state.members:
+        raise RunError(f"learner {learner} is already admitted to run {ctx.run_id}")
+    return write_op(ctx.store, ctx.keys, "admit", learner=learner, values={"start": start}, reason=reason, by=by)
+
+
+def remove_learner(storage: str | Store | RunContext, run_id: str | None, learner: str, *,
+                   reason: str = "operator", by: str | None = None) -> None:
+    """Take a learner out for good: it ends after its phase, is never restarted, its deltas are rejected."""
+    from diloco.run.signals import request_remove
+
+    validate_learner_name(learner)
+    ctx = _ctx(storage, run_id)
+    state = _policy(ctx).state
+    if learner in state.removed:
+        raise RunError(f"learner {learner} is already removed from run {ctx.run_id}")
+    if learner not in state.members:
+        raise RunError(f"learner {learner} is not a learner of run {ctx.run_id} (its learners: "
+                       f"{', '.join(state.members)})")
+    request_remove(ctx, learner, reason, by=by)
+
+
+def readmit(storage: str | Store | RunContext, run_id: str | None, learner: str, *, reason: str = "",
+            by: str | None = None) -> str:
+    """End a learner's quarantine: its next deltas are judged again."""
+    validate_learner_name(learner)
+    ctx = _ctx(storage, run_id)
+    state = _policy(ctx).state
+    if learner not in state.quarantined:
+        quarantined = ", ".join(state.quarantined) or "none"
+        raise RunError(f"learner {learner} is not quarantined in run {ctx.run_id} (quarantined: {quarantined})")
+    return write_op(ctx.store, ctx.keys, "readmit", learner=learner, reason=reason, by=by)
+
+
+def pause_merges(storage: str | Store | RunContext, run_id: str | None = None, *, reason: str = "",
+                 by: str | None = None) -> str:
+    """Pause merging (learners train on and publish; their deltas wait in the bucket)."""
+    ctx = _ctx(storage, run_id)
+    if _policy(ctx).state.paused:
+        raise RunError(f"merges of run {ctx.run_id} are already paused")
+    return write_op(ctx.store, ctx.keys, "pause-merges", reason=reason, by=by)
+
+
+def resume_merges(storage: str | Store | RunContext, run_id: str | None = None, *, reason: str = "",
+                  by: str | None = None) -> str:
+    """Resume merging: the next merge takes everything that arrived meanwhile."""
+    ctx = _ctx(storage, run_id)
+    if not _policy(ctx).state.paused:
+        raise RunError(f"merges of run {ctx.run_id} are not paused")
+    return write_op(ctx.store, ctx.keys, "resume-merges", reason=reason, by=by)
+
+
+def parse_assignments(items: list[str]) -> dict[str, Any]:
+    """`key=value` strings -> {key: value}, each value read as YAML (numbers, booleans, strings)."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{item!r} is not key=value (e.g. merger.quorum=3)")
+        try:
+            values[key.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{item!r}: the value is not valid YAML: {err}") from None
+    return values
+
+
+def set_settings(storage: str | Store | RunContext, run_id: str | None, values: dict[str, Any] | list[str], *,
+                 reason: str = "", by: str | None = None) -> str:
+    """Change live settings (merger/guard.py LIVE_SETTINGS) from the next merge on, validated by the config."""
+    from diloco.merger.guard import check_settings
+
+    if isinstance(values, list):
+        values = parse_assignments(values)
+    if not values:
+        raise ConfigError("nothing to set: give key=value pairs, e.g. merger.quorum=3")
+    ctx = _ctx(storage, run_id)
+    policy = _policy(ctx)
+    check_settings(ctx.cfg, {**policy.state.settings, **values})
+    return write_op(ctx.store, ctx.keys, "set", values=values, reason=reason, by=by)
+
+
+def _newest_beat(ctx: RunContext) -> tuple[str, float] | None:
+    """(learner, age in seconds) of the newest heartbeat, or None."""
+    newest: tuple[str, float] | None = None
+    now = time.time()
+    for key in ctx.store.list(ctx.keys.learners_prefix()):
+        parts = key.split("/")
+        if parts[-1] != "status.json":
+            continue
+        try:
+            age = now - read_record(ctx.store, key, LearnerStatus).t
+        except (StorageError, RecordError):
+            continue
+        if newest is None or age < newest[1]:
+            newest = (parts[-2], age)
+    return newest
+
+
+def run_state(ctx: RunContext) -> str:
+    """"stopped" (control/stop), "finished" (the target version committed), "live" (a learner beat within
+    run.heartbeat_timeout_s), else "idle" (nothing runs: a crashed or never started session)."""
+    if ctx.store.exists(ctx.keys.stop()):
+        return "stopped"
+    if (latest_version(ctx.store, ctx.keys) or 0) >= ctx.cfg.run.num_versions:
+        return "finished"
+    beat = _newest_beat(ctx)
+    return "live" if beat is not None and beat[1] < ctx.cfg.run.heartbeat_timeout_s else "idle"
+
+
+def _wait_quiet(ctx: RunContext, wait_s: float) -> None:
+    deadline = time.time() + wait_s
+    while True:
+        beat = _newest_beat(ctx)
+        if beat is None or beat[1] >= QUIET_S:
+            return
+        if time.time() >= deadline:
+            raise RunError(f"run {ctx.run_id} is stopping but learner {beat[0]} beat {beat[1]:.0f}s ago: "
+                           "wait for its roles to end, then resume")
+        time.sleep(1.0)
+
+
+def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, versions: int | None = None,
+                   time_limit_s: float | None = None, by: str | None = None,
+                   wait_s: float = QUIET_WAIT_S) -> dict[str, Any]:
+    """Make a finished, stopped or idle run continue: the target becomes the newest version + `versions`
+    (default: run.json's run.num_versions more), the time limit `time_limit_s` (default run.json's), the stop
+    is cleared. The roles started next (diloco.api.supervise) rejoin at the newest version."""
+    ctx = _ctx(storage, run_id)
+    record = read_record(ctx.store, ctx.keys.run_json(), RunRecord)
+    base = config_from_record(record.config)
+    more = base.run.num_versions if versions is None else versions
+    limit = base.run.time_limit_s if time_limit_s is None else time_limit_s
+    if isinstance(more, bool) or not isinstance(more, int) or more < 1:
+        raise ConfigError(f"--versions {more!r} must be an int >= 1 (versions to add)")
+    state = run_state(ctx)
+    if state == "live":
+        raise RunError(f"run {ctx.run_id} is live (its learners beat within {ctx.cfg.run.heartbeat_timeout_s:g}s): "
+                       "change it with `diloco set`, or `diloco stop` it first")
+    latest = latest_version(ctx.store, ctx.keys) or 0
+    values = {"run.num_versions": latest + more, "run.time_limit_s": float(limit)}
+    ctx.cfg.with_overrides(values)  # validated before anything is written
+    if state == "stopped":
+        _wait_quiet(ctx, wait_s)
+    op = write_op(ctx.store, ctx.keys, "resume", values=values, by=by,
+                  reason=f"resume of a {state} run at version {latest}: {more} more versions")
+    ctx.store.delete(ctx.keys.stop())
+    return {"run_id": ctx.run_id, "state": state, "latest": latest, "previous_target": ctx.cfg.run.num_versions,
+            "target": latest + more, "time_limit_s": float(limit), "op": op}
+
+
+def resume(storage: str | Store, run_id: str, *, versions: int | None = None, time_limit_s: float | None = None,
+           prefect: bool = True, by: str | None = None, announce: Callable[[str], None] | None = None) -> str:
+    """prepare_resume, then supervise every role of the run until it ends (diloco.api.supervise); why it ended."""
+    from diloco import api
+
+    plan = prepare_resume(storage, run_id, versions=versions, time_limit_s=time_limit_s, by=by)
+    ctx = open_run(open_store(storage) if isinstance(storage, str) else storage, run_id)  # the new target
+    if announce:
+        announce(f"run {run_id}: {plan['state']} at version {plan['latest']}; target raised to {plan['target']}")
+    return api.supervise(ctx, prefect=prefect, **({"announce": announce} if announce else {}))
+
+
+def fork(storage: str | Store, run_id: str, at_version: int, new_run_id: str, *, config: str | None = None,
+         overrides: dict[str, Any] | None = None, by: str | None = None) -> RunContext:
+    """A new run whose version 0 is `run_id`'s version `at_version` (diloco/run/fork.py); the parent is untouched."""
+    from diloco.run.fork import fork_run
+
+    cfg = None
+    if config is not None or overrides:
+        from diloco.api import resolve_config
+
+        if config is None:
+            raise ConfigError("overrides of a fork need --config (the recipe they apply to)")
+        cfg = resolve_config(config, overrides)
+    store = open_store(storage) if isinstance(storage, str) else storage
+    return fork_run(store, run_id, at_version, new_run_id, cfg, by=by)

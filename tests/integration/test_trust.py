@@ -1,0 +1,116 @@
+"""Who may publish, and a merge a bad delta cannot wreck, on a tiny run driven in-process (real learners and
+merger, file:// storage): a 1000x delta from a never-admitted name and an admitted learner's 1000x outlier
+are rejected and the committed update stays in line; three in a row quarantine the learner until `readmit`;
+a live switch to `clip` scales the next one to the bound; a removed learner's deltas are rejected; with
+signing on, forged and unsigned deltas are rejected; audit replays every decision, statistic and bit.
+
+Run: .venv/bin/pytest tests/integration/test_trust.py -q   (about 20 s)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from trust_helpers import decision, one_round, plant, tiny_run
+
+from diloco.inspect.audit import audit_run
+from diloco.inspect.outliers import ratios, summarize
+from diloco.operate import admit_learner, readmit, remove_learner, set_settings
+from diloco.run.context import open_run
+from diloco.run.signing import new_key, sign
+from diloco.storage import list_versions, open_store, read_manifest
+
+
+def test_rogue_and_outlier_deltas_never_wreck_the_merge(tmp_path: Path) -> None:
+    ctx, learners, merger = tiny_run(tmp_path)
+    for _ in range(5):  # 10 honest deltas merged: the window holds more than outlier_min_samples
+        last = one_round(learners, merger)
+    norms = [read_manifest(ctx.store, ctx.keys, v).stats["update_norm"] for v in range(1, last.version + 1)]
+    like, base = ("local-0", learners[0].state.seq - 1), merger.version
+    plant(ctx, "rogue-0", 0, like=like, scale=1000.0, base=base)  # never admitted
+    admit_learner(ctx, None, "bad-0")
+    plant(ctx, "bad-0", 0, like=like, scale=1000.0, base=base)  # admitted, 1000x
+    m = one_round(learners, merger)
+    rogue, bad = decision(m, "rogue-0", 0), decision(m, "bad-0", 0)
+    assert (rogue.status, rogue.check) == ("rejected", "admission") and "not admitted" in rogue.reason
+    assert (bad.status, bad.check) == ("rejected", "outlier") and bad.reason.startswith("outlier: norm per step")
+    assert m.stats["update_norm"] < 3 * max(norms), (m.stats["update_norm"], norms)
+    assert m.stats["outlier_median"] > 0 and m.controls[0].kind == "admit" and m.controls[0].learner == "bad-0"
+    assert "rogue-0" not in m.guard.members and "bad-0" in m.guard.members
+
+    # two more in a row: quarantined; then even an honest-sized delta of it is rejected until readmit
+    for seq in (1, 2):
+        plant(ctx, "bad-0", seq, like=like, scale=1000.0, base=merger.version)
+        m = one_round(learners, merger)
+    assert "bad-0" in m.guard.quarantined and "3 integrity rejections in a row" in m.guard.quarantined["bad-0"]
+    plant(ctx, "bad-0", 3, like=like, scale=1.0, base=merger.version)
+    m = one_round(learners, merger)
+    assert decision(m, "bad-0", 3).check == "quarantine" and "diloco readmit" in decision(m, "bad-0", 3).reason
+    readmit(ctx, None, "bad-0")
+    plant(ctx, "bad-0", 4, like=(like[0], learners[0].state.seq - 1), scale=1.0, base=merger.version)
+    m = one_round(learners, merger)
+    assert decision(m, "bad-0", 4).status == "merged" and "bad-0" not in m.guard.quarantined
+
+    # live: clip instead of reject, and a lower outer lr, from the next merge; audit replays with these values
+    set_settings(ctx, None, ["merger.outlier_rule=clip", "outer.lr=0.5"])
+    plant(ctx, "bad-0", 5, like=like, scale=1000.0, base=merger.version)
+    m = one_round(learners, merger)
+    clipped = decision(m, "bad-0", 5)
+    assert clipped.status == "merged" and clipped.clip_scale is not None and clipped.reason.startswith("clipped:")
+    assert m.guard.settings == {"merger.outlier_rule": "clip", "outer.lr": 0.5}
+    assert m.stats["update_norm"] < 3 * max(norms)
+
+    remove_learner(ctx, None, "local-1")  # an in-process learner ignores its signal: the merger does not
+    m = one_round(learners, merger)
+    assert decision(m, "local-1", learners[1].state.seq - 1).check == "admission"
+    assert "removed" in decision(m, "local-1", learners[1].state.seq - 1).reason
+    for learner in learners:
+        learner.close()
+
+    report = audit_run(open_run(ctx.store, ctx.run_id))
+    assert report.ok, report.problems
+    assert report.decisions_replayed >= 20 and report.controls_applied == 4 and report.decisions_unreplayable == 0
+    stats = summarize(ratios(open_run(ctx.store, ctx.run_id)))
+    assert stats["flagged_outlier"] == 4 and stats["would_reject"]["20x"] == 0  # honest ones, by the tool
+    _audit_sees_tampered_settings(tmp_path, ctx.run_id, m.version - 1)
+
+
+def _audit_sees_tampered_settings(tmp_path: Path, run_id: str, version: int) -> None:
+    """Copy the bucket, change the live settings a manifest recorded: audit says the replay differs."""
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "bucket", copy)
+    store = open_store(f"file://{copy}")
+    ctx = open_run(store, run_id)
+    key = ctx.keys.manifest(version)
+    obj = json.loads(store.get(key))
+    obj["controls"] = []  # as if the `set` had never been recorded: the replay must notice
+    (copy / key).write_text(json.dumps(obj))
+    report = audit_run(ctx)
+    assert not report.ok and any("differ" in p for p in report.problems), report.problems
+
+
+def test_signing_rejects_forged_and_unsigned_deltas(tmp_path: Path) -> None:
+    keys = {name: new_key().encode() for name in ("local-0", "local-1", "forger-0", "nosig-0")}
+    ring = {name: [key] for name, key in keys.items()}
+    ctx, learners, merger = tiny_run(tmp_path, keys=keys, keyring=ring, **{"learner.sign": True})
+    one_round(learners, merger)
+    assert ctx.store.exists(ctx.keys.signature("local-0", 0))
+    like, base = ("local-0", 0), merger.version
+    admit_learner(ctx, None, "forger-0")
+    admit_learner(ctx, None, "nosig-0")
+    data = plant(ctx, "forger-0", 0, like=like, scale=1.0, base=base)
+    ctx.store.put(ctx.keys.signature("forger-0", 0), sign(new_key().encode(), ctx.run_id, "forger-0", 0, data))
+    plant(ctx, "nosig-0", 0, like=like, scale=1.0, base=base)
+    m = one_round(learners, merger)
+    assert decision(m, "forger-0", 0).check == "signature" and "does not match" in decision(m, "forger-0", 0).reason
+    assert decision(m, "nosig-0", 0).reason.startswith("unsigned")
+    assert all(d.status == "merged" for d in m.decisions if d.learner.startswith("local"))
+    for learner in learners:
+        learner.close()
+    with_keys = audit_run(open_run(ctx.store, ctx.run_id), keyring=ring)
+    assert with_keys.ok and with_keys.signatures_verified and with_keys.decisions_unreplayable == 0, with_keys.problems
+    without = audit_run(open_run(ctx.store, ctx.run_id))
+    assert without.ok and not without.signatures_verified and without.decisions_unreplayable == 2, without.problems
+    assert len(list_versions(ctx.store, ctx.keys)) == 3

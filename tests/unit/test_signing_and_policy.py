@@ -1,0 +1,101 @@
+"""Signing (HMAC-SHA256 over run, learner, seq and the delta's bytes; keys from the environment, never the
+bucket; a forged, replayed, unsigned or junk signature refused with its reason) and the least-privilege bucket
+policies (each role's allowed and denied requests, for an s3:// run only).
+
+Run: .venv/bin/pytest tests/unit/test_signing_and_policy.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diloco.inspect.policy import DELETE, LIST, READ, WRITE, allows, policy_for
+from diloco.run.context import RunError
+from diloco.run.signing import SigningError, learner_key, load_keyring, new_key, parse_keyring, sign, verify
+from diloco.storage.keys import RunKeys, parse_delta_key, parse_op_key
+
+KEY, OTHER = new_key().encode(), new_key().encode()
+DATA = b"DLCO a delta's bytes"
+
+
+def test_a_signature_verifies_and_every_forgery_is_refused_with_a_reason() -> None:
+    sig = sign(KEY, "r", "a-0", 3, DATA)
+    assert verify([KEY], "r", "a-0", 3, DATA, sig) == ""
+    assert verify([OTHER, KEY], "r", "a-0", 3, DATA, sig) == ""  # a rotated keyring holds both keys
+    assert "does not match" in verify([OTHER], "r", "a-0", 3, DATA, sig)  # another key
+    assert "does not match" in verify([KEY], "r", "a-0", 3, DATA + b"!", sig)  # other bytes
+    assert "does not match" in verify([KEY], "r", "a-0", 4, DATA, sig)  # replayed under another seq
+    assert "does not match" in verify([KEY], "fork", "a-0", 3, DATA, sig)  # replayed into another run
+    assert verify([KEY], "r", "a-0", 3, DATA, None).startswith("unsigned")
+    assert "no key for learner" in verify([], "r", "a-0", 3, DATA, sig)
+    assert "not valid JSON" in verify([KEY], "r", "a-0", 3, DATA, b"\x80junk")
+    assert "not an hmac-sha256" in verify([KEY], "r", "a-0", 3, DATA, b'{"alg": "none", "mac": ""}')
+    assert "not a signature" in verify([KEY], "r", "a-0", 3, DATA, b"x" * 5000)
+
+
+def test_keys_come_from_the_environment_and_must_be_long_enough() -> None:
+    assert learner_key({"DILOCO_SIGNING_KEY": KEY.decode()}) == KEY
+    with pytest.raises(SigningError, match="DILOCO_SIGNING_KEY"):
+        learner_key({})
+    with pytest.raises(SigningError, match="at least 16"):
+        learner_key({"DILOCO_SIGNING_KEY": "short"})
+    with pytest.raises(SigningError, match="Secret blocks cannot be read here"):
+        learner_key({"DILOCO_SIGNING_KEY_BLOCK": "k"})
+    assert learner_key({"DILOCO_SIGNING_KEY_BLOCK": "k"}, load_block=lambda name: f"key-of-{name}-" * 2)
+    ring = load_keyring({"DILOCO_KEYRING": json.dumps({"a-0": KEY.decode(), "b-0": [KEY.decode(), OTHER.decode()]})})
+    assert ring == {"a-0": [KEY], "b-0": [KEY, OTHER]}
+    assert load_keyring({}, required=False) is None
+    with pytest.raises(SigningError, match="no keyring"):
+        load_keyring({})
+    for bad, why in (("[1]", "JSON object"), ("{", "not valid JSON"), ('{"a": 3}', "key or a list"),
+                     ('{"a": "short"}', "at least 16")):
+        with pytest.raises(SigningError, match=why):
+            parse_keyring(bad)
+
+
+def test_the_signature_key_sits_beside_the_delta_and_is_never_listed_as_one() -> None:
+    keys = RunKeys("r")
+    assert keys.signature("a-0", 7) == "r/deltas/a-0/000000000007.sig"
+    assert parse_delta_key(keys.signature("a-0", 7)) is None
+    name = "00000001700000000000-0123abcd"
+    assert keys.op(name) == f"r/control/ops/{name}.json" and parse_op_key(keys.op(name)) == name
+    assert parse_op_key("r/control/stop") is None
+
+
+URL, B = "s3://bkt/runs", "bkt"
+
+
+def test_a_learner_writes_only_its_own_prefixes() -> None:
+    p = policy_for(URL, "r", learner="us-east-0")
+    own = ["runs/r/deltas/us-east-0/000000000001.delta", "runs/r/deltas/us-east-0/000000000001.sig",
+           "runs/r/learners/us-east-0/status.json", "runs/r/learners/us-east-0/checkpoint/state",
+           "runs/r/events/us-east-0/123.jsonl"]
+    assert all(allows(p, WRITE, B, k) for k in own)
+    for k in ("runs/r/deltas/eu-west-0/000000000001.delta", "runs/r/versions/00000000000000000001.json",
+              "runs/r/global/x.params", "runs/r/control/stop", "runs/r/control/ops/x.json", "runs/r/run.json",
+              "runs/r/learners/eu-west-0/status.json", "runs/other/deltas/us-east-0/000000000001.delta",
+              "runs/r/deltas/us-east-00/000000000001.delta"):
+        assert not allows(p, WRITE, B, k), k
+    assert allows(p, READ, B, "runs/r/global/x.params") and allows(p, READ, B, "runs/r/control/stop")
+    assert not allows(p, READ, B, "runs/r/deltas/eu-west-0/000000000001.delta")
+    assert not allows(p, DELETE, B, own[0])
+    assert allows(p, LIST, B, "runs/r/versions/") and allows(p, LIST, B, "runs/r/deltas/us-east-0/")
+    assert not allows(p, LIST, B, "runs/r/deltas/")
+
+
+def test_the_merger_evaluator_and_operator() -> None:
+    m = policy_for(URL, "r", role="merger")
+    assert allows(m, WRITE, B, "runs/r/versions/00000000000000000001.json") and allows(m, READ, B, "runs/r/deltas/a/1")
+    assert allows(m, WRITE, B, "runs/r/events/merger-2/1.jsonl") and allows(m, LIST, B, "runs/r/deltas/")
+    assert not allows(m, WRITE, B, "runs/r/deltas/a/000000000001.delta") and not allows(m, WRITE, B, "runs/r/control/stop")
+    e = policy_for(URL, "r", role="evaluator")
+    assert allows(e, WRITE, B, "runs/r/evals/00000000000000000001.json")
+    assert not allows(e, WRITE, B, "runs/r/versions/00000000000000000001.json")
+    o = policy_for("s3://bkt", "r", role="operator")
+    assert allows(o, DELETE, B, "r/control/stop") and not allows(o, WRITE, B, "other/control/stop")
+    with pytest.raises(RunError, match="s3://"):
+        policy_for("file://runs", "r", role="merger")
+    with pytest.raises(RunError, match="--role"):
+        policy_for(URL, "r", role="root")
