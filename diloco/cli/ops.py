@@ -72,10 +72,13 @@ def remove_learner(storage: str = STORAGE, run_id: str = RUN_ID,
                    reason: str = typer.Option("operator", "--reason", help="Recorded with the removal.")) -> None:
     """Remove a learner from a run: it ends after its phase and no supervisor starts it again."""
     with user_errors():
-        from diloco.run.context import open_run
+        from diloco.run.context import RunError, open_run
         from diloco.run.signals import request_remove
 
-        request_remove(open_run(storage, run_id), learner, reason)
+        ctx = open_run(storage, run_id)
+        if learner not in ctx.learners:
+            raise RunError(f"learner {learner!r} is not in run {run_id!r} (its learners: {', '.join(ctx.learners)})")
+        request_remove(ctx, learner, reason)
         typer.echo(f"learner {learner} removed from run {run_id}")
 
 
