@@ -12,6 +12,7 @@ A warm standby (`--standby`) pays the imports first and reads nothing from the b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -33,14 +34,16 @@ class Units:
 
 
 def make_learner(storage: str, run_id: str, name: str):
-    """The learner `name` of the run, and its stop signal (control/stop, the target version, or removal)."""
+    """The learner `name` of the run, and its stop signal (removal, control/stop, the target version, a lost
+    supervisor: diloco.run.signals.RoleStop, whose `why` is the learner's final state)."""
     from diloco.chaos.inprocess import apply_chaos
     from diloco.learner.learner import Learner
     from diloco.run.context import open_run
     from diloco.run.corpus import load_run_corpus
     from diloco.run.events import EventLog
-    from diloco.run.signals import RemovedSignal, StopSignal
+    from diloco.run.signals import RoleStop
     from diloco.storage.keys import validate_learner_name
+    from diloco.storage.traffic import CountingStore
 
     validate_learner_name(name)
     # torch's lazy imports (~3 s: the optimizer's first step pulls torch._dynamo) belong to the start,
@@ -49,12 +52,12 @@ def make_learner(storage: str, run_id: str, name: str):
     warm_up()
     ctx = open_run(storage, run_id)
     control = apply_chaos(ctx)
+    ctx = dataclasses.replace(ctx, store=CountingStore(ctx.store))  # its traffic, for the run's summary
     slowdown = control.slowdown.get(name) if control else None
     # events are kept and flushed again on failure: one quick retry, so an outage does not stall each phase
     events = EventLog(ctx.store.with_retries(1), ctx.keys, name)
     learner = Learner(ctx, name, load_run_corpus(ctx.cfg.data), events=events, slowdown=slowdown)
-    stopped, removed = StopSignal(ctx, ctx.cfg.run.num_versions), RemovedSignal(ctx, name)
-    return learner, lambda: stopped() or removed()
+    return learner, RoleStop(ctx, ctx.cfg.run.num_versions, learner=name)
 
 
 def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
@@ -75,18 +78,18 @@ def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
 
 
 def make_evaluator(storage: str, run_id: str):
-    """The evaluator of the run, and its stop signal."""
+    """The evaluator of the run, and its stop signal (control/stop, the target version, a lost supervisor)."""
     from diloco.chaos.inprocess import apply_chaos
     from diloco.run.context import open_run
     from diloco.run.corpus import load_run_corpus
     from diloco.run.evaluator import Evaluator
     from diloco.run.events import EventLog
-    from diloco.run.signals import StopSignal
+    from diloco.run.signals import RoleStop
 
     ctx = open_run(storage, run_id)
     apply_chaos(ctx)
     evaluator = Evaluator(ctx, load_run_corpus(ctx.cfg.data), events=EventLog(ctx.store, ctx.keys, "evaluator"))
-    return evaluator, StopSignal(ctx, ctx.cfg.run.num_versions)
+    return evaluator, RoleStop(ctx, ctx.cfg.run.num_versions)
 
 
 def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, phases: int | None = None,
@@ -99,14 +102,14 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
 
         learner, should_stop = make_learner(storage, run_id, name or "")
         return run_learner(learner, phases=phases, should_stop=should_stop, step=units.phase or learner_step,
-                           join=units.join or Learner.join)
+                           join=units.join or Learner.join, why=lambda: should_stop.why)
     if role == "merger":
         from diloco.merger.merger import run_merger
-        from diloco.run.signals import StopSignal
+        from diloco.run.signals import RoleStop
 
         merger, ctx = make_merger(storage, run_id, name or "merger")
         return run_merger(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
-                          should_stop=StopSignal(ctx), merge=units.merge)
+                          should_stop=RoleStop(ctx), merge=units.merge)
     if role == "evaluator":
         from diloco.run.evaluator import run_evaluator
 

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from diloco.bench._traffic import CountingStore
 from diloco.bench.bandwidth import allreduce_bytes_per_step
 from diloco.configs import Config
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.run.context import create_run
 from diloco.storage import open_store
+from diloco.storage.traffic import CountingStore
 from diloco.training.data import Corpus, ShardSampler, eval_batches
 from diloco.training.inner import InnerTrainer, evaluate
 from diloco.training.model import build_model, get_flat_params, set_params

@@ -1,12 +1,15 @@
 """A local Prefect API for the embedded default: reuse PREFECT_API_URL, or start `prefect server`.
 
 Contract: after ensure_api() returns, PREFECT_API_URL is set in this process's environment (so
-child processes report to the same API); the server it started is stopped by stop_api().
+child processes report to the same API); the server it started is stopped by stop_api(). A started server
+is recorded in <home>/server.json (its URL and pid) while it runs, so `diloco ui` finds a live one rather
+than start a second server on the same database.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -17,6 +20,18 @@ import urllib.request
 from pathlib import Path
 
 STARTUP_TIMEOUT_S = 90.0
+SERVER_RECORD = "server.json"  # in the server's home, while it runs
+_RECORDS: dict[int, Path] = {}  # pid of a server started here -> its record, removed when it is stopped
+
+
+def running_server(home: Path) -> str | None:
+    """The API URL of a live server started from this home (its record, and it answers), else None."""
+    try:
+        record = json.loads((home / SERVER_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    url = record.get("api_url") if isinstance(record, dict) else None
+    return url if isinstance(url, str) and healthy(url) else None
 
 
 def free_port() -> int:
@@ -52,6 +67,8 @@ def start_server(home: Path, port: int | None = None, log_path: Path | None = No
         if proc.poll() is not None:
             raise RuntimeError(f"prefect server exited with {proc.returncode}; see {out.name}")
         if healthy(url):
+            _RECORDS[proc.pid] = home / SERVER_RECORD
+            (home / SERVER_RECORD).write_text(json.dumps({"api_url": url, "pid": proc.pid}))
             return url, proc
         time.sleep(0.3)
     stop_api(proc)
@@ -80,7 +97,13 @@ def flush_prefect(timeout_s: float = 10.0) -> None:
 
 
 def stop_api(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
+    if proc is None:
+        return
+    record = _RECORDS.pop(proc.pid, None)
+    if record is not None:
+        with contextlib.suppress(OSError):
+            record.unlink()
+    if proc.poll() is not None:
         return
     flush_prefect()
     try:

@@ -48,6 +48,7 @@ class ProcessBackend:
         self.ctx, self.cfg, self.events, self.prefect = ctx, ctx.cfg, events, prefect
         self.env = {**os.environ, **(env or {})}
         self.log_dir = log_dir
+        self.kind = "prefect" if prefect else "local"  # recorded in the run's lease
         self.forking = not prefect and self.cfg.run.start_method == "fork"
         self.standbys_on = self.cfg.run.warm_standby and not self.forking
         self.zygote: Zygote | None = None

@@ -59,7 +59,7 @@ def test_unsupported_protocol_missing_config_and_unknown_learner(tmp_path: Path)
     assert not (tmp_path / "bucket" / "r1" / "control").exists()
 
 
-@pytest.mark.parametrize("command", ["status", "audit", "plot", "stop"])
+@pytest.mark.parametrize("command", ["status", "audit", "plot", "stop", "summary", "runs"])
 def test_every_command_defaults_to_file_runs(tmp_path: Path, command: str) -> None:
     """--storage defaults to file://runs (in the current folder) for every command."""
     args = [command] if command == "runs" else [command, "--run-id", "absent"]
