@@ -40,4 +40,4 @@ bench: setup
 	$(BIN)/diloco simulate-goodput --json out/sim-goodput.json
 
 clean:
-	rm -rf $(VENV) runs out
+	rm -rf $(VENV) runs out .diloco

@@ -145,11 +145,12 @@ def warm_up() -> None:
     _torch_warm = True
 
 
-def wait_as_standby(stdin: TextIO = sys.stdin) -> bool:
+def wait_as_standby(stdin: TextIO | None = None) -> bool:
     """Block until a line arrives on stdin (the imports already paid): True to start now, False at end of
-    input (the supervisor is gone or stopped this spare)."""
+    input (the supervisor is gone or stopped this spare). sys.stdin is read when called, not when this
+    module was imported (a default argument would keep whatever stdin was then)."""
     print("standby ready", file=sys.stderr, flush=True)
-    return bool(stdin.readline())
+    return bool((stdin or sys.stdin).readline())
 
 
 def parse_args(argv: list[str], prog: str = "diloco.launch") -> argparse.Namespace:

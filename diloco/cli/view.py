@@ -121,6 +121,8 @@ def execute_run(*, config: str, storage: str | None, learners: int | None, versi
 def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: str | None = None,
                  local_ui: bool = False) -> None:
     """What happened (an interrupt, a stop), the summary table, traffic per learner, a sample, the next step."""
+    import torch
+
     from diloco.inspect.summary import (
         LEARNER_COLUMNS,
         build_summary,
@@ -130,6 +132,9 @@ def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: s
     )
     from diloco.supervise.interrupt import reason_of
 
+    # One thread for the final evaluations and the sample: on 2 cores shared with other work, torch's default
+    # pool spun for 30 s on a 240-byte sample that takes 1.3 s on one thread (docs/LIFECYCLE.md).
+    torch.set_num_threads(1)
     # what the evaluator did not reach (a short run can end before it starts); a live run's evaluator is at it
     done = complete_evals(ctx) if read_run_state(ctx).word != "running" else []
     if done:
@@ -138,7 +143,8 @@ def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: s
     caught = reason_of(reason or "")
     if caught is not None:
         console.print(f"[bold]{caught.reason}[/bold] (signal {caught.signal}) at version {summary['num_versions']} "
-                      f"of {ctx.cfg.run.num_versions}: every process of the run has ended; the summary so far:")
+                      f"of {ctx.cfg.run.num_versions}: every process of the run has ended; the summary so far:",
+                      soft_wrap=True)
     table = Table(title=f"run {ctx.run_id} — summary")
     table.add_column("what", no_wrap=True)
     table.add_column("value", overflow="fold")
