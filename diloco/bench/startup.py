@@ -56,8 +56,37 @@ def measure_imports() -> dict[str, float]:
     return out
 
 
-def _run_stamped(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, list[tuple[float, str]], int, str]:
-    """Run cmd; (start time, [(t, stderr line)], exit code, stdout)."""
+def _cpu_of(pid: int) -> float | None:
+    import psutil
+
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    return times.user + times.system
+
+
+def _watch_cpu(proc: subprocess.Popen, cwd: Path, cpu: dict[str, float]) -> None:
+    """The last CPU seconds seen of the command itself (supervisor, train flow, summary) and of its local
+    Prefect server (found through its record in .diloco/prefect/server.json)."""
+    record = cwd / ".diloco" / "prefect" / "server.json"
+    server_pid: int | None = None
+    while proc.poll() is None:
+        if server_pid is None and record.exists():
+            try:
+                server_pid = int(json.loads(record.read_text())["pid"])
+            except (OSError, ValueError, KeyError):
+                server_pid = None
+        for label, pid in (("command (supervisor, train flow, summary)", proc.pid), ("Prefect server", server_pid)):
+            seconds = _cpu_of(pid) if pid else None
+            if seconds is not None:
+                cpu[label] = round(seconds, 1)
+        time.sleep(0.5)
+
+
+def _run_stamped(cmd: list[str], cwd: Path, env: dict[str, str],
+                 cpu: dict[str, float]) -> tuple[float, list[tuple[float, str]], int, str]:
+    """Run cmd; (start time, [(t, stderr line)], exit code, stdout); `cpu` filled by a watcher."""
     lines: list[tuple[float, str]] = []
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -67,10 +96,13 @@ def _run_stamped(cmd: list[str], cwd: Path, env: dict[str, str]) -> tuple[float,
             lines.append((time.time(), line.rstrip()))
 
     reader = threading.Thread(target=read, daemon=True)
+    watcher = threading.Thread(target=_watch_cpu, args=(proc, cwd, cpu), daemon=True)
     reader.start()
+    watcher.start()
     stdout = proc.stdout.read()
     proc.wait()
     reader.join(timeout=10)
+    watcher.join(timeout=10)
     return t0, lines, proc.returncode, stdout
 
 
@@ -136,8 +168,8 @@ def bench_startup(*, config: str = "demo", prefect: bool = True, json_path: Path
     run_id = f"startup-{time.strftime('%H%M%S')}"
     cmd = [sys.executable, "-m", "diloco.cli", "run", "--config", config, "--run-id", run_id, "--no-live", "--json",
            "--prefect" if prefect else "--no-prefect"]
-    cpu0 = _children_cpu_s()
-    t0, lines, code, stdout = _run_stamped(cmd, work, env)
+    cpu0, cpu_parts = _children_cpu_s(), {}
+    t0, lines, code, stdout = _run_stamped(cmd, work, env, cpu_parts)
     t_exit = time.time()
     cpu_s = _children_cpu_s() - cpu0  # every process of the run: each was waited for by its parent
     if code != 0:
@@ -146,6 +178,7 @@ def bench_startup(*, config: str = "demo", prefect: bool = True, json_path: Path
     ctx = open_run(f"file://{work}/runs", run_id)
     m = milestones(ctx, t0, lines, t_exit)
     result = {"config": config, "prefect": prefect, "wall_s": round(t_exit - t0, 1), "cpu_s": round(cpu_s, 1),
+              "cpu_parts_s": cpu_parts,
               "final_eval_loss": summary["final_eval_loss"], "num_versions": summary["num_versions"],
               "milestones_s": m, "spans_s": spans(m), "imports_s": measure_imports() if imports else {},
               "server_start_s": measure_server_start(work / "server-probe") if imports and prefect else {},
@@ -169,6 +202,8 @@ def _print(r: dict[str, Any]) -> None:
         print(f"{key:48s} {'—' if at is None else f'{at:.1f}':>8s} {'—' if span is None else f'{span:.1f}':>8s}")
     print(f"{'CPU seconds, every process of the run':48s} {r['cpu_s']:>8.1f}  "
           f"(/{r['cpus']} CPUs = {r['cpu_s'] / r['cpus']:.1f} s: the wall time's floor on an idle machine)")
+    for label, seconds in r.get("cpu_parts_s", {}).items():
+        print(f"{'  of which ' + label:48s} {seconds:>8.1f}")
     for label, seconds in r["imports_s"].items():
         print(f"{'import: ' + label:48s} {seconds:>8.2f}")
     for label, seconds in r.get("server_start_s", {}).items():
