@@ -45,14 +45,21 @@ def create(cfg: Config, run_id: str | None = None, chaos: str | Path | None = No
 
 
 @contextlib.contextmanager
-def prefect_api(announce: Callable[[str], None] = log.info) -> Iterator[str]:
-    """The Prefect API to report to: PREFECT_API_URL, or a local server started now and stopped after."""
-    from diloco.flows.server import ensure_api, stop_api
+def prefect_api(announce: Callable[[str], None] = log.info,
+                while_booting: Callable[[], None] | None = None) -> Iterator[str]:
+    """The Prefect API to report to: PREFECT_API_URL, or a local server started now and stopped after;
+    `while_booting` runs while a started server boots (its ~10 s overlap other start-up work)."""
+    from diloco.flows.server import api_settings, ensure_api, stop_api, wait_healthy
 
-    url, server = ensure_api(STATE_DIR / "prefect")
-    announce(f"Prefect API {url} (UI: {url.removesuffix('/api')})")
+    url, server = ensure_api(STATE_DIR / "prefect", wait=False)
     try:
-        yield url
+        if while_booting is not None:
+            while_booting()
+        if server is not None:
+            wait_healthy(url, server)
+        announce(f"Prefect API {url} (UI: {url.removesuffix('/api')})")
+        with api_settings(url):
+            yield url
     finally:
         stop_api(server)
 
@@ -72,12 +79,19 @@ def _supervise(ctx: RunContext, *, prefect: bool, chaos: str | Path | None, anno
     log_dir = str(STATE_DIR / "logs" / ctx.run_id)
     plan = str(chaos) if chaos else None
     if prefect:
-        from prefect import tags
+        from diloco.flows.boot import boot_local_run
+        from diloco.supervise.zygote import close_early
 
-        from diloco.flows.train import train_flow
+        try:
+            with prefect_api(announce, lambda: boot_local_run(ctx, log_dir)):
+                from prefect import tags
 
-        with prefect_api(announce), tags(f"run:{ctx.run_id}", "role:train"):
-            return train_flow(ctx.store.url, ctx.run_id, log_dir=log_dir, chaos_plan=plan)["reason"]
+                from diloco.flows.train import train_flow
+
+                with tags(f"run:{ctx.run_id}", "role:train"):
+                    return train_flow(ctx.store.url, ctx.run_id, log_dir=log_dir, chaos_plan=plan)["reason"]
+        finally:
+            close_early(ctx.run_id)  # an early zygote the supervisor did not take (it failed first)
     from diloco.flows.local import supervise_local
 
     return supervise_local(ctx, prefect=False, log_dir=log_dir, chaos_plan=plan)

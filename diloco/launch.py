@@ -12,6 +12,7 @@ A warm standby (`--standby`) pays the imports first and reads nothing from the b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -34,14 +35,16 @@ class Units:
 
 
 def make_learner(storage: str, run_id: str, name: str, world=None):
-    """The learner `name` of the run, and its stop signal (control/stop, the target version, or removal);
-    `world`: this process is rank 0 of the learner's process group (diloco.learner.world)."""
+    """The learner `name` of the run, and its stop signal (removal, control/stop, the target version, a lost
+    supervisor: diloco.run.signals.RoleStop, whose `why` is the learner's final state); `world`: this process
+    is rank 0 of the learner's process group (diloco.learner.world)."""
     from diloco.chaos.inprocess import apply_chaos
     from diloco.learner.learner import Learner
     from diloco.run.context import open_run
     from diloco.run.events import EventLog
-    from diloco.run.signals import RemovedSignal, StopSignal
+    from diloco.run.signals import RoleStop
     from diloco.storage.keys import validate_learner_name
+    from diloco.storage.traffic import CountingStore
 
     validate_learner_name(name)
     # torch's lazy imports (~3 s: the optimizer's first step pulls torch._dynamo) belong to the start,
@@ -52,12 +55,12 @@ def make_learner(storage: str, run_id: str, name: str, world=None):
     check_admitted(ctx, name)
     key = signing_key() if ctx.cfg.learner.sign else None
     control = apply_chaos(ctx)
+    ctx = dataclasses.replace(ctx, store=CountingStore(ctx.store))  # its traffic, for the run's summary
     slowdown = control.slowdown.get(name) if control else None
     # events are kept and flushed again on failure: one quick retry, so an outage does not stall each phase
     events = EventLog(ctx.store.with_retries(1), ctx.keys, name)
     learner = Learner(ctx, name, events=events, slowdown=slowdown, world=world, signing_key=key)
-    stopped, removed = StopSignal(ctx, ctx.cfg.run.num_versions), RemovedSignal(ctx, name)
-    return learner, lambda: stopped() or removed()
+    return learner, RoleStop(ctx, ctx.cfg.run.num_versions, learner=name)
 
 
 def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
@@ -127,17 +130,17 @@ def check_admitted(ctx, name: str) -> None:
 
 
 def make_evaluator(storage: str, run_id: str):
-    """The evaluator of the run, and its stop signal."""
+    """The evaluator of the run, and its stop signal (control/stop, the target version, a lost supervisor)."""
     from diloco.chaos.inprocess import apply_chaos
     from diloco.run.context import open_run
     from diloco.run.evaluator import Evaluator
     from diloco.run.events import EventLog
-    from diloco.run.signals import StopSignal
+    from diloco.run.signals import RoleStop
 
     ctx = open_run(storage, run_id)
     apply_chaos(ctx)
     evaluator = Evaluator(ctx, events=EventLog(ctx.store, ctx.keys, "evaluator"))
-    return evaluator, StopSignal(ctx, ctx.cfg.run.num_versions)
+    return evaluator, RoleStop(ctx, ctx.cfg.run.num_versions)
 
 
 def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, phases: int | None = None,
@@ -153,14 +156,14 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
             return 0
         learner, should_stop = make_learner(storage, run_id, name or "")
         return run_learner(learner, phases=phases, should_stop=should_stop, step=units.phase or learner_step,
-                           join=units.join or Learner.join)
+                           join=units.join or Learner.join, why=lambda: should_stop.why)
     if role == "merger":
         from diloco.merger.merger import run_merger
-        from diloco.run.signals import StopSignal
+        from diloco.run.signals import RoleStop
 
         merger, ctx = make_merger(storage, run_id, name or "merger")
         return run_merger(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
-                          should_stop=StopSignal(ctx), merge=units.merge)
+                          should_stop=RoleStop(ctx), merge=units.merge)
     if role == "evaluator":
         from diloco.run.evaluator import run_evaluator
 
@@ -183,7 +186,7 @@ def _rank(world, storage: str, run_id: str, name: str, phases: int | None) -> No
         from diloco.learner.loop import run_learner
 
         learner, should_stop = make_learner(storage, run_id, name, world=world)
-        run_learner(learner, phases=phases, should_stop=should_stop)
+        run_learner(learner, phases=phases, should_stop=should_stop, why=lambda: should_stop.why)
         return
     from diloco.learner.ranks import follow
     from diloco.run.context import open_run
@@ -240,11 +243,12 @@ def warm_up() -> None:
     _torch_warm = True
 
 
-def wait_as_standby(stdin: TextIO = sys.stdin) -> bool:
+def wait_as_standby(stdin: TextIO | None = None) -> bool:
     """Block until a line arrives on stdin (the imports already paid): True to start now, False at end of
-    input (the supervisor is gone or stopped this spare)."""
+    input (the supervisor is gone or stopped this spare). sys.stdin is read when called, not when this
+    module was imported (a default argument would keep whatever stdin was then)."""
     print("standby ready", file=sys.stderr, flush=True)
-    return bool(stdin.readline())
+    return bool((stdin or sys.stdin).readline())
 
 
 def parse_args(argv: list[str], prog: str = "diloco.launch") -> argparse.Namespace:

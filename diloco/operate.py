@@ -66,7 +66,7 @@ def remove_learner(storage: str | Store | RunContext, run_id: str | None, learne
     if learner in state.removed:
         raise RunError(f"learner {learner} is already removed from run {ctx.run_id}")
     if learner not in state.members:
-        raise RunError(f"learner {learner} is not a learner of run {ctx.run_id} (its learners: "
+        raise RunError(f"learner {learner!r} is not in run {ctx.run_id!r} (its learners: "
                        f"{', '.join(state.members)})")
     request_remove(ctx, learner, reason, by=by)
 

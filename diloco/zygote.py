@@ -1,9 +1,11 @@
 """A zygote: one process that pays the imports once, then forks every role of a local run.
 
 Contract: started by the supervisor (diloco.supervise.zygote.Zygote, which documents the protocol); imports
-torch and every role's code and runs a throwaway training step (launch.warm_up), then forks on request: a
-child starts its own session, takes its log and environment, and runs `diloco.launch` with the given
-arguments. It exits when the supervisor closes its stdin; children are never killed by it.
+torch and every role's code and runs a throwaway training step (launch.warm_up; with --flows also prefect
+and the flows, importing only: no client, no thread, before a fork), then forks on request: a child starts
+its own session, takes its log and environment, and runs `diloco.launch` (or, entry "flows",
+`diloco.flows`: the role as a flow run) with the given arguments. It exits when the supervisor closes its
+stdin; children are never killed by it.
 """
 
 from __future__ import annotations
@@ -42,10 +44,14 @@ def _child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         _set_name(request["name"])
-        sys.argv = ["diloco.launch", *request["argv"]]
-        from diloco.launch import main as launch
+        if request.get("entry") == "flows":  # the role as its Prefect flow run (diloco.flows.roles)
+            sys.argv = ["diloco.flows", *request["argv"]]
+            from diloco.flows.roles import main as entry
+        else:
+            sys.argv = ["diloco.launch", *request["argv"]]
+            from diloco.launch import main as entry
 
-        code = launch(request["argv"])
+        code = entry(request["argv"])
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException:
@@ -77,9 +83,14 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # no thread pool before forking; each role sets its own count
-    from diloco.launch import warm_up
+    if "--flows" in sys.argv[1:]:  # roles run as Prefect flow runs: pay prefect's and the flows' imports too
+        from diloco.flows.roles import warm_up_flows
 
-    warm_up()
+        warm_up_flows()
+    else:
+        from diloco.launch import warm_up
+
+        warm_up()
     _send("ready")
     buf = b""
     while True:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from diloco.bench._traffic import CountingStore
 from diloco.bench.bandwidth import allreduce_bytes_per_step
 from diloco.configs import Config
 from diloco.learner.learner import Learner
@@ -21,6 +20,7 @@ from diloco.run.create import create_run
 from diloco.specs.gpt import make_spec
 from diloco.specs.text import Corpus
 from diloco.storage import open_store
+from diloco.storage.traffic import CountingStore
 from diloco.training.data import ShardSampler, eval_batches
 from diloco.training.inner import InnerTrainer, evaluate
 from diloco.training.model import build_model, get_flat_params, set_params

@@ -10,7 +10,7 @@ import os
 
 import typer
 
-from diloco.cli import bench, model, operate, ops, roles, run
+from diloco.cli import bench, model, operate, ops, roles, run, runs
 
 app = typer.Typer(
     add_completion=False,
@@ -18,7 +18,7 @@ app = typer.Typer(
     rich_markup_mode=None,  # help text is shown as written: `[a-z0-9-]` is a pattern, not markup
     help="Decoupled DiLoCo on object storage: learners and an outer merge that only talk to a bucket.",
 )
-for group in (run.app, roles.app, ops.app, operate.app, model.app, bench.app):
+for group in (run.app, runs.app, roles.app, ops.app, operate.app, model.app, bench.app):
     app.registered_commands.extend(group.registered_commands)
 app.add_typer(bench.bench, name="bench")
 

@@ -130,6 +130,7 @@ def _simulate_goodput(
     with user_errors():
         simulate_goodput(json_path=json_path, plot_path=plot_path, mtbf_years=mtbf_years, restart_s=restart_s, seed=seed, num_failures=num_failures, sweep=sweep)
 
+
 @bench.command("ranks")
 def _bench_ranks(
     json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
@@ -141,3 +142,17 @@ def _bench_ranks(
 
     with user_errors():
         bench_ranks(json_path=json_path, config=config, phases=phases)
+
+
+@bench.command("startup")
+def _bench_startup(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    config: str = typer.Option("demo", "--config", help="Recipe name or YAML path (default: what make run trains)."),
+    prefect: bool = typer.Option(True, "--prefect/--no-prefect", help="With a local Prefect server, as make run."),
+    imports: bool = typer.Option(True, "--imports/--no-imports", help="Also time each heavy import apart."),
+) -> None:
+    """Run the main job once and print where its wall time goes (server, flows, process starts, imports)."""
+    from diloco.bench.startup import bench_startup
+
+    with user_errors():
+        bench_startup(config=config, prefect=prefect, json_path=json_path, imports=imports)

@@ -87,19 +87,27 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
     with user_errors():
         from rich.console import Console
 
+        import os
+
         from diloco import api
-        from diloco.cli.view import LiveView, _final_report
+        from diloco.cli.view import LiveView, final_report
         from diloco.operate import prepare_resume
         from diloco.run.context import open_run
+        from diloco.supervise.interrupt import catch_signals, reason_of
 
-        plan = prepare_resume(storage, run_id, versions=versions, time_limit_s=time_limit_s)
-        ctx = open_run(storage, run_id)
-        console = Console(stderr=json_out)
-        console.print(f"[bold]diloco[/bold] resume of run [cyan]{run_id}[/cyan] ({plan['state']}) at version "
-                      f"{plan['latest']}: target {plan['previous_target']} -> {plan['target']}")
-        with LiveView(ctx, console, live and console.is_terminal):
-            api.supervise(ctx, prefect=prefect, announce=console.print)
-        _final_report(ctx, console, json_out)
+        with catch_signals():  # Ctrl-C and SIGTERM end the resumed run in order, as `diloco run`
+            plan = prepare_resume(storage, run_id, versions=versions, time_limit_s=time_limit_s)
+            ctx = open_run(storage, run_id)
+            console = Console(stderr=json_out)
+            console.print(f"[bold]diloco[/bold] resume of run [cyan]{run_id}[/cyan] ({plan['state']}) at version "
+                          f"{plan['latest']}: target {plan['previous_target']} -> {plan['target']}")
+            with LiveView(ctx, console, live and console.is_terminal):
+                reason = api.supervise(ctx, prefect=prefect, announce=console.print)
+            final_report(ctx, console, json_out, reason=reason,
+                         local_ui=prefect and not os.environ.get("PREFECT_API_URL"))
+        caught = reason_of(reason)
+        if caught is not None:
+            raise typer.Exit(caught.exit_code)
 
 
 @app.command("fork")

@@ -1,7 +1,8 @@
 """`diloco learner`, `diloco merge`, `diloco evaluate`: one role of an existing run, in this process.
 
 Contract: what a regional deployment or an operator runs by hand; the role is started through the one launch
-entry (diloco.launch.run_role), or as its Prefect flow with --prefect; bad arguments are one line, exit 2.
+entry (diloco.launch.run_role), or as its Prefect flow with --prefect; bad arguments are one line, exit 2, and
+so is a learner or merger asked of a run that has finished or stopped (the line says how to continue it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ def _logging(verbose: bool = False) -> None:
 
 def _run(role: str, storage: str, run_id: str, name: str | None, prefect: bool, **counts: int | None) -> None:
     with user_errors():
+        if role != "evaluator":  # an evaluator on an ended run still scores what is missing
+            from diloco.run.context import open_run
+            from diloco.run.state import refuse_if_ended
+
+            refuse_if_ended(open_run(storage, run_id), f"do for {'a learner' if role == 'learner' else 'a merger'}")
         if prefect:
             from diloco.flows.roles import run_flow_role
 

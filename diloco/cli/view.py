@@ -1,12 +1,16 @@
-"""What `diloco run` and `diloco status` show: the live progress table, the final summary, the status.
+"""What `diloco run`, `diloco status` and `diloco summary` show: the live table, the summary, the status.
 
-Contract: every figure is read from the bucket, never from in-memory counters; imported only when a command
-runs (it pulls torch, for the sample), so `diloco --help` stays fast.
+Contract: every figure is read from the bucket, never from in-memory counters; a run that ended says so
+(finished / stopped / removed, and the command that continues it); SIGINT and SIGTERM end `diloco run` in
+order — every process of the run ends, the summary so far is printed — with exit code 130 / 143; tables stay
+readable at 80 columns (names are never cut: other cells wrap). Imported only when a command runs (it pulls
+torch, for the sample), so `diloco --help` stays fast.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -16,30 +20,42 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from diloco.inspect.report import learner_status, nats_to_bits, sample_text, summarize, summary_json
+from diloco.inspect.report import learner_status, sample_text, summary_json
 from diloco.run.context import RunContext, open_run
+from diloco.run.state import RunState, learner_word, read_run_state
 from diloco.storage import StorageError, latest_version, open_store
 
+STATUS_COLUMNS = ("state", "ranks", "seq", "base", "step", "loss", "steps/s", "MB out", "beat")
 
-def progress_table(ctx: RunContext, started: float) -> Table:
+
+def _name_column(table: Table, header: str, names: list[str]) -> None:
+    """A column that is never cut: the distinguishing suffix of us-east-0 / us-east-1 must show."""
+    table.add_column(header, no_wrap=True, min_width=max([len(header), *map(len, names)]))
+
+
+def progress_table(ctx: RunContext, started: float | None, state: RunState | None = None) -> Table:
     from diloco.run.evaluator import read_evals
 
     try:
         version = latest_version(ctx.store, ctx.keys) or 0
         evals = read_evals(ctx)
         rows = learner_status(ctx)
+        state = state or read_run_state(ctx)
+        removed = {r["learner"] for r in rows if ctx.store.exists(ctx.keys.removed(r["learner"]))}
     except StorageError as err:
-        table = Table(title=f"run {ctx.run_id}: storage unavailable ({err})")
-        return table
+        return Table(title=f"run {ctx.run_id}: storage unavailable ({err})")
     last = evals[-1] if evals else None
     loss = f"{last['loss']:.3f} {last.get('metric', 'nats/byte')} @ v{last['version']}" if last else "—"
-    table = Table(title=f"run {ctx.run_id} · version {version}/{ctx.cfg.run.num_versions} · "
-                        f"held-out {loss} · {time.time() - started:.0f}s")
-    for col in ("learner", "state", "ranks", "seq", "base", "step", "loss", "steps/s", "MB sent", "heartbeat"):
-        table.add_column(col)
+    head = state.title() if state.ended else f"{state.word} · version {version}/{ctx.cfg.run.num_versions}"
+    clock = f" · {time.time() - started:.0f}s" if started else ""
+    table = Table(title=f"run {ctx.run_id} · {head} · held-out {loss}{clock}")
+    _name_column(table, "learner", [r.get("learner", "?") for r in rows])
+    for col in STATUS_COLUMNS:
+        table.add_column(col, overflow="fold", min_width=len(col))
     for r in rows:
         table.add_row(
-            r.get("learner", "?"), r.get("state", "?"), str(r.get("ranks", 1)), str(r.get("seq", "")), str(r.get("base_version", "")),
+            r.get("learner", "?"), learner_word(r.get("state"), r.get("learner") in removed, state),
+            str(r.get("ranks", 1)), str(r.get("seq", "")), str(r.get("base_version", "")),
             str(r.get("step", "")), f"{r['loss']:.3f}" if isinstance(r.get("loss"), float) else "",
             f"{r.get('steps_per_s', 0):.1f}" if "steps_per_s" in r else "",
             f"{r.get('bytes_published', 0) / 1e6:.2f}" if "bytes_published" in r else "",
@@ -81,77 +97,102 @@ def execute_run(*, config: str, storage: str | None, learners: int | None, versi
     from diloco import api
     from diloco.configs import parse_overrides
     from diloco.configs.effects import knob_warnings
+    from diloco.run.state import refuse_to_start
     from diloco.specs.loader import absolute, parse_spec_args
+    from diloco.supervise.interrupt import catch_signals, reason_of
 
     overrides = {**parse_overrides(list(overrides)),
                  "run.num_learners": learners, "run.num_versions": versions, "data.corpus": corpus,
                  "run.storage": storage, "run.time_limit_s": time_limit_s,
                  "spec": absolute(spec) if spec else None,
                  "spec_args": parse_spec_args(list(spec_args)) if spec_args else None}
-    cfg = api.resolve_config(config, overrides)
-    ctx = api.create(cfg, run_id, chaos)
-    console = Console(stderr=json_out)
-    for line in knob_warnings(config, overrides, cfg, "prefect" if prefect else cfg.run.start_method):
-        console.print(f"[yellow]warning:[/yellow] {line}", markup=True, highlight=False)
-    console.print(f"[bold]diloco[/bold] run [cyan]{ctx.run_id}[/cyan] in {ctx.store.url}: "
-                  f"{cfg.run.num_learners} learners, target {cfg.run.num_versions} versions, recipe {cfg.name}")
-    with LiveView(ctx, console, live and console.is_terminal):
-        api.supervise(ctx, prefect=prefect, chaos=chaos, announce=console.print)
-    _final_report(ctx, console, json_out)
+    with catch_signals():  # from here on, Ctrl-C and SIGTERM end the run in order (supervise/interrupt.py)
+        cfg = api.resolve_config(config, overrides)
+        ctx = api.create(cfg, run_id, chaos)
+        refuse_to_start(ctx)  # a finished or stopped run, or one another supervisor runs: one line, exit 2
+        console = Console(stderr=json_out)
+        for line in knob_warnings(config, overrides, cfg, "prefect" if prefect else cfg.run.start_method):
+            console.print(f"[yellow]warning:[/yellow] {line}", markup=True, highlight=False)
+        console.print(f"[bold]diloco[/bold] run [cyan]{ctx.run_id}[/cyan] in {ctx.store.url}: "
+                      f"{cfg.run.num_learners} learners, target {cfg.run.num_versions} versions, recipe {cfg.name}")
+        local_ui = prefect and not os.environ.get("PREFECT_API_URL")
+        with LiveView(ctx, console, live and console.is_terminal):
+            reason = api.supervise(ctx, prefect=prefect, chaos=chaos, announce=console.print)
+        final_report(ctx, console, json_out, reason=reason, local_ui=local_ui)
+    caught = reason_of(reason)
+    if caught is not None:
+        raise typer.Exit(caught.exit_code)
 
 
-def _final_report(ctx: RunContext, console: Console, json_out: bool) -> None:
-    summary = summarize(ctx)
+def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: str | None = None,
+                 local_ui: bool = False) -> None:
+    """What happened (an interrupt, a stop), the summary table, traffic per learner, a sample, the next step."""
+    import torch
+
+    from diloco.inspect.summary import LEARNER_COLUMNS, build_summary, learner_table_rows, summary_rows
+    from diloco.run.evaluator import evaluate_missing
+    from diloco.supervise.interrupt import reason_of
+
+    # One thread for the final evaluations and the sample: on 2 cores shared with other work, torch's default
+    # pool spun for 30 s on a 240-byte sample that takes 1.3 s on one thread (docs/LIFECYCLE.md).
+    torch.set_num_threads(1)
+    # what the evaluator did not reach (a short run can end before it starts); a live run's evaluator is at it
+    done = evaluate_missing(ctx) if read_run_state(ctx).word != "running" else []
+    if done:
+        console.print(f"evaluated version {' and '.join(map(str, done))} now (the evaluator did not reach it)")
+    summary = build_summary(ctx)
+    caught = reason_of(reason or "")
+    if caught is not None:
+        console.print(f"[bold]{caught.reason}[/bold] (signal {caught.signal}) at version {summary['num_versions']} "
+                      f"of {ctx.cfg.run.num_versions}: every process of the run has ended; the summary so far:",
+                      soft_wrap=True)
     table = Table(title=f"run {ctx.run_id} — summary")
-    table.add_column("what")
-    table.add_column("value")
-    for label, value in _summary_rows(summary):
+    table.add_column("what", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for label, value in summary_rows(summary):
         table.add_row(label, value)
     console.print(table)
-    try:
-        text = sample_text(ctx)
-        if text is not None:
-            console.print("[bold]Sampled from the final model:[/bold]")
-            console.print(text, markup=False, highlight=False)
-    except (StorageError, ValueError) as err:  # ValueError: the spec's (SpecError) or the run's (RunError)
-        console.print(f"(no sample: {err})")
+    traffic = Table(title="traffic per learner (MB)")
+    _name_column(traffic, LEARNER_COLUMNS[0], [r["learner"] for r in summary["learners"]])
+    for col in LEARNER_COLUMNS[1:]:
+        traffic.add_column(col.removesuffix(" MB"), overflow="fold", justify="right")
+    for row in learner_table_rows(summary):
+        traffic.add_row(*row)
+    console.print(traffic)
+    _print_sample(ctx, console)
+    if local_ui:
+        console.print("Prefect UI: the local server stopped with the run; `diloco ui` reopens it")
+    if summary.get("continue"):
+        console.print(summary["continue"], markup=False, highlight=False, soft_wrap=True)
     if json_out:
         typer.echo(json.dumps(summary_json(summary)))
 
 
-def _fmt_loss(loss: float | None, metric: str = "nats/byte") -> str:
-    if loss is None:
-        return "—"
-    if metric == "nats/byte":
-        return f"{loss:.3f} nats/byte ({nats_to_bits(loss):.3f} bits/byte)"
-    return f"{loss:.4f} {metric}"
-
-
-def _summary_rows(s: dict) -> list[tuple[str, str]]:
-    ratio = s["traffic_ratio_vs_dp"]
-    return [
-        ("held-out loss, version 0", _fmt_loss(s["initial_eval_loss"], s["metric"])),
-        (f"held-out loss, version {s['final_eval_version']}", _fmt_loss(s["final_eval_loss"], s["metric"])),
-        ("versions committed", str(s["num_versions"])),
-        ("deltas merged / rejected", f"{s['deltas_merged']} / {s['deltas_rejected']}"),
-        ("tokens merged", f"{s['tokens_merged']:,}"),
-        ("bytes published (all learners)", f"{s['bytes_published'] / 1e6:.2f} MB"),
-        ("data-parallel would have sent", f"{s['dp_bytes_equivalent'] / 1e6:.1f} MB"
-         + (f"  ({ratio:.0f}x more)" if ratio else "")),
-        ("run lives at", f"{s['storage']}/{s['run_id']}"),
-    ]
+def _print_sample(ctx: RunContext, console: Console) -> None:
+    try:
+        text = sample_text(ctx)
+    except (StorageError, ValueError) as err:  # ValueError: the spec's (SpecError) or the run's (RunError)
+        console.print(f"(no sample: {err})")
+        return
+    if text is None:  # the spec has no sample
+        return
+    console.print("[bold]Sampled from the final model:[/bold]")
+    console.print(text, markup=False, highlight=False)
 
 
 def print_status(storage: str, run_id: str, json_out: bool) -> None:
     ctx = open_run(open_store(storage), run_id)
-    version = latest_version(ctx.store, ctx.keys)
+    state = read_run_state(ctx)
     rows = learner_status(ctx)
     from diloco.inspect.trust import trust_lines, trust_summary
 
     trust = trust_summary(ctx)
     if json_out:
-        typer.echo(json.dumps({"run_id": run_id, "latest_version": version, "learners": rows, "trust": trust}))
+        for r in rows:
+            r["state"] = learner_word(r.get("state"), ctx.store.exists(ctx.keys.removed(r["learner"])), state)
+        typer.echo(json.dumps({"run_id": run_id, "latest_version": state.version, "state": state.word,
+                               "title": state.title(), "learners": rows, "trust": trust}))
         return
-    Console().print(progress_table(ctx, time.time()))
+    Console().print(progress_table(ctx, None, state))
     for line in trust_lines(trust):
         Console().print(line, markup=False, highlight=False)

@@ -19,11 +19,11 @@ PATHS = ("fork", "exec", "prefect", "deployments")
 
 # key -> (does it matter on this path for this config?, why not)
 _RULES: dict[str, tuple[Callable[[Config, str], bool], str]] = {
-    "run.warm_standby": (lambda cfg, path: path in ("exec", "prefect"),
+    "run.warm_standby": (lambda cfg, path: path == "exec" or (path == "prefect" and cfg.run.start_method == "exec"),
                          "warm spares exist only for exec'd local processes (a forked role is warm already; "
                          "deployment workers start their own flow runs)"),
-    "run.start_method": (lambda cfg, path: path in ("fork", "exec"),
-                         "Prefect flow runs are always started with exec"),
+    "run.start_method": (lambda cfg, path: path in ("fork", "exec", "prefect"),
+                         "deployment workers start their own flow runs"),
     "learner.probe_every_steps": (lambda cfg, path: cfg.learner.mode != "sync",
                                   "a sync learner waits for the version that decides its delta instead of probing"),
 }

@@ -281,9 +281,11 @@ def load_config(name_or_path: str | Path = "demo") -> Config:
     if isinstance(name_or_path, str) and name_or_path in recipe_names():
         text_path = RECIPE_DIR / f"{name_or_path}.yaml"
     elif not text_path.is_file():
-        raise ConfigError(
-            f"config {str(name_or_path)!r} is neither a recipe ({', '.join(recipe_names())}) nor a YAML file"
-        )
+        recipes = ", ".join(recipe_names())
+        if text_path.suffix.lower() in (".yaml", ".yml") or len(text_path.parts) > 1:
+            what = "is a folder, not a YAML file" if text_path.is_dir() else "does not exist"
+            raise ConfigError(f"config file {str(name_or_path)!r} {what} (recipes: {recipes})")
+        raise ConfigError(f"config {str(name_or_path)!r} is neither a recipe ({recipes}) nor a YAML file")
     try:
         data = yaml.safe_load(text_path.read_text()) or {}
     except yaml.YAMLError as err:

@@ -13,11 +13,12 @@ from diloco.run.context import RunContext
 
 
 def supervise_local(ctx: RunContext, *, prefect: bool, log_dir: str | None, chaos_plan: str | None = None,
-                    on_tick: Callable[[Any], None] | None = None) -> str:
-    """Start every role, heal, stop at the end, shut down; returns why the run ended."""
+                    on_tick: Callable[[Any], None] | None = None, env: dict[str, str] | None = None) -> str:
+    """Start every role (with `env` added to their environment), heal, stop at the end, shut down; returns
+    why the run ended."""
     from diloco.supervise.local import local_supervisor
 
-    supervisor = local_supervisor(ctx, prefect=prefect, log_dir=log_dir)
+    supervisor = local_supervisor(ctx, prefect=prefect, log_dir=log_dir, env=env)
     if chaos_plan:
         from diloco.chaos.agent import attach_chaos
 

@@ -1,4 +1,5 @@
-"""Run one role of a run as a Prefect flow run in this process, tagged for the UI (`python -m diloco.flows`).
+"""Run one role of a run as a Prefect flow run in this process, tagged for the UI (`python -m diloco.flows`),
+under the `train` flow run that started it when there is one (diloco.flows.subflow).
 
 Contract: the arguments are the launch protocol's (diloco.launch.parse_args); user errors are one line, exit 2.
 """
@@ -16,20 +17,25 @@ def run_flow_role(role: str, storage: str, run_id: str, name: str | None = None,
     """The role's flow (learner, outer-merge, evaluate), inside the run's tags."""
     from prefect import tags
 
+    from diloco.flows.subflow import call_flow
+
+    base = {"storage": storage, "run_id": run_id}
     if role == "learner":
         from diloco.flows.learner import learner_flow
 
-        with tags(f"run:{run_id}", f"learner:{name}", "role:learner"):
-            return learner_flow(storage, run_id, name, phases)
+        marks = [f"run:{run_id}", f"learner:{name}", "role:learner"]
+        with tags(*marks):
+            return call_flow(learner_flow, {**base, "learner": name, "phases": phases}, marks)
     if role == "merger":
         from diloco.flows.outer_merge import outer_merge_flow
 
         with tags(f"run:{run_id}", "role:merger"):
-            return outer_merge_flow(storage, run_id, merges, name or "merger")
+            return call_flow(outer_merge_flow, {**base, "merges": merges, "merger_id": name or "merger"},
+                             [f"run:{run_id}", "role:merger"])
     from diloco.flows.evaluate import evaluate_flow
 
     with tags(f"run:{run_id}", "role:evaluate"):
-        return evaluate_flow(storage, run_id)
+        return call_flow(evaluate_flow, base, [f"run:{run_id}", "role:evaluate"])
 
 
 def warm_up_flows() -> None:

@@ -1,12 +1,15 @@
 """A local Prefect API for the embedded default: reuse PREFECT_API_URL, or start `prefect server`.
 
 Contract: after ensure_api() returns, PREFECT_API_URL is set in this process's environment (so
-child processes report to the same API); the server it started is stopped by stop_api().
+child processes report to the same API); the server it started is stopped by stop_api(). A started server
+is recorded in <home>/server.json (its URL and pid) while it runs, so `diloco ui` finds a live one rather
+than start a second server on the same database.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -14,9 +17,22 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 STARTUP_TIMEOUT_S = 90.0
+SERVER_RECORD = "server.json"  # in the server's home, while it runs
+_RECORDS: dict[int, Path] = {}  # pid of a server started here -> its record, removed when it is stopped
+
+
+def running_server(home: Path) -> str | None:
+    """The API URL of a live server started from this home (its record, and it answers), else None."""
+    try:
+        record = json.loads((home / SERVER_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    url = record.get("api_url") if isinstance(record, dict) else None
+    return url if isinstance(url, str) and healthy(url) else None
 
 
 def free_port() -> int:
@@ -33,8 +49,9 @@ def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def start_server(home: Path, port: int | None = None, log_path: Path | None = None) -> tuple[str, subprocess.Popen]:
-    """Start `prefect server start` on a free loopback port with its own PREFECT_HOME."""
+def launch_server(home: Path, port: int | None = None, log_path: Path | None = None) -> tuple[str, subprocess.Popen]:
+    """Start `prefect server start` on a free loopback port with its own PREFECT_HOME; returns at once (its
+    API URL is known before it answers: wait_healthy waits for it)."""
     port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_PORT": str(port),
@@ -42,30 +59,59 @@ def start_server(home: Path, port: int | None = None, log_path: Path | None = No
            "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api"}
     env.pop("PREFECT_API_URL", None)
     prefect = str(Path(sys.executable).with_name("prefect"))
-    out = open(log_path or home / "server.log", "ab")  # noqa: SIM115 - owned by the child
-    proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.time() + STARTUP_TIMEOUT_S
+    with open(log_path or home / "server.log", "ab") as out:  # the child keeps its own copy
+        proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    _RECORDS[proc.pid] = home / SERVER_RECORD
+    return f"http://127.0.0.1:{port}/api", proc
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Block until the launched server answers (then record it in its home), or stop it and raise."""
+    deadline = time.time() + timeout_s
+    record = _RECORDS.get(proc.pid)
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited with {proc.returncode}; see {out.name}")
+            raise RuntimeError(f"prefect server exited with {proc.returncode}; see its server.log")
         if healthy(url):
-            return url, proc
+            if record is not None:
+                record.write_text(json.dumps({"api_url": url, "pid": proc.pid}))
+            return
         time.sleep(0.3)
     stop_api(proc)
-    raise RuntimeError(f"prefect server did not answer on {url} within {STARTUP_TIMEOUT_S:.0f}s")
+    raise RuntimeError(f"prefect server did not answer on {url} within {timeout_s:.0f}s")
 
 
-def ensure_api(home: Path) -> tuple[str, subprocess.Popen | None]:
-    """The API to report to: PREFECT_API_URL if set, else a server started here."""
+def start_server(home: Path, port: int | None = None, log_path: Path | None = None) -> tuple[str, subprocess.Popen]:
+    """launch_server, then wait until it answers."""
+    url, proc = launch_server(home, port, log_path)
+    wait_healthy(url, proc)
+    return url, proc
+
+
+def ensure_api(home: Path, wait: bool = True) -> tuple[str, subprocess.Popen | None]:
+    """The API to report to: PREFECT_API_URL if set, else a server started here (set in PREFECT_API_URL at
+    once, so processes started while it boots report to it; wait=False: call wait_healthy before use)."""
     url = os.environ.get("PREFECT_API_URL")
     if url:
         return url, None
-    url, proc = start_server(home)
+    url, proc = launch_server(home)
     os.environ["PREFECT_API_URL"] = url
+    if wait:
+        wait_healthy(url, proc)
     return url, proc
+
+
+@contextlib.contextmanager
+def api_settings(api_url: str) -> Iterator[None]:
+    """This process's Prefect settings pointed at api_url. Prefect reads its settings when it is imported,
+    so setting PREFECT_API_URL afterwards reaches child processes only: an in-process flow would start (and
+    report to) a temporary server of its own, ~8 s, and its runs would not be where the roles' are."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        yield
 
 
 def flush_prefect(timeout_s: float = 10.0) -> None:
@@ -80,7 +126,13 @@ def flush_prefect(timeout_s: float = 10.0) -> None:
 
 
 def stop_api(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
+    if proc is None:
+        return
+    record = _RECORDS.pop(proc.pid, None)
+    if record is not None:
+        with contextlib.suppress(OSError):
+            record.unlink()
+    if proc.poll() is not None:
         return
     flush_prefect()
     try:

@@ -1,22 +1,29 @@
 """Flow `train`: the supervisor — start merger, evaluator and learners, heal, stop at the target.
 
 Contract: mode "local" runs every role as a process of this machine; mode "deployments" starts them as
-runs of their deployments (a learner per region, see prefect.yaml), creating the run first if needed.
+runs of their deployments (a learner per region, see prefect.yaml), creating the run first if needed. The
+supervisor's warnings go to this flow run's own logs; a role that cannot be started (a deployment that does
+not exist) fails the flow with the reason, after bounded retries; the flow ends with the run's summary as a
+markdown artifact (evaluating version 0 and the final version if the evaluator did not reach them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import httpx
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.exceptions import PrefectException
 
 from diloco.flows.credentials import export_aws_credentials
 from diloco.run.context import RunContext, open_run
 from diloco.run.create import create_run
+from diloco.storage import StorageError
+from diloco.supervise.core import RoleUnstartable
 from diloco.supervise.deployments import (
     EVALUATOR_DEPLOYMENT,
     MERGER_DEPLOYMENT,
@@ -49,13 +56,68 @@ def train_flow(
     """
     if aws_credentials_block:
         export_aws_credentials(aws_credentials_block)
-    if mode == "deployments":
-        ctx, plan = _deployment_run(storage, run_id, config, overrides, learners)
-        return _supervise_deployments(ctx, plan, merger_deployment, evaluator_deployment, aws_credentials_block)
-    if mode != "local":
+    if mode not in ("local", "deployments"):
         raise ValueError(f"mode {mode!r} is invalid: must be 'local' or 'deployments'")
-    ctx = _local_run(storage, run_id, config, overrides)
-    return _supervise_local(ctx, log_dir, chaos_plan)
+    with _diloco_logs_to_flow_run():
+        plan: dict[str, str] = {}
+        if mode == "deployments":
+            ctx, plan = _deployment_run(storage, run_id, config, overrides, learners)
+        else:
+            ctx = _local_run(storage, run_id, config, overrides)
+        try:
+            if mode == "deployments":
+                result = _supervise_deployments(ctx, plan, merger_deployment, evaluator_deployment,
+                                                aws_credentials_block)
+            else:
+                result = _supervise_local(ctx, log_dir, chaos_plan)
+        except RoleUnstartable as err:
+            get_run_logger().error("run %s cannot go on: %s", run_id, err)
+            raise
+        _report_summary(ctx)
+    return result
+
+
+@contextlib.contextmanager
+def _diloco_logs_to_flow_run() -> Iterator[None]:
+    """The engine's warnings and errors (logger `diloco.*`: a refused start, a lost lease) in this flow run's
+    logs, not only in the process's stderr."""
+    from prefect.logging.handlers import APILogHandler
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.id
+    handler = APILogHandler(level=logging.WARNING)
+    handler.addFilter(lambda record: setattr(record, "flow_run_id", run_id) or True)
+    logger = logging.getLogger("diloco")
+    if run_id:
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+def _report_summary(ctx: RunContext) -> None:
+    """Evaluate what the evaluator missed, then the summary as a markdown artifact and one log line."""
+    from diloco.inspect.summary import build_summary, summary_markdown
+    from diloco.run.evaluator import evaluate_missing
+
+    logger = get_run_logger()
+    try:
+        done = evaluate_missing(ctx)
+        if done:
+            logger.info("run %s: evaluated version %s at the end", ctx.run_id, " and ".join(map(str, done)))
+        summary = build_summary(ctx)
+        create_markdown_artifact(summary_markdown(summary), key=artifact_key("summary", ctx.run_id),
+                                 description=f"run {ctx.run_id}: {summary['state_title']}")
+    except (httpx.HTTPError, PrefectException, StorageError) as err:  # the run is done: only the summary is lost
+        logger.warning("summary artifact not written: %s", err)
+        return
+    logger.info("run %s %s; held-out loss %s -> %s %s", ctx.run_id, summary["state_title"],
+                _loss(summary["initial_eval_loss"]), _loss(summary["final_eval_loss"]), summary["metric"])
+
+
+def _loss(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
 
 
 def _local_run(storage: str, run_id: str, config: str | None, overrides: dict[str, Any] | None) -> RunContext:
@@ -112,9 +174,14 @@ def _progress(ctx: RunContext) -> Callable[[Any], None]:
 
 
 def _supervise_local(ctx: RunContext, log_dir: str | None, chaos_plan: str | None) -> dict:
-    from diloco.flows.local import supervise_local
+    from prefect.runtime import flow_run
 
-    reason = supervise_local(ctx, prefect=True, log_dir=log_dir, chaos_plan=chaos_plan, on_tick=_progress(ctx))
+    from diloco.flows.local import supervise_local
+    from diloco.flows.subflow import PARENT_ENV
+
+    env = {PARENT_ENV: str(flow_run.id)} if flow_run.id else {}  # the roles' flow runs show under this one
+    reason = supervise_local(ctx, prefect=True, log_dir=log_dir, chaos_plan=chaos_plan, on_tick=_progress(ctx),
+                             env=env)
     return {"run_id": ctx.run_id, "reason": reason, "version": _latest(ctx)}
 
 

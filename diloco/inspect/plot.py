@@ -12,7 +12,8 @@ from diloco.run.context import RunContext
 from diloco.run.evaluator import read_evals
 from diloco.run.events import read_events
 
-STATE_COLORS = {"training": "#2ca02c", "publishing": "#1f77b4", "down": "#d62728", "paused": "#7f7f7f"}
+STATE_COLORS = {"training": "#2ca02c", "starting": "#9ecae1", "idle": "#fdd0a2", "down": "#d62728",
+                "paused": "#7f7f7f"}
 
 
 def loss_points(evals: list[dict]) -> tuple[list[float], list[float], str]:
@@ -86,7 +87,7 @@ def render_run_plot(ctx: RunContext, out: Path) -> Path:
         from diloco.inspect.trust import mark_trust
 
         mark_trust(bottom, events, sorted({r[0] for r in rows if r[1] in STATE_COLORS}), min(r[2] for r in rows))
-    bottom.set_title("learners: training / publishing / down, merges marked")
+    bottom.set_title("learners: starting / training / idle / down / paused, merges marked")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

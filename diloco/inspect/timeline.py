@@ -1,8 +1,11 @@
 """The chaos timeline of a run, from its recorded events: what each learner was doing when.
 
 Contract: `timeline(events)` returns (who, state, t0, t1) rows sorted by t0; learner states are
-training / publishing / down / paused; merges (who = merger id) and injected faults (who = "chaos",
-state = "fault:<kind>") are points with t0 == t1.
+starting (its process was started, it has not joined yet: imports, the join's download), training (inside
+a phase: the `phase` events' spans, and gaps under IDLE_MIN_S between phases), idle (joined but not in a
+phase: waiting on storage, a sync decision, the stop), down (killed or exited until started again) and
+paused; publishing runs in the background while the next phase trains, so it is no state of its own.
+Merges (who = merger id) and injected faults (who = "chaos", state = "fault:<kind>") are points, t0 == t1.
 """
 
 from __future__ import annotations
@@ -10,8 +13,8 @@ from __future__ import annotations
 from diloco.inspect.lifecycle import Event, run_window
 
 Row = tuple[str, str, float, float]
-_LEARNER_KINDS = {"join": "training", "publish": "publishing", "published": "training"}
-_SUPERVISOR_KINDS = {"start": "down", "kill": "down", "exit": "down", "pause": "paused"}
+IDLE_MIN_S = 0.5  # a shorter gap between two phases (the ship step) is drawn as training
+_SUPERVISOR_KINDS = {"start": "starting", "kill": "down", "exit": "down", "pause": "paused"}
 
 
 def _learner_names(events: list[Event]) -> list[str]:
@@ -21,11 +24,14 @@ def _learner_names(events: list[Event]) -> list[str]:
 
 
 def _transitions(events: list[Event], name: str) -> list[tuple[float, str]]:
+    """(t, state) changes; a phase's start counts as a join (a join event lost with its process)."""
     out = []
     for e in events:
         kind, source = e.get("kind"), e.get("source")
-        if source == name and kind in _LEARNER_KINDS:
-            out.append((e["t"], _LEARNER_KINDS[kind]))
+        if source == name and kind == "join":
+            out.append((e["t"], "idle"))
+        elif source == name and kind == "phase" and (span := _phase_span(e)) is not None:
+            out.append((span[0], "joined"))
         elif source == "supervisor" and e.get("learner") == name:
             if kind in _SUPERVISOR_KINDS:
                 out.append((e["t"], _SUPERVISOR_KINDS[kind]))
@@ -34,16 +40,18 @@ def _transitions(events: list[Event], name: str) -> list[tuple[float, str]]:
     return out
 
 
-def learner_rows(events: list[Event], name: str, t_end: float) -> list[Row]:
-    """One learner's state intervals: down from its process start until it joins, and so on."""
+def _base_rows(events: list[Event], name: str, t_end: float) -> list[Row]:
+    """starting / idle / down / paused intervals, before the phases are drawn in."""
     rows: list[Row] = []
     state: str | None = None
-    since, before_pause = 0.0, "down"
-    for t, new in _transitions(events, name):
+    since, before_pause = 0.0, "starting"
+    for t, new in sorted(_transitions(events, name)):
+        if new == "joined":
+            new = "idle" if state in (None, "starting") else state
         if new == "resume":
             new = before_pause
         elif new == "paused":
-            before_pause = state or "down"
+            before_pause = state or "starting"
         if new == state:
             continue
         if state is not None:
@@ -51,6 +59,50 @@ def learner_rows(events: list[Event], name: str, t_end: float) -> list[Row]:
         state, since = new, t
     if state is not None and t_end > since:
         rows.append((name, state, since, t_end))
+    return rows
+
+
+def _phase_span(e: Event) -> tuple[float, float] | None:
+    """(start, end) of a `phase` event: its t_start (or t - duration_s) to its t."""
+    if isinstance(e.get("t_start"), (int, float)):
+        return float(e["t_start"]), float(e["t"])
+    if isinstance(e.get("duration_s"), (int, float)):
+        return float(e["t"]) - float(e["duration_s"]), float(e["t"])
+    return None
+
+
+def _phases(events: list[Event], name: str) -> list[tuple[float, float]]:
+    """The learner's phases as spans, gaps under IDLE_MIN_S closed."""
+    spans = sorted(span for e in events if e.get("source") == name and e.get("kind") == "phase"
+                   and (span := _phase_span(e)) is not None)
+    merged: list[tuple[float, float]] = []
+    for a, b in spans:
+        if merged and a - merged[-1][1] < IDLE_MIN_S:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def learner_rows(events: list[Event], name: str, t_end: float) -> list[Row]:
+    """One learner's state intervals: starting from its process start until it joins, then training inside
+    its phases and idle between them, down after a kill or exit, paused while stopped."""
+    rows: list[Row] = []
+    phases = _phases(events, name)
+    for who, state, a, b in _base_rows(events, name, t_end):
+        if state != "idle":
+            rows.append((who, state, a, b))
+            continue
+        cur = a
+        for p0, p1 in phases:
+            if p1 <= cur or p0 >= b:
+                continue
+            if p0 > cur:
+                rows.append((who, "idle", cur, p0))
+            rows.append((who, "training", max(cur, p0), min(b, p1)))
+            cur = min(b, p1)
+        if cur < b:
+            rows.append((who, "idle", cur, b))
     return rows
 
 

@@ -1,8 +1,10 @@
 """The long-running loop of a learner: join (retried through storage trouble), then phases until stopped.
 
-Contract: the loop ends by itself when its stop signal says so (control/stop, the target version, removal)
-or after its count; storage trouble is logged and ridden out, never fatal; a learner fenced by another
-process publishing under its name stops with an error.
+Contract: the loop ends by itself when its stop signal says so (control/stop, the target version, removal,
+a lost supervisor) or after its count, and then writes its final state in status.json (finished, stopped,
+removed); a run that has already ended is not joined (its learners' statuses stay as they were); storage
+trouble is logged and ridden out, never fatal; a learner fenced by another process publishing under its
+name stops with an error (and no final state).
 """
 
 from __future__ import annotations
@@ -19,9 +21,21 @@ log = logging.getLogger("diloco.learner")
 
 
 def write_status(learner: Learner, stats: PhaseStats, state: str) -> None:
-    """The heartbeat after a phase, with the phase's own figures."""
+    """The heartbeat after a phase, with the phase's own figures (and a traffic event)."""
     learner.heartbeat(state, force=True, loss=stats.loss, tokens_per_phase=stats.tokens, stall_s=stats.stall_s,
                       steps_per_s=stats.steps / stats.phase_time_s if stats.phase_time_s else 0.0)
+    emit_traffic(learner)
+
+
+def emit_traffic(learner: Learner) -> None:
+    """A `traffic` event: the bytes this process has put and got so far, by object kind (when its store
+    counts them: diloco.storage.traffic.CountingStore, as launch.make_learner sets it up)."""
+    traffic = getattr(learner.ctx.store, "traffic", None)
+    if traffic is None:
+        return
+    with traffic.lock:
+        sent, received = dict(traffic.sent), dict(traffic.received)
+    learner.events.emit("traffic", learner=learner.name, sent=sent, received=received)
 
 
 def learner_step(learner: Learner, should_stop: Callable[[], bool]) -> PhaseStats:
@@ -65,9 +79,15 @@ def join_with_retry(learner: Learner, join: Callable[[Learner], int], should_sto
 def run_learner(learner: Learner, *, phases: int | None = None, should_stop: Callable[[], bool],
                 on_phase: Callable[[PhaseStats], None] | None = None,
                 step: Callable[[Learner, Callable[[], bool]], PhaseStats] = learner_step,
-                join: Callable[[Learner], int] = Learner.join) -> int:
+                join: Callable[[Learner], int] = Learner.join,
+                why: Callable[[], str | None] = lambda: None) -> int:
     """Join (retried through storage trouble), then phases until stopped; returns the number of phases
-    run. `step` and `join` are the units a Prefect flow wraps as tasks."""
+    run. `step` and `join` are the units a Prefect flow wraps as tasks; `why` names the final state once
+    should_stop fired (finished, stopped, removed: diloco.run.signals.RoleStop), "stopped" if it cannot."""
+    if should_stop():  # the run ended before this process got going: nothing to join, nothing to overwrite
+        log.warning("learner %s: the run has ended (%s); not joining", learner.name, why() or "stopped")
+        learner.close()
+        return 0
     if not join_with_retry(learner, join, should_stop):
         learner.close()
         return 0
@@ -82,4 +102,7 @@ def run_learner(learner: Learner, *, phases: int | None = None, should_stop: Cal
                 on_phase(stats)
     finally:
         learner.close()
+        emit_traffic(learner)
+        learner.events.flush()
+    learner.heartbeat(why() or "stopped", force=True, wait=True)  # its final state, after the last upload
     return done

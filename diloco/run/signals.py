@@ -1,18 +1,25 @@
-"""The control objects every role of a run watches: the stop request and a learner's removal.
+"""The control objects every role of a run watches: the stop request, a learner's removal, the supervisor's lease.
 
 Contract: `control/stop` (any reason) ends every role after its phase; `control/removed-<learner>` ends that
-learner for good and no supervisor starts it again; both are checked at most once a second, and storage
-trouble while checking means "not yet", never a crash.
+learner for good and no supervisor starts it again; a supervisor whose lease stopped moving for its timeout
+(killed, or its host gone) ends the roles too, and the first role to see it records control/stop with that
+reason. Each is checked at most once a second or two; storage trouble while checking means "not yet",
+never a crash. RoleStop combines them for a role and says why it ended (finished, stopped, removed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 
 from diloco.run.context import RunContext
 from diloco.run.controls import write_op
-from diloco.storage import StorageError, latest_version
-from diloco.storage.records import RemovedMark, StopRequest, write_record
+from diloco.run.lease import describe, read_current
+from diloco.storage import NotFound, StorageError, latest_version
+from diloco.storage.records import RecordError, RemovedMark, StopRequest, read_record, write_record
+
+TARGET_REASON = "target version"  # the supervisor's stop reason when the run reached its target
 
 
 class StopSignal:
@@ -22,6 +29,7 @@ class StopSignal:
         self.ctx, self.target, self.every_s = ctx, target_version, every_s
         self.store = ctx.store.with_retries(1)  # checked often: an outage must not stall the caller
         self._last, self._stopped = 0.0, False
+        self.reason: str | None = None  # once stopped: control/stop's reason, or TARGET_REASON
 
     def __call__(self) -> bool:
         if self._stopped:
@@ -32,13 +40,22 @@ class StopSignal:
         self._last = now
         try:
             if self.store.exists(self.ctx.keys.stop()):
-                self._stopped = True
+                self._stopped, self.reason = True, read_stop_reason(self.ctx) or "stop requested"
             elif self.target is not None:
                 latest = latest_version(self.store, self.ctx.keys)
                 self._stopped = latest is not None and latest >= self.target
+                self.reason = TARGET_REASON if self._stopped else None
         except StorageError:
             return False
         return self._stopped
+
+
+def read_stop_reason(ctx: RunContext) -> str | None:
+    """control/stop's reason, or None when there is no (readable) stop request."""
+    try:
+        return read_record(ctx.store, ctx.keys.stop(), StopRequest).reason
+    except (NotFound, RecordError):
+        return None
 
 
 def request_stop(ctx: RunContext, reason: str) -> None:
@@ -68,3 +85,70 @@ class RemovedSignal:
             except StorageError:
                 return False
         return self._removed
+
+
+class SupervisorSignal:
+    """True once the run's supervisor is gone: its lease's beat has not moved for the lease's timeout_s on
+    this process's clock (no clock skew between hosts), or the lease's deadline (the time limit) passed by as
+    much again. A run with no lease, or whose supervisor released it, is not watched (roles run by hand)."""
+
+    def __init__(self, ctx: RunContext, every_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ctx, self.every_s, self.clock = ctx, every_s, clock
+        self.store = ctx.store.with_retries(1)
+        self._last = 0.0
+        self._seen: tuple[int, int] | None = None  # (epoch, beat) last seen, and since when (monotonic)
+        self._since = 0.0
+        self.reason: str | None = None
+
+    def __call__(self) -> bool:
+        if self.reason is not None:
+            return True
+        now = self.clock()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
+        try:
+            lease = read_current(self.store, self.ctx.keys)
+        except StorageError:
+            return False
+        if lease is None or lease.released:
+            self._seen = None
+            return False
+        if (lease.epoch, lease.beat) != self._seen:
+            self._seen, self._since = (lease.epoch, lease.beat), now
+        elif now - self._since > lease.timeout_s:
+            self.reason = (f"supervisor lost: the lease of {describe(lease)} was not renewed for "
+                           f"{lease.timeout_s:g} s")
+        if self.reason is None and time.time() > lease.deadline + lease.timeout_s:
+            self.reason = "time limit (seen by a role: the supervisor did not stop the run)"
+        return self.reason is not None
+
+
+class RoleStop:
+    """Everything that ends a role, checked in order: its removal (a learner), control/stop or the target
+    version, a lost supervisor (then recorded as control/stop, so every role and `diloco status` see it).
+    `why` once it fired: "removed", "finished" (the target version) or "stopped"; `reason` the detail."""
+
+    def __init__(self, ctx: RunContext, target_version: int | None = None, learner: str | None = None) -> None:
+        self.ctx = ctx
+        self.stop = StopSignal(ctx, target_version)
+        self.removed = RemovedSignal(ctx, learner) if learner else None
+        self.supervisor = SupervisorSignal(ctx)
+        self.why: str | None = None
+        self.reason: str | None = None
+
+    def __call__(self) -> bool:
+        if self.why is not None:
+            return True
+        if self.removed is not None and self.removed():
+            self.why, self.reason = "removed", "removed by an operator"
+        elif self.stop():
+            self.reason = self.stop.reason
+            self.why = "finished" if self.reason == TARGET_REASON else "stopped"
+        elif self.supervisor():
+            self.why, self.reason = "stopped", self.supervisor.reason
+            # Conflict: another role (or the supervisor) recorded it first; trouble: the next role will
+            with contextlib.suppress(StorageError):
+                write_record(self.ctx.store, self.ctx.keys.stop(), StopRequest(reason=self.reason, t=time.time()),
+                             exclusive=True)
+        return self.why is not None

@@ -22,6 +22,9 @@ from diloco.storage.errors import BadRequest
 TMP_PREFIX = ".diloco-tmp-"  # local temp files; hidden from list(), reserved in keys
 _MEMORY_LOCK = threading.Lock()  # memory:// is one dict per process; this makes create atomic in it
 _ATOMIC_CREATE_PROTOCOLS = {"s3", "s3a"}  # server-side If-None-Match: * via s3fs mode="create"
+# A run commits by exclusive create, so only URLs with a true one are accepted (file:// is handled apart)
+SUPPORTED_PROTOCOLS = ("s3", "s3a", "memory")
+S3_CONNECT_TIMEOUT_S = 3.0  # an endpoint that does not answer is a transient failure soon, not after 60 s
 
 
 class Backend(Protocol):
@@ -104,7 +107,7 @@ def _unlink_quietly(path: str) -> None:
 
 
 class FsspecBackend:
-    """Any fsspec filesystem (s3fs, memory, gcsfs...) rooted at a path inside it."""
+    """An fsspec filesystem (s3fs, memory) rooted at a path inside it."""
 
     def __init__(self, fs: Any, root: str, protocol: str) -> None:
         self.fs, self.root, self.protocol = fs, root.rstrip("/"), protocol
@@ -173,6 +176,11 @@ def _s3_options(storage_options: dict[str, Any]) -> dict[str, Any]:
         options["endpoint_url"] = endpoint
     options["use_listings_cache"] = False  # listings must never come from a cache (DESIGN §3)
     options["skip_instance_cache"] = True
+    # one attempt per request in botocore: the store's own bounded retries (storage.errors) are the only
+    # layer, so they are logged and bounded by the retry window instead of stacking silently
+    config = {"retries": {"max_attempts": 1}, "connect_timeout": S3_CONNECT_TIMEOUT_S,
+              **(options.get("config_kwargs") or {})}
+    options["config_kwargs"] = config
     return options
 
 
@@ -185,11 +193,14 @@ def open_backend(url: str, storage_options: dict[str, Any]) -> tuple[str, Backen
         root = os.path.abspath(os.path.expanduser(path))
         return f"file://{root}", LocalBackend(root)
     protocol = url.split("://", 1)[0].lower()
+    if protocol not in SUPPORTED_PROTOCOLS:
+        raise BadRequest(f"storage url {url!r}: protocol {protocol + '://'!r} is not supported (a run commits by "
+                         "exclusive create: use file://DIR, s3://bucket/prefix or memory://name)")
     options = _s3_options(storage_options) if protocol in ("s3", "s3a") else storage_options
     try:
         fs, root = fsspec.url_to_fs(url, **options)
-    except (ValueError, ImportError) as exc:
-        raise BadRequest(f"cannot open storage url {url!r}: {exc}") from exc
+    except (ValueError, ImportError, OSError) as exc:
+        raise BadRequest(f"cannot open storage url {url!r}: {type(exc).__name__}: {exc}") from exc
     if protocol in ("s3", "s3a") and not root.strip("/"):
         raise BadRequest(f"storage url {url!r} names no bucket")
     return url.rstrip("/"), FsspecBackend(fs, root, protocol)

@@ -7,6 +7,8 @@ the rest never are. Programming errors (TypeError, ...) are never translated.
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -18,8 +20,13 @@ except ImportError:  # pragma: no cover - s3fs is a hard dependency of the proje
     BotoCoreError = ClientError = OSError  # type: ignore[assignment,misc]
 
 T = TypeVar("T")
+log = logging.getLogger("diloco.storage")
 BACKOFF_BASE_S = 0.05  # first retry waits ~50 ms ...
 BACKOFF_CAP_S = 2.0  # ... doubling, never more than 2 s per wait
+# A request is retried for at most this long after its first failure (an endpoint that is down fails within
+# about this, not after minutes of silent retries); DILOCO_STORAGE_RETRY_WINDOW_S sets another default.
+RETRY_WINDOW_S = 10.0
+RETRY_WINDOW_ENV = "DILOCO_STORAGE_RETRY_WINDOW_S"
 
 
 class StorageError(Exception):
@@ -185,6 +192,20 @@ def backoff_s(attempt: int) -> float:
     return _REQUEST_BACKOFF.wait_for(attempt)
 
 
+def default_retry_window_s() -> float:
+    """The retry window of a store opened without one: $DILOCO_STORAGE_RETRY_WINDOW_S, else RETRY_WINDOW_S."""
+    raw = os.environ.get(RETRY_WINDOW_ENV, "")
+    if not raw:
+        return RETRY_WINDOW_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadRequest(f"{RETRY_WINDOW_ENV}={raw!r} must be a number of seconds") from None
+    if value < 0:
+        raise BadRequest(f"{RETRY_WINDOW_ENV}={raw!r} must be >= 0")
+    return value
+
+
 def call_with_retries(
     fn: Callable[[], T],
     *,
@@ -192,9 +213,16 @@ def call_with_retries(
     key: str = "",
     writing: bool = False,
     sleep: Callable[[float], None] = time.sleep,
+    window_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> T:
-    """fn(), retried only on TransientError (at most max_retries times); every error translated."""
+    """fn(), retried only on TransientError: at most max_retries times and, with window_s, only while the
+    retry (its wait plus as long as the last attempt took) would end within window_s of the first attempt;
+    one retry is always made. Every error is translated; each retry is logged at once (WARNING: the attempt,
+    the wait), so an unreachable endpoint is never silent."""
+    started = clock()
     for attempt in range(max_retries + 1):
+        tried = clock()
         try:
             return fn()
         except (OSError, BotoCoreError, ClientError, StorageError) as exc:
@@ -203,5 +231,11 @@ def call_with_retries(
                 raise
             if not isinstance(err, TransientError) or attempt == max_retries:
                 raise err from exc
-        sleep(backoff_s(attempt))
+            now, wait_s = clock(), backoff_s(attempt)
+            if window_s is not None and attempt > 0 and now + wait_s + (now - tried) - started > window_s:
+                raise type(err)(f"{err} (gave up after {attempt + 1} attempts in {now - started:.1f} s: "
+                                f"retry window {window_s:g} s, {RETRY_WINDOW_ENV})") from exc
+            log.warning("storage: %s; retrying (attempt %d of %d, next in %.1f s)", err, attempt + 2,
+                        max_retries + 1, wait_s)
+        sleep(wait_s)
     raise AssertionError("unreachable")  # pragma: no cover

@@ -15,6 +15,7 @@ _RUN_ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _NONCE_RE = re.compile(r"[0-9a-f]{8,32}")
 _NAME_RE = re.compile(r"[a-z0-9_-][a-z0-9._-]{0,63}")  # checkpoint / event / control names
 _MANIFEST_RE = re.compile(r"(?:.*/)?versions/([0-9]{20})\.json")
+_LEASE_RE = re.compile(r"(?:.*/)?control/lease-([0-9]{12})")
 _DELTA_RE = re.compile(r"(?:.*/)?deltas/([a-z0-9-]{1,48})/([0-9]{12})\.delta")
 _OP_RE = re.compile(r"[0-9]{20}-[0-9a-f]{8}")  # a control operation: <time ns:020d>-<nonce>
 _OP_KEY_RE = re.compile(r"(?:.*/)?control/ops/([0-9]{20}-[0-9a-f]{8})\.json")
@@ -157,10 +158,23 @@ class RunKeys:
     def op(self, name: str) -> str:
         return f"{self.ops_prefix()}{_check(_OP_RE, name, 'control op name', '<20 digits>-<8 hex>')}.json"
 
+    def lease(self, epoch: int) -> str:
+        """The lease of one supervisor session (epoch 1, 2, …; the highest is the current one)."""
+        return self.control(f"lease-{_check_int(epoch, 'lease epoch', MAX_SEQ):012d}")
+
+    def leases_prefix(self) -> str:
+        return f"{self.run_id}/control/lease-"
+
 
 def parse_manifest_key(key: str) -> int | None:
     """The version of a manifest key, or None if the key is not a manifest."""
     match = _MANIFEST_RE.fullmatch(key) if isinstance(key, str) else None
+    return int(match.group(1)) if match else None
+
+
+def parse_lease_key(key: str) -> int | None:
+    """The epoch of a supervisor lease key, or None if the key is not one."""
+    match = _LEASE_RE.fullmatch(key) if isinstance(key, str) else None
     return int(match.group(1)) if match else None
 
 

@@ -1,6 +1,6 @@
 """Typed bucket records: every JSON object of a run other than the manifest — run.json, a learner's
 status.json, evals/<version>.json, the control flags (control/stop, control/removed-<learner>) and the
-operator's control ops (control/ops/...).
+operator's control ops (control/ops/...), the supervisor's lease (control/lease-<epoch>).
 
 Contract: a record is written with to_bytes() and read with from_bytes(), which raises RecordError
 naming the object and what is wrong (never a pydantic error); optional fields left unset are not written.
@@ -86,7 +86,7 @@ class LearnerStatus(Record):
 
     what: ClassVar[str] = "learner status"
     learner: str
-    state: str  # joined, training, waiting, ...
+    state: str  # joined, training, waiting; at its end: finished, stopped, removed (FINAL_STATES)
     t: float  # unix seconds of the beat
     pid: int
     seq: int  # the last seq published (-1: none yet)
@@ -100,6 +100,31 @@ class LearnerStatus(Record):
     tokens_per_phase: int | None = None  # the figures of the phase just ended, after a phase
     stall_s: float | None = None
     steps_per_s: float | None = None
+
+
+FINAL_STATES = ("finished", "stopped", "removed")  # a learner's state once its loop ended
+
+
+class SupervisorLease(Record):
+    """control/lease-<epoch>: one supervisor session of the run, renewed while it lives.
+
+    The supervisor creates the next epoch exclusively (a second supervisor of a live run is refused) and
+    rewrites it every few seconds (`beat` + 1); roles stop when `beat` has not moved for `timeout_s` on
+    their own clock (the supervisor is gone) or past `deadline` (the time limit holds without it)."""
+
+    what: ClassVar[str] = "supervisor lease"
+    epoch: int = Field(ge=1)
+    owner: str  # a random id of this session
+    host: str
+    pid: int
+    kind: str  # "local", "prefect" or "deployments": what supervises
+    started_at: float  # unix seconds, the supervisor's clock
+    t: float  # the last renewal, the supervisor's clock
+    beat: int = 0  # renewals so far
+    timeout_s: float = Field(gt=0)  # no renewal for this long: the supervisor is gone (run.heartbeat_timeout_s)
+    deadline: float  # started_at + run.time_limit_s
+    released: bool = False  # the session ended (end_reason says why)
+    end_reason: str | None = None
 
 
 class EvalRecord(Record):

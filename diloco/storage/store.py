@@ -1,5 +1,5 @@
-"""The Store interface, and ObjectStore: one implementation over fsspec for any URL (file://, memory://,
-s3://bucket/prefix, gs://...).
+"""The Store interface, and ObjectStore: one implementation for the URLs a run can live at (file://, memory://,
+s3://bucket/prefix; other protocols are refused: a run needs an atomic exclusive create).
 
 Contract: keys are '/'-separated relative paths under the store root; listings are never served
 from a cache; put_if_absent is a true atomic exclusive create; errors are translated in one place.
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from diloco.storage.backends import TMP_PREFIX, Backend, open_backend
-from diloco.storage.errors import BadRequest, Conflict, NotFound, call_with_retries
+from diloco.storage.errors import BadRequest, Conflict, NotFound, call_with_retries, default_retry_window_s
 
 T = TypeVar("T")
 __all__ = ["MAX_KEY_BYTES", "ObjectStore", "Store", "check_key", "check_prefix", "open_store"]
@@ -76,11 +76,14 @@ class ObjectStore:
     url: str
 
     def __init__(self, url: str, *, storage_options: dict | None = None, max_retries: int = 5,
-                 backend: Backend | None = None) -> None:
-        """`backend`: an open one to share (with_retries; then `url` is already normalised)."""
+                 backend: Backend | None = None, retry_window_s: float | None = None) -> None:
+        """`backend`: an open one to share (with_retries; then `url` is already normalised). A request is
+        retried at most max_retries times and not after retry_window_s since its first failure (default:
+        $DILOCO_STORAGE_RETRY_WINDOW_S, else 10 s)."""
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.max_retries = max_retries
+        self.retry_window_s = default_retry_window_s() if retry_window_s is None else retry_window_s
         if backend is None:
             self.url, self._backend = open_backend(url, dict(storage_options or {}))
         else:
@@ -93,10 +96,12 @@ class ObjectStore:
         """This store (the same backend) with another retry budget:
         e.g. 1 for a probe or heartbeat that is simply tried again later, so a storage outage does not
         hold up the training loop for the full back-off on every call."""
-        return ObjectStore(self.url, max_retries=max_retries, backend=self._backend)
+        return ObjectStore(self.url, max_retries=max_retries, backend=self._backend,
+                           retry_window_s=self.retry_window_s)
 
     def _call(self, fn: Callable[[], T], key: str, *, writing: bool = False) -> T:
-        return call_with_retries(fn, max_retries=self.max_retries, key=key, writing=writing)
+        return call_with_retries(fn, max_retries=self.max_retries, key=key, writing=writing,
+                                 window_s=self.retry_window_s)
 
     def get(self, key: str) -> bytes:
         """The object's bytes. NotFound if absent."""

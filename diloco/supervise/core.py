@@ -6,8 +6,11 @@ back-off, at most `run.max_restarts` times in a row without a healthy stretch, t
 operator removed (`control/removed-<name>`) ends itself, is never started again, and is killed if it has not
 ended REMOVE_GRACE_S (or run.heartbeat_timeout_s, if longer) after its removal was seen; a planned restart
 (chaos, operator) is not a crash, and a paused role is left alone; the run ends at the target version, on a
-stop request, at the time limit, or when `until` holds; shutdown asks everyone to stop, waits, then kills what
-is left, so no role of the run keeps running.
+stop request, at the time limit, on SIGINT or SIGTERM (supervise/interrupt.py: reason "interrupted" /
+"terminated"), when its lease is lost, or when `until` holds; shutdown asks everyone to stop (control/stop with
+that reason), waits (a second signal: not at all), then kills what is left, so no role of the run keeps
+running. run_to_end holds the run's lease (run/lease.py) for its whole span: a second supervisor of a live run
+is refused, and roles whose supervisor vanished stop.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from typing import Any, Protocol
 from diloco.run.context import RunContext
 from diloco.run.controls import membership
 from diloco.run.events import EventLog
+from diloco.run.lease import Lease, acquire
 from diloco.run.signals import RemovedSignal, StopSignal, request_stop
 from diloco.storage import NotFound, StorageError, latest_version
 from diloco.storage.errors import Backoff
 from diloco.storage.records import LearnerStatus, RecordError, read_record
+from diloco.supervise import interrupt
 
 log = logging.getLogger("diloco.supervisor")
 
@@ -102,6 +107,7 @@ class Supervisor:
         self._stop = StopSignal(ctx, None)
         self.learner_spec: Callable[[str], dict[str, Any]] = lambda name: {}  # a backend's spec of a learner job
         self._members_at = 0.0
+        self.lease: Lease | None = None  # held by run_to_end
 
     # ---- jobs --------------------------------------------------------------------------------
     def add(self, role: str, name: str, **spec: Any) -> Job:
@@ -315,6 +321,13 @@ class Supervisor:
         target, limit = self.cfg.run.num_versions, self.cfg.run.time_limit_s
         reason = "time limit"
         while time.time() - self.started_at < limit:
+            if (caught := interrupt.received()) is not None:
+                reason = caught.reason
+                break
+            if self.lease is not None and not self.lease.renew():
+                reason = "lease lost"
+                log.error("run %s: %s; this supervisor ends", self.ctx.run_id, self.lease.lost)
+                break
             if self.latest() >= target:
                 reason = "target version"
                 break
@@ -346,10 +359,12 @@ class Supervisor:
                 self.resume(job.name)  # a stopped process cannot see control/stop
         deadline = time.time() + grace_s
         live = [j for j in self.jobs.values() if j.handle is not None]
-        while live and time.time() < deadline:
+        while live and time.time() < deadline and not interrupt.hurried():
             live = [j for j in live if self.backend.state(j)[0] != ENDED]
             if live:
                 time.sleep(0.2)
+                if self.lease is not None:
+                    self.lease.renew()  # still here: roles must not take the wait for a vanished supervisor
         for job in live:
             self.backend.kill(job, "did not stop in time")
         self.backend.close()
@@ -357,11 +372,25 @@ class Supervisor:
         self.events.flush()
 
     def run_to_end(self, shutdown_grace_s: float = 60.0, **run_kwargs: Any) -> str:
-        """start_all, run, and always shut down (nothing of the run is left behind); returns why it ended."""
+        """Take the run's lease (LeaseHeld if another supervisor is live), start_all, run, and always shut
+        down (nothing of the run is left behind) and release the lease; returns why it ended. SIGINT and
+        SIGTERM end it in order (supervise/interrupt.py)."""
+        self.lease = acquire(self.ctx, getattr(self.backend, "kind", "local"))
         reason = "error"
-        try:
-            self.start_all()
-            reason = self.run(**run_kwargs)
-        finally:
-            self.shutdown(reason, grace_s=shutdown_grace_s)
+        with interrupt.catch_signals():
+            try:
+                if (caught := interrupt.received()) is None:  # a signal before we got here: start nothing
+                    self.start_all()
+                    reason = self.run(**run_kwargs)
+                else:
+                    reason = caught.reason
+            except KeyboardInterrupt:
+                reason = "interrupted"  # the third signal: the shutdown below does not wait (hurried)
+                raise
+            except Exception as err:  # recorded as the stop reason, then raised on: the run failed
+                reason = f"error: {type(err).__name__}: {err}"[:300]
+                raise
+            finally:
+                self.shutdown(reason, grace_s=shutdown_grace_s)
+                self.lease.release(reason)
         return reason

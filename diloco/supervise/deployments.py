@@ -92,6 +92,7 @@ class DeploymentBackend:
     """Roles as flow runs of their deployments, through a Prefect API client."""
 
     defer_evaluator = False  # it runs on the control pool, not beside the learners
+    kind = "deployments"  # recorded in the run's lease
 
     def __init__(self, ctx: RunContext, client: SyncPrefectClient, events: EventLog) -> None:
         self.ctx, self.client, self.events = ctx, client, events

@@ -1,9 +1,10 @@
 """The local backend of the supervisor: every role of a run as an OS process of this machine.
 
 Contract: a role's process runs `python -m diloco.launch <role> ...` (or `python -m diloco.flows <role> ...`
-as a Prefect flow run): with `run.start_method: fork` (local runs without Prefect) it is forked from a zygote
-(diloco.zygote), one process that paid the imports once, so a (re)start is a fork and a join; otherwise it
-is exec'd, with a warm standby per learner when `run.warm_standby` is on. Each process has its own session
+as a Prefect flow run): with `run.start_method: fork` (the default, with or without Prefect) it is forked
+from a zygote (diloco.zygote), one process that paid the imports once (prefect's and the flows' too when
+the roles are flow runs), so a (re)start is a fork and a join; otherwise it is exec'd, with a warm standby
+per learner when `run.warm_standby` is on. Each process has its own session
 (kill, SIGSTOP and SIGCONT reach its process group). A process's `start` event is stamped when the start was
 asked for, so the zygote's imports at the first start count in the roles' start-up, as an exec's do.
 
@@ -25,7 +26,7 @@ import time
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.supervise.core import ENDED, JOIN_WAIT_S, RUNNING, Job, Supervisor
-from diloco.supervise.zygote import Forked, Zygote, ZygoteError
+from diloco.supervise.zygote import Forked, Zygote, ZygoteError, take_early
 
 log = logging.getLogger("diloco.supervisor")
 
@@ -48,7 +49,8 @@ class ProcessBackend:
         self.ctx, self.cfg, self.events, self.prefect = ctx, ctx.cfg, events, prefect
         self.env = {**os.environ, **(env or {})}
         self.log_dir = log_dir
-        self.forking = not prefect and self.cfg.run.start_method == "fork"
+        self.kind = "prefect" if prefect else "local"  # recorded in the run's lease
+        self.forking = self.cfg.run.start_method == "fork"  # with Prefect too: the zygote imports the flows
         self.standbys_on = self.cfg.run.warm_standby and not self.forking
         self.zygote: Zygote | None = None
         self.standbys: dict[str, subprocess.Popen] = {}  # learner -> its warm spare, blocked on its stdin
@@ -75,7 +77,8 @@ class ProcessBackend:
         """Fork the role from the zygote (started on first use); None (and exec from now on) if it fails."""
         try:
             if self.zygote is None:
-                self.zygote = Zygote(self.env, f"--run-id={self.ctx.run_id}", self._log_path("zygote"))
+                self.zygote = take_early(self.ctx.run_id, self.prefect) or Zygote(
+                    self.env, f"--run-id={self.ctx.run_id}", self._log_path("zygote"), flows=self.prefect)
             return self.zygote.spawn(argv, self._log_path(name), self.env, name)
         except (ZygoteError, OSError) as err:
             log.warning("zygote unavailable (%s): starting processes with exec from now on", err)

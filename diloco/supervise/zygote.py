@@ -57,12 +57,15 @@ class Forked:
 class Zygote:
     """The supervisor's handle: start it, fork roles from it, close it."""
 
-    def __init__(self, env: dict[str, str], label: str, log_path: str | None = None) -> None:
-        """`label` shows in `ps` (the run id); the zygote's own stderr goes to `log_path` (else nowhere)."""
+    def __init__(self, env: dict[str, str], label: str, log_path: str | None = None, flows: bool = False) -> None:
+        """`label` shows in `ps` (the run id); the zygote's own stderr goes to `log_path` (else nowhere);
+        `flows`: it also imports prefect and the flows, to fork roles as Prefect flow runs."""
+        self.flows = flows
         err = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the child keeps a copy)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "diloco.zygote", label], env=env, stdin=subprocess.PIPE,
+                [sys.executable, "-m", "diloco.zygote", label, *(["--flows"] if flows else [])], env=env,
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=err, start_new_session=True,
             )
         finally:
@@ -98,8 +101,10 @@ class Zygote:
         return self.proc.poll() is None
 
     def spawn(self, argv: list[str], log_path: str | None, env: dict[str, str], name: str) -> Forked:
-        """Fork `diloco <argv>` (waits for the zygote's imports the first time); ZygoteError if it cannot."""
-        request = json.dumps({"argv": argv, "log": log_path, "env": env, "name": name}) + "\n"
+        """Fork the role `argv` (the launch protocol; as a flow run if this zygote has the flows), waiting for
+        the zygote's imports the first time; ZygoteError if it cannot."""
+        request = json.dumps({"argv": argv, "log": log_path, "env": env, "name": name,
+                              "entry": "flows" if self.flows else "launch"}) + "\n"
         with self._lock, self._cond:
             if not self._cond.wait_for(lambda: self._ready or not self.alive, timeout=READY_TIMEOUT_S) \
                     or not self.alive:
@@ -150,3 +155,30 @@ def _gone(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
     except (OSError, IndexError):
         return False
+
+
+# ---- a zygote started before its supervisor ------------------------------------------------------
+_EARLY: dict[str, Zygote] = {}  # run id -> a zygote started while the Prefect server boots, not yet taken
+
+
+def start_early(run_id: str, env: dict[str, str], log_path: str | None, flows: bool) -> None:
+    """Start the run's zygote now, so its imports overlap whatever comes before the supervisor (the local
+    Prefect server's start); the supervisor's backend takes it (take_early) instead of starting its own."""
+    if run_id not in _EARLY:
+        _EARLY[run_id] = Zygote(env, f"--run-id={run_id}", log_path, flows=flows)
+
+
+def take_early(run_id: str, flows: bool) -> Zygote | None:
+    """The early zygote of the run, if one was started with the same kind of roles and still lives."""
+    zygote = _EARLY.pop(run_id, None)
+    if zygote is not None and (zygote.flows != flows or not zygote.alive):
+        zygote.close()
+        return None
+    return zygote
+
+
+def close_early(run_id: str) -> None:
+    """Close an early zygote nobody took (the run ended before its supervisor started)."""
+    zygote = _EARLY.pop(run_id, None)
+    if zygote is not None:
+        zygote.close()

@@ -156,7 +156,7 @@ BAD = [
     (["admit-learner", "--learner", "Bad_Name"], "learner name"),
     (["admit-learner", "--learner", "local-0"], "already admitted"),
     (["readmit", "--learner", "local-0"], "not quarantined"),
-    (["remove-learner", "--learner", "nobody"], "not a learner"),
+    (["remove-learner", "--learner", "nobody"], "is not in run"),
     (["resume-merges"], "not paused"),
     (["set", "run.num_learners=3"], "cannot change during a run"),
     (["set", "merger.quorum=0"], "merger.quorum"),

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import pytest
 
-from diloco.bench._traffic import CountingStore
 from diloco.chaos.control import StorageWindow
 from diloco.chaos.faulty_store import FaultyStore
 from diloco.storage import (
@@ -37,6 +36,7 @@ from diloco.storage import (
     read_manifest,
 )
 from diloco.storage.records import RecordError, StopRequest, read_record, write_record
+from diloco.storage.traffic import CountingStore
 
 BAD_KEYS = ["", "/abs", "a//b", "a/", "../x", "a/../b", "a/./b", ".", "..", "a\\b", "a\nb", "a\x00b",
             "x/.diloco-tmp-123", "k" * 1025]

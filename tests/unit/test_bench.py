@@ -13,7 +13,6 @@ import pytest
 from typer.testing import CliRunner
 
 from diloco.bench._quality_runs import active_learners, quorum_of
-from diloco.bench._traffic import CountingStore, object_kind
 from diloco.bench.bandwidth import (
     allreduce_bytes_per_step,
     bandwidth_model,
@@ -22,6 +21,7 @@ from diloco.bench.bandwidth import (
 )
 from diloco.cli import app
 from diloco.storage import open_store
+from diloco.storage.traffic import CountingStore, object_kind
 
 runner = CliRunner()
 

@@ -92,10 +92,12 @@ def test_dp_progress_rules() -> None:
 def test_timeline_states_and_points() -> None:
     rows = timeline(EVENTS)
     a = [(s, t0, t1) for who, s, t0, t1 in rows if who == "a"]
-    assert a == [("down", 0.0, 1.0), ("training", 1.0, 20.0), ("publishing", 20.0, 20.5),
-                 ("training", 20.5, 50.0), ("down", 50.0, 60.0), ("training", 60.0, 100.0)]
+    # start-up is "starting", not "down"; training is what the phase events span, the rest "idle" (issue #18)
+    assert a == [("starting", 0.0, 1.0), ("training", 1.0, 11.0), ("idle", 11.0, 50.0), ("down", 50.0, 55.0),
+                 ("starting", 55.0, 60.0), ("idle", 60.0, 100.0)]
     b = [(s, t0, t1) for who, s, t0, t1 in rows if who == "b"]
-    assert b == [("down", 0.0, 1.0), ("training", 1.0, 70.0), ("paused", 70.0, 75.0), ("training", 75.0, 100.0)]
+    assert b == [("starting", 0.0, 1.0), ("training", 1.0, 21.0), ("idle", 21.0, 70.0), ("paused", 70.0, 75.0),
+                 ("idle", 75.0, 100.0)]
     assert ("merger", "merge", 40.0, 40.0) in rows
     assert ("chaos", "fault:kill_learner", 45.0, 45.0) in rows
     assert [r[2] for r in rows] == sorted(r[2] for r in rows)

@@ -70,3 +70,21 @@ def test_cli_plot(run: RunContext, tmp_path: Path) -> None:
     assert out.stat().st_size > 0
     bad = CliRunner().invoke(app, ["plot", "--storage", run.store.url, "--run-id", "nope", "--out", str(out)])
     assert bad.exit_code == 2 and "no run" in bad.output
+
+
+def test_start_up_is_starting_and_a_gap_between_phases_is_idle() -> None:
+    """Before: a learner was 'down' from its start to its join (start-up is no outage) and a 20 s wait after
+    a publish was drawn as 'publishing' (uploads run in the background while the next phase trains)."""
+    from diloco.inspect.timeline import timeline
+
+    ev = [{"t": 0.0, "source": "supervisor", "kind": "start", "role": "learner", "learner": "a"},
+          {"t": 28.0, "source": "a", "kind": "join", "learner": "a"},
+          {"t": 38.0, "source": "a", "kind": "phase", "learner": "a", "t_start": 28.1},
+          {"t": 38.1, "source": "a", "kind": "publish", "learner": "a"},
+          {"t": 48.2, "source": "a", "kind": "phase", "learner": "a", "t_start": 38.2},  # the ship step: training
+          {"t": 70.0, "source": "a", "kind": "phase", "learner": "a", "t_start": 60.0},  # 12 s idle before
+          {"t": 71.0, "source": "supervisor", "kind": "kill", "role": "learner", "learner": "a"},
+          {"t": 75.0, "source": "supervisor", "kind": "end"}]
+    rows = [(state, round(a, 1), round(b, 1)) for who, state, a, b in timeline(ev) if who == "a"]
+    assert rows == [("starting", 0.0, 28.0), ("idle", 28.0, 28.1), ("training", 28.1, 48.2), ("idle", 48.2, 60.0),
+                    ("training", 60.0, 70.0), ("idle", 70.0, 71.0), ("down", 71.0, 75.0)]

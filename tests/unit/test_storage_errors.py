@@ -152,3 +152,51 @@ def test_backoff_doubles_caps_resets_and_jitters() -> None:
         assert wait / 2 <= jittered.next_s() <= wait
     with pytest.raises(ValueError, match="first_s"):
         Backoff(1.0, 0.5)
+
+
+class _Clock:
+    """A fake monotonic clock that each attempt and each wait advance."""
+
+    def __init__(self, attempt_s: float) -> None:
+        self.now, self.attempt_s = 0.0, attempt_s
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, wait_s: float) -> None:
+        self.now += wait_s
+
+
+def test_retries_stop_at_the_window_and_say_so() -> None:
+    """An endpoint that takes 3 s to refuse each attempt: within a 10 s window there are three attempts,
+    not six (max_retries=5), and the error names the window."""
+    clock = _Clock(attempt_s=3.0)
+
+    def down() -> None:
+        clock.now += clock.attempt_s
+        raise ConnectionRefusedError("connection refused")
+
+    with pytest.raises(TransientError, match=r"gave up after 3 attempts .*retry window 10 s"):
+        call_with_retries(down, max_retries=5, sleep=clock.sleep, window_s=10.0, clock=clock)
+    assert clock.now <= 10.0
+
+
+def test_every_retry_is_logged_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    flaky = _Flaky(TimeoutError(), TimeoutError())
+    with caplog.at_level("WARNING", logger="diloco.storage"):
+        assert call_with_retries(flaky, max_retries=5, sleep=lambda _s: None, key="r/run.json") == "ok"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "retrying (attempt 2 of 6, next in" in lines[0] and "r/run.json" in lines[0]
+
+
+def test_the_retry_window_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from diloco.storage import open_store
+    from diloco.storage.errors import RETRY_WINDOW_ENV, RETRY_WINDOW_S
+
+    monkeypatch.delenv(RETRY_WINDOW_ENV, raising=False)
+    assert open_store("memory://w").retry_window_s == RETRY_WINDOW_S
+    monkeypatch.setenv(RETRY_WINDOW_ENV, "2.5")
+    assert open_store("memory://w").with_retries(1).retry_window_s == 2.5
+    monkeypatch.setenv(RETRY_WINDOW_ENV, "soon")
+    with pytest.raises(BadRequest, match=RETRY_WINDOW_ENV):
+        open_store("memory://w")

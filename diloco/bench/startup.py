@@ -1,0 +1,212 @@
+"""`diloco bench startup`: where the main job's wall time goes — `diloco run` as `make run` starts it.
+
+Contract: runs `diloco run --config <recipe> --no-live --json` (with Prefect unless --no-prefect) in a fresh
+folder as a user would, stamps each line of its output as it arrives, then reads the run's events and
+manifests back from the bucket and prints one table of milestones (seconds from the command's start) and
+the spans between them; the machine's load before and after is part of the result, since the figures
+depend on it. Import costs are measured apart, each in a fresh interpreter. Writes JSON with --json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+IMPORTS = {"diloco --help": "import diloco.cli", "torch": "import torch", "prefect": "import prefect",
+           "a learner's code": "import diloco.learner.learner, diloco.flows.learner"}
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure_server_start(home: Path) -> dict[str, float]:
+    """Wall and CPU seconds of a local Prefect server's start in a fresh home, then again in the same home
+    (the database exists: no migrations); CPU seconds are what an idle machine would pay."""
+    from diloco.flows.server import start_server, stop_api
+
+    out = {}
+    for label in ("fresh home", "existing home"):
+        cpu0, t0 = _children_cpu_s(), time.perf_counter()
+        url, proc = start_server(home)
+        wall = time.perf_counter() - t0
+        stop_api(proc)
+        out[f"{label} wall"] = round(wall, 2)
+        out[f"{label} cpu (incl. its shutdown)"] = round(_children_cpu_s() - cpu0, 2)
+    return out
+
+
+def measure_imports() -> dict[str, float]:
+    """Seconds each import takes in a fresh interpreter (the cost every exec'd process pays)."""
+    out = {}
+    for label, code in IMPORTS.items():
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+        out[label] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def _cpu_of(pid: int) -> float | None:
+    import psutil
+
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    return times.user + times.system
+
+
+def _watch_cpu(proc: subprocess.Popen, cwd: Path, cpu: dict[str, float]) -> None:
+    """The last CPU seconds seen of the command itself (supervisor, train flow, summary) and of its local
+    Prefect server (found through its record in .diloco/prefect/server.json)."""
+    record = cwd / ".diloco" / "prefect" / "server.json"
+    server_pid: int | None = None
+    while proc.poll() is None:
+        if server_pid is None and record.exists():
+            try:
+                server_pid = int(json.loads(record.read_text())["pid"])
+            except (OSError, ValueError, KeyError):
+                server_pid = None
+        for label, pid in (("command (supervisor, train flow, summary)", proc.pid), ("Prefect server", server_pid)):
+            seconds = _cpu_of(pid) if pid else None
+            if seconds is not None:
+                cpu[label] = round(seconds, 1)
+        time.sleep(0.5)
+
+
+def _run_stamped(cmd: list[str], cwd: Path, env: dict[str, str],
+                 cpu: dict[str, float]) -> tuple[float, list[tuple[float, str]], int, str]:
+    """Run cmd; (start time, [(t, stderr line)], exit code, stdout); `cpu` filled by a watcher."""
+    lines: list[tuple[float, str]] = []
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append((time.time(), line.rstrip()))
+
+    reader = threading.Thread(target=read, daemon=True)
+    watcher = threading.Thread(target=_watch_cpu, args=(proc, cwd, cpu), daemon=True)
+    reader.start()
+    watcher.start()
+    stdout = proc.stdout.read()
+    proc.wait()
+    reader.join(timeout=10)
+    watcher.join(timeout=10)
+    return t0, lines, proc.returncode, stdout
+
+
+def _first(lines: list[tuple[float, str]], needle: str) -> float | None:
+    return next((t for t, line in lines if needle in line), None)
+
+
+def milestones(ctx: Any, t0: float, lines: list[tuple[float, str]], t_exit: float) -> dict[str, float | None]:
+    """Seconds from the command's start to each milestone, read from its output and the bucket."""
+    from diloco.inspect.report import manifests
+    from diloco.run.events import read_events
+
+    events = read_events(ctx.store, ctx.keys)
+    chain = manifests(ctx)
+
+    def rel(t: float | None) -> float | None:
+        return None if t is None else round(t - t0, 2)
+
+    starts = [e["t"] for e in events if e.get("source") == "supervisor" and e.get("kind") == "start"]
+    joins = {}
+    for e in events:
+        if e.get("kind") == "join" and e.get("learner") in ctx.learners:
+            joins.setdefault(e["learner"], e["t"])
+    publishes = [e["t"] for e in events if e.get("kind") == "publish"]
+    end = next((e["t"] for e in events if e.get("source") == "supervisor" and e.get("kind") == "end"), None)
+    down = next((e["t"] for e in events if e.get("source") == "supervisor" and e.get("kind") == "shutdown"), None)
+    return {
+        "run created (CLI imports, config, version 0)": rel(_first(lines, "diloco run ")),
+        "Prefect API up": rel(_first(lines, "Prefect API")),
+        "first role start asked (train flow up)": rel(min(starts) if starts else None),
+        "first learner joined": rel(min(joins.values()) if joins else None),
+        "last learner joined": rel(max(joins.values()) if len(joins) == len(ctx.learners) else None),
+        "first delta published": rel(min(publishes) if publishes else None),
+        "version 1 committed": rel(chain[1].created_at if len(chain) > 1 else None),
+        "target version committed": rel(chain[-1].created_at if chain else None),
+        "supervisor ended the run": rel(end),
+        "every role ended (shutdown)": rel(down),
+        "train flow finished (final evals, artifact)": rel(_first(lines, "Finished in state")),
+        "summary table printed": rel(_first(lines, "— summary")),
+        "command exited (server stopped, sample)": rel(t_exit),
+    }
+
+
+def spans(m: dict[str, float | None]) -> dict[str, float | None]:
+    """The time each milestone adds after the latest one before it: where the wall time goes."""
+    out: dict[str, float | None] = {}
+    latest = 0.0
+    for key, value in m.items():
+        out[key] = None if value is None else round(max(0.0, value - latest), 2)
+        latest = max(latest, value) if value is not None else latest
+    return out
+
+
+def bench_startup(*, config: str = "demo", prefect: bool = True, json_path: Path | None = None,
+                  imports: bool = True, workdir: Path | None = None) -> dict[str, Any]:
+    """Run the main job once and print where its time went (see the module's contract)."""
+    from diloco.run.context import open_run
+
+    load_before = os.getloadavg()
+    work = workdir or Path(tempfile.mkdtemp(prefix="diloco-startup-"))
+    env = {k: v for k, v in os.environ.items() if not (prefect and k == "PREFECT_API_URL")}
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    run_id = f"startup-{time.strftime('%H%M%S')}"
+    cmd = [sys.executable, "-m", "diloco.cli", "run", "--config", config, "--run-id", run_id, "--no-live", "--json",
+           "--prefect" if prefect else "--no-prefect"]
+    cpu0, cpu_parts = _children_cpu_s(), {}
+    t0, lines, code, stdout = _run_stamped(cmd, work, env, cpu_parts)
+    t_exit = time.time()
+    cpu_s = _children_cpu_s() - cpu0  # every process of the run: each was waited for by its parent
+    if code != 0:
+        raise RuntimeError(f"diloco run exited {code}:\n" + "\n".join(line for _, line in lines[-30:]))
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    ctx = open_run(f"file://{work}/runs", run_id)
+    m = milestones(ctx, t0, lines, t_exit)
+    result = {"config": config, "prefect": prefect, "wall_s": round(t_exit - t0, 1), "cpu_s": round(cpu_s, 1),
+              "cpu_parts_s": cpu_parts,
+              "final_eval_loss": summary["final_eval_loss"], "num_versions": summary["num_versions"],
+              "milestones_s": m, "spans_s": spans(m), "imports_s": measure_imports() if imports else {},
+              "server_start_s": measure_server_start(work / "server-probe") if imports and prefect else {},
+              "load_before": [round(x, 2) for x in load_before],
+              "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(), "workdir": str(work)}
+    _print(result)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _print(r: dict[str, Any]) -> None:
+    print(f"diloco run --config {r['config']} {'(Prefect)' if r['prefect'] else '--no-prefect'}: "
+          f"{r['wall_s']:.1f} s wall, final held-out {r['final_eval_loss']:.3f} nats/byte, "
+          f"{r['num_versions']} versions; load {r['load_before'][0]:.1f} -> {r['load_after'][0]:.1f} "
+          f"on {r['cpus']} CPUs")
+    print(f"{'milestone':48s} {'at s':>8s} {'span s':>8s}")
+    for key, at in r["milestones_s"].items():
+        span = r["spans_s"][key]
+        print(f"{key:48s} {'—' if at is None else f'{at:.1f}':>8s} {'—' if span is None else f'{span:.1f}':>8s}")
+    print(f"{'CPU seconds, every process of the run':48s} {r['cpu_s']:>8.1f}  "
+          f"(/{r['cpus']} CPUs = {r['cpu_s'] / r['cpus']:.1f} s: the wall time's floor on an idle machine)")
+    for label, seconds in r.get("cpu_parts_s", {}).items():
+        print(f"{'  of which ' + label:48s} {seconds:>8.1f}")
+    for label, seconds in r["imports_s"].items():
+        print(f"{'import: ' + label:48s} {seconds:>8.2f}")
+    for label, seconds in r.get("server_start_s", {}).items():
+        print(f"{'Prefect server start, ' + label:48s} {seconds:>8.2f}")
+    if r["imports_s"]:
+        print(f"(imports: median {statistics.median(r['imports_s'].values()):.2f} s, each in a fresh interpreter)")

@@ -1,0 +1,84 @@
+"""`diloco runs`, `diloco summary`, `diloco ui`: find the runs in a storage, summarize one, reopen the UI.
+
+Contract: runs and summary only read the bucket (summary evaluates, and records, the version 0 and final
+version of an ended run the evaluator did not reach); ui serves the project's local Prefect server
+(.diloco/prefect) with the API URL its pages need, until Ctrl-C; bad arguments are one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import typer
+
+from diloco.cli.errors import user_errors
+from diloco.cli.options import JSON, RUN_ID, STORAGE
+
+app = typer.Typer()
+
+
+@app.command("runs")
+def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
+    """List the runs in a storage URL: state, versions, last held-out loss, learners."""
+    with user_errors():
+        from rich.console import Console
+        from rich.table import Table
+
+        from diloco.inspect.runs import list_runs
+        from diloco.storage import open_store
+
+        store = open_store(storage)
+        rows = list_runs(store)
+        if json_out:
+            typer.echo(json.dumps({"storage": store.url, "runs": rows}))
+            return
+        if not rows:
+            typer.echo(f"no runs in {store.url}")
+            return
+        table = Table(title=f"runs in {store.url}")
+        table.add_column("run id", no_wrap=True, min_width=max(len("run id"), *(len(r["run_id"]) for r in rows)))
+        for col in ("state", "versions", "held-out", "learners", "age"):
+            table.add_column(col, overflow="fold", min_width=len(col))
+        for r in rows:
+            if r["state"] == "unreadable":
+                table.add_row(r["run_id"], "unreadable", r["problem"], "", "", "")
+                continue
+            loss = f"{r['last_eval_loss']:.3f} (v{r['last_eval_version']})" if r["last_eval_loss"] is not None else "—"
+            table.add_row(r["run_id"], r["state"], f"{r['version']}/{r['target']}", loss, str(r["num_learners"]),
+                          _age(time.time() - r["created_at"]))
+        Console().print(table)
+
+
+def _age(seconds: float) -> str:
+    """3m, 2h, 5d."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit}"
+    return f"{max(0.0, seconds):.0f}s"
+
+
+@app.command("summary")
+def summary(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON) -> None:
+    """The summary `diloco run` ends with, for any run (local or deployed, live or ended)."""
+    with user_errors():
+        from rich.console import Console
+
+        from diloco.cli.view import final_report
+        from diloco.run.context import open_run
+
+        ctx = open_run(storage, run_id)
+        final_report(ctx, Console(stderr=json_out), json_out)
+
+
+@app.command("ui")
+def ui(port: int = typer.Option(4200, "--port", min=0, max=65535,
+                                help="Port of the UI (0, or taken: a free one)."),
+       home: str = typer.Option(".diloco/prefect", "--home", help="The Prefect home the runs reported to.")) -> None:
+    """(Re)open the local Prefect server of this project's runs, with the right API URL, until Ctrl-C."""
+    from pathlib import Path
+
+    from diloco.flows.ui import serve_ui
+
+    with user_errors():
+        serve_ui(Path(home), port, announce=typer.echo)

@@ -1,0 +1,161 @@
+"""A run's complete summary: held-out loss of version 0 and of the final version, where the run stands, and
+the traffic of every learner — deltas sent (merged, rejected, pending), bytes received — against data-parallel.
+
+Contract: every figure comes from the bucket (manifests, deltas listed, evals, the learners' `traffic`
+events); the version 0 and final version the evaluator did not reach are scored first (run/evaluator.py
+evaluate_missing), so no summary says "version None"; rendering is plain text
+rows and markdown (the `train` flow's artifact), so the CLI and Prefect show the same thing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any
+
+from diloco.inspect.report import dp_bytes, manifests, nats_to_bits, summarize
+from diloco.run.context import RunContext
+from diloco.run.evaluator import read_evals
+from diloco.run.events import read_events
+from diloco.run.state import continue_hint, read_run_state
+from diloco.storage import Manifest, StorageError, latest_version, parse_delta_key
+
+log = logging.getLogger("diloco.summary")
+
+
+def missing_evals(ctx: RunContext) -> list[int]:
+    """Of version 0 and the newest version, those with no eval record."""
+    latest = latest_version(ctx.store, ctx.keys) or 0
+    done = {e["version"] for e in read_evals(ctx)}
+    return [v for v in sorted({0, latest}) if v not in done]
+
+
+def pending_deltas(ctx: RunContext, chain: list[Manifest]) -> dict[str, list[tuple[int, int]]]:
+    """learner -> [(seq, bytes)] of the deltas in the bucket that no manifest decided (published after the
+    last merge, or waiting for the next one)."""
+    decided = {(d.learner, d.seq) for m in chain for d in m.decisions}
+    out: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for key in ctx.store.list(ctx.keys.deltas_prefix()):
+        parsed = parse_delta_key(key)
+        if parsed is None or parsed in decided:
+            continue
+        try:
+            out[parsed[0]].append((parsed[1], ctx.store.get_size(key)))
+        except StorageError:
+            continue
+    return dict(out)
+
+
+def learner_traffic(ctx: RunContext) -> dict[str, dict[str, int]]:
+    """learner -> {"sent", "received"}: all bytes each of its processes put and got (the last `traffic`
+    event of each process: counters are per process), summed over its processes."""
+    last: dict[tuple[str, int], dict[str, Any]] = {}
+    for event in read_events(ctx.store, ctx.keys):
+        if event.get("kind") == "traffic" and event.get("learner"):
+            last[(event["learner"], int(event.get("pid", 0)))] = event
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"sent": 0, "received": 0})
+    for (name, _pid), event in last.items():
+        out[name]["sent"] += sum(int(v) for v in (event.get("sent") or {}).values())
+        out[name]["received"] += sum(int(v) for v in (event.get("received") or {}).values())
+    return dict(out)
+
+
+def _learner_rows(ctx: RunContext, chain: list[Manifest], pending: dict[str, list[tuple[int, int]]],
+                  num_params: int) -> list[dict[str, Any]]:
+    traffic = learner_traffic(ctx)
+    names = sorted({*ctx.learners, *pending, *traffic})
+    m = max(1, len(ctx.learners))
+    rows = []
+    for name in names:
+        mine = [d for v in chain for d in v.decisions if d.learner == name]
+        merged = [d for d in mine if d.status == "merged"]
+        steps = sum(d.steps for d in merged)
+        rows.append({
+            "learner": name, "deltas_merged": len(merged),
+            "deltas_rejected": sum(1 for d in mine if d.status == "rejected"),
+            "deltas_pending": len(pending.get(name, [])),
+            "delta_bytes": sum(d.bytes for d in mine if d.status != "lost") + sum(b for _, b in pending.get(name, [])),
+            "bytes_sent": traffic.get(name, {}).get("sent"), "bytes_received": traffic.get(name, {}).get("received"),
+            "steps_merged": steps, "dp_bytes_each_way": int(dp_bytes(num_params, steps, m)),
+        })
+    return rows
+
+
+def build_summary(ctx: RunContext) -> dict[str, Any]:
+    """summarize()'s figures (the JSON contract of `diloco run --json`) plus the run's state, pending deltas
+    and the per-learner traffic."""
+    base = summarize(ctx)
+    chain = manifests(ctx)
+    pending = pending_deltas(ctx, chain)
+    rows = _learner_rows(ctx, chain, pending, base["num_params"])
+    state = read_run_state(ctx)
+    pending_bytes = sum(b for seqs in pending.values() for _, b in seqs)
+    published = base["bytes_published"] + pending_bytes
+    received = [r["bytes_received"] for r in rows if r["bytes_received"] is not None]
+    dp_total = base["dp_bytes_equivalent"]
+    return {**base, "bytes_published": published, "deltas_pending": sum(len(s) for s in pending.values()),
+            "bytes_pending": pending_bytes, "bytes_received": sum(received) if received else None,
+            "traffic_ratio_vs_dp": (dp_total / published) if published else None,
+            "state": state.word, "state_title": state.title(), "stop_reason": state.reason,
+            "continue": continue_hint(ctx) if state.ended else None, "learners": rows}
+
+
+def _fmt_loss(loss: float | None, metric: str = "nats/byte") -> str:
+    if loss is None:
+        return "not evaluated"
+    if metric == "nats/byte":
+        return f"{loss:.3f} nats/byte ({nats_to_bits(loss):.3f} bits/byte)"
+    return f"{loss:.4f} {metric}"
+
+
+def _mb(n: int | None) -> str:
+    return "—" if n is None else f"{n / 1e6:.2f} MB"
+
+
+def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """(what, value) rows of the summary, in the order a reader wants them."""
+    ratio = s["traffic_ratio_vs_dp"]
+    final = s["final_eval_version"]
+    return [
+        ("run", s["state_title"]),
+        ("held-out loss, version 0", _fmt_loss(s["initial_eval_loss"], s["metric"])),
+        ("held-out loss, final version" if final is None else f"held-out loss, version {final}",
+         _fmt_loss(s["final_eval_loss"], s["metric"])),
+        ("versions committed", str(s["num_versions"])),
+        ("deltas merged / rejected / pending", f"{s['deltas_merged']} / {s['deltas_rejected']} / {s['deltas_pending']}"),
+        ("tokens merged", f"{s['tokens_merged']:,}"),
+        ("deltas sent (all learners)", _mb(s["bytes_published"])),
+        ("bytes received (all learners)", _mb(s["bytes_received"])),
+        ("data-parallel would have sent", f"{s['dp_bytes_equivalent'] / 1e6:.1f} MB each way"
+         + (f"  ({ratio:.0f}x the deltas)" if ratio else "")),
+        ("run lives at", f"{s['storage']}/{s['run_id']}"),
+    ]
+
+
+LEARNER_COLUMNS = ("learner", "merged", "rejected", "pending", "deltas MB", "sent MB", "received MB", "DP MB")
+
+
+def learner_table_rows(s: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Per learner: deltas (merged/rejected/pending), delta MB, all bytes sent and received, DP each way."""
+    def mb(n: int | None) -> str:
+        return "—" if n is None else f"{n / 1e6:.2f}"
+
+    return [(r["learner"], str(r["deltas_merged"]), str(r["deltas_rejected"]), str(r["deltas_pending"]),
+             mb(r["delta_bytes"]), mb(r["bytes_sent"]), mb(r["bytes_received"]), mb(r["dp_bytes_each_way"]))
+            for r in s["learners"]]
+
+
+def summary_markdown(s: dict[str, Any], sample: str | None = None) -> str:
+    """The summary as markdown: the `train` flow's artifact."""
+    lines = [f"# run {s['run_id']}", "", "| what | value |", "|---|---|"]
+    lines += [f"| {k} | {v.replace('|', '/')} |" for k, v in summary_rows(s)]
+    lines += ["", "| " + " | ".join(LEARNER_COLUMNS) + " |", "|" + "---|" * len(LEARNER_COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in learner_table_rows(s)]
+    lines += ["", "Sent: every byte a learner's processes put (deltas, checkpoints, heartbeats, events); "
+              "received: every byte they got. Data-parallel: ring all-reduce of fp32 gradients, "
+              "2(M-1)/M x 4 bytes x params per step, each way, for the steps merged."]
+    if s.get("continue"):
+        lines += ["", f"`{s['continue'].removeprefix('continue with: ')}` continues it."]
+    if sample:
+        lines += ["", "## Sampled from the final model", "", "```", sample, "```"]
+    return "\n".join(lines) + "\n"

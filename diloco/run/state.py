@@ -1,0 +1,85 @@
+"""Where a run stands, read from the bucket: running, finished, stopped, or idle — and how to continue it.
+
+Contract: read-only; "finished" means the target version is committed, "stopped" that control/stop exists
+(with its reason), "running" that a supervisor holds a live lease, "idle" anything else (never supervised,
+or its supervisor vanished before anyone recorded a stop: `diloco run` takes it up again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diloco.run.context import RunContext, RunError
+from diloco.run.lease import describe, held_error, is_live, read_current
+from diloco.run.signals import read_stop_reason
+from diloco.storage import latest_version
+from diloco.storage.records import FINAL_STATES, SupervisorLease
+
+ENDED = ("finished", "stopped")
+
+
+@dataclass
+class RunState:
+    word: str  # running | finished | stopped | idle
+    version: int  # the newest committed version
+    target: int  # run.num_versions
+    reason: str | None = None  # control/stop's reason (stopped)
+    lease: SupervisorLease | None = None  # the current supervisor session, if any
+
+    @property
+    def ended(self) -> bool:
+        return self.word in ENDED
+
+    def title(self) -> str:
+        """`finished: version 20 of 20`, `stopped at version 9 of 40 (interrupted)`, `running (pid …)`."""
+        if self.word == "finished":
+            return f"finished: version {self.version} of {self.target}"
+        if self.word == "stopped":
+            return f"stopped at version {self.version} of {self.target} ({self.reason})"
+        if self.word == "running" and self.lease is not None:
+            return f"running: version {self.version} of {self.target}, supervised by {describe(self.lease)}"
+        return f"{self.word}: version {self.version} of {self.target}"
+
+
+def read_run_state(ctx: RunContext) -> RunState:
+    version = latest_version(ctx.store, ctx.keys) or 0
+    target = ctx.cfg.run.num_versions
+    lease = read_current(ctx.store, ctx.keys)
+    if version >= target:
+        return RunState("finished", version, target, read_stop_reason(ctx), lease)
+    if ctx.store.exists(ctx.keys.stop()):
+        return RunState("stopped", version, target, read_stop_reason(ctx) or "stop requested", lease)
+    return RunState("running" if is_live(lease) else "idle", version, target, None, lease)
+
+
+def continue_hint(ctx: RunContext) -> str:
+    """The line that tells a user how to go on with an ended run (`diloco resume`, issue #14)."""
+    return f"continue with: diloco resume --run-id {ctx.run_id} --storage {ctx.store.url}"
+
+
+def refuse_if_ended(ctx: RunContext, doing: str) -> RunState:
+    """RunError (one line, exit 2) when the run is finished or stopped: `doing` it would do nothing."""
+    state = read_run_state(ctx)
+    if state.ended:
+        raise RunError(f"run {ctx.run_id!r} is {state.title()}: nothing to {doing}; {continue_hint(ctx)}")
+    return state
+
+
+def refuse_to_start(ctx: RunContext) -> RunState:
+    """Before supervising: RunError if the run ended, LeaseHeld if another supervisor is live."""
+    state = refuse_if_ended(ctx, "train")
+    if state.word == "running" and state.lease is not None:
+        raise held_error(ctx, state.lease)
+    return state
+
+
+def learner_word(status_state: str | None, removed: bool, run: RunState) -> str:
+    """What `diloco status` calls a learner: its own final state, else removed, else the run's end, else
+    the state its heartbeat last said (a learner killed at the end never wrote a final state)."""
+    if status_state in FINAL_STATES:
+        return status_state
+    if removed:
+        return "removed"
+    if run.ended:
+        return run.word
+    return status_state or "never reported"

@@ -1,0 +1,70 @@
+"""Bad input and unreachable storage on the command line: one line naming the problem, exit code 2, no
+traceback, nothing written — an S3 endpoint that is down says "retrying" at once and gives up within its
+retry window (DILOCO_STORAGE_RETRY_WINDOW_S; the bound is asserted through the attempts, not wall time).
+
+Run: .venv/bin/pytest tests/integration/test_cli_errors.py
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diloco.configs import load_config
+from diloco.run.create import create_run
+from diloco.storage import open_store
+
+
+def _diloco(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+def _one_line_error(done: subprocess.CompletedProcess, needle: str) -> None:
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when this returns: connections are refused
+
+
+def test_an_unreachable_endpoint_retries_aloud_and_gives_up_within_its_window(tmp_path: Path) -> None:
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_closed_port()}", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "y", "DILOCO_STORAGE_RETRY_WINDOW_S": "2"}
+    done = _diloco("status", "--storage", "s3://bucket/runs", "--run-id", "r", env=env)
+    _one_line_error(done, "Could not connect")
+    retries = [line for line in done.stderr.splitlines() if "retrying (attempt" in line]
+    assert retries and "retrying (attempt 2 of 6, next in" in retries[0], done.stderr
+    assert len(retries) <= 5  # bounded: max_retries=5, and fewer when the window closes first
+
+
+def test_unsupported_protocol_missing_config_and_unknown_learner(tmp_path: Path) -> None:
+    _one_line_error(_diloco("run", "--config", "tiny", "--storage", "ftp://x/y"), "'ftp://' is not supported")
+    _one_line_error(_diloco("run", "--config", str(tmp_path / "missing.yaml")), "does not exist")
+    _one_line_error(_diloco("run", "--config", "nope"), "neither a recipe")
+    url = f"file://{tmp_path}/bucket"
+    create_run(open_store(url), "r1", load_config("tiny").with_overrides({"run.num_learners": 2}))
+    _one_line_error(_diloco("remove-learner", "--storage", url, "--run-id", "r1", "--learner", "local-7"),
+                    "'local-7' is not in run 'r1' (its learners: local-0, local-1)")
+    assert not (tmp_path / "bucket" / "r1" / "control").exists()
+
+
+@pytest.mark.parametrize("command", ["status", "audit", "plot", "stop", "summary", "runs"])
+def test_every_command_defaults_to_file_runs(tmp_path: Path, command: str) -> None:
+    """--storage defaults to file://runs (in the current folder) for every command."""
+    args = [command] if command == "runs" else [command, "--run-id", "absent"]
+    done = _diloco(*args, cwd=tmp_path)
+    if command == "runs":
+        assert done.returncode == 0 and "no runs in file://" in done.stdout, done.stdout + done.stderr
+    else:
+        _one_line_error(done, f"no run 'absent' in file://{tmp_path}/runs")

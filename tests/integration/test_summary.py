@@ -1,0 +1,82 @@
+"""The summary of any run is complete: version 0's and the final version's held-out loss (evaluated at the
+end when the evaluator never got to them), deltas merged / rejected / pending, every learner's bytes sent and
+received against data-parallel, the run's state — and `diloco summary` / `diloco runs` print it.
+
+Run: .venv/bin/pytest tests/integration/test_summary.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from diloco.configs import load_config
+from diloco.inspect.runs import list_runs
+from diloco.inspect.summary import build_summary, missing_evals, summary_markdown, summary_rows
+from diloco.launch import run_role
+from diloco.run.create import create_run
+from diloco.run.evaluator import evaluate_missing as complete_evals
+from diloco.run.signals import request_stop
+from diloco.storage import open_store
+
+
+def _diloco(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "80"}
+    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=cwd)
+
+
+def test_a_run_the_evaluator_never_saw_gets_a_complete_summary(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/runs"
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "run.num_versions": 50,
+                                              "learner.local_state_every_steps": 0})
+    ctx = create_run(open_store(url), "short", cfg)
+    run_role("learner", url, "short", "local-0", phases=3)
+    assert run_role("merger", url, "short", merges=1) == 1
+    run_role("learner", url, "short", "local-0", phases=1)  # published after the last merge: pending
+    request_stop(ctx, "operator")
+
+    assert missing_evals(ctx) == [0, 1]
+    assert complete_evals(ctx) == [0, 1] and missing_evals(ctx) == []
+    s = build_summary(ctx)
+    assert s["initial_eval_loss"] is not None and s["final_eval_version"] == 1 and s["final_eval_loss"] is not None
+    assert s["deltas_merged"] == 3 and s["deltas_pending"] == 1 and s["bytes_pending"] > 0
+    assert s["state"] == "stopped" and s["continue"].startswith("continue with: diloco resume --run-id short")
+    rows = {r["learner"]: r for r in s["learners"]}
+    mine = rows["local-0"]
+    assert mine["deltas_merged"] == 3 and mine["deltas_pending"] == 1
+    assert mine["delta_bytes"] == s["bytes_published"]  # the only learner that published
+    assert mine["bytes_sent"] >= mine["delta_bytes"] and mine["bytes_received"] > 0  # joins read the params
+    assert mine["dp_bytes_each_way"] > 0
+    assert rows["local-1"]["bytes_sent"] is None  # never ran: nothing counted, nothing invented
+    text = "\n".join(f"{k} {v}" for k, v in summary_rows(s)) + summary_markdown(s)
+    assert "None" not in text and "version 1" in text and "stopped at version 1 of 50 (operator)" in text
+
+    done = _diloco("summary", "--storage", url, "--run-id", "short", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["extra"]["deltas_pending"] == 1
+    listed = list_runs(open_store(url))
+    assert [(r["run_id"], r["state"], r["version"], r["last_eval_version"]) for r in listed] == [
+        ("short", "stopped", 1, 1)]
+    table = _diloco("runs", cwd=tmp_path)  # --storage defaults to file://runs in the current folder
+    assert table.returncode == 0 and "short" in table.stdout and "stopped" in table.stdout, table.stderr
+    assert max(len(line) for line in table.stdout.splitlines()) <= 80
+
+
+def test_status_at_80_columns_keeps_every_name_whole(tmp_path: Path) -> None:
+    """us-east-0 and us-east-1 must be told apart, and the run's title is wrapped, not cut."""
+    url = f"file://{tmp_path}/bucket"
+    names = ["us-east-0", "us-east-1", "eu-west-long-region-name-0"]
+    cfg = load_config("tiny").with_overrides({"run.storage": url})
+    ctx = create_run(open_store(url), "a-fairly-long-run-identifier-2026", cfg, learners=names)
+    request_stop(ctx, "operator")
+    done = _diloco("status", "--storage", url, "--run-id", ctx.run_id)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    for name in names:
+        assert any(name in line for line in lines), (name, done.stdout)
+    assert "a-fairly-long-run-identifier-2026" in done.stdout and "stopped at version 0" in done.stdout
