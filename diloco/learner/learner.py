@@ -17,18 +17,18 @@ import torch
 
 from diloco.learner.courier import Courier
 from diloco.learner.local_state import LocalState
+from diloco.learner.prefetch import Prefetcher, fetch_global
 from diloco.learner.publisher import Publisher
 from diloco.learner.resume import resume
 from diloco.learner.state import LearnerState
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
-from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
+from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.storage import (
     StorageError,
     latest_version,
     manifest_exists,
     read_latest,
-    read_manifest,
 )
 from diloco.storage.codec import CodecError
 from diloco.storage.records import LearnerStatus, write_record
@@ -85,6 +85,7 @@ class Learner:
         self.sampler = ShardSampler(corpus.train, shard, num_shards, self.cfg.data.batch_size,
                                     self.cfg.model.ctx_len, self.cfg.data.seed)
         self.state = LearnerState()
+        self.prefetcher: Prefetcher | None = None  # learner.prefetch: newer globals fetched off the training thread
         self.loss_ema = float("nan")
         self.phase_t0 = time.time()
         self._last_beat = 0.0
@@ -100,6 +101,10 @@ class Learner:
         self.events.emit("join", learner=self.name, version=self.state.base, seq=self.state.seq,
                          cursor=resumed.cursor, step=resumed.step, **resumed.extra)
         self.heartbeat("joined", force=True, wait=True)  # the supervisor reads it to see the join
+        if self.cfg.learner.prefetch and self.cfg.learner.mode != "sync" and self.prefetcher is None:
+            self.prefetcher = Prefetcher(self.ctx, self.ctx.store, self.name, self.state.base, self.state.glob,
+                                         poll_s=self.cfg.learner.prefetch_poll_s,
+                                         max_updates_behind=self.cfg.learner.max_updates_behind)
         log.info("learner %s joined at version %d, next seq %d, data cursor %d, step %d %s", self.name,
                  self.state.base, self.state.seq, resumed.cursor, resumed.step, resumed.extra or "")
         return self.state.base
@@ -242,7 +247,11 @@ class Learner:
 
     # ---- carry ---------------------------------------------------------------------------
     def maybe_install(self) -> int | None:
-        """Cheap probe for version base+1; on a newer version install it and return it."""
+        """Cheap probe for version base+1; on a newer version install it and return it. With a prefetcher:
+        install what it fetched (no request to the bucket on this thread)."""
+        if self.prefetcher is not None:
+            fetched = self.prefetcher.take()
+            return None if fetched is None else self.install(*fetched)
         try:
             if not manifest_exists(self.quick, self.ctx.keys, self.state.base + 1):
                 return None
@@ -255,21 +264,14 @@ class Learner:
             self.events.emit("install_failed", learner=self.name, version=self.state.base, reason=str(err))
             return None
 
-    def install(self, version: int) -> int:
-        """Move to `version`: theta = G + (theta - r) (carry) or G (overwrite); r = G."""
+    def install(self, version: int, glob: Tensors | None = None) -> int:
+        """Move to `version` (`glob`: G_version already fetched): theta = G + (theta - r) (carry) or G
+        (overwrite); r = G."""
         state = self.state
         behind = version - state.base
-        if behind <= self.cfg.learner.max_updates_behind:
-            glob = clone(state.glob)
-            for v in range(state.base + 1, version + 1):
-                m = read_manifest(self.ctx.store, self.ctx.keys, v)
-                _, update = read_tensors(self.ctx.store, m.update_key, fingerprint=self.ctx.fingerprint,
-                                           checksum=m.update_checksum)
-                add_(glob, update)
-        else:
-            m = read_manifest(self.ctx.store, self.ctx.keys, version)
-            _, glob = read_tensors(self.ctx.store, m.params_key, fingerprint=self.ctx.fingerprint,
-                                     checksum=m.params_checksum)
+        if glob is None:
+            glob = fetch_global(self.ctx, self.ctx.store, state.base, state.glob, version,
+                                self.cfg.learner.max_updates_behind)
         theta = self.theta()
         if self.cfg.learner.mode == "overwrite":
             new_theta = clone(glob)
@@ -278,6 +280,8 @@ class Learner:
         self._set_theta(new_theta)
         self.events.emit("install", learner=self.name, version=version, previous=state.base, behind=behind)
         state.base, state.glob, state.ref = version, glob, clone(glob)
+        if self.prefetcher is not None:
+            self.prefetcher.rebase(version, glob)
         return version
 
     def wait_for_decision(self, seq: int, timeout_s: float, should_stop=lambda: False) -> int | None:
@@ -296,6 +300,8 @@ class Learner:
         return None
 
     def close(self, timeout_s: float = 60.0) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.publisher.close(timeout_s)
         if self.local is not None:
             self.local.close()
