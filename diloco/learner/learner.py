@@ -163,15 +163,17 @@ class Learner:
         return get_flat_params(self.model)
 
     # ---- the inner phase -----------------------------------------------------------------
-    def run_phase(self) -> PhaseStats:
-        """H inner steps, probing for a newer global version every few steps."""
+    def run_phase(self, num_steps: int | None = None) -> PhaseStats:
+        """H inner steps (or `num_steps`: a shorter first phase, a per-learner H), probing for a newer
+        global version every few steps."""
         cfg = self.cfg
+        num_steps = num_steps or cfg.inner.steps_per_phase
         stats = PhaseStats()
         t0 = time.time()
         losses = []
         tokens_per_step = cfg.data.batch_size * cfg.model.ctx_len
         every = cfg.learner.local_state_every_steps
-        for i in range(cfg.inner.steps_per_phase):
+        for i in range(num_steps):
             ts = time.time()
             x, y = self.sampler.next_batch()
             losses.append(self.trainer.train_step(x.to(self.device), y.to(self.device)))
@@ -184,9 +186,9 @@ class Learner:
                 installed = self.maybe_install()
                 if installed is not None:
                     stats.installs.append(installed)
-            if every and (i + 1) % every == 0 and i + 1 < cfg.inner.steps_per_phase:
+            if every and (i + 1) % every == 0 and i + 1 < num_steps:
                 self.save_local()  # the phase's end is saved by publish()
-        stats.steps = cfg.inner.steps_per_phase
+        stats.steps = num_steps
         stats.tokens = stats.steps * tokens_per_step
         stats.loss = sum(losses) / len(losses)
         stats.phase_time_s = time.time() - t0
