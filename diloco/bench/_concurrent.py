@@ -29,12 +29,15 @@ class Clocked:
     credit: float = 0.0
 
 
-def clocked(learners: list[Learner], speeds: list[float], hs: list[int], tick: int) -> list[Clocked]:
+def clocked(learners: list[Learner], speeds: list[float], hs: list[int], tick: int,
+            stagger: bool = True) -> list[Clocked]:
+    """`stagger`: odd learners start with half a phase (two cohorts); else everyone in step."""
     out = []
     for i, (learner, speed, h) in enumerate(zip(learners, speeds, hs, strict=True)):
         if h % tick:
             raise ValueError(f"H of learner {i} ({h}) must be a multiple of the tick ({tick} steps)")
-        first = h // 2 if i % 2 == 1 and (h // 2) % tick == 0 else h  # the second cohort: half a phase first
+        half = stagger and i % 2 == 1 and (h // 2) % tick == 0
+        first = h // 2 if half else h  # the second cohort: half a phase first
         out.append(Clocked(learner, speed, h, first))
     return out
 

@@ -35,7 +35,8 @@ class Method:
     codec: str = "fp32"
     mode: str = "carry"
     schedule: str = "all"  # "all" (every learner each round), "alternate" (half per round), "hetero",
-    # "concurrent" (every learner computes at once, on a clock: diloco.bench._concurrent), "concurrent-hetero"
+    # "concurrent" (every learner computes at once, on a clock: diloco.bench._concurrent; two cohorts),
+    # "concurrent-full" (in step, quorum M), "concurrent-hetero" (half the learners 2x slower)
     label: str = ""
     overrides: tuple[tuple[str, object], ...] = ()  # config overrides of this method (a lever under test)
     dylu: bool = False  # concurrent-hetero: each learner's H from its speed, H_w = floor(v_w / v_max * H)
@@ -53,6 +54,8 @@ METHODS = (
            "torchft 0.2.0 Streaming DiLoCo: 2 fragments, sync delay 1, alpha 0.5", fragments=2),
     Method("clock-int4", "engine", "int4", "carry", "concurrent",
            "decoupled int4, every learner computing at once (two cohorts half a phase apart)"),
+    Method("clock-full-int4", "engine", "int4", "carry", "concurrent-full",
+           "decoupled int4 on the clock, every learner in step, quorum M (one merge a phase, nobody waits)"),
     Method("clock-hetero-int4", "engine", "int4", "carry", "concurrent-hetero",
            "clock-int4 with half the learners 2x slower"),
     Method("clock-hetero-dylu", "engine", "int4", "carry", "concurrent-hetero",
@@ -91,7 +94,7 @@ def tokens_per_phase(cfg: Config) -> int:
 def speeds_of(schedule: str, num_learners: int) -> list[float]:
     """Chunks per tick of each learner on the concurrent clock: the second half 2x slower under -hetero."""
     fast = num_learners - num_learners // 2
-    return [1.0 if schedule == "concurrent" or i < fast else 0.5 for i in range(num_learners)]
+    return [1.0 if "hetero" not in schedule or i < fast else 0.5 for i in range(num_learners)]
 
 
 def active_learners(schedule: str, num_learners: int, round_idx: int) -> list[int]:
@@ -112,7 +115,7 @@ def active_learners(schedule: str, num_learners: int, round_idx: int) -> list[in
 
 def quorum_of(schedule: str, num_learners: int) -> int:
     if schedule.startswith("concurrent"):
-        return max(1, num_learners // 2)  # a cohort
+        return num_learners if "full" in schedule else max(1, num_learners // 2)  # everyone, or a cohort
     return min(len(active_learners(schedule, num_learners, r)) for r in range(2))
 
 
@@ -191,7 +194,8 @@ def _drive_clock(cfg: Config, method: Method, learners: list[Learner], merger: M
                 curve.append(point)
             state["next"] = (tokens // every + 1) * every
 
-    tokens, merged = drive_concurrent(clocked(learners, speeds, hs, tick), merger, tick,
+    clocks = clocked(learners, speeds, hs, tick, stagger="full" not in method.schedule)
+    tokens, merged = drive_concurrent(clocks, merger, tick,
                                       cfg.data.batch_size * cfg.model.ctx_len, target_tokens,
                                       quorum_of(method.schedule, m), on_tokens)
     return curve, tokens, merged

@@ -80,8 +80,9 @@ class ExperimentalConfig(_Strict):
     backlog_momentum: Literal["round_rate", "whole"] = "round_rate"
     # Momentum per "merge" (every merge decays it by mu and adds mu*buf: K=1 merges re-apply the look-ahead
     # once per delta) or per "round" (a merge carrying a share s of a round decays it by mu**s and adds
-    # s*mu*buf: a round of partial merges is about one outer step, but trains worse; docs/ENGINE.md).
-    momentum_per: Literal["merge", "round"] = "merge"
+    # s*mu*buf: a round of partial merges is about one outer step, but trains worse; docs/ENGINE.md), or "delayed"
+    # (delayed Nesterov: partial merges applied plainly, one momentum step once their shares add up to a round).
+    momentum_per: Literal["merge", "round", "delayed"] = "merge"
 
 
 # Keys that moved to another section: naming the old place is an error that names the new one.
