@@ -27,13 +27,16 @@ JOIN_TIMEOUT_S = 120.0  # learners' imports and joins on a loaded 2-core box
 
 @dataclass(frozen=True)
 class WanRun:
-    """One method behind one link: `mode` sync (quorum M) or carry (two cohorts half a phase apart, quorum M/2)."""
+    """One method behind one link: `mode` sync (quorum M, learners wait) or carry (the recipe's quorum and
+    grace window; learners never wait). `cohorts`: odd learners start with half a phase (two cohorts half a
+    phase apart, quorum M/2, no grace: bench quality's "alternate" schedule in real time)."""
 
     name: str
     mode: str
     link: LinkSpec
     step_time_s: float
     steps: int  # inner steps per learner
+    cohorts: bool = False
 
 
 @dataclass
@@ -87,14 +90,19 @@ class PaddedSteps:
 
 
 def engine_overrides(cfg: Config, run: WanRun) -> dict[str, Any]:
+    """Checkpoints and local state off (nothing restarts; a bucket checkpoint would also share the uplink);
+    the merger polls every 20 ms (a sync learner's wait is not a polling artefact)."""
     m = cfg.run.num_learners
-    return {
+    out: dict[str, Any] = {
         "learner.mode": run.mode, "learner.checkpoint": False, "learner.local_state_every_steps": 0,
-        "learner.device": "cpu", "learner.prefetch": run.mode != "sync",
-        "merger.quorum": m if run.mode == "sync" else max(1, m // 2), "merger.grace_cap_s": 0.0,
-        "merger.poll_interval_s": 0.02, "merger.quorum_timeout_s": 600.0,
-        "inner.total_steps": run.steps, "run.num_versions": 1 << 30,
+        "learner.device": "cpu", "merger.poll_interval_s": 0.02, "inner.total_steps": run.steps,
+        "run.num_versions": 1 << 30,
     }
+    if run.mode == "sync":
+        out.update({"merger.quorum": m, "merger.grace_cap_s": 0.0, "merger.quorum_timeout_s": 600.0})
+    elif run.cohorts:
+        out.update({"merger.quorum": max(1, m // 2), "merger.grace_cap_s": 0.0})
+    return out
 
 
 def phase_plan(steps: int, h: int, half_first: bool) -> list[int]:
@@ -193,7 +201,7 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
         url = f"file://{tmp}"
         ctx = create_run(open_store(url), f"wan-{run.name}", cfg)
         barrier, out, corpus = ctx_mp.Barrier(m + 1), ctx_mp.Queue(), load_run_corpus(cfg.data)
-        half_first = [run.mode != "sync" and i % 2 == 1 for i in range(m)]  # two cohorts half a phase apart
+        half_first = [run.cohorts and i % 2 == 1 for i in range(m)]  # two cohorts half a phase apart
         procs = [ctx_mp.Process(target=_learner_main, args=(url, ctx.run_id, name, run, half_first[i], corpus, barrier, out),
                                 name=f"wan-{name}", daemon=True) for i, name in enumerate(ctx.learners)]
         for p in procs:

@@ -247,7 +247,8 @@ def _config_record(cfg: Config, steps: int, step_time_s: float, rtt_ms: float, n
                         "2(M-1)/M x 4N / cap + (M-1) x rtt) per step; torchft_diloco: its measured loss per sync "
                         "on a time axis of its steps x the same step time + per sync its measured all-reduce "
                         "payload as a ring all-reduce at the cap",
-            "schedules": "sync_diloco: learner.mode sync, quorum M; decoupled: carry mode, odd learners start "
-                         "half a phase late (two cohorts), quorum M/2, grace 0, learners prefetch updates",
+            "schedules": "sync_diloco: learner.mode sync, quorum M, learners wait for each version; decoupled: "
+                         "the recipe as shipped (carry mode, its quorum and grace window, its learner.prefetch), "
+                         "learners never wait",
         },
     }

@@ -1,6 +1,6 @@
 """`diloco bench wan --quick`: real learner processes behind capped links, the JSON keys the issue names,
 three caps, bytes counted both ways; and the peer rows skip with the reason when torchft is missing.
-Run: `.venv/bin/pytest tests/integration/test_bench_wan.py`.
+Run: `.venv/bin/pytest tests/integration/test_wan_quick.py`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """`bench wan`'s arithmetic: the paper-equivalent cap, the modelled ring all-reduce, time to target, the
-second cohort's phase plan, step padding, the torchft row's clock and the concurrent clock's cohorts.
+second cohort's phase plan, step padding, the torchft row's clock, the concurrent clock's cohorts and the
+engine overrides of each schedule (sync; decoupled as the recipe ships it; two cohorts).
 Run: `.venv/bin/pytest tests/unit/test_bench_wan.py`.
 """
 
@@ -10,10 +11,11 @@ import time
 import pytest
 
 from diloco.bench._concurrent import clocked
-from diloco.bench._quality_runs import speeds_of
-from diloco.bench._wan_runs import PaddedSteps, phase_plan
+from diloco.bench._quality_runs import quorum_of, speeds_of
+from diloco.bench._wan_runs import PaddedSteps, WanRun, engine_overrides, phase_plan
 from diloco.bench.peer_torchft import wan_entry
 from diloco.bench.wan import COMM_OVER_COMPUTE, allreduce_s, default_cap_mb_s, first_below
+from diloco.configs import load_config
 from diloco.storage.throttle import LinkSpec
 
 
@@ -73,3 +75,23 @@ def test_clock_cohorts_and_speeds() -> None:
     assert [c.phase_left for c in clocks] == [40, 20, 40, 20]
     with pytest.raises(ValueError, match="multiple of the tick"):
         clocked([object()], [1.0], [15], tick=10)  # type: ignore[list-item]
+
+
+def test_clock_full_schedule_is_in_step_with_quorum_m() -> None:
+    assert speeds_of("concurrent-full", 4) == [1.0] * 4
+    assert quorum_of("concurrent-full", 4) == 4 and quorum_of("concurrent", 4) == 2
+    clocks = clocked([object()] * 4, [1.0] * 4, [40] * 4, tick=10, stagger=False)  # type: ignore[list-item]
+    assert [c.phase_left for c in clocks] == [40] * 4
+
+
+def test_engine_overrides_per_schedule() -> None:
+    cfg = load_config("bench")
+    m, link = cfg.run.num_learners, LinkSpec.symmetric(1.0)
+    sync = engine_overrides(cfg, WanRun("s", "sync", link, 0.01, 40))
+    assert sync["merger.quorum"] == m and sync["merger.grace_cap_s"] == 0.0 and sync["learner.mode"] == "sync"
+    shipped = engine_overrides(cfg, WanRun("d", "carry", link, 0.01, 40))
+    assert not {"merger.quorum", "merger.grace_cap_s", "learner.prefetch"} & set(shipped)  # the recipe's own
+    merged = cfg.with_overrides(shipped)
+    assert merged.merger.quorum == cfg.merger.quorum and merged.learner.prefetch == cfg.learner.prefetch
+    cohorts = engine_overrides(cfg, WanRun("c", "carry", link, 0.01, 40, cohorts=True))
+    assert cohorts["merger.quorum"] == max(1, m // 2) and cohorts["merger.grace_cap_s"] == 0.0
