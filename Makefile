@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 	# 2 loaded cores); prefect does not create a nested PREFECT_HOME itself (then: 'unable to open database file')
 	mkdir -p .diloco/prefect
 	PREFECT_HOME=.diloco/prefect $(BIN)/prefect --no-prompt server database upgrade -y > /dev/null
+	@# the benchmarks' peer row (torchft): only with torch held at the pinned wheel; optional, never fatal
+	echo "torch==2.13.0" > $(VENV)/torch-pin.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/torch-pin.txt -e '.[peer]' --config-settings editable_mode=compat \
+		|| echo "torchft not installed: the torchft rows of bench quality / bench wan will be skipped"
 	touch $(STAMP)
 
 run: setup

@@ -36,8 +36,13 @@ class Method:
     kind: str  # "dp" | "engine"
     codec: str = "fp32"
     mode: str = "carry"
-    schedule: str = "all"  # "all" (every learner each round), "alternate" (half per round), "hetero"
+    schedule: str = "all"  # "all" (every learner each round), "alternate" (half per round), "hetero",
+    # "concurrent" (every learner computes at once, on a clock: diloco.bench._concurrent; two cohorts),
+    # "concurrent-full" (in step, quorum M), "concurrent-hetero" (half the learners 2x slower)
     label: str = ""
+    overrides: tuple[tuple[str, object], ...] = ()  # config overrides of this method (a lever under test)
+    dylu: bool = False  # concurrent-hetero: each learner's H from its speed, H_w = floor(v_w / v_max * H)
+    fragments: int = 1  # peer: torchft's streaming fragments (1 = plain DiLoCo)
 
 
 METHODS = (
@@ -46,6 +51,17 @@ METHODS = (
     Method("decoupled-int8", "engine", "int8", "carry", "alternate", "decoupled, int8, half arrive per merge"),
     Method("decoupled-int4", "engine", "int4", "carry", "alternate", "decoupled, int4, half arrive per merge"),
     Method("hetero-int4", "engine", "int4", "carry", "hetero", "decoupled int4, half the learners 2x slower"),
+    Method("torchft-diloco", "peer", "fp32", "sync", "all", "torchft 0.2.0 DiLoCo (Manager + gloo, its outer Nesterov)"),
+    Method("torchft-streaming", "peer", "fp32", "sync", "all",
+           "torchft 0.2.0 Streaming DiLoCo: 2 fragments, sync delay 1, alpha 0.5", fragments=2),
+    Method("clock-int4", "engine", "int4", "carry", "concurrent",
+           "decoupled int4, every learner computing at once (two cohorts half a phase apart)"),
+    Method("clock-full-int4", "engine", "int4", "carry", "concurrent-full",
+           "decoupled int4 on the clock, every learner in step, quorum M (one merge a phase, nobody waits)"),
+    Method("clock-hetero-int4", "engine", "int4", "carry", "concurrent-hetero",
+           "clock-int4 with half the learners 2x slower"),
+    Method("clock-hetero-dylu", "engine", "int4", "carry", "concurrent-hetero",
+           "clock-hetero-int4, each learner's H from its speed (DyLU)", dylu=True),
 )
 
 
@@ -77,6 +93,12 @@ def tokens_per_phase(cfg: Config) -> int:
     return cfg.inner.steps_per_phase * cfg.data.batch_size * cfg.model.ctx_len
 
 
+def speeds_of(schedule: str, num_learners: int) -> list[float]:
+    """Chunks per tick of each learner on the concurrent clock: the second half 2x slower under -hetero."""
+    fast = num_learners - num_learners // 2
+    return [1.0 if "hetero" not in schedule or i < fast else 0.5 for i in range(num_learners)]
+
+
 def active_learners(schedule: str, num_learners: int, round_idx: int) -> list[int]:
     """Which learners finish a phase in this round (the simulated arrival order).
 
@@ -94,6 +116,8 @@ def active_learners(schedule: str, num_learners: int, round_idx: int) -> list[in
 
 
 def quorum_of(schedule: str, num_learners: int) -> int:
+    if schedule.startswith("concurrent"):
+        return num_learners if "full" in schedule else max(1, num_learners // 2)  # everyone, or a cohort
     return min(len(active_learners(schedule, num_learners, r)) for r in range(2))
 
 
@@ -153,13 +177,43 @@ def _drive(cfg: Config, method: Method, learners: list[Learner], merger: Merger,
     return curve, tokens, merged_per_round
 
 
+def _drive_clock(cfg: Config, method: Method, learners: list[Learner], merger: Merger, held: HeldOut,
+                 target_tokens: int) -> tuple[list[tuple[int, float]], int, list[int]]:
+    from diloco.bench._concurrent import clocked, drive_concurrent
+
+    m, h, tick = len(learners), cfg.inner.steps_per_phase, cfg.learner.probe_every_steps
+    speeds = speeds_of(method.schedule, m)
+    hs = [max(tick, int(s / max(speeds) * h) // tick * tick) if method.dylu else h for s in speeds]
+    curve, every = [(0, held.loss(merger.params))], m * tokens_per_phase(cfg)
+    state = {"next": every}
+
+    def on_tokens(tokens: int) -> None:
+        if tokens >= state["next"] or tokens >= target_tokens:
+            point = (tokens, held.loss(merger.params))
+            if curve[-1][0] == tokens:
+                curve[-1] = point  # the leftovers merged at the end: the same tokens, a newer version
+            else:
+                curve.append(point)
+            state["next"] = (tokens // every + 1) * every
+
+    clocks = clocked(learners, speeds, hs, tick, stagger="full" not in method.schedule)
+    tokens, merged = drive_concurrent(clocks, merger, tick,
+                                      cfg.data.batch_size * cfg.model.ctx_len, target_tokens,
+                                      quorum_of(method.schedule, m), on_tokens)
+    return curve, tokens, merged
+
+
 def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps: int) -> RunResult:
     """Learners and merger in this process on a file:// store; each round: phases, publish, merge."""
     t0, m = time.time(), cfg.run.num_learners
+    concurrent = method.schedule.startswith("concurrent")
     cfg = cfg.with_overrides({
         "learner.codec": method.codec, "learner.mode": method.mode, "learner.checkpoint": False,
         "learner.local_state_every_steps": 0,  # no restarts here: no state files on this host
-        "learner.device": "cpu", "merger.quorum": quorum_of(method.schedule, m), "merger.grace_cap_s": 0.0,
+        "learner.prefetch": False,  # the probe fetches: deterministic (a prefetch is a tick late on the clock)
+        "learner.device": "cpu", "merger.grace_cap_s": 0.0,
+        # on the clock the bench decides when a quorum is there; the merger takes what is pending
+        "merger.quorum": 1 if concurrent else quorum_of(method.schedule, m), **dict(method.overrides),
     })
     with tempfile.TemporaryDirectory(prefix="diloco-bench-") as tmp:
         store = open_store(f"file://{tmp}")
@@ -172,7 +226,8 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
         merger = Merger(ctx)
         merger.load()
         target = m * steps * cfg.data.batch_size * cfg.model.ctx_len
-        curve, tokens, merged = _drive(cfg, method, learners, merger, held, target)
+        drive = _drive_clock if concurrent else _drive
+        curve, tokens, merged = drive(cfg, method, learners, merger, held, target)
         for learner in learners:
             learner.close()
         versions = merger.version
@@ -192,4 +247,21 @@ def run_method(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
     torch.manual_seed(seed)
     if method.kind == "dp":
         return run_dp(cfg, corpus, held, steps)
+    if method.kind == "peer":
+        return run_peer(cfg, method, steps, seed)
     return run_engine(cfg, method, corpus, held, steps)
+
+
+def run_peer(cfg: Config, method: Method, steps: int, seed: int) -> RunResult:
+    """torchft's DiLoCo on the same model, shards and tokens (diloco.bench.peer_torchft); bytes: a ring
+    all-reduce of the payload its replicas handed to gloo (counted), each way."""
+    from diloco.bench.peer_torchft import run_torchft
+
+    fragments = method.fragments
+    run = run_torchft(cfg, steps, seed, fragments=fragments, sync_delay=1 if fragments > 1 else 0,
+                      alpha=0.5 if fragments > 1 else 0.0)
+    per_step = cfg.run.num_learners * cfg.data.batch_size * cfg.model.ctx_len
+    curve = [(s * per_step, loss) for s, loss in run["curve"]]
+    extra = {k: v for k, v in run.items() if k not in ("curve", "final_loss")}
+    return RunResult(run["final_loss"], curve, steps * per_step, run["bytes_per_learner_ring_model"],
+                     run["bytes_per_learner_ring_model"], run["wall_s"], extra)

@@ -167,6 +167,22 @@ def write_png(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _drop_unavailable(methods: tuple[Method, ...]) -> tuple[tuple[Method, ...], dict[str, str]]:
+    """The peer rows need torchft (a benchmark-only extra); without it they are skipped, saying why."""
+    from diloco.bench.peer_torchft import available
+
+    why = available()
+    if why is None or not any(m.kind == "peer" for m in methods):
+        return methods, {}
+    skipped = {m.name: why for m in methods if m.kind == "peer"}
+    for name in skipped:
+        print(f"  {name}: skipped: {why}", file=sys.stderr)
+    kept = tuple(m for m in methods if m.kind != "peer")
+    if not kept:
+        raise ConfigError(f"--methods: nothing left to run ({why})")
+    return kept, skipped
+
+
 def bench_quality(
     json_path: Path | None = None,
     png_path: Path | None = None,
@@ -191,9 +207,11 @@ def bench_quality(
     unknown = set(methods.split(",")) - {m.name for m in METHODS}
     if unknown or not chosen:
         raise ConfigError(f"--methods: unknown {sorted(unknown)}; known: {[m.name for m in METHODS]}")
+    chosen, skipped = _drop_unavailable(chosen)
     t0 = time.time()
     result = run_quality(cfg, chosen, steps, num_seeds, jobs, log=lambda s: print(s, file=sys.stderr))
     result["config"]["wall_s"] = time.time() - t0
+    result["config"]["skipped"] = skipped
     _print_table(result)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2) + "\n")

@@ -67,6 +67,28 @@ def _bench_quality(
     with user_errors():
         bench_quality(json_path=json_path, png_path=png_path, num_seeds=num_seeds, steps=steps, tokens=tokens, learners=learners, methods=methods, config=config, quick=quick, jobs=jobs)
 
+@bench.command("wan")
+def _bench_wan(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    link_mb_s: float | None = typer.Option(None, "--link-mb-s", min=1e-6,
+                                           help="Cap per learner link, MB/s each way (default: the cap at which "
+                                                "DP's all-reduce takes 39.6x its compute, the paper's ratio)."),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Inner steps per learner (default: the recipe's)."),
+    step_time_s: float = typer.Option(0.05, "--step-time-s", min=1e-4,
+                                      help="Emulated compute per inner step (each step is padded to it)."),
+    rtt_ms: float = typer.Option(2.0, "--rtt-ms", min=0.0, help="Round trip added to every store request."),
+    config: str = typer.Option("bench", "--config", help="Recipe name or YAML path."),
+    quick: bool = typer.Option(False, "--quick", help="Smoke run: H=10, 40 steps, 10 ms steps."),
+    peer: bool = typer.Option(True, "--peer/--no-peer", help="Run torchft's DiLoCo too (skipped if not installed)."),
+    seed: int | None = typer.Option(None, "--seed", help="Data seed (default: the recipe's)."),
+) -> None:
+    """Time to a target loss behind a capped link: DP (modelled), sync and decoupled DiLoCo (real), torchft."""
+    from diloco.bench.wan import bench_wan
+
+    with user_errors():
+        bench_wan(json_path=json_path, link_mb_s=link_mb_s, steps=steps, step_time_s=step_time_s, rtt_ms=rtt_ms,
+                  config=config, quick=quick, peer=peer, seed=seed)
+
 @bench.command("merge")
 def _bench_merge(
     json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),

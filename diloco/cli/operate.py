@@ -85,9 +85,9 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
     """Continue a finished or stopped run: raise the target, clear the stop, start the roles; learners rejoin
     at the newest version with their checkpoints and data cursors."""
     with user_errors():
-        from rich.console import Console
-
         import os
+
+        from rich.console import Console
 
         from diloco import api
         from diloco.cli.view import LiveView, final_report

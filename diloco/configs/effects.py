@@ -26,6 +26,8 @@ _RULES: dict[str, tuple[Callable[[Config, str], bool], str]] = {
                          "deployment workers start their own flow runs"),
     "learner.probe_every_steps": (lambda cfg, path: cfg.learner.mode != "sync",
                                   "a sync learner waits for the version that decides its delta instead of probing"),
+    "learner.prefetch": (lambda cfg, path: cfg.learner.mode != "sync",
+                         "a sync learner installs the version that decides its delta itself, it never prefetches"),
 }
 
 

@@ -82,8 +82,9 @@ class ExperimentalConfig(_Strict):
     backlog_momentum: Literal["round_rate", "whole"] = "round_rate"
     # Momentum per "merge" (every merge decays it by mu and adds mu*buf: K=1 merges re-apply the look-ahead
     # once per delta) or per "round" (a merge carrying a share s of a round decays it by mu**s and adds
-    # s*mu*buf: a round of partial merges is about one outer step, but trains worse; docs/ENGINE.md).
-    momentum_per: Literal["merge", "round"] = "merge"
+    # s*mu*buf: a round of partial merges is about one outer step, but trains worse; docs/ENGINE.md), or "delayed"
+    # (delayed Nesterov: partial merges applied plainly, one momentum step once their shares add up to a round).
+    momentum_per: Literal["merge", "round", "delayed"] = "merge"
 
 
 # Keys that moved to another section: naming the old place is an error that names the new one.
@@ -117,6 +118,10 @@ class LearnerConfig(_Strict):
     mode: Literal["carry", "overwrite", "sync"] = "carry"
     probe_every_steps: int = Field(10, ge=1)  # a cheap HEAD for version b+1 this often
     max_updates_behind: int = Field(4, ge=1)  # further behind: fetch full params, not updates
+    # fetch newer globals in a background thread (polling every prefetch_poll_s) and install them at the next
+    # probe: on a thin link the training thread never waits for a download (off: the probe fetches itself)
+    prefetch: bool = False
+    prefetch_poll_s: float = Field(0.25, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int = Field(1, ge=1)  # torch threads per learner process (per rank)
     # A learner as a torch.distributed world of this many processes (DDP; gloo on CPU, nccl on CUDA): the

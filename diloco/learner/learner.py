@@ -17,6 +17,7 @@ import torch
 
 from diloco.learner.courier import Courier
 from diloco.learner.local_state import LocalState
+from diloco.learner.prefetch import Prefetcher, fetch_global
 from diloco.learner.publisher import Publisher
 from diloco.learner.ranks import build_trainer, lead_step
 from diloco.learner.resume import resume
@@ -32,7 +33,6 @@ from diloco.storage import (
     latest_version,
     manifest_exists,
     read_latest,
-    read_manifest,
 )
 from diloco.storage.codec import CodecError
 from diloco.storage.records import LearnerStatus, write_record
@@ -85,6 +85,7 @@ class Learner:
         self.cursor = 0  # batches of this learner's shard consumed so far (what a resume continues from)
         self._batches: Iterator | None = None  # the spec's batches from `cursor`, opened at join
         self.state = LearnerState()
+        self.prefetcher: Prefetcher | None = None  # learner.prefetch: newer globals fetched off the training thread
         self.loss_ema = float("nan")
         self.phase_t0 = time.time()
         self._last_beat = 0.0
@@ -110,6 +111,10 @@ class Learner:
         self.events.emit("join", learner=self.name, version=self.state.base, seq=self.state.seq,
                          cursor=resumed.cursor, step=resumed.step, **resumed.extra)
         self.heartbeat("joined", force=True, wait=True)  # the supervisor reads it to see the join
+        if self.cfg.learner.prefetch and self.cfg.learner.mode != "sync" and self.prefetcher is None:
+            self.prefetcher = Prefetcher(self.ctx, self.ctx.store, self.name, self.state.base, self.state.glob,
+                                         poll_s=self.cfg.learner.prefetch_poll_s,
+                                         max_updates_behind=self.cfg.learner.max_updates_behind)
         log.info("learner %s joined at version %d, next seq %d, data cursor %d, step %d %s", self.name,
                  self.state.base, self.state.seq, resumed.cursor, resumed.step, resumed.extra or "")
         return self.state.base
@@ -175,15 +180,17 @@ class Learner:
         return get_flat_params(self.model)
 
     # ---- the inner phase -----------------------------------------------------------------
-    def run_phase(self) -> PhaseStats:
-        """H inner steps, probing for a newer global version every few steps. A non-finite training loss
-        abandons the phase: its progress never reaches a merge (see abandon_phase)."""
+    def run_phase(self, num_steps: int | None = None) -> PhaseStats:
+        """H inner steps (or `num_steps`: a shorter first phase, a per-learner H), probing for a newer global
+        version every few steps. A non-finite training loss abandons the phase: its progress never reaches a
+        merge (see abandon_phase)."""
         cfg = self.cfg
+        num_steps = num_steps or cfg.inner.steps_per_phase
         stats = PhaseStats()
         t0 = time.time()
         losses = []
         every = cfg.learner.local_state_every_steps
-        for i in range(cfg.inner.steps_per_phase):
+        for i in range(num_steps):
             ts = time.time()
             if self.world is not None:
                 lead_step(self)
@@ -202,9 +209,9 @@ class Learner:
                 installed = self.maybe_install()
                 if installed is not None:
                     stats.installs.append(installed)
-            if every and (i + 1) % every == 0 and i + 1 < cfg.inner.steps_per_phase:
+            if every and (i + 1) % every == 0 and i + 1 < num_steps:
                 self.save_local()  # the phase's end is saved by publish()
-        stats.steps = cfg.inner.steps_per_phase
+        stats.steps = num_steps
         stats.loss = sum(losses) / len(losses)
         stats.phase_time_s = time.time() - t0
         self.loss_ema = stats.loss
@@ -239,6 +246,8 @@ class Learner:
         if self.world is not None:
             self.world.pending |= PARAMS | RESET
         self.state = LearnerState.at_version(manifest.version, glob, self.state.seq)
+        if self.prefetcher is not None:
+            self.prefetcher.rebase(manifest.version, glob)
         stats.phase_time_s, stats.tokens = time.time() - t0, 0
         return stats
 
@@ -295,7 +304,11 @@ class Learner:
 
     # ---- carry ---------------------------------------------------------------------------
     def maybe_install(self) -> int | None:
-        """Cheap probe for version base+1; on a newer version install it and return it."""
+        """Cheap probe for version base+1; on a newer version install it and return it. With a prefetcher:
+        install what it fetched (no request to the bucket on this thread)."""
+        if self.prefetcher is not None:
+            fetched = self.prefetcher.take()
+            return None if fetched is None else self.install(*fetched)
         try:
             if not manifest_exists(self.quick, self.ctx.keys, self.state.base + 1):
                 return None
@@ -308,21 +321,14 @@ class Learner:
             self.events.emit("install_failed", learner=self.name, version=self.state.base, reason=str(err))
             return None
 
-    def install(self, version: int) -> int:
-        """Move to `version`: theta = G + (theta - r) (carry) or G (overwrite); r = G."""
+    def install(self, version: int, glob: Tensors | None = None) -> int:
+        """Move to `version` (`glob`: G_version already fetched): theta = G + (theta - r) (carry) or G
+        (overwrite); r = G."""
         state = self.state
         behind = version - state.base
-        if behind <= self.cfg.learner.max_updates_behind:
-            glob = clone(state.glob)
-            for v in range(state.base + 1, version + 1):
-                m = read_manifest(self.ctx.store, self.ctx.keys, v)
-                _, update = read_tensors(self.ctx.store, m.update_key, fingerprint=self.ctx.fingerprint,
-                                           checksum=m.update_checksum)
-                add_(glob, update)
-        else:
-            m = read_manifest(self.ctx.store, self.ctx.keys, version)
-            _, glob = read_tensors(self.ctx.store, m.params_key, fingerprint=self.ctx.fingerprint,
-                                     checksum=m.params_checksum)
+        if glob is None:
+            glob = fetch_global(self.ctx, self.ctx.store, state.base, state.glob, version,
+                                self.cfg.learner.max_updates_behind)
         theta = self.theta()
         if self.cfg.learner.mode == "overwrite":
             new_theta = clone(glob)
@@ -333,6 +339,8 @@ class Learner:
             self.world.pending |= PARAMS
         self.events.emit("install", learner=self.name, version=version, previous=state.base, behind=behind)
         state.base, state.glob, state.ref = version, glob, clone(glob)
+        if self.prefetcher is not None:
+            self.prefetcher.rebase(version, glob)
         return version
 
     def wait_for_decision(self, seq: int, timeout_s: float, should_stop=lambda: False) -> int | None:
@@ -353,6 +361,8 @@ class Learner:
     def close(self, timeout_s: float = 60.0) -> None:
         if self.world is not None:
             self.world.control(STOP)
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.publisher.close(timeout_s)
         if self.local is not None:
             self.local.close()

@@ -8,7 +8,7 @@ own config sections and `steps_per_round`; the state lives in the bucket, never 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,10 +71,14 @@ def nesterov_step(
 
 @dataclass
 class OuterState:
-    """The outer optimizer's state: the momentum buffer and the update's quantization residual."""
+    """The outer optimizer's state: the momentum buffer and the update's quantization residual; under
+    `experimental.momentum_per: delayed` also the partial-round gradients applied plainly since the last
+    momentum step (`pending`) and the round share they add up to (empty / 0 otherwise)."""
 
     momentum: Tensors
     residual: Tensors
+    pending: Tensors = field(default_factory=dict)
+    pending_share: float = 0.0
 
     @classmethod
     def zeros_like(cls, params: Tensors) -> OuterState:
@@ -85,13 +89,19 @@ class OuterState:
         """Flat name -> tensor: "momentum/<param>" and "residual/<param>" (the stored .outer object)."""
         out = {f"momentum/{k}": v for k, v in self.momentum.items()}
         out.update({f"residual/{k}": v for k, v in self.residual.items()})
+        if self.pending:  # only delayed momentum has it: other rules store exactly what they always did
+            out.update({f"pending/{k}": v for k, v in self.pending.items()})
+            out["pending_share"] = torch.tensor([self.pending_share], dtype=torch.float64)
         return out
 
     @classmethod
     def from_tensors(cls, tensors: Tensors, params: Tensors) -> OuterState:
         """The inverse of to_tensors; ValueError naming the first tensor missing for one of `params`."""
         try:
-            return cls({k: tensors[f"momentum/{k}"] for k in params}, {k: tensors[f"residual/{k}"] for k in params})
+            pending = {k: tensors[f"pending/{k}"] for k in params} if "pending_share" in tensors else {}
+            share = float(tensors["pending_share"].reshape(-1)[0]) if pending else 0.0
+            return cls({k: tensors[f"momentum/{k}"] for k in params}, {k: tensors[f"residual/{k}"] for k in params},
+                       pending, share)
         except KeyError as err:
             raise ValueError(f"outer state lacks tensor {err}") from None
 
@@ -103,6 +113,8 @@ class OuterUpdate:
     exact: Tensors
     momentum: Tensors
     share: float  # the round share the step carried (1.0 without partial scaling)
+    pending: Tensors = field(default_factory=dict)  # delayed momentum: applied plainly, not in the buffer yet
+    pending_share: float = 0.0
 
 
 class OuterOptimizer:
@@ -143,10 +155,13 @@ class OuterOptimizer:
         no-op version that ships the residual and keeps the momentum)."""
         share = self.round_share(merged_steps)
         if grad is None:
-            return OuterUpdate({k: state.residual[k].clone() for k in params}, state.momentum, share)
+            return OuterUpdate({k: state.residual[k].clone() for k in params}, state.momentum, share,
+                               state.pending, state.pending_share)
         rounds = self.rounds(merged_steps)
         if share != 1.0:
             grad = {k: v * share for k, v in grad.items()}
+        if self.experimental.momentum_per == "delayed":
+            return self._delayed(params, state, grad, share, rounds)
         # A backlog (the merger or the storage was down): several rounds of progress in one merge. The step
         # applies all of it, but the momentum buffer takes it at one round's rate (grad / rounds), so momentum
         # does not re-apply the whole backlog on every following merge (which spiked the loss after outages).
@@ -158,10 +173,30 @@ class OuterOptimizer:
         exact = {k: (new_params[k] - params[k]) + state.residual[k] for k in params}
         return OuterUpdate(exact, momentum, share)
 
+    def _delayed(self, params: Tensors, state: OuterState, grad: Tensors, share: float, rounds: float) -> OuterUpdate:
+        """Delayed Nesterov (Asynchronous Local-SGD): a partial-round merge is applied plainly (lr * g) and
+        kept pending; once the pending shares add up to a round, the buffer takes them all (buf = mu*buf +
+        sum) and that merge adds the look-ahead: a round of partial merges moves the global by exactly one
+        Nesterov step of the round's gradient. A merge of a round or more is a plain Nesterov step (its
+        buffer taking (pending + g) / rounds under backlog_momentum: round_rate)."""
+        total = grad if not state.pending else {k: state.pending[k] + grad[k] for k in grad}
+        total_share = state.pending_share + share
+        if total_share < 1.0 - 1e-9:  # not a round yet: plain SGD, the buffer waits
+            new_params = {k: params[k].detach().float().add(grad[k].float(), alpha=-self.cfg.lr) for k in params}
+            exact = {k: (new_params[k] - params[k]) + state.residual[k] for k in params}
+            return OuterUpdate(exact, state.momentum, share, total, total_share)
+        spread = rounds > 1.0 and self.experimental.backlog_momentum == "round_rate"
+        buffer_grad = {k: v / rounds for k, v in total.items()} if spread else total
+        new_params, momentum = nesterov_step(params, grad, state.momentum, self.cfg.lr, self.cfg.momentum,
+                                             self.cfg.nesterov, buffer_grad=buffer_grad)
+        exact = {k: (new_params[k] - params[k]) + state.residual[k] for k in params}
+        return OuterUpdate(exact, momentum, share, {}, 0.0)
+
     def residual_after(self, exact: Tensors, shipped: Tensors) -> Tensors:
         """Error feedback: what quantization left out of `exact`, added to the next merge's update."""
         return {k: exact[k] - shipped[k] for k in exact}
 
     def state_after(self, update: OuterUpdate, shipped: Tensors) -> OuterState:
         """The state after `update` was shipped as `shipped` (its decoded tensors)."""
-        return OuterState(update.momentum, self.residual_after(update.exact, shipped))
+        return OuterState(update.momentum, self.residual_after(update.exact, shipped), update.pending,
+                          update.pending_share)

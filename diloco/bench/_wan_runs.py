@@ -1,0 +1,233 @@
+"""The real runs behind `diloco bench wan`: M learner processes, each reaching the bucket through its own
+capped link (ThrottledStore), the merger beside the bucket, every inner step padded to one compute time.
+
+Contract: a run processes exactly M x steps x B x T training tokens (steps / H phases per learner); its
+clock starts when every learner has joined; the loss curve is every committed version's held-out loss at
+its commit time, evaluated after the run (so evaluation takes no CPU from the learners); bytes are what
+each learner's link carried after its join, by object kind and in all.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco.bench._quality_runs import HeldOut
+from diloco.bench._traffic import CountingStore
+from diloco.configs import Config
+from diloco.storage.throttle import LinkSpec
+
+JOIN_TIMEOUT_S = 120.0  # learners' imports and joins on a loaded 2-core box
+
+
+@dataclass(frozen=True)
+class WanRun:
+    """One method behind one link: `mode` sync (quorum M, learners wait) or carry (the recipe's quorum and
+    grace window; learners never wait). `cohorts`: odd learners start with half a phase (two cohorts half a
+    phase apart, quorum M/2, no grace: bench quality's "alternate" schedule in real time)."""
+
+    name: str
+    mode: str
+    link: LinkSpec
+    step_time_s: float
+    steps: int  # inner steps per learner
+    cohorts: bool = False
+
+
+@dataclass
+class LearnerReport:
+    name: str
+    compute_s: float  # inner steps, padded to step_time_s: the emulated compute
+    real_compute_s: float  # the same steps unpadded (this machine's CPU time per step, under its load)
+    steps: int
+    start_s: float  # from the run's clock
+    end_s: float  # its last phase done (sync: decided)
+    installs: int
+    link: dict[str, float]
+    sent: dict[str, int]
+    received: dict[str, int]
+
+    @property
+    def busy(self) -> float:
+        span = self.end_s - self.start_s
+        return self.compute_s / span if span > 0 else 0.0
+
+
+@dataclass
+class WanResult:
+    curve: list[tuple[float, float]]  # (seconds since the clock started, held-out nats/byte) per version
+    final_loss: float
+    versions: int
+    wall_s: float
+    learners: list[LearnerReport] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class PaddedSteps:
+    """Wraps a trainer's train_step: each step lasts at least `step_time_s` (the rest is slept), as if the
+    site computed at that speed; counts the padded and the real time."""
+
+    def __init__(self, trainer, step_time_s: float) -> None:
+        self.step_time_s, self.compute_s, self.real_s, self.steps = step_time_s, 0.0, 0.0, 0
+        self._inner = trainer.train_step
+        trainer.train_step = self
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        loss = self._inner(x, y)
+        real = time.perf_counter() - t0
+        if real < self.step_time_s:
+            time.sleep(self.step_time_s - real)
+        self.compute_s += time.perf_counter() - t0
+        self.real_s += real
+        self.steps += 1
+        return loss
+
+
+def engine_overrides(cfg: Config, run: WanRun) -> dict[str, Any]:
+    """Checkpoints and local state off (nothing restarts; a bucket checkpoint would also share the uplink);
+    the merger polls every 20 ms (a sync learner's wait is not a polling artefact)."""
+    m = cfg.run.num_learners
+    out: dict[str, Any] = {
+        "learner.mode": run.mode, "learner.checkpoint": False, "learner.local_state_every_steps": 0,
+        "learner.device": "cpu", "merger.poll_interval_s": 0.02, "inner.total_steps": run.steps,
+        "run.num_versions": 1 << 30,
+    }
+    if run.mode == "sync":
+        out.update({"merger.quorum": m, "merger.grace_cap_s": 0.0, "merger.quorum_timeout_s": 600.0})
+    elif run.cohorts:
+        out.update({"merger.quorum": max(1, m // 2), "merger.grace_cap_s": 0.0})
+    return out
+
+
+def phase_plan(steps: int, h: int, half_first: bool) -> list[int]:
+    """Steps of each phase: steps / H phases of H, or (the second cohort) H/2, then H, ..., then H/2."""
+    plan = [h] * (steps // h)
+    if half_first and h >= 2 and plan:
+        plan = [h // 2, *plan[1:], h - h // 2]
+    return plan
+
+
+def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: bool, corpus, barrier, out) -> None:
+    """One learner process (forked: `corpus` is the parent's): join through its link, wait for everyone,
+    then steps / H phases."""
+    from diloco.learner.learner import Learner
+    from diloco.run.context import open_run
+    from diloco.storage import open_store
+    from diloco.storage.throttle import ThrottledStore
+
+    torch.set_num_threads(1)
+    try:
+        counting = CountingStore(ThrottledStore(open_store(url), run.link))
+        ctx = open_run(counting, run_id)
+        learner = Learner(ctx, name, corpus)
+        padded = PaddedSteps(learner.trainer, run.step_time_s)
+        learner.join()
+        joined_link = counting.inner.link.snapshot()
+        counting.reset()
+        t0 = barrier_wait(barrier)
+        start, installs = time.time() - t0, 0
+        for num_steps in phase_plan(run.steps, ctx.cfg.inner.steps_per_phase, half_first):
+            stats = learner.run_phase(num_steps)
+            seq = learner.publish(stats)
+            if seq is not None and run.mode == "sync":
+                learner.wait_for_decision(seq, timeout_s=ctx.cfg.merger.quorum_timeout_s)
+            installs += len(stats.installs)
+        end = time.time() - t0
+        learner.close()
+        link = {k: v - joined_link.get(k, 0) for k, v in counting.inner.link.snapshot().items()}
+        out.put(("ok", name, LearnerReport(name, padded.compute_s, padded.real_s, padded.steps, start, end,
+                                           installs, link, dict(counting.sent), dict(counting.received))))
+    except BaseException as err:  # reported to the parent, which raises it: a bench must not hang on a dead child
+        out.put(("error", name, f"{type(err).__name__}: {err}"))
+        raise
+
+
+def barrier_wait(barrier) -> float:
+    """Wait for every learner and the parent; the clock's zero is when the last one arrived (each process
+    reads it as it leaves the barrier: the same instant to within a scheduler tick)."""
+    barrier.wait(JOIN_TIMEOUT_S)
+    return time.time()
+
+
+def _merge_until_done(merger, procs, drain, deadline_s: float) -> None:
+    """Merge until every learner has reported (or exited) and nothing is pending; reports are read as they
+    come (a child's queue must not fill while the parent merges)."""
+    deadline = time.time() + deadline_s
+
+    def done() -> bool:
+        reported = len(drain()) == len(procs) or all(not p.is_alive() for p in procs)
+        if time.time() > deadline:
+            raise RuntimeError(f"run still going after {deadline_s:.0f}s: version {merger.version}, "
+                               f"learners alive {[p.is_alive() for p in procs]}, reports {sorted(drain())}")
+        return reported and merger.pending().num_learners == 0
+
+    while not done():
+        merger.merge_once(should_stop=done)
+        if any(p.exitcode not in (None, 0) for p in procs):
+            raise RuntimeError(f"a learner process died: {drain()}")
+
+
+def _curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
+    from diloco.inspect.report import manifests
+    from diloco.run.objects import read_tensors
+
+    out = []
+    for m in manifests(ctx):
+        _, params = read_tensors(ctx.store, m.params_key, fingerprint=ctx.fingerprint, checksum=m.params_checksum)
+        out.append((max(0.0, m.created_at - t0), held.loss(params), m.version))
+    return out
+
+
+def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
+    """One real run: learners forked from this process (torch already imported: a fork is fast), the merger here."""
+    from diloco.merger.merger import Merger
+    from diloco.run.context import create_run
+    from diloco.run.corpus import load_run_corpus
+    from diloco.storage import open_store
+
+    cfg = cfg.with_overrides({**engine_overrides(cfg, run), "data.seed": seed})
+    m, h = cfg.run.num_learners, cfg.inner.steps_per_phase
+    if run.steps % h:
+        raise ValueError(f"steps ({run.steps}) must be a multiple of inner.steps_per_phase ({h})")
+    torch.set_num_threads(1)
+    ctx_mp = mp.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="diloco-wan-") as tmp:
+        url = f"file://{tmp}"
+        ctx = create_run(open_store(url), f"wan-{run.name}", cfg)
+        barrier, out, corpus = ctx_mp.Barrier(m + 1), ctx_mp.Queue(), load_run_corpus(cfg.data)
+        half_first = [run.cohorts and i % 2 == 1 for i in range(m)]  # two cohorts half a phase apart
+        procs = [ctx_mp.Process(target=_learner_main, args=(url, ctx.run_id, name, run, half_first[i], corpus, barrier, out),
+                                name=f"wan-{name}", daemon=True) for i, name in enumerate(ctx.learners)]
+        for p in procs:
+            p.start()
+        merger = Merger(ctx)
+        merger.load()
+        barrier.wait(JOIN_TIMEOUT_S)
+        t0 = time.time()
+        reports: dict[str, Any] = {}
+
+        def drain() -> dict[str, Any]:
+            while not out.empty():
+                status, name, body = out.get()
+                reports[name] = (status, body)
+            return reports
+
+        expected_s = run.steps * run.step_time_s
+        _merge_until_done(merger, procs, drain, deadline_s=max(600.0, 20 * expected_s))
+        for p in procs:
+            p.join(30)
+        errors = {k: v for k, (s, v) in reports.items() if s != "ok"}
+        if errors or len(reports) < m:
+            raise RuntimeError(f"{run.name}: learners failed: {errors or 'no report'}")
+        learners = [reports[name][1] for name in ctx.learners]
+        curve = _curve(ctx, held, t0)
+    wall = curve[-1][0]  # the clock's start to the last commit
+    return WanResult([(t, loss) for t, loss, _ in curve], curve[-1][1], curve[-1][2], wall, learners,
+                     {"versions_per_phase": curve[-1][2] / max(1, run.steps // h)})
+

@@ -1,0 +1,254 @@
+"""`diloco bench wan`: wall-clock time to a target held-out loss when every learner's link to the bucket is
+capped — data-parallel (modelled all-reduce), synchronous DiLoCo and Decoupled DiLoCo (real runs through
+ThrottledStore), and torchft's DiLoCo (its loss measured, its all-reduce time modelled like DP's).
+
+Contract: equal tokens for every method; prints a table per cap (the paper-equivalent cap X, 2X, X/2) and
+writes JSON {"link_mb_s", "target_loss", "time_to_target_s": {...}, "speedup_vs_dp", "traffic_ratio_vs_dp":
+{"sent", "received"}, "final_loss": {...}, "busy", "rows": [...], "config"}; targets are reported, never
+assumed. What is modelled and what is measured is written into the JSON ("model").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco.bench._quality_runs import HeldOut
+from diloco.bench._wan_runs import WanResult, WanRun, run_wan
+from diloco.bench.bandwidth import allreduce_bytes_per_step
+from diloco.configs import Config, ConfigError, load_config
+from diloco.run.corpus import load_run_corpus
+from diloco.storage.throttle import LinkSpec
+from diloco.training.data import ShardSampler
+from diloco.training.inner import InnerTrainer, evaluate
+from diloco.training.model import build_model
+
+# The paper's setting: data-parallel needs ~198 Gbps per site to keep up, the links have 5 Gbps (Decoupled
+# DiLoCo blog; ALGORITHM.md), so each step's all-reduce would take 198 / 5 = 39.6 times its compute.
+PAPER_NEEDED_GBPS, PAPER_LINK_GBPS = 198.0, 5.0
+COMM_OVER_COMPUTE = PAPER_NEEDED_GBPS / PAPER_LINK_GBPS
+TARGET_OVER_DP = 1.02  # the target loss: data-parallel's final held-out loss x this
+TARGETS = {"speedup_vs_dp_min": 20.0, "decoupled_busy_min": 0.95}
+CAP_FACTORS = (1.0, 2.0, 0.5)  # rows: the paper-equivalent cap, twice it, half of it
+QUICK = {"inner.steps_per_phase": 10, "inner.warmup_steps": 5, "eval.num_batches": 2, "eval.batch_size": 16}
+QUICK_STEPS, QUICK_STEP_TIME_S = 40, 0.01
+
+
+def dp_curve(cfg: Config, held: HeldOut, steps: int, every: int) -> list[tuple[int, float]]:
+    """Data-parallel at equal tokens (one model, batch M x B, AdamW every step): (step, held-out loss)."""
+    corpus = load_run_corpus(cfg.data)
+    model = build_model(cfg.model, seed=cfg.data.seed)
+    trainer = InnerTrainer(model, cfg.inner)
+    sampler = ShardSampler(corpus.train, 0, 1, cfg.run.num_learners * cfg.data.batch_size, cfg.model.ctx_len,
+                           cfg.data.seed)
+    curve = [(0, evaluate(model, held.batches))]
+    for s in range(1, steps + 1):
+        trainer.train_step(*sampler.next_batch())
+        if s % every == 0 or s == steps:
+            curve.append((s, evaluate(model, held.batches)))
+    return curve
+
+
+def allreduce_s(num_bytes: float, link: LinkSpec, num_learners: int) -> float:
+    """A ring all-reduce of `num_bytes` per learner over `link`: 2(M-1)/M x bytes / rate, plus 2(M-1)
+    one-way hops of half a round trip each."""
+    rate = min(link.up_bytes_per_s, link.down_bytes_per_s)
+    return allreduce_bytes_per_step(1, num_learners, num_bytes) / rate + (num_learners - 1) * link.rtt_s
+
+
+def first_below(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The first time (or step) at which the loss is at or below `target`; None if never."""
+    return next((t for t, loss in curve if loss <= target), None)
+
+
+def default_cap_mb_s(num_params: int, num_learners: int, step_time_s: float) -> float:
+    """The cap at which DP's all-reduce of fp32 gradients takes COMM_OVER_COMPUTE x its compute per step."""
+    return allreduce_bytes_per_step(num_params, num_learners) / (COMM_OVER_COMPUTE * step_time_s) / 1e6
+
+
+def _per_learner(result: WanResult, key: str) -> float:
+    return sum(r.link[key] for r in result.learners) / len(result.learners)
+
+
+def _engine_entry(result: WanResult, target: float) -> dict[str, Any]:
+    busy = [r.busy for r in result.learners]
+    return {
+        "time_to_target_s": first_below(result.curve, target), "final_loss": result.final_loss,
+        "wall_s": result.wall_s, "versions": result.versions,
+        "bytes_sent_per_learner": _per_learner(result, "bytes_up"),
+        "bytes_received_per_learner": _per_learner(result, "bytes_down"),
+        "delta_bytes_sent_per_learner": sum(r.sent.get("delta", 0) for r in result.learners) / len(busy),
+        "global_bytes_received_per_learner": sum(r.received.get("global", 0) for r in result.learners) / len(busy),
+        "busy_mean": sum(busy) / len(busy), "busy_min": min(busy), "busy_per_learner": busy,
+        "step_s_mean": sum(r.compute_s for r in result.learners) / sum(r.steps for r in result.learners),
+        "real_step_s_mean": sum(r.real_compute_s for r in result.learners) / sum(r.steps for r in result.learners),
+        "installs_per_learner": [r.installs for r in result.learners],
+        "requests_per_learner": sum(r.link["requests"] for r in result.learners) / len(busy),
+        "curve": [[round(t, 3), loss] for t, loss in result.curve], **result.extra,
+    }
+
+
+def _dp_entry(curve: list[tuple[int, float]], step_s: float, comm_s: float, steps: int, num_params: int,
+              num_learners: int, target: float) -> dict[str, Any]:
+    per_step = step_s + comm_s
+    timed = [(s * per_step, loss) for s, loss in curve]
+    traffic = steps * allreduce_bytes_per_step(num_params, num_learners)
+    return {"time_to_target_s": first_below(timed, target), "final_loss": curve[-1][1], "wall_s": steps * per_step,
+            "step_s": per_step, "compute_s_per_step": step_s, "allreduce_s_per_step": comm_s,
+            "busy_mean": step_s / per_step, "bytes_sent_per_learner": traffic, "bytes_received_per_learner": traffic,
+            "curve": [[round(t, 3), loss] for t, loss in timed], "modelled": True}
+
+
+def _row(cap_mb_s: float, link: LinkSpec, dp: list[tuple[int, float]], runs: dict[str, WanResult],
+         peer: dict[str, Any] | None, steps: int, num_params: int, num_learners: int) -> dict[str, Any]:
+    target = dp[-1][1] * TARGET_OVER_DP
+    methods = {name: _engine_entry(r, target) for name, r in runs.items()}
+    dec = methods["decoupled"]
+    dp_step_s = dec["step_s_mean"]  # DP computes the same per-site batch on the same (emulated) hardware
+    methods["dp"] = _dp_entry(dp, dp_step_s, allreduce_s(4.0 * num_params, link, num_learners), steps,
+                              num_params, num_learners, target)
+    if peer is not None:
+        from diloco.bench.peer_torchft import wan_entry
+
+        methods["torchft_diloco"] = wan_entry(peer, dp_step_s, link, num_learners, target)
+    order = ["dp", "sync_diloco", "decoupled", "torchft_diloco"]
+    methods = {k: methods[k] for k in order if k in methods}
+    ttt = {k: v["time_to_target_s"] for k, v in methods.items()}
+    dp_m = methods["dp"]
+    return {
+        "link_mb_s": cap_mb_s, "rtt_s": link.rtt_s, "target_loss": target, "time_to_target_s": ttt,
+        "speedup_vs_dp": ttt["dp"] / ttt["decoupled"] if ttt["dp"] and ttt["decoupled"] else None,
+        "traffic_ratio_vs_dp": {"sent": dp_m["bytes_sent_per_learner"] / dec["bytes_sent_per_learner"],
+                                "received": dp_m["bytes_received_per_learner"] / dec["bytes_received_per_learner"]},
+        "final_loss": {k: v["final_loss"] for k, v in methods.items()},
+        "busy": {k: v["busy_mean"] for k, v in methods.items()}, "decoupled_busy_min": dec["busy_min"],
+        "methods": methods,
+    }
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="time to target held-out loss behind a capped link (per learner, each way)")
+    for col in ("cap MB/s", "method", "time to target s", "final nats/byte", "wall s", "busy", "sent MB",
+                "recv MB", "vs DP: speedup / sent / recv"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        for name, m in row["methods"].items():
+            ttt = m["time_to_target_s"]
+            vs = ""
+            if name == "decoupled":
+                sp = row["speedup_vs_dp"]
+                vs = (f"{sp:.1f}x" if sp else "-") + f" / {row['traffic_ratio_vs_dp']['sent']:.0f}x" \
+                     f" / {row['traffic_ratio_vs_dp']['received']:.0f}x"
+            table.add_row(f"{row['link_mb_s']:.4g}", name + (" (modelled)" if m.get("modelled") else ""),
+                          "never" if ttt is None else f"{ttt:.1f}", f"{m['final_loss']:.4f}", f"{m['wall_s']:.1f}",
+                          f"{m['busy_mean']:.3f}", f"{m['bytes_sent_per_learner'] / 1e6:.2f}",
+                          f"{m['bytes_received_per_learner'] / 1e6:.2f}", vs)
+        table.add_section()
+    Console().print(table)
+    head = rows[0]
+    Console().print(f"target {head['target_loss']:.4f} nats/byte (DP final x {TARGET_OVER_DP}); at the paper-equivalent "
+                    f"cap {head['link_mb_s']:.4g} MB/s: speedup_vs_dp "
+                    f"{head['speedup_vs_dp'] and round(head['speedup_vs_dp'], 1)} (target >= "
+                    f"{TARGETS['speedup_vs_dp_min']:g}), decoupled busy min {head['decoupled_busy_min']:.3f} "
+                    f"(target >= {TARGETS['decoupled_busy_min']})")
+
+
+def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, steps: int | None = None,
+              step_time_s: float = 0.05, rtt_ms: float = 2.0, config: str = "bench", quick: bool = False,
+              peer: bool = True, seed: int | None = None) -> dict[str, Any]:
+    """DP (modelled), sync DiLoCo and Decoupled DiLoCo (real), torchft DiLoCo (peer) behind capped links."""
+    torch.set_num_threads(1)
+    cfg = load_config(config)
+    steps = steps or cfg.inner.total_steps
+    if quick:
+        cfg, steps, step_time_s = cfg.with_overrides(QUICK), QUICK_STEPS, QUICK_STEP_TIME_S
+    if seed is not None:
+        cfg = cfg.with_overrides({"data.seed": seed})
+    cfg = cfg.with_overrides({"inner.total_steps": steps})
+    if steps % cfg.inner.steps_per_phase:
+        raise ConfigError(f"--steps {steps} must be a multiple of inner.steps_per_phase ({cfg.inner.steps_per_phase})")
+    if step_time_s <= 0 or rtt_ms < 0:
+        raise ConfigError("--step-time-s must be > 0 and --rtt-ms >= 0")
+    m, log = cfg.run.num_learners, (lambda s: print(s, file=sys.stderr, flush=True))
+    num_params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    base_cap = link_mb_s or default_cap_mb_s(num_params, m, step_time_s)
+    held, t_start = HeldOut(cfg, load_run_corpus(cfg.data)), time.time()
+    log(f"bench wan: {num_params:,} params, M={m}, {steps} steps per learner, step {step_time_s * 1e3:g} ms, "
+        f"paper-equivalent cap {base_cap:.4g} MB/s, rtt {rtt_ms:g} ms")
+    dp = dp_curve(cfg, held, steps, every=max(1, cfg.inner.steps_per_phase // 2))
+    log(f"  dp: final {dp[-1][1]:.4f} ({time.time() - t_start:.0f}s)")
+    peer_run, peer_skipped = _peer(cfg, steps, step_time_s, log) if peer else (None, "--no-peer")
+    rows = []
+    for factor in CAP_FACTORS:
+        cap = base_cap * factor
+        link = LinkSpec.symmetric(cap, rtt_ms / 1e3)
+        runs = {}
+        for name, mode in (("sync_diloco", "sync"), ("decoupled", "carry")):
+            runs[name] = run_wan(cfg, WanRun(name, mode, link, step_time_s, steps), held, cfg.data.seed)
+            log(f"  {cap:.4g} MB/s {name}: final {runs[name].final_loss:.4f}, wall {runs[name].wall_s:.1f}s "
+                f"({time.time() - t_start:.0f}s)")
+        rows.append(_row(cap, link, dp, runs, peer_run, steps, num_params, m))
+    result = {**{k: v for k, v in rows[0].items() if k != "methods"}, "methods": rows[0]["methods"], "rows": rows,
+              "targets": TARGETS, "config": _config_record(cfg, steps, step_time_s, rtt_ms, num_params, base_cap,
+                                                             link_mb_s is None, peer_run, time.time() - t_start)}
+    result["config"]["torchft_skipped"] = peer_skipped
+    _print_rows(rows)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _peer(cfg: Config, steps: int, step_time_s: float, log) -> tuple[dict[str, Any] | None, str | None]:
+    """torchft's DiLoCo on the same model, data and tokens, or (None, why not)."""
+    from diloco.bench.peer_torchft import PeerUnavailable, run_torchft
+
+    try:
+        run = run_torchft(cfg, steps, cfg.data.seed)
+    except PeerUnavailable as err:
+        log(f"  torchft_diloco: skipped: {err}")
+        return None, str(err)
+    log(f"  torchft_diloco: final {run['final_loss']:.4f} ({run['wall_s']:.0f}s)")
+    return run, None
+
+
+def _config_record(cfg: Config, steps: int, step_time_s: float, rtt_ms: float, num_params: int, base_cap: float,
+                   cap_is_default: bool, peer_run, wall_s: float) -> dict[str, Any]:
+    m = cfg.run.num_learners
+    dp_bytes = allreduce_bytes_per_step(num_params, m)
+    return {
+        "recipe": cfg.name, "num_learners": m, "num_params": num_params, "steps_per_learner": steps,
+        "inner_steps_per_phase": cfg.inner.steps_per_phase, "batch_size": cfg.data.batch_size,
+        "ctx_len": cfg.model.ctx_len, "tokens_per_method": m * steps * cfg.data.batch_size * cfg.model.ctx_len,
+        "seed": cfg.data.seed, "step_time_s": step_time_s, "rtt_ms": rtt_ms, "codec": cfg.learner.codec,
+        "update_codec": cfg.outer.update_codec, "outer": cfg.outer.model_dump(), "wall_s": wall_s,
+        "cap": {"mb_s": base_cap, "default": cap_is_default, "comm_over_compute": COMM_OVER_COMPUTE,
+                "dp_allreduce_bytes_per_step": dp_bytes,
+                "arithmetic": f"DP all-reduce per step = 2(M-1)/M x 4 B x {num_params:,} = {dp_bytes:,.0f} B; "
+                              f"{PAPER_NEEDED_GBPS:g} Gbps needed / {PAPER_LINK_GBPS:g} Gbps available = "
+                              f"{COMM_OVER_COMPUTE:.1f} x compute; cap = {dp_bytes:,.0f} B / ({COMM_OVER_COMPUTE:.1f} x "
+                              f"{step_time_s:g} s) = {dp_bytes / (COMM_OVER_COMPUTE * step_time_s) / 1e6:.4g} MB/s"},
+        "torchft": None if peer_run is None else {k: v for k, v in peer_run.items() if k != "curve"},
+        "model": {
+            "measured": "sync_diloco and decoupled: real learner processes, every store request through a "
+                        "ThrottledStore (cap each way, FIFO, rtt per request); held-out loss of every committed "
+                        "version at its commit time; bytes each learner's link carried after its join",
+            "emulated": f"compute: every inner step padded to {step_time_s:g} s (the rest slept), so M learners "
+                        "on a shared 2-core box compute at one fixed speed; real step times are in real_step_s_mean",
+            "modelled": "dp: measured loss per step (batch M x B, one AdamW step per step) on a time axis of "
+                        "(decoupled learners' measured step time + ring all-reduce of fp32 gradients at the cap: "
+                        "2(M-1)/M x 4N / cap + (M-1) x rtt) per step; torchft_diloco: its measured loss per sync "
+                        "on a time axis of its steps x the same step time + per sync its measured all-reduce "
+                        "payload as a ring all-reduce at the cap",
+            "schedules": "sync_diloco: learner.mode sync, quorum M, learners wait for each version; decoupled: "
+                         "the recipe as shipped (carry mode, its quorum and grace window, its learner.prefetch), "
+                         "learners never wait",
+        },
+    }

@@ -1,0 +1,96 @@
+"""Fetching a newer global: the compact updates (or the full params when far behind), on the training
+thread (`fetch_global`) or ahead of it in a background thread (`Prefetcher`, `learner.prefetch`).
+
+Contract: fetch_global(base, glob, version) returns G_version with the exact bits every learner and the
+merger hold (G_v = G_{v-1} + decode(update_v)); inputs are not modified. A Prefetcher polls for version
+base+1, fetches everything up to the newest version and hands it over with `take()` — the training
+thread installs without a single request to the bucket; storage trouble is logged and retried on the
+next poll, never raised; `rebase` follows an install made another way (a sync wait, a resume).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from diloco.run.context import RunContext
+from diloco.run.objects import read_tensors
+from diloco.storage import StorageError, latest_version, manifest_exists, read_manifest
+from diloco.storage.codec import CodecError
+from diloco.storage.store import Store
+from diloco.training.tensors import Tensors, add_, clone
+
+log = logging.getLogger("diloco.learner")
+
+
+def fetch_global(ctx: RunContext, store: Store, base: int, glob: Tensors, version: int,
+                 max_updates_behind: int) -> Tensors:
+    """G_version from (base, G_base): the updates base+1..version, or the full params when more than
+    `max_updates_behind` behind. StorageError / CodecError from the bucket."""
+    if version - base <= max_updates_behind:
+        out = clone(glob)
+        for v in range(base + 1, version + 1):
+            m = read_manifest(store, ctx.keys, v)
+            _, update = read_tensors(store, m.update_key, fingerprint=ctx.fingerprint, checksum=m.update_checksum)
+            add_(out, update)
+        return out
+    m = read_manifest(store, ctx.keys, version)
+    _, params = read_tensors(store, m.params_key, fingerprint=ctx.fingerprint, checksum=m.params_checksum)
+    return params
+
+
+class Prefetcher:
+    """A daemon thread that keeps the newest committed global fetched; `take()` hands it over once."""
+
+    def __init__(self, ctx: RunContext, store: Store, name: str, base: int, glob: Tensors, *,
+                 poll_s: float, max_updates_behind: int) -> None:
+        self.ctx, self.store, self.name = ctx, store, name
+        self.poll_s, self.max_updates_behind = poll_s, max_updates_behind
+        self._lock = threading.Lock()
+        self._base, self._glob = base, clone(glob)  # the newest version fetched (handed over or not)
+        self._ready: tuple[int, Tensors] | None = None
+        self._stop = threading.Event()
+        self.fetches = 0  # versions fetched (for a report)
+        self._thread = threading.Thread(target=self._run, name=f"prefetch-{name}", daemon=True)
+        self._thread.start()
+
+    def take(self) -> tuple[int, Tensors] | None:
+        """(version, G_version) fetched since the last take, the newest only; None when nothing new."""
+        with self._lock:
+            ready, self._ready = self._ready, None
+            return ready
+
+    def rebase(self, base: int, glob: Tensors) -> None:
+        """The learner moved to `base` by itself: fetch from there (drops an older fetch not taken yet)."""
+        with self._lock:
+            if base >= self._base:
+                self._base, self._glob = base, clone(glob)
+                self._ready = None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._poll()
+            except (StorageError, CodecError) as err:
+                log.warning("learner %s: prefetch failed (%s); retrying", self.name, err)
+            self._stop.wait(self.poll_s)
+
+    def _poll(self) -> None:
+        with self._lock:
+            base, glob = self._base, self._glob
+        if not manifest_exists(self.store, self.ctx.keys, base + 1):
+            return
+        latest = latest_version(self.store, self.ctx.keys)
+        if latest is None or latest <= base:
+            return
+        fetched = fetch_global(self.ctx, self.store, base, glob, latest, self.max_updates_behind)
+        with self._lock:
+            if self._base != base:  # rebased meanwhile: this fetch builds on an older chain
+                return
+            self._base, self._glob = latest, fetched
+            self._ready = (latest, clone(fetched))
+            self.fetches += latest - base

@@ -1,0 +1,126 @@
+"""learner.prefetch: a background thread fetches the newer global, the training thread installs it with no
+request to the bucket, and holds the exact bits a learner fetching on the training thread holds; the
+prefetcher follows installs made another way and rides out storage errors.
+Run: `.venv/bin/pytest tests/integration/test_prefetch.py`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+from diloco.run.corpus import load_run_corpus
+
+from diloco.configs import load_config
+from diloco.learner.learner import Learner
+from diloco.learner.prefetch import Prefetcher
+from diloco.merger.merger import Merger
+from diloco.run.context import create_run
+from diloco.storage import TransientError, open_store
+from diloco.storage.wrapper import WrapperStore
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_run_corpus(load_config("tiny").data)
+
+
+def _run(prefetch: bool):
+    cfg = load_config("tiny").with_overrides({
+        "run.num_learners": 2, "merger.quorum": 1, "merger.grace_cap_s": 0.0, "learner.prefetch": prefetch,
+        "learner.prefetch_poll_s": 0.01, "learner.checkpoint": False, "learner.local_state_every_steps": 0,
+        "learner.probe_every_steps": 1000})
+    return create_run(open_store(f"memory://prefetch-{uuid.uuid4().hex[:10]}"), "pf", cfg)
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.time() + timeout_s
+    while not predicate():
+        if time.time() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
+
+
+def _two_versions(ctx, corpus) -> tuple[Learner, Learner]:
+    a, b = Learner(ctx, "local-0", corpus), Learner(ctx, "local-1", corpus)
+    a.join(), b.join()
+    merger = Merger(ctx)
+    merger.load()
+    for _ in range(2):
+        a.publish(a.run_phase())
+        a.publisher.drain()
+        merger.merge_once()
+    return a, b
+
+
+class Counting(WrapperStore):
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.calls = 0
+
+    def _over(self, inner):
+        return self
+
+    def get(self, key: str) -> bytes:
+        self.calls += 1
+        return self.inner.get(key)
+
+    def exists(self, key: str) -> bool:
+        self.calls += 1
+        return self.inner.exists(key)
+
+
+def test_prefetched_install_has_the_same_bits_and_needs_no_request(corpus) -> None:
+    plain_a, plain_b = _two_versions(_run(False), corpus)
+    ctx = _run(True)
+    pre_a, pre_b = _two_versions(ctx, corpus)
+    _wait_for(lambda: pre_b.prefetcher.fetches == 2)
+    counting = Counting(pre_b.ctx.store)
+    pre_b.ctx.store = pre_b.quick = counting
+    assert pre_b.maybe_install() == 2 and counting.calls == 0
+    assert plain_b.maybe_install() == 2
+    for k, v in plain_b.theta().items():
+        assert torch.equal(v, pre_b.theta()[k]), k
+        assert torch.equal(plain_b.state.glob[k], pre_b.state.glob[k]), k
+    assert pre_b.maybe_install() is None  # handed over once
+    for learner in (plain_a, plain_b, pre_a, pre_b):
+        learner.close()
+
+
+def test_rebase_follows_an_install_made_another_way(corpus) -> None:
+    ctx = _run(False)
+    a, b = _two_versions(ctx, corpus)
+    fetcher = Prefetcher(ctx, ctx.store, "local-1", 0, b.state.glob, poll_s=30.0, max_updates_behind=4)
+    b.install(2)
+    fetcher.rebase(2, b.state.glob)
+    assert fetcher.take() is None  # an older fetch (if it ran) is dropped; nothing newer than 2 exists
+    fetcher.close()
+    a.close(), b.close()
+
+
+class Flaky(WrapperStore):
+    def __init__(self, inner, failures: int) -> None:
+        super().__init__(inner)
+        self.failures = failures
+
+    def _over(self, inner):
+        return self
+
+    def exists(self, key: str) -> bool:
+        if self.failures > 0:
+            self.failures -= 1
+            raise TransientError("injected")
+        return self.inner.exists(key)
+
+
+def test_storage_errors_are_retried_on_the_next_poll(corpus) -> None:
+    ctx = _run(False)
+    a, b = _two_versions(ctx, corpus)
+    fetcher = Prefetcher(ctx, Flaky(ctx.store, 3), "local-1", 0, b.state.glob, poll_s=0.01, max_updates_behind=4)
+    _wait_for(lambda: fetcher.fetches == 2)
+    version, glob = fetcher.take()
+    assert version == 2 and set(glob) == set(b.state.glob)
+    fetcher.close()
+    a.close(), b.close()
