@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from diloco.bench._quality_runs import HeldOut
-from diloco.bench._traffic import CountingStore
 from diloco.configs import Config
 from diloco.storage.throttle import LinkSpec
+from diloco.storage.traffic import CountingStore
 
 JOIN_TIMEOUT_S = 120.0  # learners' imports and joins on a loaded 2-core box
 
@@ -77,9 +77,9 @@ class PaddedSteps:
         self._inner = trainer.train_step
         trainer.train_step = self
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def __call__(self, *batch: Any) -> float:
         t0 = time.perf_counter()
-        loss = self._inner(x, y)
+        loss = self._inner(*batch)
         real = time.perf_counter() - t0
         if real < self.step_time_s:
             time.sleep(self.step_time_s - real)
@@ -118,6 +118,7 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
     then steps / H phases."""
     from diloco.learner.learner import Learner
     from diloco.run.context import open_run
+    from diloco.specs.gpt import make_spec
     from diloco.storage import open_store
     from diloco.storage.throttle import ThrottledStore
 
@@ -125,7 +126,7 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
     try:
         counting = CountingStore(ThrottledStore(open_store(url), run.link))
         ctx = open_run(counting, run_id)
-        learner = Learner(ctx, name, corpus)
+        learner = Learner(ctx, name, make_spec(ctx.cfg, corpus))
         padded = PaddedSteps(learner.trainer, run.step_time_s)
         learner.join()
         joined_link = counting.inner.link.snapshot()
@@ -187,8 +188,8 @@ def _curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
 def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
     """One real run: learners forked from this process (torch already imported: a fork is fast), the merger here."""
     from diloco.merger.merger import Merger
-    from diloco.run.context import create_run
-    from diloco.run.corpus import load_run_corpus
+    from diloco.run.create import create_run
+    from diloco.specs.gpt import load_corpus
     from diloco.storage import open_store
 
     cfg = cfg.with_overrides({**engine_overrides(cfg, run), "data.seed": seed})
@@ -200,7 +201,7 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
     with tempfile.TemporaryDirectory(prefix="diloco-wan-") as tmp:
         url = f"file://{tmp}"
         ctx = create_run(open_store(url), f"wan-{run.name}", cfg)
-        barrier, out, corpus = ctx_mp.Barrier(m + 1), ctx_mp.Queue(), load_run_corpus(cfg.data)
+        barrier, out, corpus = ctx_mp.Barrier(m + 1), ctx_mp.Queue(), load_corpus(cfg.data)
         half_first = [run.cohorts and i % 2 == 1 for i in range(m)]  # two cohorts half a phase apart
         procs = [ctx_mp.Process(target=_learner_main, args=(url, ctx.run_id, name, run, half_first[i], corpus, barrier, out),
                                 name=f"wan-{name}", daemon=True) for i, name in enumerate(ctx.learners)]

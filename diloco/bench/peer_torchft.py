@@ -113,13 +113,13 @@ def _worker(spec: dict[str, Any]) -> None:
     from torchft.local_sgd import DiLoCo
 
     from diloco.bench._quality_runs import HeldOut
-    from diloco.run.corpus import load_run_corpus
+    from diloco.specs.gpt import load_corpus
     from diloco.training.data import ShardSampler, shard_of
     from diloco.training.inner import InnerTrainer, evaluate
 
     torch.set_num_threads(1)
     cfg, rank, steps = Config.model_validate(spec["config"]), spec["replica"], spec["steps"]
-    corpus = load_run_corpus(cfg.data)
+    corpus = load_corpus(cfg.data)
     from diloco.training.model import build_model
 
     model = build_model(cfg.model, seed=cfg.data.seed)  # the same version 0 as our runs

@@ -22,7 +22,7 @@ from diloco.bench._quality_runs import HeldOut
 from diloco.bench._wan_runs import WanResult, WanRun, run_wan
 from diloco.bench.bandwidth import allreduce_bytes_per_step
 from diloco.configs import Config, ConfigError, load_config
-from diloco.run.corpus import load_run_corpus
+from diloco.specs.gpt import load_corpus
 from diloco.storage.throttle import LinkSpec
 from diloco.training.data import ShardSampler
 from diloco.training.inner import InnerTrainer, evaluate
@@ -41,7 +41,7 @@ QUICK_STEPS, QUICK_STEP_TIME_S = 40, 0.01
 
 def dp_curve(cfg: Config, held: HeldOut, steps: int, every: int) -> list[tuple[int, float]]:
     """Data-parallel at equal tokens (one model, batch M x B, AdamW every step): (step, held-out loss)."""
-    corpus = load_run_corpus(cfg.data)
+    corpus = load_corpus(cfg.data)
     model = build_model(cfg.model, seed=cfg.data.seed)
     trainer = InnerTrainer(model, cfg.inner)
     sampler = ShardSampler(corpus.train, 0, 1, cfg.run.num_learners * cfg.data.batch_size, cfg.model.ctx_len,
@@ -180,7 +180,7 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
     m, log = cfg.run.num_learners, (lambda s: print(s, file=sys.stderr, flush=True))
     num_params = sum(p.numel() for p in build_model(cfg.model).parameters())
     base_cap = link_mb_s or default_cap_mb_s(num_params, m, step_time_s)
-    held, t_start = HeldOut(cfg, load_run_corpus(cfg.data)), time.time()
+    held, t_start = HeldOut(cfg, load_corpus(cfg.data)), time.time()
     log(f"bench wan: {num_params:,} params, M={m}, {steps} steps per learner, step {step_time_s * 1e3:g} ms, "
         f"paper-equivalent cap {base_cap:.4g} MB/s, rtt {rtt_ms:g} ms")
     dp = dp_curve(cfg, held, steps, every=max(1, cfg.inner.steps_per_phase // 2))

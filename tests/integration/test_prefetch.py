@@ -11,20 +11,20 @@ import uuid
 
 import pytest
 import torch
-from diloco.run.corpus import load_run_corpus
 
 from diloco.configs import load_config
 from diloco.learner.learner import Learner
 from diloco.learner.prefetch import Prefetcher
 from diloco.merger.merger import Merger
-from diloco.run.context import create_run
+from diloco.run.create import create_run
+from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import TransientError, open_store
 from diloco.storage.wrapper import WrapperStore
 
 
 @pytest.fixture(scope="module")
 def corpus():
-    return load_run_corpus(load_config("tiny").data)
+    return load_corpus(load_config("tiny").data)
 
 
 def _run(prefetch: bool):
@@ -44,7 +44,7 @@ def _wait_for(predicate, timeout_s: float = 10.0) -> None:
 
 
 def _two_versions(ctx, corpus) -> tuple[Learner, Learner]:
-    a, b = Learner(ctx, "local-0", corpus), Learner(ctx, "local-1", corpus)
+    a, b = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus)), Learner(ctx, "local-1", make_spec(ctx.cfg, corpus))
     a.join(), b.join()
     merger = Merger(ctx)
     merger.load()
