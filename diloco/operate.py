@@ -20,7 +20,7 @@ from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.controls import write_op
 from diloco.storage import StorageError, latest_version, open_store
 from diloco.storage.keys import validate_learner_name
-from diloco.storage.records import LearnerStatus, RecordError, RunRecord, read_record
+from diloco.storage.records import FINAL_STATES, LearnerStatus, RecordError, RunRecord, read_record
 from diloco.storage.store import Store
 
 QUIET_S = 5.0  # a stopped run's roles beat at most this recently once they have all ended
@@ -131,7 +131,8 @@ def set_settings(storage: str | Store | RunContext, run_id: str | None, values: 
 
 
 def _newest_beat(ctx: RunContext) -> tuple[str, float] | None:
-    """(learner, age in seconds) of the newest heartbeat, or None."""
+    """(learner, age in seconds) of the newest heartbeat, or None; a learner's final status (finished,
+    stopped, removed: written as it ended) is no sign of life."""
     newest: tuple[str, float] | None = None
     now = time.time()
     for key in ctx.store.list(ctx.keys.learners_prefix()):
@@ -139,9 +140,12 @@ def _newest_beat(ctx: RunContext) -> tuple[str, float] | None:
         if parts[-1] != "status.json":
             continue
         try:
-            age = now - read_record(ctx.store, key, LearnerStatus).t
+            status = read_record(ctx.store, key, LearnerStatus)
         except (StorageError, RecordError):
             continue
+        if status.state in FINAL_STATES:
+            continue
+        age = now - status.t
         if newest is None or age < newest[1]:
             newest = (parts[-2], age)
     return newest
@@ -183,6 +187,12 @@ def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, ver
     limit = base.run.time_limit_s if time_limit_s is None else time_limit_s
     if isinstance(more, bool) or not isinstance(more, int) or more < 1:
         raise ConfigError(f"--versions {more!r} must be an int >= 1 (versions to add)")
+    from diloco.run.lease import describe, is_live, read_current
+
+    lease = read_current(ctx.store, ctx.keys)
+    if is_live(lease):  # checked before anything is written: a supervised run is never changed under it
+        raise RunError(f"run {ctx.run_id} is supervised by {describe(lease)}: `diloco stop` it first, or change "
+                       "it with `diloco set`")
     state = run_state(ctx)
     if state == "live":
         raise RunError(f"run {ctx.run_id} is live (its learners beat within {ctx.cfg.run.heartbeat_timeout_s:g}s): "

@@ -1,6 +1,7 @@
 """Least-privilege S3 policies for the roles of a run (`diloco bucket-policy`): a learner writes only its own
 deltas/<name>/, learners/<name>/ and events/<name>/ and reads what it needs; the merger writes versions/,
-global/ and its events; the evaluator evals/ and its events; the operator everything of the run.
+global/ and its events (and never reads the spec's files: it runs no user code); the evaluator evals/ and its
+events; the operator everything of the run.
 
 Contract: plain IAM policy JSON (AWS IAM and MinIO read the same language); every key a role touches is
 built by RunKeys, so the prefixes here follow storage/keys.py; `allows(policy, action, bucket, key)` is the
@@ -33,13 +34,13 @@ def _grants(role: str, learner: str | None, run: str) -> dict[str, list[str]]:
     reads = ["run.json", "versions/*", "global/*", "control/*"]
     if learner is not None:
         own = [f"deltas/{learner}/*", f"learners/{learner}/*", f"events/{learner}/*"]
-        return {READ: reads + own[:2], WRITE: own,
+        return {READ: reads + own[:2] + ["spec/*"], WRITE: own,
                 LIST: ["versions/*", f"deltas/{learner}/*", "control/*", f"learners/{learner}/*"]}
     if role == "merger":
         return {READ: reads + ["deltas/*"], WRITE: ["versions/*", "global/*", "events/merger*"],
                 LIST: ["versions/*", "deltas/*", "control/*", "global/*"]}
     if role == "evaluator":
-        return {READ: reads + ["evals/*"], WRITE: ["evals/*", "events/evaluator/*"],
+        return {READ: reads + ["evals/*", "spec/*"], WRITE: ["evals/*", "events/evaluator/*"],
                 LIST: ["versions/*", "control/*", "evals/*"]}
     return {READ: ["*"], WRITE: ["*"], DELETE: ["*"], LIST: ["*"]}
 

@@ -202,6 +202,10 @@ class Merger:
         if grace > 0:
             time.sleep(grace)
             pending = self.pending()
+        # the ops read after the deltas were listed: a writer admitted just before its first delta (op, then
+        # delta) is admitted in this merge, never rejected as unknown by a policy read before its op landed
+        if self.refresh_policy().state.paused:
+            return None
         t0 = time.time()
         policy = self.policy  # frozen for this merge: the ops it applies, the config it merges by
         decisions, stream, phase_times, judge = self._decide(pending, policy)

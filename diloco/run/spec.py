@@ -45,7 +45,11 @@ class SpecFiles:
             return None
 
     def put(self, name: str, data: bytes) -> bytes:
-        """Store `data` under `name` unless another process stored it first; the stored bytes either way."""
+        """Store `data` under `name` unless another process stored it first; the stored bytes either way
+        (read first: a learner, which may not write <run>/spec/ under its bucket policy, only reads)."""
+        stored = self.get(name)
+        if stored is not None:
+            return stored
         try:
             self.store.put_if_absent(self.keys.spec_file(name), data)
         except Conflict:

@@ -186,3 +186,21 @@ def test_every_bad_operator_input_is_one_line_exit_2_and_writes_nothing(tmp_path
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:") and why in lines[0], (args, result.output)
     assert sorted(ctx.store.list("")) == before and list_ops(ctx.store, ctx.keys) == []
+
+
+def test_resume_refuses_a_run_a_live_supervisor_holds_and_writes_nothing(tmp_path: Path) -> None:
+    """A stopped run whose supervisor still holds its lease (it is ending its roles) is not changed under it."""
+    from diloco.configs import load_config
+    from diloco.run.create import create_run
+    from diloco.run.lease import acquire
+    from diloco.storage import open_store
+
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1})
+    ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "held", cfg)
+    lease = acquire(ctx, "local")  # this process: alive, renewed now
+    request_stop(ctx, "interrupted")
+    with pytest.raises(RunError, match="supervised by"):
+        prepare_resume(ctx, None, versions=2)
+    assert ctx.store.exists(ctx.keys.stop()) and not list_ops(ctx.store, ctx.keys)
+    lease.release("stopped")
+    assert prepare_resume(ctx, None, versions=2, wait_s=0.0)["state"] == "stopped"

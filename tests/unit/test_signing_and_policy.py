@@ -99,3 +99,13 @@ def test_the_merger_evaluator_and_operator() -> None:
         policy_for("file://runs", "r", role="merger")
     with pytest.raises(RunError, match="--role"):
         policy_for(URL, "r", role="root")
+
+
+def test_learners_and_the_evaluator_read_the_spec_files_and_the_merger_does_not() -> None:
+    """A spec's files (a trained tokenizer, under <run>/spec/) are read by every process that builds the spec;
+    the merger runs no user code and is not granted them; no role but the operator writes them."""
+    key = "runs/r/spec/tokenizer.json"
+    learner, evaluator = policy_for(URL, "r", learner="us-east-0"), policy_for(URL, "r", role="evaluator")
+    merger = policy_for(URL, "r", role="merger")
+    assert allows(learner, READ, B, key) and allows(evaluator, READ, B, key) and not allows(merger, READ, B, key)
+    assert not any(allows(p, WRITE, B, key) for p in (learner, evaluator, merger))
