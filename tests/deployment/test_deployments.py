@@ -97,6 +97,7 @@ def test_killed_learner_is_resubmitted_and_rejoins_at_the_newest_version(deploye
     assert "exit" in kinds and "restart" in kinds
 
 
+@pytest.mark.long  # ~75 s under load; make test covers removal on the local path and of a deployed run
 def test_a_removed_learner_of_a_local_prefect_run_stays_ended(deployed_run: DeployedRun, tmp_path: Path) -> None:
     """`diloco run` with Prefect: local processes running the flows; before, the local supervisor
     started the removed learner's flow again and again."""

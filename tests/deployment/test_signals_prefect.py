@@ -23,7 +23,7 @@ from run_signals import check_signal_ends_the_run, start_run, training, write_co
 
 from diloco.supervise.core import MAX_REFUSALS
 
-pytestmark = [pytest.mark.deployment, pytest.mark.long, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.deployment, pytest.mark.timeout(1200)]
 
 
 def _flow_runs(api_url: str, run_id: str) -> list:
@@ -47,6 +47,7 @@ def _parents(api_url: str, runs: list) -> dict[str, str | None]:
     return out
 
 
+@pytest.mark.long  # ~3 min: a Prefect server of its own, started and stopped by the run
 def test_sigterm_ends_a_prefect_run_and_its_local_server(tmp_path: Path) -> None:
     run_id = "sig-prefect-term"
     env = {"PREFECT_API_URL": None}  # unset for the child: it starts its own server, as `make run` does
@@ -68,6 +69,7 @@ def test_sigterm_ends_a_prefect_run_and_its_local_server(tmp_path: Path) -> None
     assert not record.exists()
 
 
+@pytest.mark.long  # ~2-4 min beside the shared stack
 def test_sigint_ends_a_prefect_run_reporting_to_a_shared_server(deployed_run: DeployedRun, tmp_path: Path) -> None:
     run_id = "sig-prefect-int"
     api = deployed_run.stack.api_url
@@ -79,8 +81,12 @@ def test_sigint_ends_a_prefect_run_reporting_to_a_shared_server(deployed_run: De
         if proc.poll() is None:
             proc.kill()
     final = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
-    wait_for(lambda: all(r.state and r.state.type.value in final for r in _flow_runs(api, run_id)), 120,
-             "every flow run of the run to end")
+    try:
+        wait_for(lambda: all(r.state and r.state.type.value in final for r in _flow_runs(api, run_id)), 120,
+                 "every flow run of the run to end")
+    except TimeoutError as err:
+        states = {r.name: r.state.type.value if r.state else None for r in _flow_runs(api, run_id)}
+        raise AssertionError(f"{err}: {states}") from None
     states = {r.name: r.state.type.value for r in _flow_runs(api, run_id)}
     assert states[f"train-{run_id}"] == "COMPLETED", states
 

@@ -63,6 +63,8 @@ def test_run_on_local_disk(tmp_path):
 
 
 @pytest.mark.s3
+@pytest.mark.long  # ~100 s on moto under load; make test covers S3 in tests/integration (conformance, races,
+# policies, rejoin); the same run on file:// stays in make test
 def test_run_on_s3(s3_url):
     summary = _run_and_audit(s3_url, "e2e-s3")
     assert summary["storage"].startswith("s3://")
