@@ -158,12 +158,15 @@ def _bench_ranks(
     json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
     config: str = typer.Option("bench", "--config", help="Recipe name or YAML path."),
     phases: int = typer.Option(6, "--phases", min=2, help="Phases per learner (the first is not measured)."),
+    overrides: list[str] = typer.Option([], "-o", "--override", help="key=value of the recipe (repeatable), "
+                                        "e.g. -o model.d_model=256."),
 ) -> None:
     """Tokens/s of one learner with 1 and with 2 ranks (torch.distributed inside the learner)."""
     from diloco.bench.ranks import bench_ranks
+    from diloco.configs import parse_overrides
 
     with user_errors():
-        bench_ranks(json_path=json_path, config=config, phases=phases)
+        bench_ranks(json_path=json_path, config=config, phases=phases, overrides=parse_overrides(list(overrides)))
 
 
 @bench.command("startup")
