@@ -41,7 +41,8 @@ def _plot_loss(ax, evals: list[dict]) -> None:
         for r, xi, yi in zip(evals, x, y, strict=True):
             ax.annotate(f"v{r['version']}", (xi, yi), textcoords="offset points", xytext=(3, 4), fontsize=7)
     ax.set_xlabel(label)
-    ax.set_ylabel("held-out loss (nats/byte)")
+    metric = evals[-1].get("metric", "nats/byte") if evals else "nats/byte"  # the spec's metric name
+    ax.set_ylabel(f"held-out loss ({metric})")
     ax.grid(alpha=0.3)
 
 

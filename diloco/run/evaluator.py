@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from diloco.run.context import RunContext
+from diloco.run.context import RunContext, RunError
 from diloco.run.events import EventLog
 from diloco.run.objects import read_tensors
 from diloco.run.spec import build_model, check_layout, load_run_spec
@@ -129,11 +129,12 @@ def evaluate_missing(ctx: RunContext, spec: TrainSpec | None = None) -> list[int
     wanted = [v for v in dict.fromkeys((0, latest)) if v is not None and v not in have]
     if not wanted:
         return []
+    done = []
     try:
         evaluator = Evaluator(ctx, spec)
-    except SpecError as err:
+        for version in wanted:
+            evaluator.evaluate_version(version)
+            done.append(version)
+    except (SpecError, RunError, StorageError) as err:  # the run has ended: only these scores are lost
         log.warning("final evaluation skipped: %s", err)
-        return []
-    for version in wanted:
-        evaluator.evaluate_version(version)
-    return wanted
+    return done

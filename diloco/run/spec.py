@@ -47,7 +47,7 @@ class SpecFiles:
     def put(self, name: str, data: bytes) -> bytes:
         """Store `data` under `name` unless another process stored it first; the stored bytes either way
         (read first: a learner, which may not write <run>/spec/ under its bucket policy, only reads)."""
-        stored = self.get(name)
+        stored = SpecFiles.get(self, name)  # the bucket's copy (a StagedFiles flushing must not see its own)
         if stored is not None:
             return stored
         try:
