@@ -134,7 +134,7 @@ def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: s
     from diloco.supervise.interrupt import reason_of
 
     # One thread for the final evaluations and the sample: on 2 cores shared with other work, torch's default
-    # pool spun for 30 s on a 240-byte sample that takes 1.3 s on one thread (docs/LIFECYCLE.md).
+    # pool spun for 30 s on a 240-byte sample that takes 1.3 s on one thread (seen once).
     torch.set_num_threads(1)
     # what the evaluator did not reach (a short run can end before it starts); a live run's evaluator is at it
     done = evaluate_missing(ctx) if read_run_state(ctx).word != "running" else []
