@@ -187,12 +187,11 @@ def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, ver
     limit = base.run.time_limit_s if time_limit_s is None else time_limit_s
     if isinstance(more, bool) or not isinstance(more, int) or more < 1:
         raise ConfigError(f"--versions {more!r} must be an int >= 1 (versions to add)")
-    from diloco.run.lease import describe, is_live, read_current
+    from diloco.run.lease import held_error, is_live, read_current
 
     lease = read_current(ctx.store, ctx.keys)
     if is_live(lease):  # checked before anything is written: a supervised run is never changed under it
-        raise RunError(f"run {ctx.run_id} is supervised by {describe(lease)}: `diloco stop` it first, or change "
-                       "it with `diloco set`")
+        raise held_error(ctx, lease)
     state = run_state(ctx)
     if state == "live":
         raise RunError(f"run {ctx.run_id} is live (its learners beat within {ctx.cfg.run.heartbeat_timeout_s:g}s): "

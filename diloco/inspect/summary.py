@@ -15,19 +15,11 @@ from typing import Any
 
 from diloco.inspect.report import dp_bytes, manifests, nats_to_bits, summarize
 from diloco.run.context import RunContext
-from diloco.run.evaluator import read_evals
 from diloco.run.events import read_events
 from diloco.run.state import continue_hint, read_run_state
-from diloco.storage import Manifest, StorageError, latest_version, parse_delta_key
+from diloco.storage import Manifest, StorageError, parse_delta_key
 
 log = logging.getLogger("diloco.summary")
-
-
-def missing_evals(ctx: RunContext) -> list[int]:
-    """Of version 0 and the newest version, those with no eval record."""
-    latest = latest_version(ctx.store, ctx.keys) or 0
-    done = {e["version"] for e in read_evals(ctx)}
-    return [v for v in sorted({0, latest}) if v not in done]
 
 
 def pending_deltas(ctx: RunContext, chain: list[Manifest]) -> dict[str, list[tuple[int, int]]]:

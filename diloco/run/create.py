@@ -17,7 +17,7 @@ from diloco import __version__
 from diloco.configs import Config
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.objects import write_tensors
-from diloco.run.spec import StagedFiles, build_model, probe, spec_of
+from diloco.run.spec import SpecFiles, StagedFiles, build_model, probe, spec_of
 from diloco.storage import Conflict, Manifest, RunKeys, commit, manifest_exists
 from diloco.storage.keys import new_nonce
 from diloco.storage.records import RunRecord, write_record
@@ -56,9 +56,10 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
     return ctx
 
 
-def fingerprint_of(cfg: Config) -> str:
-    """The fingerprint a run of this config would have (its spec's model layout)."""
-    return layout_fingerprint(model_layout(build_model(spec_of(cfg, None), cfg.data.seed)))
+def fingerprint_of(cfg: Config, files: SpecFiles | None = None) -> str:
+    """The fingerprint a run of this config would have (its spec's model layout); `files`: the spec files its
+    factory may ask for (another run's, read only through StagedFiles)."""
+    return layout_fingerprint(model_layout(build_model(spec_of(cfg, files), cfg.data.seed)))
 
 
 def _commit_version_zero(ctx: RunContext, model: nn.Module) -> None:

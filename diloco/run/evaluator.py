@@ -117,16 +117,21 @@ def run_evaluator(evaluator: Evaluator, *, should_stop: Callable[[], bool], poll
     return count
 
 
+def missing_evals(ctx: RunContext) -> list[int]:
+    """Of version 0 and the newest version, those with no eval record (StorageError from the bucket)."""
+    latest = latest_version(ctx.store, ctx.keys) or 0
+    done = {e["version"] for e in read_evals(ctx)}
+    return [v for v in sorted({0, latest}) if v not in done]
+
+
 def evaluate_missing(ctx: RunContext, spec: TrainSpec | None = None) -> list[int]:
     """Score, in this process, version 0 and the newest version when the evaluator did not (a short run can
     end before the evaluator's first start); returns the versions scored. A spec without eval_batches: none."""
     try:
-        latest = latest_version(ctx.store, ctx.keys)
-        have = {r["version"] for r in read_evals(ctx)}
+        wanted = missing_evals(ctx)
     except StorageError as err:
         log.warning("final evaluation skipped: %s", err)
         return []
-    wanted = [v for v in dict.fromkeys((0, latest)) if v is not None and v not in have]
     if not wanted:
         return []
     done = []

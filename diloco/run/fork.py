@@ -39,16 +39,6 @@ def _parent_version(parent: RunContext, version: int) -> Manifest:
         raise RunError(f"run {parent.run_id!r} has no version {version} (its newest is {latest})") from None
 
 
-def _fingerprint(parent: RunContext, cfg: Config) -> str:
-    """The fingerprint of cfg's model, its spec built with the parent's spec files (read only: staged, never
-    flushed, so the parent is not written)."""
-    from diloco.run.spec import StagedFiles, build_model, spec_of
-    from diloco.training.spec import layout_fingerprint, model_layout
-
-    spec = spec_of(cfg, StagedFiles(parent.store, parent.keys))
-    return layout_fingerprint(model_layout(build_model(spec, cfg.data.seed)))
-
-
 def _copy_spec_files(store: Store, parent: RunContext, keys: RunKeys) -> None:
     """The parent's spec files (a trained tokenizer, ...) under the fork's <run>/spec/, before its run.json."""
     prefix = parent.keys.spec_file("x")[:-1]
@@ -62,7 +52,11 @@ def fork_config(parent: RunContext, m: Manifest, cfg: Config | None) -> Config:
     if cfg is None:
         record = read_record(parent.store, parent.keys.run_json(), RunRecord)
         cfg = config_from_record(record.config).with_overrides(m.guard.settings if m.guard else {})
-    fingerprint = _fingerprint(parent, cfg)
+    from diloco.run.create import fingerprint_of
+    from diloco.run.spec import StagedFiles
+
+    # the parent's spec files, staged and never flushed: the parent is only read
+    fingerprint = fingerprint_of(cfg, StagedFiles(parent.store, parent.keys))
     if fingerprint != parent.fingerprint:
         raise RunError(f"a fork keeps the parent's model: this config's model fingerprint {fingerprint} is not "
                        f"run {parent.run_id!r}'s {parent.fingerprint} (change data, optimizer or run settings only)")

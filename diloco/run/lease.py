@@ -42,14 +42,15 @@ def read_current(store: Store, run_keys) -> SupervisorLease | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` (not necessarily our child) still runs; a zombie nobody reaped has ended."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    try:  # a zombie nobody reaped has ended
+    try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except (OSError, IndexError):
@@ -64,7 +65,7 @@ def is_live(lease: SupervisorLease | None, now: float | None = None) -> bool:
     now = time.time() if now is None else now
     if now - lease.t > lease.timeout_s:
         return False
-    return lease.host != socket.gethostname() or _pid_alive(lease.pid)
+    return lease.host != socket.gethostname() or pid_alive(lease.pid)
 
 
 def describe(lease: SupervisorLease, now: float | None = None) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -129,7 +128,9 @@ class Zygote:
                 return self._exits[pid]
         if self.alive:
             return None
-        return 1 if _gone(pid) else None
+        from diloco.run.lease import pid_alive  # the supervisor has the run's modules loaded by now
+
+        return None if pid_alive(pid) else 1
 
     def close(self, timeout_s: float = 10.0) -> None:
         with contextlib.suppress(OSError):
@@ -140,21 +141,6 @@ class Zygote:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self._reader.join(timeout=5)
-
-
-def _gone(pid: int) -> bool:
-    """Whether a process that is not our child has exited (a zombie no one reaps counts as exited)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 # ---- a zygote started before its supervisor ------------------------------------------------------

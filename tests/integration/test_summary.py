@@ -15,10 +15,11 @@ from pathlib import Path
 
 from diloco.configs import load_config
 from diloco.inspect.runs import list_runs
-from diloco.inspect.summary import build_summary, missing_evals, summary_markdown, summary_rows
+from diloco.inspect.summary import build_summary, summary_markdown, summary_rows
 from diloco.launch import run_role
 from diloco.run.create import create_run
 from diloco.run.evaluator import evaluate_missing as complete_evals
+from diloco.run.evaluator import missing_evals
 from diloco.run.signals import request_stop
 from diloco.storage import open_store
 
