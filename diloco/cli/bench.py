@@ -175,9 +175,11 @@ def _bench_startup(
     config: str = typer.Option("demo", "--config", help="Recipe name or YAML path (default: what make run trains)."),
     prefect: bool = typer.Option(True, "--prefect/--no-prefect", help="With a local Prefect server, as make run."),
     imports: bool = typer.Option(True, "--imports/--no-imports", help="Also time each heavy import apart."),
+    prepared: bool = typer.Option(True, "--prepared/--fresh-home",
+                                  help="Prefect's home as make setup leaves it (its database created), or empty."),
 ) -> None:
     """Run the main job once and print where its wall time goes (server, flows, process starts, imports)."""
     from diloco.bench.startup import bench_startup
 
     with user_errors():
-        bench_startup(config=config, prefect=prefect, json_path=json_path, imports=imports)
+        bench_startup(config=config, prefect=prefect, json_path=json_path, imports=imports, prepared=prepared)

@@ -38,13 +38,33 @@ def run(
                                        "-o inner.steps_per_phase=20 (repeatable; values parsed as YAML)."),
 ) -> None:
     """Train: create the run, start merger, evaluator and learners as processes, report at the end."""
-    from diloco.cli.view import execute_run
+    from diloco.flows.server import close_early, launch_early
 
-    with user_errors():
-        execute_run(config=config, storage=storage, learners=learners, versions=versions, corpus=corpus,
-                    run_id=run_id, json_out=json_out, prefect=prefect, chaos=chaos,
-                    time_limit_s=time_limit_s, live=live, spec=spec, spec_args=spec_arg or [],
-                    overrides=override or [])
+    home = Path(".diloco") / "prefect"  # diloco.api.STATE_DIR, without importing the engine first
+    if prefect and _config_loads(config):
+        launch_early(home)  # the local server boots while the engine imports and the run is created
+    try:
+        from diloco.cli.view import execute_run
+
+        with user_errors():
+            execute_run(config=config, storage=storage, learners=learners, versions=versions, corpus=corpus,
+                        run_id=run_id, json_out=json_out, prefect=prefect, chaos=chaos,
+                        time_limit_s=time_limit_s, live=live, spec=spec, spec_args=spec_arg or [],
+                        overrides=override or [])
+    finally:
+        close_early(home)  # only if the run never took it (a bad config, a refused run)
+
+
+def _config_loads(config: str) -> bool:
+    """Whether the recipe or YAML file loads (0.5 s, before the engine's imports); a bad one is reported by
+    execute_run, with no server started for it."""
+    from diloco.configs import ConfigError, load_config
+
+    try:
+        load_config(config)
+    except ConfigError:
+        return False
+    return True
 
 
 @app.command()

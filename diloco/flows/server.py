@@ -23,6 +23,7 @@ from pathlib import Path
 STARTUP_TIMEOUT_S = 90.0
 SERVER_RECORD = "server.json"  # in the server's home, while it runs
 _RECORDS: dict[int, Path] = {}  # pid of a server started here -> its record, removed when it is stopped
+_EARLY: dict[Path, tuple[str, subprocess.Popen]] = {}  # home -> a server launched before ensure_api took it
 
 
 def running_server(home: Path) -> str | None:
@@ -90,13 +91,34 @@ def start_server(home: Path, port: int | None = None, log_path: Path | None = No
     return url, proc
 
 
+def launch_early(home: Path) -> None:
+    """Launch the local server now, when one will be needed (PREFECT_API_URL unset), for ensure_api to take:
+    its ~6 s boot then overlaps the command's own imports and the run's creation. close_early stops it if
+    nothing took it (the command failed first)."""
+    if not os.environ.get("PREFECT_API_URL") and home not in _EARLY:
+        _EARLY[home] = launch_server(home)
+
+
+def close_early(home: Path) -> None:
+    """Stop a server launch_early started that ensure_api did not take (nothing reported to it: no flush)."""
+    early = _EARLY.pop(home, None)
+    if early is None:
+        return
+    _RECORDS.pop(early[1].pid, None)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(early[1].pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        early[1].wait(timeout=15)
+
+
 def ensure_api(home: Path, wait: bool = True) -> tuple[str, subprocess.Popen | None]:
-    """The API to report to: PREFECT_API_URL if set, else a server started here (set in PREFECT_API_URL at
-    once, so processes started while it boots report to it; wait=False: call wait_healthy before use)."""
+    """The API to report to: PREFECT_API_URL if set, else a server started here, or the one launch_early
+    started (set in PREFECT_API_URL at once, so processes started while it boots report to it; wait=False:
+    call wait_healthy before use)."""
     url = os.environ.get("PREFECT_API_URL")
     if url:
         return url, None
-    url, proc = launch_server(home)
+    url, proc = _EARLY.pop(home, None) or launch_server(home)
     os.environ["PREFECT_API_URL"] = url
     if wait:
         wait_healthy(url, proc)

@@ -68,3 +68,23 @@ def test_every_command_defaults_to_file_runs(tmp_path: Path, command: str) -> No
         assert done.returncode == 0 and "no runs in file://" in done.stdout, done.stdout + done.stderr
     else:
         _one_line_error(done, f"no run 'absent' in file://{tmp_path}/runs")
+
+
+def test_a_run_refused_after_its_early_prefect_server_launched_leaves_none(tmp_path: Path) -> None:
+    """`diloco run` launches its local Prefect server before the engine's imports (diloco.flows.server
+    launch_early); a run refused after that (here: its storage) stops it again."""
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    done = subprocess.run([sys.executable, "-m", "diloco.cli", "run", "--config", "tiny", "--storage", "ftp://x/y"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    _one_line_error(done, "'ftp://' is not supported")
+    assert (tmp_path / ".diloco" / "prefect").is_dir()  # the server was launched: its home exists
+    left = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "server" in (proc.info["cmdline"] or []) and Path(proc.cwd()) == tmp_path:
+                left.append(proc.info["cmdline"])
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    assert not left, left

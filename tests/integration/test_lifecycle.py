@@ -104,7 +104,19 @@ def test_where_a_run_stands_and_what_its_commands_say(ctx: RunContext) -> None:
     with pytest.raises(LeaseHeld):
         refuse_to_start(ctx)
     config = str(Path(ctx.store.url.removeprefix("file://")).parent / "life.yaml")
-    done = _diloco("run", "--config", config, "--run-id", ctx.run_id, "--no-prefect")
+    renewing = threading.Event()  # renewed as a live supervisor does, however slowly the CLI starts under load
+
+    def renew() -> None:
+        while not renewing.wait(1.0):
+            lease.renew(force=True)
+
+    renewer = threading.Thread(target=renew, daemon=True)
+    renewer.start()
+    try:
+        done = _diloco("run", "--config", config, "--run-id", ctx.run_id, "--no-prefect")
+    finally:
+        renewing.set()
+        renewer.join()
     assert done.returncode == 2 and "already supervised by pid" in done.stderr, done.stderr
     request_stop(ctx, "interrupted")
     lease.release("interrupted")
