@@ -73,6 +73,9 @@ class Learner:
         self.spec = spec or load_run_spec(ctx)
         self.events = events or EventLog(None, None, name)
         self.slowdown = slowdown or 1.0  # heterogeneous hardware (a chaos plan's `slow` fault): steps take this x longer
+        # whether the run has ended (diloco.run.signals.RoleStop; set by run_learner): checked at each probe, so a
+        # phase ends within probe_every_steps of the run's end instead of training on to its H
+        self.stop_check: Callable[[], bool] | None = None
         self.local = None
         if self.cfg.learner.local_state_every_steps > 0:
             self.local = LocalState(ctx.store.url, ctx.run_id, name, ctx.created_at, ctx.fingerprint)
@@ -190,6 +193,7 @@ class Learner:
         t0 = time.time()
         losses = []
         every = cfg.learner.local_state_every_steps
+        done = 0
         for i in range(num_steps):
             ts = time.time()
             if self.world is not None:
@@ -205,13 +209,17 @@ class Learner:
             if self.slowdown > 1.0:
                 time.sleep((time.time() - ts) * (self.slowdown - 1.0))
             self.heartbeat()
-            if (i + 1) % cfg.learner.probe_every_steps == 0 and cfg.learner.mode != "sync":
-                installed = self.maybe_install()
-                if installed is not None:
-                    stats.installs.append(installed)
+            done = i + 1
+            if (i + 1) % cfg.learner.probe_every_steps == 0:
+                if self.stop_check is not None and self.stop_check():
+                    break  # the run ended (target, stop, removal): the phase ends here, its steps are shipped
+                if cfg.learner.mode != "sync":
+                    installed = self.maybe_install()
+                    if installed is not None:
+                        stats.installs.append(installed)
             if every and (i + 1) % every == 0 and i + 1 < num_steps:
                 self.save_local()  # the phase's end is saved by publish()
-        stats.steps = num_steps
+        stats.steps = done
         stats.loss = sum(losses) / len(losses)
         stats.phase_time_s = time.time() - t0
         self.loss_ema = stats.loss

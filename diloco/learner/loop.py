@@ -92,6 +92,7 @@ def run_learner(learner: Learner, *, phases: int | None = None, should_stop: Cal
         learner.close()
         return 0
     done = 0
+    learner.stop_check = should_stop  # a phase also ends at its next probe once the run has ended
     try:
         while not should_stop() and (phases is None or done < phases):
             if learner.publisher.fenced.is_set():

@@ -96,3 +96,21 @@ def test_shipped_plus_carried_is_all_progress(corpus, ops, codec):
         assert torch.allclose(merger.params[k], theta0[k] - shipped[k], atol=1e-5)
         assert torch.allclose(learner.theta()[k], theta0[k] + meter.total[k], atol=1e-5)
     learner.close()
+
+
+def test_a_phase_ends_at_its_next_probe_once_the_run_has_ended(corpus):
+    """run_learner gives the learner its stop signal (stop_check): after the run's end a phase trains only to
+    its next probe, not to its H, and what it trained is still shipped (steps and tokens in the delta)."""
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "inner.steps_per_phase": 20,
+                                              "learner.probe_every_steps": 5})
+    ctx = create_run(open_store(f"memory://stop-{uuid.uuid4().hex[:10]}"), "stop", cfg)
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.join()
+    full = learner.run_phase()
+    assert full.steps == 20
+    polls = []
+    learner.stop_check = lambda: polls.append(learner.trainer.step) or len(polls) >= 2  # ends at the 2nd probe
+    cut = learner.run_phase()
+    assert cut.steps == 10 and polls == [25, 30] and learner.trainer.step == 30
+    assert learner.state.steps_since_publish == 30 and cut.tokens == full.tokens // 2
+    learner.close()
