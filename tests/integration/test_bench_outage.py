@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import json
 
+import yaml
 from typer.testing import CliRunner
 
 from diloco.cli import app
+from diloco.configs import load_config
 
 
 def test_bench_outage_reports_both_rules(tmp_path):
-    out = tmp_path / "outage.json"
-    result = CliRunner().invoke(app, ["bench", "outage", "--config", "tiny", "--at", "1", "--down", "2",
+    out, recipe = tmp_path / "outage.json", tmp_path / "tiny-momentum.yaml"
+    cfg = load_config("tiny").with_overrides({"outer.lr": 0.7, "outer.momentum": 0.9})  # the rules differ by momentum
+    recipe.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    result = CliRunner().invoke(app, ["bench", "outage", "--config", str(recipe), "--at", "1", "--down", "2",
                                       "--rounds", "4", "--jobs", "1", "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())

@@ -61,7 +61,7 @@ def test_sync_diloco_oracle():
     cfg = load_config("tiny").with_overrides({
         "run.num_learners": 2, "merger.quorum": 2, "merger.grace_cap_s": 0.0, "learner.mode": "sync",
         "learner.codec": "fp32", "outer.update_codec": "fp32", "outer.merge_rule": "mean",
-        "learner.probe_every_steps": 1000,
+        "learner.probe_every_steps": 1000, "outer.lr": 0.7, "outer.momentum": 0.9,
     })
     ctx, corpus, learners, merger = _system(cfg)
 

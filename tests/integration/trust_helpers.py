@@ -18,7 +18,8 @@ from diloco.run.objects import encode_tensors, read_tensors
 from diloco.storage import Manifest, open_store
 
 OVERRIDES = {"run.num_learners": 2, "merger.quorum": 2, "merger.grace_cap_s": 0.0, "merger.quorum_timeout_s": 5.0,
-             "learner.local_state_every_steps": 0}
+             "learner.local_state_every_steps": 0,
+             "outer.lr": 0.7, "outer.momentum": 0.9}  # Nesterov momentum on, as the states replayed here need
 
 
 def tiny_run(tmp_path: Path, run_id: str = "trust", keys: dict[str, bytes] | None = None,

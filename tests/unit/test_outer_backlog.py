@@ -12,7 +12,7 @@ import torch
 from diloco.configs import load_config
 from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
 
-CFG = load_config("tiny").with_overrides({"run.num_learners": 2, "outer.update_codec": "fp32"})
+CFG = load_config("tiny").with_overrides({"run.num_learners": 2, "outer.update_codec": "fp32", "outer.lr": 0.7, "outer.momentum": 0.9})
 PHASE_TOKENS = CFG.inner.steps_per_phase * CFG.data.batch_size * CFG.model.ctx_len
 LR, MU = CFG.outer.lr, CFG.outer.momentum
 

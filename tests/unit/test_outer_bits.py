@@ -23,7 +23,7 @@ from diloco.training.model import EMBEDDING_PARAMS
 from diloco.training.tensors import add_, clone
 
 M = 3  # learners in the run
-BASE = load_config("tiny").with_overrides({"run.num_learners": M})
+BASE = load_config("tiny").with_overrides({"run.num_learners": M, "outer.lr": 0.7, "outer.momentum": 0.9})  # momentum on
 H, B, CTX = BASE.inner.steps_per_phase, BASE.data.batch_size, BASE.model.ctx_len
 SHAPES = {"wte.weight": (16, 8), "wpe.weight": (4, 8), "h.0.attn.weight": (8, 8), "ln_f.bias": (8,)}
 

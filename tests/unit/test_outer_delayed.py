@@ -12,7 +12,8 @@ import torch
 from diloco.configs import load_config
 from diloco.training.outer import OuterOptimizer, OuterState, nesterov_step
 
-CFG = load_config("tiny").with_overrides({"experimental.momentum_per": "delayed", "outer.update_codec": "fp32"})
+CFG = load_config("tiny").with_overrides({"experimental.momentum_per": "delayed", "outer.update_codec": "fp32",
+                                          "outer.lr": 0.7, "outer.momentum": 0.9})
 H, M = CFG.inner.steps_per_phase, 2
 LR, MU = CFG.outer.lr, CFG.outer.momentum
 
