@@ -118,10 +118,12 @@ class Supervisor:
         return job
 
     def add_run_roles(self) -> None:
-        """The run's learners (run.json's, plus the admitted, minus the removed), the merger and the evaluator."""
+        """The merger, the run's learners (run.json's, plus the admitted, minus the removed) and the evaluator,
+        started in that order: the merger's start (its imports, flow run, state) is under way before the
+        first delta arrives, a learner's first phase later."""
+        self.add("merger", "merger")
         for name in self._members():
             self.add("learner", name, **self.learner_spec(name))
-        self.add("merger", "merger")
         self.add("evaluator", "evaluator")
 
     def alive(self, job: Job) -> bool:
