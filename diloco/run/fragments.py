@@ -17,6 +17,7 @@ from diloco.run.context import RunContext
 from diloco.run.objects import write_tensors
 from diloco.storage import Conflict, Manifest, commit, latest_version, manifest_exists
 from diloco.storage.keys import new_nonce
+from diloco.storage.store import Store
 from diloco.training.fragments import FragmentError, fragment_layout, plan_fragments, take
 from diloco.training.tensors import Tensors
 
@@ -29,6 +30,11 @@ def plan_for(cfg_count: int, layout: list[dict]) -> list[dict]:
         return plan_fragments(layout, cfg_count)
     except FragmentError as err:
         raise ConfigError(f"invalid config: {err}") from None
+
+
+def shard_merger_id(shard: int) -> str:
+    """`merger` for shard 0 (the id of an unsharded run's merger), `merger-s<shard>` for the others."""
+    return "merger" if shard == 0 else f"merger-s{shard}"
 
 
 def num_fragments(ctx: RunContext) -> int:
@@ -51,18 +57,20 @@ def fragment_context(ctx: RunContext, index: int) -> RunContext:
                                layout=fragment_layout(ctx.fragments[index]), fragments=[])
 
 
-def fragment_versions(ctx: RunContext) -> list[int | None]:
+def fragment_versions(ctx: RunContext, store: Store | None = None) -> list[int | None]:
     """The newest committed version of every fragment's chain (fresh listings), in fragment order."""
+    store = store or ctx.store
     if not ctx.fragments:
-        return [latest_version(ctx.store, ctx.keys)]
-    return [latest_version(ctx.store, ctx.keys.for_fragment(p)) for p in range(len(ctx.fragments))]
+        return [latest_version(store, ctx.keys)]
+    return [latest_version(store, ctx.keys.for_fragment(p)) for p in range(len(ctx.fragments))]
 
 
-def run_version(ctx: RunContext) -> int | None:
-    """The run's version: the root chain's newest, or for fragments the minimum over the fragments' newest."""
+def run_version(ctx: RunContext, store: Store | None = None) -> int | None:
+    """The run's version: the root chain's newest, or for fragments the minimum over the fragments' newest
+    (`store`: another view of the run's store, e.g. one with its own retries)."""
     if not ctx.fragments:
-        return latest_version(ctx.store, ctx.keys)
-    versions = fragment_versions(ctx)
+        return latest_version(store or ctx.store, ctx.keys)
+    versions = fragment_versions(ctx, store)
     return None if any(v is None for v in versions) else min(versions)
 
 
