@@ -12,13 +12,15 @@ import contextlib
 import dataclasses
 import time
 
+import torch
+
 from diloco.configs import ConfigError
 from diloco.run.context import RunContext
-from diloco.run.objects import write_tensors
-from diloco.storage import Conflict, Manifest, commit, latest_version, manifest_exists
+from diloco.run.objects import read_tensors, write_tensors
+from diloco.storage import Conflict, Manifest, commit, latest_version, manifest_exists, read_manifest
 from diloco.storage.keys import new_nonce
 from diloco.storage.store import Store
-from diloco.training.fragments import FragmentError, fragment_layout, plan_fragments, take
+from diloco.training.fragments import FragmentError, fragment_layout, plan_fragments, put_, take
 from diloco.training.tensors import Tensors
 
 
@@ -87,3 +89,23 @@ def commit_fragments_zero(ctx: RunContext, params: Tensors) -> None:
                             params_key=key, params_checksum=checksum)
         with contextlib.suppress(Conflict):  # another process committed it first; ours is an orphan
             commit(ctx.store, keys, manifest)
+
+
+def read_run_version(ctx: RunContext, version: int) -> tuple[Tensors, int, float]:
+    """(whole-model params, tokens merged, committed at) of run version `version`: the root manifest's, or for
+    fragments every fragment's version `version` put together (the tokens every fragment merged: the minimum)."""
+    if not ctx.fragments:
+        manifest = read_manifest(ctx.store, ctx.keys, version)
+        _, params = read_tensors(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
+                                 checksum=manifest.params_checksum)
+        return params, manifest.tokens_total, manifest.created_at
+    params = {e["name"]: torch.zeros(e["shape"], dtype=torch.float32) for e in ctx.layout}
+    tokens, committed = [], []
+    for index, fragment in enumerate(ctx.fragments):
+        manifest = read_manifest(ctx.store, ctx.keys.for_fragment(index), version)
+        _, part = read_tensors(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
+                               checksum=manifest.params_checksum)
+        put_(params, fragment, part)
+        tokens.append(manifest.tokens_total)
+        committed.append(manifest.created_at)
+    return params, min(tokens), max(committed)
