@@ -14,7 +14,9 @@ import time
 
 from diloco.learner.lanes import Lanes
 from diloco.learner.learner import Learner, PhaseStats
+from diloco.learner.prefetch import fetch_global
 from diloco.learner.publisher import Publisher
+from diloco.run.fragments import fragment_context
 from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
 from diloco.run.signing import sign
 from diloco.storage import NotFound, StorageError, latest_version, manifest_exists, read_latest
@@ -170,15 +172,15 @@ class FragmentLearner(Learner):
         return moved
 
     def _install_lane(self, index: int, version: int, theta) -> None:
-        keys = self.ctx.keys.for_fragment(index)
-        manifest = read_latest(self.ctx.store, keys)
-        if manifest.version < version:
+        """Fragment `index` at `version` (its compact updates, or its params when far behind) into theta."""
+        lane = self.lanes.lanes[index]
+        if version <= lane.base:
             return
-        _, glob = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
-                               checksum=manifest.params_checksum)
-        previous = self.lanes.lanes[index].base
-        self.lanes.install(index, manifest.version, glob, theta)
-        self.events.emit("install", learner=self.name, fragment=index, version=manifest.version, previous=previous)
+        glob = fetch_global(fragment_context(self.ctx, index), self.ctx.store, lane.base, lane.glob, version,
+                            self.cfg.learner.max_updates_behind)
+        previous = lane.base
+        self.lanes.install(index, version, glob, theta)
+        self.events.emit("install", learner=self.name, fragment=index, version=version, previous=previous)
 
     def _wait_for_decisions(self, timeout_s: float | None = None) -> None:
         """Sync mode: tau steps after a ship, block until the fragment's version deciding it, then install it."""

@@ -9,6 +9,7 @@ Run: .venv/bin/pytest tests/integration/test_fragment_lanes.py -q
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
@@ -18,12 +19,12 @@ from hypothesis import strategies as st
 
 from diloco.configs import load_config
 from diloco.learner.fragmented import FragmentLearner
-from diloco.merger.shard import ShardMerger
+from diloco.merger.shard import ShardMerger, run_shard
 from diloco.run.create import create_run
 from diloco.run.fragments import fragment_versions, run_version
 from diloco.run.objects import read_tensors
 from diloco.specs.gpt import load_corpus, make_spec
-from diloco.storage import open_store, read_latest
+from diloco.storage import open_store, read_latest, read_manifest
 from diloco.training.fragments import put_
 from diloco.training.model import get_flat_params
 
@@ -137,3 +138,30 @@ def test_staggered_schedule_and_rejoin_at_the_newest_fragments(corpus):
     glob = _assembled_global(ctx)
     assert all(torch.equal(again.theta()[k], glob[k]) for k in glob)
     again.close()
+
+
+def test_sync_mode_installs_each_fragment_tau_steps_after_shipping(corpus):
+    """Sync: tau steps after a fragment ships the learner waits for the version deciding it; installs go by the
+    compact (int8) updates and hold exactly the committed params' bits."""
+    cfg = _cfg(2, "int8", 1).with_overrides({"learner.mode": "sync", "outer.update_codec": "int8"})
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", cfg)
+    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.join()
+    stop = threading.Event()
+    shards = [threading.Thread(target=run_shard, args=(ShardMerger(ctx, s),), kwargs={"should_stop": stop.is_set})
+              for s in range(2)]
+    for t in shards:
+        t.start()
+    try:
+        learner.run_phase(num_steps=8)
+    finally:
+        stop.set()
+        for t in shards:
+            t.join(timeout=30)
+    assert learner.awaiting == {0: 1}  # H = 4, P = 2: fragment 0 ships at steps 4 and 8 (the last: not waited yet)
+    for lane in learner.lanes.lanes:
+        m = read_manifest(ctx.store, ctx.keys.for_fragment(lane.index), lane.base)
+        assert lane.base >= 1 and m.cursors["local-0"] >= lane.seq - 1 - (lane.index in learner.awaiting)
+        stored = read_tensors(ctx.store, m.params_key)[1]
+        assert all(torch.equal(lane.glob[k], stored[k]) for k in stored)
+    learner.close()
