@@ -9,6 +9,7 @@ safely (exactly one commit per fragment version, the loser reloads); a shard nev
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -25,14 +26,16 @@ log = logging.getLogger("diloco.merger")
 STORAGE_BACKOFF_S = (0.5, 10.0)
 
 
+_SHARD_ID_RE = re.compile(r"merger(?:-[0-9]+)?|merger-s([1-9][0-9]*|0)(?:-[a-z0-9]+)?")
+
+
 def shard_of_id(merger_id: str) -> int:
-    """The shard a merger id names: `merger` -> 0, `merger-s<k>` -> k; ValueError naming the id otherwise."""
-    if merger_id == "merger":
-        return 0
-    head, sep, tail = merger_id.rpartition("-s")
-    if sep and head == "merger" and tail.isdigit() and str(int(tail)) == tail:
-        return int(tail)
-    raise ValueError(f"merger id {merger_id!r} names no shard: it must be `merger` or `merger-s<k>`")
+    """The shard a merger id names: `merger` (or `merger-<n>`, a second process of it, as a chaos plan's
+    second_merger) -> 0; `merger-s<k>` (or `merger-s<k>-<tag>`) -> k; ValueError naming the id otherwise."""
+    match = _SHARD_ID_RE.fullmatch(merger_id)
+    if match is None:
+        raise ValueError(f"merger id {merger_id!r} names no shard: it must be merger[-<n>] or merger-s<k>[-<tag>]")
+    return int(match.group(1) or 0)
 
 
 class FragmentMerger(Merger):

@@ -9,6 +9,7 @@ Run: .venv/bin/pytest tests/integration/test_fragment_merger.py -q
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diloco.configs import load_config
@@ -69,6 +70,9 @@ def test_create_records_fragments_and_commits_every_version_zero(tmp_path):
     assert len(ctx.fragments) == 4 and fragment_versions(ctx) == [0, 0, 0, 0] and run_version(ctx) == 0
     assert torch.equal(_assembled(ctx, 0)["wte.weight"], _params(ctx, ctx.keys, 0)["wte.weight"])
     assert shard_of_id(shard_merger_id(3)) == 3 and shard_of_id("merger") == 0
+    assert shard_of_id("merger-2") == 0 and shard_of_id("merger-s1-2") == 1  # second processes of a shard
+    with pytest.raises(ValueError, match="names no shard"):
+        shard_of_id("merger-x")
 
 
 def test_fragments_equal_the_whole_model_merge_bit_for_bit(tmp_path):
