@@ -2,7 +2,7 @@
 ShardMerger; fragmenting does not change the math (mean rule: the assembled fragments equal the whole-model
 merge bit for bit; P = 1 through the shard path equals today's merger bit for bit); racing mergers on one
 shard commit exactly once per fragment version; a killed shard stalls only its fragments; audit replays
-every fragment chain.
+every fragment chain; gc collects a fragment chain's orphans.
 
 Run: .venv/bin/pytest tests/integration/test_fragment_merger.py -q
 """
@@ -14,6 +14,7 @@ import torch
 
 from diloco.configs import load_config
 from diloco.inspect.audit import audit_run
+from diloco.inspect.gc import collect_orphans
 from diloco.merger.merger import Merger, run_merger
 from diloco.merger.shard import ShardMerger, run_shard, shard_merger_id, shard_of_id
 from diloco.run.create import create_run
@@ -131,6 +132,9 @@ def test_racing_mergers_on_one_shard_commit_once_per_version(tmp_path):
         assert list_versions(ctx.store, keys) == [0, 1]
         assert read_manifest(ctx.store, keys, 1).merger_id == winner
     assert ours.poll_once() == [] and ours.version(0) == 1
+    assert audit_run(ctx).ok
+    gc = collect_orphans(ctx, min_age_s=0.0)  # the loser's objects, in fragment 0's namespace only
+    assert len(gc.deleted) == 3 and all(k.startswith("race/fragments/0000/global/") for k in gc.deleted)
     assert audit_run(ctx).ok
 
 
