@@ -29,6 +29,7 @@ from diloco.training.fragments import due_offset
 SIZES = {  # GPT-2 small's shape with its vocabulary (tied embeddings: 124.4M); quick: the tests' model
     "124m": {"model.n_layer": 12, "model.n_head": 12, "model.d_model": 768, "model.ctx_len": 1024,
              "model.vocab_size": 50257},
+    "10m": {"model.n_layer": 4, "model.n_head": 8, "model.d_model": 448, "model.ctx_len": 64},  # bench merge's
     "quick": {"model.n_layer": 2, "model.n_head": 2, "model.d_model": 64, "model.ctx_len": 32},
 }
 STEPS_PER_PHASE = 24  # the paper's H (= P at P = 24: one fragment out per step)

@@ -105,7 +105,7 @@ def _bench_merge(
 @bench.command("scale")
 def _bench_scale(
     json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
-    params: str = typer.Option("124m", "--params", help="Model size: 124m (GPT-2 small's shape and vocabulary)."),
+    params: str = typer.Option("124m", "--params", help="Model size: 124m (GPT-2 small's shape and vocabulary), 10m."),
     learners: int = typer.Option(8, "--learners", min=1, help="Synthetic int4 deltas per fragment and round."),
     fragments: str = typer.Option("1,4,12,24", "--fragments", help="Comma-separated fragment counts P."),
     quick: bool = typer.Option(False, "--quick", help="A small model instead (seconds; the tests use it)."),
