@@ -24,6 +24,7 @@ from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
 from diloco.storage.records import LearnerStatus, RecordError, read_record
 from diloco.training.fragments import take
+from diloco.training.tensors import Tensors
 
 log = logging.getLogger("diloco.learner")
 
@@ -47,15 +48,18 @@ class FragmentLearner(Learner):
         self.awaiting: dict[int, int] = {}  # sync mode: lane -> seq waiting for its decision
 
     # ---- join ------------------------------------------------------------------------------
+    def _live(self) -> Tensors:
+        """The model's own parameters (detached views: a lane reads or writes one fragment, never a copy of all)."""
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
     def join(self) -> int:
-        theta = self.theta()
+        theta = self._live()
         for lane in self.lanes.lanes:
             keys = self.ctx.keys.for_fragment(lane.index)
             manifest = read_latest(self.ctx.store, keys)
             _, glob = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                    checksum=manifest.params_checksum)
             self.lanes.join(lane.index, manifest.version, glob, self._next_seq(keys, manifest), theta)
-        self._set_theta(theta)
         self.cursor = self._last_cursor()
         self._open_batches()
         self.steps_done, self.awaiting = 0, {}
@@ -125,7 +129,7 @@ class FragmentLearner(Learner):
     def ship(self, index: int, stats: PhaseStats | None = None) -> int:
         """Ship lane `index`: r_p - theta_p into fragment p's chain; keep the quantization error in r_p."""
         cfg, lane = self.cfg, self.lanes.lanes[index]
-        delta = self.lanes.delta(index, self.theta())
+        delta = self.lanes.delta(index, self._live())
         meta = {"learner": self.name, "seq": lane.seq, "base_version": lane.base, "tokens": lane.tokens,
                 "steps": lane.steps, "phase_time_s": time.time() - self.phase_t0, "train_loss": self.loss_ema,
                 "created_at": time.time(), "fragment": index}
@@ -160,14 +164,13 @@ class FragmentLearner(Learner):
             try:
                 if not manifest_exists(self.quick, keys, lane.base + 1):
                     continue
-                theta = theta if theta is not None else self.theta()
+                theta = theta if theta is not None else self._live()
                 self._install_lane(lane.index, latest_version(self.ctx.store, keys), theta)
                 moved.append(lane.index)
             except (StorageError, CodecError) as err:
                 log.warning("learner %s: fragment %d install failed (%s); training on", self.name, lane.index, err)
                 self.events.emit("install_failed", learner=self.name, fragment=lane.index, reason=str(err))
-        if theta is not None:
-            self._set_theta(theta)
+        if moved:
             self._sync_state()
         return moved
 
@@ -194,10 +197,7 @@ class FragmentLearner(Learner):
                 self.heartbeat("waiting")
                 manifest = read_latest(self.ctx.store, keys)
                 if manifest.cursors.get(self.name, -1) >= seq:
-                    if manifest.version > self.lanes.lanes[index].base:
-                        theta = self.theta()
-                        self._install_lane(index, manifest.version, theta)
-                        self._set_theta(theta)
+                    self._install_lane(index, manifest.version, self._live())
                     break
                 time.sleep(self.cfg.merger.poll_interval_s)
             del self.awaiting[index]

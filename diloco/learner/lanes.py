@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from diloco.training.fragments import due_offset, put_, take
 from diloco.training.tensors import Tensors, add_, clone
 
@@ -60,7 +62,7 @@ class Lanes:
         """r_p - theta_p: what lane `index` ships now."""
         lane = self.lanes[index]
         part = take(theta, lane.fragment, copy=False)
-        return {k: lane.ref[k] - part[k] for k in lane.ref}
+        return {k: lane.ref[k] - part[k].to("cpu", torch.float32) for k in lane.ref}
 
     def shipped(self, index: int, dequantized: Tensors, step: int) -> tuple[int, int, int]:
         """The delta went out as `dequantized`: r_p -= it (error feedback); returns (seq, steps, tokens) shipped."""
@@ -77,13 +79,14 @@ class Lanes:
         return step - self.lanes[index].shipped_at >= self.tau
 
     def install(self, index: int, version: int, glob: Tensors, theta: Tensors) -> None:
-        """Move lane `index` to `version` in `theta` (whole-model tensors, written in place): carry the unshipped."""
+        """Move lane `index` to `version` in `theta` (whole-model tensors, e.g. the model's own parameters,
+        on any device; written in place): carry the unshipped."""
         lane = self.lanes[index]
         if self.mode == "overwrite":
             new = clone(glob)
         else:
             part = take(theta, lane.fragment, copy=False)
-            new = {k: glob[k] + (part[k] - lane.ref[k]) for k in glob}
+            new = {k: glob[k] + (part[k].to("cpu", torch.float32) - lane.ref[k]) for k in glob}
         put_(theta, lane.fragment, new)
         lane.base, lane.glob, lane.ref = version, glob, clone(glob)
 
