@@ -1,7 +1,9 @@
 """The streaming row of `bench quality`: decoupled int4 with P fragments shipped on the staggered schedule
 (fragments.count = P, overlap tau = 2), merged by the sharded merger, driven in-process like the engine rows.
 
-Contract: deterministic (CPU, fixed seeds, every learner one phase a round, then every fragment merged once);
+Contract: deterministic (CPU, fixed seeds; the learners run in step, one chunk of ~H/P steps at a time; after
+each chunk the fragment every learner just shipped is merged, and each learner installs every fragment
+merged at least tau steps after it shipped it: a fragment comes back ~max(H/P, tau) steps after its ship);
 exactly `num_learners * steps * batch_size * ctx_len` training tokens; the held-out loss of the run version
 (every fragment's version put together); bytes measured by each learner's counting store.
 """
@@ -21,6 +23,7 @@ from diloco.specs.gpt import make_spec
 from diloco.specs.text import Corpus
 from diloco.storage import open_store
 from diloco.storage.traffic import CountingStore
+from diloco.training.fragments import due_offset
 
 OVERLAP_STEPS = 2  # the paper's tau
 
@@ -34,7 +37,9 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
         "learner.codec": method.codec, "learner.mode": method.mode, "learner.checkpoint": False,
         "learner.local_state_every_steps": 0, "learner.prefetch": False, "learner.device": "cpu",
         "merger.grace_cap_s": 0.0, "merger.quorum": m, "fragments.count": method.fragments,
-        "fragments.overlap_steps": OVERLAP_STEPS, "merger.shards": 1, **dict(method.overrides)})
+        "fragments.overlap_steps": OVERLAP_STEPS, "merger.shards": 1,
+        "learner.probe_every_steps": 1 << 20,  # installs at the chunk boundaries below, never inside a chunk
+        **dict(method.overrides)})
     with tempfile.TemporaryDirectory(prefix="diloco-bench-") as tmp:
         store = open_store(f"file://{tmp}")
         ctx = create_run(store, f"q-{method.name}-s{cfg.data.seed}", cfg)
@@ -47,12 +52,17 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
         shard = ShardMerger(ctx, 0)
         target, per_round = m * steps * cfg.data.batch_size * cfg.model.ctx_len, m * tokens_per_phase(cfg)
         curve, tokens, merges = [(0, held.loss(read_run_version(ctx, 0)[0]))], 0, 0
+        h, count = cfg.inner.steps_per_phase, method.fragments
+        bounds = [due_offset(p, count, h) for p in range(count)] + [h]
         while tokens + per_round <= target:
-            for learner in learners:
-                tokens += learner.run_phase().tokens
-            for learner in learners:
-                learner.publisher.drain()
-            merges += len(shard.poll_once())
+            for start, end in zip(bounds, bounds[1:], strict=False):  # a chunk ends with one fragment's ship
+                for learner in learners:
+                    tokens += learner.run_phase(num_steps=end - start).tokens
+                for learner in learners:
+                    learner.publisher.drain()
+                merges += len(shard.poll_once())  # the fragment every learner just shipped
+                for learner in learners:
+                    learner.maybe_install()  # what was shipped at least tau steps ago and merged since
             curve.append((tokens, held.loss(read_run_version(ctx, run_version(ctx))[0])))
         for learner in learners:
             learner.close()

@@ -109,6 +109,11 @@ class FragmentLearner(Learner):
             stats.tokens += self.trainer.last_tokens
             stats.steps += 1
             for index in self.lanes.due(self.steps_done):
+                # storage slow or down: train on; the lane keeps its progress and ships it at its next due step
+                if cfg.learner.mode != "sync" and self.publisher.full():
+                    self.events.emit("publish_deferred", learner=self.name, fragment=index,
+                                     seq=self.lanes.lanes[index].seq)
+                    continue
                 self.ship(index, stats)
             if cfg.learner.mode == "sync":
                 self._wait_for_decisions()

@@ -22,7 +22,7 @@ from diloco.learner.fragmented import FragmentLearner
 from diloco.merger.shard import ShardMerger, run_shard
 from diloco.run.create import create_run
 from diloco.run.fragments import fragment_versions, run_version
-from diloco.run.objects import read_tensors
+from diloco.run.objects import decode_tensors, read_tensors
 from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store, read_latest, read_manifest
 from diloco.training.fragments import put_
@@ -164,4 +164,20 @@ def test_sync_mode_installs_each_fragment_tau_steps_after_shipping(corpus):
         assert lane.base >= 1 and m.cursors["local-0"] >= lane.seq - 1 - (lane.index in learner.awaiting)
         stored = read_tensors(ctx.store, m.params_key)[1]
         assert all(torch.equal(lane.glob[k], stored[k]) for k in stored)
+    learner.close()
+
+
+def test_a_full_publisher_defers_a_lane_which_ships_everything_next_time(corpus):
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(2, "fp32", 0))
+    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.join()
+    learner.publisher.full = lambda: True  # two deltas still uploading: storage slow or down
+    learner.run_phase(num_steps=4)
+    assert [lane.seq for lane in learner.lanes.lanes] == [0, 0] and [lane.steps for lane in learner.lanes.lanes] == [4, 4]
+    learner.publisher.full = lambda: False
+    learner.run_phase(num_steps=4)  # H = 4: fragment 1 due at step 6, fragment 0 at step 8
+    learner.publisher.drain()
+    for index, steps in ((0, 8), (1, 6)):
+        data = ctx.store.get(ctx.keys.for_fragment(index).delta("local-0", 0))
+        assert decode_tensors(data)[0].meta["steps"] == steps  # nothing lost: the deferred steps ship with it
     learner.close()
