@@ -3,7 +3,7 @@ own staggered schedule into its own chain and a merged fragment is installed whe
 
 Contract: per fragment, shipped + carried = all local progress (diloco.learner.lanes); a (re)join starts
 every lane at its fragment's newest version with the next unused seq of that chain, and the data cursor and
-step of the learner's last status; `sync` mode waits tau steps after a ship for the version deciding it.
+inner step (the lr schedule) of the learner's last status; `sync` mode waits tau steps after a ship for the version deciding it.
 Not supported yet with fragments (refused or off): learner.ranks > 1, local state, bucket checkpoints, prefetch.
 """
 
@@ -60,7 +60,7 @@ class FragmentLearner(Learner):
             _, glob = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                    checksum=manifest.params_checksum)
             self.lanes.join(lane.index, manifest.version, glob, self._next_seq(keys, manifest), theta)
-        self.cursor = self._last_cursor()
+        self.cursor, self.trainer.step = self._last_position()
         self._open_batches()
         self.steps_done, self.awaiting = 0, {}
         self._sync_state()
@@ -79,11 +79,14 @@ class FragmentLearner(Learner):
                 used = max(used, parsed[1])
         return used + 1
 
-    def _last_cursor(self) -> int:
+    def _last_position(self) -> tuple[int, int]:
+        """(data cursor, inner step) of this learner's last status: where its data and its lr schedule go on
+        (a rejoin keeps no optimizer moments: fragmented learners write no checkpoints yet)."""
         try:
-            return read_record(self.ctx.store, self.ctx.keys.status(self.name), LearnerStatus).cursor
+            status = read_record(self.ctx.store, self.ctx.keys.status(self.name), LearnerStatus)
         except (NotFound, RecordError):
-            return 0
+            return self.cursor, self.trainer.step
+        return max(self.cursor, status.cursor), max(self.trainer.step, status.step)
 
     def _sync_state(self) -> None:
         """The whole-learner view the heartbeat reports: the oldest fragment version, the seqs shipped."""
@@ -96,6 +99,7 @@ class FragmentLearner(Learner):
         num_steps = num_steps or cfg.inner.steps_per_phase
         stats, t0, losses = PhaseStats(), time.time(), []
         for i in range(num_steps):
+            ts = time.time()
             try:
                 losses.append(self.trainer.train_step(self._next_batch()))
             except FloatingPointError as err:
@@ -104,6 +108,8 @@ class FragmentLearner(Learner):
                 self.trainer.reset_optimizer()
                 self.join()
                 break
+            if self.slowdown > 1.0:  # a chaos plan's slow learner: steps take this x longer
+                time.sleep((time.time() - ts) * (self.slowdown - 1.0))
             self.lanes.stepped(self.trainer.last_tokens)
             self.steps_done += 1
             stats.tokens += self.trainer.last_tokens

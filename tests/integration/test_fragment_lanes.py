@@ -130,9 +130,11 @@ def test_staggered_schedule_and_rejoin_at_the_newest_fragments(corpus):
     # H = 4, P = 4: one fragment per step, fragment p at step p (mod 4), fragment 0 first at step 4
     assert shipped_at == [(1, 1), (2, 2), (3, 3), (4, 0), (5, 1), (6, 2), (7, 3), (8, 0)]
     assert _merge_all(ctx) == 4 and fragment_versions(ctx) == [1, 1, 1, 1] and run_version(ctx) == 1
+    learner.heartbeat(force=True, wait=True)
     learner.close()
     again = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     again.join()
+    assert (again.cursor, again.trainer.step) == (learner.cursor, learner.trainer.step) == (8, 8)  # data, lr
     assert again.lanes.meta()["bases"] == [1, 1, 1, 1] and again.state.base == 1
     assert again.lanes.meta()["seqs"] == [2, 2, 2, 2]  # one past every seq published in each chain
     glob = _assembled_global(ctx)
