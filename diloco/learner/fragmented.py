@@ -3,8 +3,9 @@ own staggered schedule into its own chain and a merged fragment is installed whe
 
 Contract: per fragment, shipped + carried = all local progress (diloco.learner.lanes); a (re)join starts
 every lane at its fragment's newest version with the next unused seq of that chain, and the data cursor and
-inner step (the lr schedule) of the learner's last status; `sync` mode waits tau steps after a ship for the version deciding it.
-Not supported yet with fragments (refused or off): learner.ranks > 1, local state, bucket checkpoints, prefetch.
+inner step (the lr schedule) of the learner's last status; `sync` mode waits tau steps after a ship for the
+version deciding it. Not supported yet with fragments (refused or off): learner.ranks > 1, local state,
+bucket checkpoints, prefetch.
 """
 
 from __future__ import annotations
