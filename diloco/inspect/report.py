@@ -53,9 +53,15 @@ def fragment_chains(ctx: RunContext) -> list[list[Manifest]]:
     return [manifests(dataclasses.replace(ctx, keys=ctx.keys.for_fragment(p))) for p in range(len(ctx.fragments))]
 
 
+def slowest_chain(chains: list[list[Manifest]]) -> list[Manifest]:
+    """The chain the run's version and progress are read from: the root's, or the fragment chain with the
+    fewest versions (then tokens): what every fragment has merged (goodput counts its merged steps)."""
+    return chains[0] if len(chains) == 1 else min(chains, key=lambda c: (c[-1].version, c[-1].tokens_total))
+
+
 def summarize(ctx: RunContext) -> dict:
     chains = fragment_chains(ctx)
-    chain = chains[0] if len(chains) == 1 else min(chains, key=lambda c: (c[-1].version, c[-1].tokens_total))
+    chain = slowest_chain(chains)
     evals = read_evals(ctx)
     merged = [d for c in chains for m in c for d in m.merged()]
     rejected = [d for c in chains for m in c for d in m.rejected()]

@@ -1,8 +1,9 @@
 """Chaos with fragments: a run of 4 fragments over 2 merger shards whose shards are killed mid-merge (shard 1
 before its manifest, shard 0 while writing). The supervisor restarts each; a killed shard stalls only its own
-fragments; every fragment chain is written by its own shard only and audits (replays) clean.
+fragments; every fragment chain is written by its own shard only and audits (replays) clean;
+goodput is counted on the slowest fragment chain (what every fragment has merged).
 
-Run: `.venv/bin/pytest -m chaos tests/chaos/test_fragment_chaos.py` (about 40 s on 2 cores).
+Run: `.venv/bin/pytest -m chaos tests/chaos/test_fragment_chaos.py` (about 20 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pytest
 from chaos_harness import all_injected, merger_kills_claimed, run_plan
 
 from diloco.chaos.agent import ChaosAgent
+from diloco.chaos.goodput import compute_goodput
+from diloco.inspect.report import fragment_chains, slowest_chain
 from diloco.run.fragments import fragment_versions
 from diloco.storage import read_manifest
 from diloco.supervise.core import Supervisor
@@ -44,6 +47,9 @@ def test_killed_merger_shards_restart_and_their_chains_audit_clean(tmp_path: Pat
     assert kills == {("merger-s1", "before_manifest"), ("merger", "writing")}
     exits = {e.get("learner") for e in run.events if e["kind"] == "exit" and e.get("role") == "merger"}
     assert {"merger", "merger-s1"} <= exits
+    # goodput from the slowest fragment chain's merged steps (what every fragment has merged)
+    report = compute_goodput(run.events, slowest_chain(fragment_chains(run.ctx)), run.ctx.learners)
+    assert 0 < report.decoupled_goodput <= report.availability <= 1
     versions = fragment_versions(run.ctx)
     assert min(versions) >= 5
     for p, version in enumerate(versions):
