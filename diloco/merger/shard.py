@@ -83,25 +83,27 @@ class ShardMerger:
     def version(self, index: int) -> int:
         return self.head(index).version
 
-    def _waiting(self, index: int, head: Manifest) -> int:
-        """Learners with a delta after their cursor in the fragment's chain (one listing)."""
+    def _waiting(self, index: int, head: Manifest, barred: set[str]) -> int:
+        """Learners not removed or quarantined with a delta after their cursor in the fragment's chain (one
+        listing); the barred ones' deltas are rejected by the next merge the others' deltas bring."""
         keys = self.ctx.keys.for_fragment(index) if self.ctx.fragments else self.ctx.keys
         names = set()
         for key in self.ctx.store.list(keys.deltas_prefix()):
             parsed = parse_delta_key(key)
-            if parsed and parsed[1] > head.cursors.get(parsed[0], -1):
+            if parsed and parsed[0] not in barred and parsed[1] > head.cursors.get(parsed[0], -1):
                 names.add(parsed[0])
         return len(names)
 
     def due(self, index: int, now: float) -> bool:
         """A quorum of learners waiting, or any waiting for quorum_timeout_s (the merger's own rule)."""
         head, cfg = self.head(index), self.ctx.cfg.merger
-        waiting = self._waiting(index, head)
+        members = head.guard.members if head.guard and head.guard.members else self.ctx.learners
+        barred = {*head.guard.removed, *head.guard.quarantined} if head.guard else set()
+        waiting = self._waiting(index, head, barred)
         if not waiting:
             self.first_ready.pop(index, None)
             return False
         since = self.first_ready.setdefault(index, now)
-        members = head.guard.members if head.guard and head.guard.members else self.ctx.learners
         return waiting >= min(cfg.quorum, max(1, len(members))) or now - since >= cfg.quorum_timeout_s
 
     def merge_fragment(self, index: int, should_stop: Callable[[], bool]) -> Manifest | None:
