@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import queue as queue_module
 import resource
 import sys
 import tempfile
@@ -74,12 +75,21 @@ def _measure_child(storage: str, run_id: str, queue: Any) -> None:
 
 
 def in_fresh_process(target: Any, args: tuple, timeout_s: float = 1800.0) -> Any:
-    """Run target(*args, queue) in a freshly spawned process (a clean ru_maxrss); returns what it put."""
+    """Run target(*args, queue) in a freshly spawned process (a clean ru_maxrss); returns what it put.
+    RuntimeError when the process dies first (killed for memory, an error) or runs past timeout_s."""
     spawn = mp.get_context("spawn")
     queue = spawn.Queue()
     proc = spawn.Process(target=target, args=(*args, queue))
     proc.start()
-    got = queue.get(timeout=timeout_s)
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            got = queue.get(timeout=1.0)
+            break
+        except queue_module.Empty:
+            if not proc.is_alive() or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the measuring process ended without a result (exit code {proc.exitcode})") from None
     proc.join()
     return got
 
