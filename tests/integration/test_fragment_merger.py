@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.configs import load_config
+from diloco.configs import ConfigError, load_config
 from diloco.inspect.audit import audit_run
 from diloco.inspect.gc import collect_orphans
 from diloco.merger.merger import Merger, run_merger
@@ -153,3 +153,11 @@ def test_a_killed_shard_stalls_only_its_fragments_and_a_restart_resumes(tmp_path
     assert fragment_versions(ctx) == [1, 2, 1, 2] and run_version(ctx) == 1
     assert read_latest(ctx.store, ctx.keys).version == 0  # the root chain keeps only version 0
     assert audit_run(ctx).ok
+
+
+def test_a_count_the_model_cannot_fill_creates_nothing(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    cfg = load_config("tiny").with_overrides({"fragments.count": 1000, "model.d_model": 8, "model.n_head": 1})
+    with pytest.raises(ConfigError, match=r"fragments.count \(1000\)"):
+        create_run(store, "toomany", cfg)
+    assert store.list("toomany/") == []
