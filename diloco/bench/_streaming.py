@@ -1,9 +1,9 @@
 """The streaming row of `bench quality`: decoupled int4 with P fragments shipped on the staggered schedule
 (fragments.count = P, overlap tau = 2), merged by the sharded merger, driven in-process like the engine rows.
 
-Contract: deterministic (CPU, fixed seeds; the learners run in step, one chunk of ~H/P steps at a time; after
-each chunk the fragment every learner just shipped is merged, and each learner installs every fragment
-merged at least tau steps after it shipped it: a fragment comes back ~max(H/P, tau) steps after its ship);
+Contract: deterministic (CPU, fixed seeds; the learners run in step, chunk by chunk, chunks cut at every ship
+(fragment p at step p*H/P) and tau steps after it; after each chunk what was just shipped is merged and each
+learner installs every fragment merged at least tau steps after it shipped it: back tau steps after its ship);
 exactly `num_learners * steps * batch_size * ctx_len` training tokens; the held-out loss of the run version
 (every fragment's version put together); bytes measured by each learner's counting store.
 """
@@ -54,8 +54,9 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
         curve, tokens, merges = [(0, held.loss(read_run_version(ctx, 0)[0]))], 0, 0
         h, count = cfg.inner.steps_per_phase, method.fragments
         bounds = [due_offset(p, count, h) for p in range(count)] + [h]
+        cuts = sorted({b for start in bounds[:-1] for b in (start, min(start + OVERLAP_STEPS, h))} | {h})
         while tokens + per_round <= target:
-            for start, end in zip(bounds, bounds[1:], strict=False):  # a chunk ends with one fragment's ship
+            for start, end in zip(cuts, cuts[1:], strict=False):  # ships at the bounds, installs tau after
                 for learner in learners:
                     tokens += learner.run_phase(num_steps=end - start).tokens
                 for learner in learners:
