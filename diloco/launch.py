@@ -59,6 +59,8 @@ def make_learner(storage: str, run_id: str, name: str, world=None):
     slowdown = control.slowdown.get(name) if control else None
     # events are kept and flushed again on failure: one quick retry, so an outage does not stall each phase
     events = EventLog(ctx.store.with_retries(1), ctx.keys, name)
+    if ctx.fragments:  # fragments.count > 1: ship-and-carry per fragment (diloco.learner.fragmented)
+        from diloco.learner.fragmented import FragmentLearner as Learner
     learner = Learner(ctx, name, events=events, slowdown=slowdown, world=world, signing_key=key)
     return learner, RoleStop(ctx, ctx.cfg.run.num_versions, learner=name)
 
@@ -79,6 +81,30 @@ def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
     hook = MergerSaboteur(ctx, raw_store, merger_id, events) if control else None
     keyring = keyring_of_env() if ctx.cfg.learner.sign else None
     return Merger(ctx, merger_id, events=events, stage_hook=hook, keyring=keyring), ctx
+
+
+def is_fragmented(storage: str, run_id: str) -> bool:
+    from diloco.run.context import open_run
+
+    return bool(open_run(storage, run_id).fragments)
+
+
+def run_shard_role(storage: str, run_id: str, merger_id: str, merges: int | None) -> int:
+    """A fragmented run's merger: the shard its id names (`merger` = 0, `merger-s<k>` = k; diloco.merger.shard)."""
+    from diloco.chaos.inprocess import MergerSaboteur, apply_chaos
+    from diloco.merger.shard import ShardMerger, run_shard, shard_of_id
+    from diloco.run.context import open_run
+    from diloco.run.events import EventLog
+    from diloco.run.signals import RoleStop
+
+    ctx = open_run(storage, run_id)
+    raw_store, shard = ctx.store, shard_of_id(merger_id)
+    control = apply_chaos(ctx)
+    events = EventLog(ctx.store, ctx.keys, merger_id)
+    hook = MergerSaboteur(ctx, raw_store, merger_id, events) if control else None
+    keyring = keyring_of_env() if ctx.cfg.learner.sign else None
+    merger = ShardMerger(ctx, shard, merger_id, events=events, stage_hook=hook, keyring=keyring)
+    return run_shard(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions, should_stop=RoleStop(ctx))
 
 
 def load_secret(block_name: str) -> str:
@@ -148,7 +174,6 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
     """Run one role of a run in this process until it ends; returns the phases, merges or evaluations done."""
     units = units or Units()
     if role == "learner":
-        from diloco.learner.learner import Learner
         from diloco.learner.loop import learner_step, run_learner
 
         if learner_ranks(storage, run_id, name or "") > 1:
@@ -156,11 +181,13 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
             return 0
         learner, should_stop = make_learner(storage, run_id, name or "")
         return run_learner(learner, phases=phases, should_stop=should_stop, step=units.phase or learner_step,
-                           join=units.join or Learner.join, why=lambda: should_stop.why)
+                           join=units.join or type(learner).join, why=lambda: should_stop.why)
     if role == "merger":
         from diloco.merger.merger import run_merger
         from diloco.run.signals import RoleStop
 
+        if is_fragmented(storage, run_id):
+            return run_shard_role(storage, run_id, name or "merger", merges)
         merger, ctx = make_merger(storage, run_id, name or "merger")
         return run_merger(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
                           should_stop=RoleStop(ctx), merge=units.merge)

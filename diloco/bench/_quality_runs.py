@@ -33,7 +33,7 @@ class Method:
     """One way to train: `dp`, or the engine with a delta codec, learner mode and arrival schedule."""
 
     name: str
-    kind: str  # "dp" | "engine"
+    kind: str  # "dp" | "engine" | "peer" | "streaming" (fragments: diloco.bench._streaming)
     codec: str = "fp32"
     mode: str = "carry"
     schedule: str = "all"  # "all" (every learner each round), "alternate" (half per round), "hetero",
@@ -42,7 +42,7 @@ class Method:
     label: str = ""
     overrides: tuple[tuple[str, object], ...] = ()  # config overrides of this method (a lever under test)
     dylu: bool = False  # concurrent-hetero: each learner's H from its speed, H_w = floor(v_w / v_max * H)
-    fragments: int = 1  # peer: torchft's streaming fragments (1 = plain DiLoCo)
+    fragments: int = 1  # peer: torchft's streaming fragments (1 = plain DiLoCo); streaming: fragments.count
 
 
 METHODS = (
@@ -51,6 +51,8 @@ METHODS = (
     Method("decoupled-int8", "engine", "int8", "carry", "alternate", "decoupled, int8, half arrive per merge"),
     Method("decoupled-int4", "engine", "int4", "carry", "alternate", "decoupled, int4, half arrive per merge"),
     Method("hetero-int4", "engine", "int4", "carry", "hetero", "decoupled int4, half the learners 2x slower"),
+    Method("streaming-int4", "streaming", "int4", "carry", "all",
+           "Streaming: decoupled int4, 4 fragments staggered over the phase, tau 2, sharded merger", fragments=4),
     Method("torchft-diloco", "peer", "fp32", "sync", "all", "torchft 0.2.0 DiLoCo (Manager + gloo, its outer Nesterov)"),
     Method("torchft-streaming", "peer", "fp32", "sync", "all",
            "torchft 0.2.0 Streaming DiLoCo: 2 fragments, sync delay 1, alpha 0.5", fragments=2),
@@ -249,6 +251,10 @@ def run_method(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
         return run_dp(cfg, corpus, held, steps)
     if method.kind == "peer":
         return run_peer(cfg, method, steps, seed)
+    if method.kind == "streaming":
+        from diloco.bench._streaming import run_streaming
+
+        return run_streaming(cfg, method, corpus, held, steps)
     return run_engine(cfg, method, corpus, held, steps)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import queue as queue_module
 import resource
 import sys
 import tempfile
@@ -73,6 +74,26 @@ def _measure_child(storage: str, run_id: str, queue: Any) -> None:
                "merged": merged})
 
 
+def in_fresh_process(target: Any, args: tuple, timeout_s: float = 1800.0) -> Any:
+    """Run target(*args, queue) in a freshly spawned process (a clean ru_maxrss); returns what it put.
+    RuntimeError when the process dies first (killed for memory, an error) or runs past timeout_s."""
+    spawn = mp.get_context("spawn")
+    queue = spawn.Queue()
+    proc = spawn.Process(target=target, args=(*args, queue))
+    proc.start()
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            got = queue.get(timeout=1.0)
+            break
+        except queue_module.Empty:
+            if not proc.is_alive() or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the measuring process ended without a result (exit code {proc.exitcode})") from None
+    proc.join()
+    return got
+
+
 def measure(size: str, num_learners: int, codec: str = "int4") -> dict[str, Any]:
     """One row: prepare a run with `num_learners` deltas, merge them once in a fresh process."""
     cfg = load_config("bench").with_overrides({
@@ -83,12 +104,7 @@ def measure(size: str, num_learners: int, codec: str = "int4") -> dict[str, Any]
     with tempfile.TemporaryDirectory(prefix="diloco-merge-bench-") as tmp:
         storage = f"file://{tmp}"
         delta_bytes = _publish_fake_deltas(cfg, storage, "merge-bench")
-        spawn = mp.get_context("spawn")
-        queue = spawn.Queue()
-        proc = spawn.Process(target=_measure_child, args=(storage, "merge-bench", queue))
-        proc.start()
-        row = queue.get(timeout=1800)
-        proc.join()
+        row = in_fresh_process(_measure_child, (storage, "merge-bench"))
     return {"size": size, "num_params": num_params, "num_learners": num_learners, "codec": codec,
             "delta_bytes": delta_bytes, "model_fp32_bytes": 4 * num_params, **row,
             "peak_rss_delta_models": row["peak_rss_delta_bytes"] / (4 * num_params)}

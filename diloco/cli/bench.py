@@ -102,6 +102,20 @@ def _bench_merge(
     with user_errors():
         bench_merge(json_path=json_path, sizes=sizes, learners=learners, codec=codec)
 
+@bench.command("scale")
+def _bench_scale(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    params: str = typer.Option("124m", "--params", help="Model size: 124m (GPT-2 small's shape and vocabulary), 10m."),
+    learners: int = typer.Option(8, "--learners", min=1, help="Synthetic int4 deltas per fragment and round."),
+    fragments: str = typer.Option("1,4,12,24", "--fragments", help="Comma-separated fragment counts P."),
+    quick: bool = typer.Option(False, "--quick", help="A small model instead (seconds; the tests use it)."),
+) -> None:
+    """Merge memory and time, and peak upload, against the number of fragments (one round per P)."""
+    from diloco.bench.scale import bench_scale
+
+    with user_errors():
+        bench_scale(json_path=json_path, params=params, learners=learners, fragments=fragments, quick=quick)
+
 @bench.command("outage")
 def _bench_outage(
     json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),

@@ -110,6 +110,9 @@ class MergerConfig(_Strict):
     outlier_window: int = Field(32, ge=1, le=4096)  # merged deltas the running median is taken over
     outlier_min_samples: int = Field(8, ge=1)  # the rule applies once the window holds this many
     quarantine_after: int = Field(3, ge=0)  # this many integrity rejections in a row quarantine a learner; 0 = never
+    # merger processes, shard s merging the fragments p with p % shards == s (1 <= shards <= fragments.count);
+    # one box need not hold or merge the whole model
+    shards: int = Field(1, ge=1, le=1024)
 
 
 class LearnerConfig(_Strict):
@@ -146,6 +149,14 @@ class LearnerConfig(_Strict):
     # sign every delta (HMAC-SHA256, the learner's own key from DILOCO_SIGNING_KEY or a Prefect Secret block);
     # the merger then rejects unsigned and mis-signed deltas (docs/DEPLOY.md, "Signing")
     sign: bool = False
+
+
+class FragmentsConfig(_Strict):
+    """Streaming DiLoCo: the parameters split into `count` fragments, each shipped, merged and committed on its
+    own chain, fragment p due at step p * H / count of every phase (docs/STORAGE.md, "Fragments")."""
+
+    count: int = Field(1, ge=1, le=1024)  # 1: the whole model as one delta, today's protocol bit for bit
+    overlap_steps: int = Field(2, ge=0)  # tau: steps between shipping a fragment and its earliest install (paper: 2)
 
 
 class EvalConfig(_Strict):
@@ -191,6 +202,17 @@ class Config(_Strict):
     learner: LearnerConfig = LearnerConfig()
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
+    fragments: FragmentsConfig = FragmentsConfig()
+
+    @model_validator(mode="after")
+    def _fragments_fit(self) -> Config:
+        count, shards, phase = self.fragments.count, self.merger.shards, self.inner.steps_per_phase
+        if shards > count:
+            raise ValueError(f"merger.shards ({shards}) must be <= fragments.count ({count}): a shard owns fragments")
+        if count > 1 and self.fragments.overlap_steps >= phase:
+            raise ValueError(f"fragments.overlap_steps ({self.fragments.overlap_steps}) must be < "
+                             f"inner.steps_per_phase ({phase})")
+        return self
 
     def learner_names(self) -> list[str]:
         return [f"{self.run.learner_prefix}-{i}" for i in range(self.run.num_learners)]

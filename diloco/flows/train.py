@@ -186,9 +186,9 @@ def _supervise_local(ctx: RunContext, log_dir: str | None, chaos_plan: str | Non
 
 
 def _latest(ctx: RunContext) -> int:
-    from diloco.storage import latest_version
+    from diloco.run.fragments import run_version
 
-    return latest_version(ctx.store, ctx.keys) or 0
+    return run_version(ctx) or 0
 
 
 def _tag_self(client: Any, run_id: str) -> None:

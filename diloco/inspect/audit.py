@@ -33,6 +33,7 @@ class AuditReport:
     controls_applied: int = 0  # operator control ops recorded in manifests
     replay_ok: bool = True
     problems: list[str] = field(default_factory=list)
+    fragment_versions: list[int] = field(default_factory=list)  # a fragmented run: versions per fragment chain
 
     def problem(self, text: str) -> None:
         self.ok = False
@@ -43,7 +44,8 @@ class AuditReport:
                 "deltas_rejected": self.deltas_rejected, "deltas_lost": self.deltas_lost,
                 "deltas_pending": self.deltas_pending, "decisions_replayed": self.decisions_replayed,
                 "decisions_unreplayable": self.decisions_unreplayable, "signatures_verified": self.signatures_verified,
-                "controls_applied": self.controls_applied, "replay_ok": self.replay_ok, "problems": self.problems}
+                "controls_applied": self.controls_applied, "replay_ok": self.replay_ok, "problems": self.problems,
+                **({"fragment_versions": self.fragment_versions} if self.fragment_versions else {})}
 
 
 def _check_object(ctx: RunContext, key: str, checksum: str, what: str, report: AuditReport) -> bytes | None:
@@ -170,6 +172,10 @@ def _compare_replay(ctx: RunContext, m: Manifest, result, report: AuditReport) -
 
 def audit_run(ctx: RunContext, do_replay: bool = True, keyring: dict[str, list[bytes]] | None = None) -> AuditReport:
     """Every check; `keyring` (learner -> keys) lets the replay verify signatures of a signed run."""
+    if ctx.fragments:  # every fragment's chain on its own (diloco.inspect.audit_fragments)
+        from diloco.inspect.audit_fragments import audit_fragments
+
+        return audit_fragments(ctx, do_replay, keyring)
     torch.set_num_threads(1)  # the merger's reduction order
     report = AuditReport(signatures_verified=keyring is not None and ctx.cfg.learner.sign)
     chain = load_chain(ctx, report)

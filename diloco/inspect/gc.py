@@ -7,11 +7,13 @@ for the version it is about to commit are younger than that — and the run's hi
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 from diloco.inspect.report import manifests
 from diloco.run.context import RunContext
+from diloco.run.fragments import fragment_context
 from diloco.storage import NotFound, StorageError
 
 DEFAULT_MIN_AGE_S = 600.0  # far longer than any merge takes to go from its first object to its manifest
@@ -27,11 +29,20 @@ class GcReport:
 
 def collect_orphans(ctx: RunContext, *, min_age_s: float = DEFAULT_MIN_AGE_S, dry_run: bool = False,
                     now: float | None = None) -> GcReport:
-    report = GcReport()
+    """The orphans of the run's chain, or of every chain of a fragmented run (the root's and each fragment's)."""
+    if not ctx.fragments:
+        return _collect_chain(ctx, GcReport(), min_age_s, dry_run, now)
+    report = _collect_chain(dataclasses.replace(ctx, fragments=[]), GcReport(), min_age_s, dry_run, now)
+    for index in range(len(ctx.fragments)):
+        report = _collect_chain(fragment_context(ctx, index), report, min_age_s, dry_run, now)
+    return report
+
+
+def _collect_chain(ctx: RunContext, report: GcReport, min_age_s: float, dry_run: bool, now: float | None) -> GcReport:
     referenced = set()
     for m in manifests(ctx):
         referenced.update(k for k in (m.params_key, m.update_key, m.outer_key) if k)
-    report.referenced = len(referenced)
+    report.referenced += len(referenced)
     now = time.time() if now is None else now
     for key in ctx.store.list(ctx.keys.global_prefix()):
         if key in referenced:

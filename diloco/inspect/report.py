@@ -5,6 +5,7 @@ Contract: read-only; every figure is computed from stored manifests, evals and h
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -45,13 +46,27 @@ def dp_bytes(num_params_: int, steps_per_learner: float, num_learners: int) -> f
     return steps_per_learner * 2 * (num_learners - 1) / num_learners * 4 * num_params_
 
 
+def fragment_chains(ctx: RunContext) -> list[list[Manifest]]:
+    """Every fragment's committed manifests (one chain, the root's, without fragments)."""
+    if not ctx.fragments:
+        return [manifests(ctx)]
+    return [manifests(dataclasses.replace(ctx, keys=ctx.keys.for_fragment(p))) for p in range(len(ctx.fragments))]
+
+
+def slowest_chain(chains: list[list[Manifest]]) -> list[Manifest]:
+    """The chain the run's version and progress are read from: the root's, or the fragment chain with the
+    fewest versions (then tokens): what every fragment has merged (goodput counts its merged steps)."""
+    return chains[0] if len(chains) == 1 else min(chains, key=lambda c: (c[-1].version, c[-1].tokens_total))
+
+
 def summarize(ctx: RunContext) -> dict:
-    chain = manifests(ctx)
+    chains = fragment_chains(ctx)
+    chain = slowest_chain(chains)
     evals = read_evals(ctx)
-    merged = [d for m in chain for d in m.merged()]
-    rejected = [d for m in chain for d in m.rejected()]
+    merged = [d for c in chains for m in c for d in m.merged()]
+    rejected = [d for c in chains for m in c for d in m.rejected()]
     bytes_published = sum(d.bytes for d in merged) + sum(d.bytes for d in rejected if d.bytes)
-    steps = sum(d.steps for d in merged)
+    steps = sum(d.steps for m in chain for d in m.merged())  # a fragmented run's steps: its slowest fragment's
     m_learners = max(1, len(ctx.learners))
     n = num_params(ctx)
     dp_total = dp_bytes(n, steps / m_learners, m_learners) * m_learners

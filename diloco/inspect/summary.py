@@ -13,7 +13,7 @@ import logging
 from collections import defaultdict
 from typing import Any
 
-from diloco.inspect.report import dp_bytes, manifests, nats_to_bits, summarize
+from diloco.inspect.report import dp_bytes, fragment_chains, manifests, nats_to_bits, summarize
 from diloco.run.context import RunContext
 from diloco.run.events import read_events
 from diloco.run.state import continue_hint, read_run_state
@@ -25,17 +25,25 @@ log = logging.getLogger("diloco.summary")
 def pending_deltas(ctx: RunContext, chain: list[Manifest]) -> dict[str, list[tuple[int, int]]]:
     """learner -> [(seq, bytes)] of the deltas in the bucket that no manifest decided (published after the
     last merge, or waiting for the next one)."""
-    decided = {(d.learner, d.seq) for m in chain for d in m.decisions}
     out: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    for key in ctx.store.list(ctx.keys.deltas_prefix()):
-        parsed = parse_delta_key(key)
-        if parsed is None or parsed in decided:
-            continue
-        try:
-            out[parsed[0]].append((parsed[1], ctx.store.get_size(key)))
-        except StorageError:
-            continue
+    for keys, decided in _chains_decided(ctx, chain):
+        for key in ctx.store.list(keys.deltas_prefix()):
+            parsed = parse_delta_key(key)
+            if parsed is None or parsed in decided:
+                continue
+            try:
+                out[parsed[0]].append((parsed[1], ctx.store.get_size(key)))
+            except StorageError:
+                continue
     return dict(out)
+
+
+def _chains_decided(ctx: RunContext, chain: list[Manifest]):
+    """(keys, decided (learner, seq)) per chain: the root's, or every fragment's."""
+    if not ctx.fragments:
+        return [(ctx.keys, {(d.learner, d.seq) for m in chain for d in m.decisions})]
+    return [(ctx.keys.for_fragment(p), {(d.learner, d.seq) for m in c for d in m.decisions})
+            for p, c in enumerate(fragment_chains(ctx))]
 
 
 def learner_traffic(ctx: RunContext) -> dict[str, dict[str, int]]:
@@ -77,7 +85,7 @@ def build_summary(ctx: RunContext) -> dict[str, Any]:
     """summarize()'s figures (the JSON contract of `diloco run --json`) plus the run's state, pending deltas
     and the per-learner traffic."""
     base = summarize(ctx)
-    chain = manifests(ctx)
+    chain = manifests(ctx) if not ctx.fragments else [m for c in fragment_chains(ctx) for m in c]
     pending = pending_deltas(ctx, chain)
     rows = _learner_rows(ctx, chain, pending, base["num_params"])
     state = read_run_state(ctx)

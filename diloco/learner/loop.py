@@ -79,7 +79,7 @@ def join_with_retry(learner: Learner, join: Callable[[Learner], int], should_sto
 def run_learner(learner: Learner, *, phases: int | None = None, should_stop: Callable[[], bool],
                 on_phase: Callable[[PhaseStats], None] | None = None,
                 step: Callable[[Learner, Callable[[], bool]], PhaseStats] = learner_step,
-                join: Callable[[Learner], int] = Learner.join,
+                join: Callable[[Learner], int] = lambda learner: learner.join(),
                 why: Callable[[], str | None] = lambda: None) -> int:
     """Join (retried through storage trouble), then phases until stopped; returns the number of phases
     run. `step` and `join` are the units a Prefect flow wraps as tasks; `why` names the final state once

@@ -121,7 +121,9 @@ class GradientStream:
         normalised = {k: (w / total_w if total_w > 0 else 0.0) for k, w in self.weights.items()}
         if not self.weights or total_w <= 0:
             return None, normalised
-        return self.combiner.result(), normalised
+        combined = self.combiner.result()
+        self.combiner = Combiner(self.combiner.rule, direct=tuple(self.combiner.direct))  # the fp64 sums freed
+        return combined, normalised
 
 
 def gradient_stream(params: Tensors, version: int, outer: OuterConfig,

@@ -16,6 +16,7 @@ from torch import nn
 from diloco import __version__
 from diloco.configs import Config
 from diloco.run.context import RunContext, RunError, open_run
+from diloco.run.fragments import commit_fragments_zero, plan_for
 from diloco.run.objects import write_tensors
 from diloco.run.spec import SpecFiles, StagedFiles, build_model, probe, spec_of
 from diloco.storage import Conflict, Manifest, RunKeys, commit, manifest_exists
@@ -37,9 +38,10 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
     model = build_model(spec, cfg.data.seed)  # version 0, and its layout
     probe(spec, model, {cfg.learner.ranks, *cfg.learner.ranks_per_learner.values()})
     layout = model_layout(model)
+    fragments = plan_for(cfg.fragments.count, layout)  # before anything is written: a bad count creates nothing
     record = RunRecord(run_id=run_id, created_at=time.time(), created_by=socket.gethostname(),
                        diloco_version=__version__, fingerprint=layout_fingerprint(layout), learners=learners,
-                       config=cfg.model_dump(mode="json"), layout=layout)
+                       config=cfg.model_dump(mode="json"), layout=layout, fragments=fragments)
     files.flush()  # before run.json: a process that sees the run finds its spec files
     try:
         write_record(store, keys.run_json(), record, exclusive=True)
@@ -51,8 +53,10 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
                 "choose another --run-id or the same config"
             ) from None
         return ctx
-    ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout)
+    ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout, fragments)
     _commit_version_zero(ctx, model)
+    if fragments:
+        commit_fragments_zero(ctx, get_flat_params(model))
     return ctx
 
 

@@ -15,9 +15,9 @@ import torch
 
 from diloco.run.context import RunContext, RunError
 from diloco.run.events import EventLog
-from diloco.run.objects import read_tensors
+from diloco.run.fragments import read_run_version, run_version
 from diloco.run.spec import build_model, check_layout, load_run_spec
-from diloco.storage import NotFound, StorageError, latest_version, read_manifest
+from diloco.storage import NotFound, StorageError
 from diloco.storage.records import EvalRecord, RecordError, read_record, write_record
 from diloco.training.inner import evaluate, pick_device
 from diloco.training.model import set_params
@@ -43,15 +43,13 @@ class Evaluator:
         self.done: set[int] = set()
 
     def evaluate_version(self, version: int) -> dict:
-        manifest = read_manifest(self.ctx.store, self.ctx.keys, version)
-        _, params = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
-                                   checksum=manifest.params_checksum)
+        params, tokens_total, committed_at = read_run_version(self.ctx, version)  # fragments: put together
         set_params(self.model, params)
         loss = evaluate(self.model, self.batches, self.device, loss=self.spec.loss)
         metric = self.spec.metric_name
         record = EvalRecord(version=version, loss=loss, metric=metric,
                             bits_per_byte=loss / math.log(2) if metric == "nats/byte" else None,
-                            tokens_total=manifest.tokens_total, t=time.time(), committed_at=manifest.created_at)
+                            tokens_total=tokens_total, t=time.time(), committed_at=committed_at)
         write_record(self.ctx.store, self.ctx.keys.eval(version), record)
         self.done.add(version)
         return record.model_dump()
@@ -69,7 +67,7 @@ class Evaluator:
     def next_due(self, final: bool = False) -> int | None:
         """The version to evaluate now, if any (one listing; storage trouble means none yet)."""
         try:
-            latest = latest_version(self.ctx.store, self.ctx.keys)
+            latest = run_version(self.ctx)
         except StorageError as err:
             log.warning("evaluation skipped: %s", err)
             return None
@@ -119,7 +117,7 @@ def run_evaluator(evaluator: Evaluator, *, should_stop: Callable[[], bool], poll
 
 def missing_evals(ctx: RunContext) -> list[int]:
     """Of version 0 and the newest version, those with no eval record (StorageError from the bucket)."""
-    latest = latest_version(ctx.store, ctx.keys) or 0
+    latest = run_version(ctx) or 0
     done = {e["version"] for e in read_evals(ctx)}
     return [v for v in sorted({0, latest}) if v not in done]
 

@@ -73,6 +73,8 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
     keys = RunKeys(new_run_id)
     if store.exists(keys.run_json()):
         raise RunError(f"run {new_run_id!r} already exists in {store.url}; choose another --new-run-id")
+    if parent.fragments or (cfg is not None and cfg.fragments.count > 1):
+        raise RunError("fork of a fragmented run (fragments.count > 1) is not supported yet")
     m = _parent_version(parent, at_version)
     cfg = fork_config(parent, m, cfg)
     by = by or operator_identity()

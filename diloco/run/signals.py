@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 from diloco.run.context import RunContext
 from diloco.run.controls import write_op
+from diloco.run.fragments import run_version
 from diloco.run.lease import describe, read_current
-from diloco.storage import NotFound, StorageError, latest_version
+from diloco.storage import NotFound, StorageError
 from diloco.storage.records import RecordError, RemovedMark, StopRequest, read_record, write_record
 
 TARGET_REASON = "target version"  # the supervisor's stop reason when the run reached its target
@@ -42,7 +43,7 @@ class StopSignal:
             if self.store.exists(self.ctx.keys.stop()):
                 self._stopped, self.reason = True, read_stop_reason(self.ctx) or "stop requested"
             elif self.target is not None:
-                latest = latest_version(self.store, self.ctx.keys)
+                latest = run_version(self.ctx, self.store)  # fragments: the slowest fragment's version
                 self._stopped = latest is not None and latest >= self.target
                 self.reason = TARGET_REASON if self._stopped else None
         except StorageError:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diloco.run.context import RunContext, RunError
+from diloco.run.fragments import run_version
 from diloco.run.lease import describe, held_error, is_live, read_current
 from diloco.run.signals import read_stop_reason
-from diloco.storage import latest_version
 from diloco.storage.records import FINAL_STATES, SupervisorLease
 
 ENDED = ("finished", "stopped")
@@ -42,7 +42,7 @@ class RunState:
 
 
 def read_run_state(ctx: RunContext) -> RunState:
-    version = latest_version(ctx.store, ctx.keys) or 0
+    version = run_version(ctx) or 0  # fragments: the slowest fragment's version
     target = ctx.cfg.run.num_versions
     lease = read_current(ctx.store, ctx.keys)
     if version >= target:

@@ -22,6 +22,7 @@ _OP_KEY_RE = re.compile(r"(?:.*/)?control/ops/([0-9]{20}-[0-9a-f]{8})\.json")
 
 MAX_VERSION = 10**20 - 1  # the widest number that keeps `{version:020d}` sorting lexically
 MAX_SEQ = 10**12 - 1  # likewise for `{seq:012d}`
+MAX_FRAGMENT = 9999  # likewise for `fragments/{p:04d}`
 
 
 class InvalidName(ValueError):
@@ -68,27 +69,44 @@ class RunKeys:
     """The keys of one run, all under `<run_id>/`."""
 
     run_id: str
+    # a fragment's own namespace `<run>/fragments/<p:04d>/` for its versions, globals and deltas (None: the run's
+    # root, the whole model); everything else (run.json, control, learners, evals, events) stays at the root
+    fragment: int | None = None
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
+        if self.fragment is not None:
+            _check_int(self.fragment, "fragment", MAX_FRAGMENT)
+
+    @property
+    def chain_root(self) -> str:
+        """Where this chain's versions/, global/ and deltas/ live."""
+        return self.run_id if self.fragment is None else f"{self.run_id}/fragments/{self.fragment:04d}"
+
+    def for_fragment(self, fragment: int | None) -> RunKeys:
+        """The keys of fragment `fragment`'s chain (None: the root chain)."""
+        return RunKeys(self.run_id, fragment)
+
+    def fragments_prefix(self) -> str:
+        return f"{self.run_id}/fragments/"
 
     def _version(self, version: int) -> str:
         return f"{_check_int(version, 'version', MAX_VERSION):020d}"
 
     def _global(self, version: int, nonce: str, suffix: str) -> str:
-        return f"{self.run_id}/global/{self._version(version)}-{validate_nonce(nonce)}.{suffix}"
+        return f"{self.chain_root}/global/{self._version(version)}-{validate_nonce(nonce)}.{suffix}"
 
     def run_json(self) -> str:
         return f"{self.run_id}/run.json"
 
     def versions_prefix(self) -> str:
-        return f"{self.run_id}/versions/"
+        return f"{self.chain_root}/versions/"
 
     def manifest(self, version: int) -> str:
         return f"{self.versions_prefix()}{self._version(version)}.json"
 
     def global_prefix(self) -> str:
-        return f"{self.run_id}/global/"
+        return f"{self.chain_root}/global/"
 
     def params(self, version: int, nonce: str) -> str:
         return self._global(version, nonce, "params")
@@ -101,8 +119,8 @@ class RunKeys:
 
     def deltas_prefix(self, learner: str | None = None) -> str:
         if learner is None:
-            return f"{self.run_id}/deltas/"
-        return f"{self.run_id}/deltas/{validate_learner_name(learner)}/"
+            return f"{self.chain_root}/deltas/"
+        return f"{self.chain_root}/deltas/{validate_learner_name(learner)}/"
 
     def delta(self, learner: str, seq: int) -> str:
         learner = validate_learner_name(learner)  # None would mean "all learners" to deltas_prefix

@@ -24,9 +24,10 @@ from typing import Any, Protocol
 from diloco.run.context import RunContext
 from diloco.run.controls import membership
 from diloco.run.events import EventLog
+from diloco.run.fragments import run_version, shard_merger_id
 from diloco.run.lease import Lease, acquire
 from diloco.run.signals import RemovedSignal, StopSignal, request_stop
-from diloco.storage import NotFound, StorageError, latest_version
+from diloco.storage import NotFound, StorageError
 from diloco.storage.errors import Backoff
 from diloco.storage.records import LearnerStatus, RecordError, read_record
 from diloco.supervise import interrupt
@@ -118,10 +119,11 @@ class Supervisor:
         return job
 
     def add_run_roles(self) -> None:
-        """The merger, the run's learners (run.json's, plus the admitted, minus the removed) and the evaluator,
-        started in that order: the merger's start (its imports, flow run, state) is under way before the
-        first delta arrives, a learner's first phase later."""
-        self.add("merger", "merger")
+        """The merger (every shard: merger, merger-s1, ...), the run's learners (run.json's, plus the admitted,
+        minus the removed) and the evaluator, started in that order: the mergers' start (imports, flow run,
+        state) is under way before the first delta arrives, a learner's first phase later."""
+        for shard in range(self.cfg.merger.shards if self.ctx.fragments else 1):
+            self.add("merger", shard_merger_id(shard))
         for name in self._members():
             self.add("learner", name, **self.learner_spec(name))
         self.add("evaluator", "evaluator")
@@ -312,7 +314,7 @@ class Supervisor:
 
     def latest(self) -> int:
         try:
-            return latest_version(self.ctx.store, self.ctx.keys) or 0
+            return run_version(self.ctx) or 0  # fragments: the slowest fragment's version
         except StorageError:
             return -1
 

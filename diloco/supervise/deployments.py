@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
+from diloco.run.fragments import shard_merger_id
 from diloco.supervise.core import ENDED, RUNNING, STARTING, UNKNOWN, Job, Supervisor
 
 if TYPE_CHECKING:
@@ -72,8 +73,12 @@ def add_deployment_jobs(sup: Supervisor, learners: dict[str, str], merger_deploy
     run_tag = f"run:{ctx.run_id}"
     sup.add("evaluator", "evaluator", deployment=evaluator_deployment, parameters=dict(base),
             tags=[run_tag, "role:evaluate"], flow_run_name=f"evaluate-{ctx.run_id}")
-    sup.add("merger", "merger", deployment=merger_deployment, parameters=dict(base),
-            tags=[run_tag, "role:merger"], flow_run_name=f"merge-{ctx.run_id}")
+    for shard in range(ctx.cfg.merger.shards if ctx.fragments else 1):  # fragments: merger, merger-s1, ...
+        merger_id = shard_merger_id(shard)
+        sup.add("merger", merger_id, deployment=merger_deployment,
+                parameters=dict(base) if shard == 0 else {**base, "merger_id": merger_id},
+                tags=[run_tag, "role:merger"] + ([f"shard:{shard}"] if ctx.fragments else []),
+                flow_run_name=f"merge-{ctx.run_id}" if shard == 0 else f"merge-{ctx.run_id}-s{shard}")
     for name, deployment in learners.items():
         sup.add("learner", name, **learner_job_spec(base, run_tag, name, deployment))
     # a learner admitted later goes round-robin over the regions

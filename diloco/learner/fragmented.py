@@ -1,0 +1,220 @@
+"""The learner of a fragmented run (fragments.count > 1): inner steps as always, but fragment p ships on its
+own staggered schedule into its own chain and a merged fragment is installed when it arrives (lanes).
+
+Contract: per fragment, shipped + carried = all local progress (diloco.learner.lanes); a (re)join starts
+every lane at its fragment's newest version with the next unused seq of that chain, and the data cursor and
+inner step (the lr schedule) of the learner's last status; `sync` mode waits tau steps after a ship for the
+version deciding it. Not supported yet with fragments (refused or off): learner.ranks > 1, local state,
+bucket checkpoints, prefetch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from diloco.learner.lanes import Lanes
+from diloco.learner.learner import Learner, PhaseStats
+from diloco.learner.prefetch import fetch_global
+from diloco.learner.publisher import Publisher
+from diloco.run.fragments import fragment_context
+from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
+from diloco.run.signing import sign
+from diloco.storage import NotFound, StorageError, latest_version, manifest_exists, read_latest
+from diloco.storage.codec import CodecError
+from diloco.storage.keys import parse_delta_key
+from diloco.storage.records import LearnerStatus, RecordError, read_record
+from diloco.training.fragments import take
+from diloco.training.tensors import Tensors
+
+log = logging.getLogger("diloco.learner")
+
+
+class FragmentLearner(Learner):
+    """Drive like a Learner: join(), then run_phase() + publish() in a loop (publish ships nothing more)."""
+
+    def __init__(self, ctx, name, spec=None, **kwargs) -> None:
+        super().__init__(ctx, name, spec, **kwargs)
+        if self.world is not None:
+            raise ValueError("learner.ranks > 1 with fragments.count > 1 is not supported yet")
+        if self.local is not None:  # local state saves one whole-model lane: not the fragments' lanes
+            self.local.close()
+            self.local = None
+            self.publisher.close()
+            self.publisher = Publisher(ctx.store, self.events)
+        self.prefetcher = None
+        cfg = ctx.cfg
+        self.lanes = Lanes(ctx.fragments, cfg.inner.steps_per_phase, cfg.fragments.overlap_steps, cfg.learner.mode)
+        self.steps_done = 0  # since join: the stagger counts from here
+        self.awaiting: dict[int, int] = {}  # sync mode: lane -> seq waiting for its decision
+
+    # ---- join ------------------------------------------------------------------------------
+    def _live(self) -> Tensors:
+        """The model's own parameters (detached views: a lane reads or writes one fragment, never a copy of all)."""
+        return {name: p.detach() for name, p in self.model.named_parameters()}
+
+    def join(self) -> int:
+        theta = self._live()
+        for lane in self.lanes.lanes:
+            keys = self.ctx.keys.for_fragment(lane.index)
+            manifest = read_latest(self.ctx.store, keys)
+            _, glob = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+                                   checksum=manifest.params_checksum)
+            self.lanes.join(lane.index, manifest.version, glob, self._next_seq(keys, manifest), theta)
+        self.cursor, self.trainer.step = self._last_position()
+        self._open_batches()
+        self.steps_done, self.awaiting = 0, {}
+        self._sync_state()
+        self.events.emit("join", learner=self.name, version=self.state.base, cursor=self.cursor, **self.lanes.meta())
+        self.heartbeat("joined", force=True, wait=True)
+        log.info("learner %s joined fragments at versions %s, data cursor %d", self.name,
+                 self.lanes.meta()["bases"], self.cursor)
+        return self.state.base
+
+    def _next_seq(self, keys, manifest) -> int:
+        """One past every seq this learner used in the chain: decided (the cursor) or listed (published)."""
+        used = manifest.cursors.get(self.name, -1)
+        for key in self.ctx.store.list(keys.deltas_prefix(self.name)):
+            parsed = parse_delta_key(key)
+            if parsed:
+                used = max(used, parsed[1])
+        return used + 1
+
+    def _last_position(self) -> tuple[int, int]:
+        """(data cursor, inner step) of this learner's last status: where its data and its lr schedule go on
+        (a rejoin keeps no optimizer moments: fragmented learners write no checkpoints yet)."""
+        try:
+            status = read_record(self.ctx.store, self.ctx.keys.status(self.name), LearnerStatus)
+        except (NotFound, RecordError):
+            return self.cursor, self.trainer.step
+        return max(self.cursor, status.cursor), max(self.trainer.step, status.step)
+
+    def _sync_state(self) -> None:
+        """The whole-learner view the heartbeat reports: the oldest fragment version, the seqs shipped."""
+        self.state.base = self.lanes.version()
+        self.state.seq = sum(lane.seq for lane in self.lanes.lanes)
+
+    # ---- phase -----------------------------------------------------------------------------
+    def run_phase(self, num_steps: int | None = None) -> PhaseStats:
+        cfg = self.cfg
+        num_steps = num_steps or cfg.inner.steps_per_phase
+        stats, t0, losses = PhaseStats(), time.time(), []
+        for i in range(num_steps):
+            ts = time.time()
+            try:
+                losses.append(self.trainer.train_step(self._next_batch()))
+            except FloatingPointError as err:
+                log.warning("learner %s: %s; rejoining every fragment's newest version", self.name, err)
+                self.events.emit("phase_failed", learner=self.name, version=self.state.base, reason=str(err)[:300])
+                self.trainer.reset_optimizer()
+                self.join()
+                break
+            if self.slowdown > 1.0:  # a chaos plan's slow learner: steps take this x longer
+                time.sleep((time.time() - ts) * (self.slowdown - 1.0))
+            self.lanes.stepped(self.trainer.last_tokens)
+            self.steps_done += 1
+            stats.tokens += self.trainer.last_tokens
+            stats.steps += 1
+            for index in self.lanes.due(self.steps_done):
+                # storage slow or down: train on; the lane keeps its progress and ships it at its next due step
+                if cfg.learner.mode != "sync" and self.publisher.full():
+                    self.events.emit("publish_deferred", learner=self.name, fragment=index,
+                                     seq=self.lanes.lanes[index].seq)
+                    continue
+                self.ship(index, stats)
+            if cfg.learner.mode == "sync":
+                self._wait_for_decisions()
+            elif (i + 1) % cfg.learner.probe_every_steps == 0:
+                stats.installs.extend(self.maybe_install())
+            self.heartbeat()
+        stats.loss = sum(losses) / len(losses) if losses else float("nan")
+        stats.phase_time_s = time.time() - t0
+        self.loss_ema = stats.loss
+        self.events.emit("phase", learner=self.name, version=self.state.base, steps=stats.steps,
+                         tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss)
+        return stats
+
+    def publish(self, stats: PhaseStats | None = None) -> int | None:
+        """Fragments ship during the phase (ship); nothing is left to publish at its end."""
+        return None
+
+    def ship(self, index: int, stats: PhaseStats | None = None) -> int:
+        """Ship lane `index`: r_p - theta_p into fragment p's chain; keep the quantization error in r_p."""
+        cfg, lane = self.cfg, self.lanes.lanes[index]
+        delta = self.lanes.delta(index, self._live())
+        meta = {"learner": self.name, "seq": lane.seq, "base_version": lane.base, "tokens": lane.tokens,
+                "steps": lane.steps, "phase_time_s": time.time() - self.phase_t0, "train_loss": self.loss_ema,
+                "created_at": time.time(), "fragment": index}
+        data = encode_tensors(delta, codec_name=cfg.learner.codec, kind="delta", fingerprint=self.ctx.fingerprint,
+                              meta=meta, shuffle=cfg.learner.shuffle)
+        _, shipped = decode_tensors(data)
+        seq, steps, tokens = self.lanes.shipped(index, shipped, self.steps_done)
+        keys = self.ctx.keys.for_fragment(index)
+        sidecar = None
+        if self.signing_key is not None:
+            sidecar = keys.signature(self.name, seq), sign(self.signing_key, self.ctx.run_id, self.name, seq, data)
+        stall = self.publisher.submit(keys.delta(self.name, seq), data, seq=seq, sidecar=sidecar)
+        if cfg.learner.mode == "sync":
+            self.awaiting[index] = seq
+        if index == len(self.lanes) - 1:
+            self.phase_t0 = time.time()
+        if stats is not None:
+            stats.seq, stats.stall_s, stats.delta_bytes = seq, stats.stall_s + stall, stats.delta_bytes + len(data)
+        self._sync_state()
+        self.events.emit("publish", learner=self.name, seq=seq, fragment=index, version=lane.base, bytes=len(data),
+                         tokens=tokens, steps=steps, stall_s=stall)
+        return seq
+
+    # ---- install ---------------------------------------------------------------------------
+    def maybe_install(self) -> list[int]:
+        """Probe every lane past its overlap for its next version; install the newest. Returns the lanes moved."""
+        moved, theta = [], None
+        for lane in self.lanes.lanes:
+            if not self.lanes.may_install(lane.index, self.steps_done):
+                continue
+            keys = self.ctx.keys.for_fragment(lane.index)
+            try:
+                if not manifest_exists(self.quick, keys, lane.base + 1):
+                    continue
+                theta = theta if theta is not None else self._live()
+                self._install_lane(lane.index, latest_version(self.ctx.store, keys), theta)
+                moved.append(lane.index)
+            except (StorageError, CodecError) as err:
+                log.warning("learner %s: fragment %d install failed (%s); training on", self.name, lane.index, err)
+                self.events.emit("install_failed", learner=self.name, fragment=lane.index, reason=str(err))
+        if moved:
+            self._sync_state()
+        return moved
+
+    def _install_lane(self, index: int, version: int, theta) -> None:
+        """Fragment `index` at `version` (its compact updates, or its params when far behind) into theta."""
+        lane = self.lanes.lanes[index]
+        if version <= lane.base:
+            return
+        glob = fetch_global(fragment_context(self.ctx, index), self.ctx.store, lane.base, lane.glob, version,
+                            self.cfg.learner.max_updates_behind)
+        previous = lane.base
+        self.lanes.install(index, version, glob, theta)
+        self.events.emit("install", learner=self.name, fragment=index, version=version, previous=previous)
+
+    def _wait_for_decisions(self, timeout_s: float | None = None) -> None:
+        """Sync mode: tau steps after a ship, block until the fragment's version deciding it, then install it."""
+        timeout_s = timeout_s or self.cfg.merger.quorum_timeout_s * 4
+        for index, seq in sorted(self.awaiting.items()):
+            if not self.lanes.may_install(index, self.steps_done):
+                continue
+            self.publisher.drain()
+            keys, deadline = self.ctx.keys.for_fragment(index), time.time() + timeout_s
+            while time.time() < deadline:
+                self.heartbeat("waiting")
+                manifest = read_latest(self.ctx.store, keys)
+                if manifest.cursors.get(self.name, -1) >= seq:
+                    self._install_lane(index, manifest.version, self._live())
+                    break
+                time.sleep(self.cfg.merger.poll_interval_s)
+            del self.awaiting[index]
+        self._sync_state()
+
+    def fragment_of(self, index: int):
+        """Lane `index`'s current tensors of theta (for tests and tools)."""
+        return take(self.theta(), self.lanes.lanes[index].fragment)

@@ -1,0 +1,169 @@
+"""A merger shard: the fragments p with p % merger.shards == shard, merged one at a time on their own chains.
+
+Contract: each fragment is merged by the one deterministic Merger on its fragment context (its namespace,
+its layout), loaded for that merge and released after it, so the shard holds O(one fragment), never the whole
+model; a commit is the exclusive create of the fragment's next manifest, so two processes of one shard race
+safely (exactly one commit per fragment version, the loser reloads); a shard never touches another's chains.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+
+from diloco.merger.merger import Merger, Pending
+from diloco.run.context import RunContext
+from diloco.run.events import EventLog
+from diloco.run.fragments import fragment_context, num_fragments, shard_merger_id
+from diloco.storage import Manifest, StorageError, manifest_exists, read_latest
+from diloco.storage.errors import Backoff
+from diloco.storage.keys import parse_delta_key
+from diloco.training.fragments import owned_by
+
+log = logging.getLogger("diloco.merger")
+STORAGE_BACKOFF_S = (0.5, 10.0)
+
+
+_SHARD_ID_RE = re.compile(r"merger(?:-[0-9]+)?|merger-s([1-9][0-9]*|0)(?:-[a-z0-9]+)?")
+
+
+def shard_of_id(merger_id: str) -> int:
+    """The shard a merger id names: `merger` (or `merger-<n>`, a second process of it, as a chaos plan's
+    second_merger) -> 0; `merger-s<k>` (or `merger-s<k>-<tag>`) -> k; ValueError naming the id otherwise."""
+    match = _SHARD_ID_RE.fullmatch(merger_id)
+    if match is None:
+        raise ValueError(f"merger id {merger_id!r} names no shard: it must be merger[-<n>] or merger-s<k>[-<tag>]")
+    return int(match.group(1) or 0)
+
+
+class FragmentMerger(Merger):
+    """The Merger on one fragment's chain. It never blocks for a quorum: its shard decided one is there."""
+
+    waited_s: float = 0.0  # how long the shard saw deltas waiting: the manifest's quorum wait
+
+    def wait_for_quorum(self, should_stop: Callable[[], bool]) -> tuple[Pending, float] | None:
+        if should_stop() or manifest_exists(self.ctx.store, self.ctx.keys, self.version + 1):
+            return None
+        if self.refresh_policy(force=False).state.paused:
+            return None
+        pending = self.pending()
+        if not any(seqs and self.policy.eligible(name) for name, seqs in pending.ready.items()):
+            return None
+        return pending, self.waited_s
+
+
+class ShardMerger:
+    """Drive with poll_once() in a loop (run_shard). `shard` of `cfg.merger.shards`."""
+
+    def __init__(self, ctx: RunContext, shard: int = 0, merger_id: str | None = None,
+                 events: EventLog | None = None, stage_hook: Callable[[str], None] | None = None,
+                 keyring: dict[str, list[bytes]] | None = None) -> None:
+        self.ctx, self.shard = ctx, shard
+        self.fragments = owned_by(shard, ctx.cfg.merger.shards, num_fragments(ctx))
+        self.merger_id = merger_id or shard_merger_id(shard)
+        self.events = events or EventLog(None, None, self.merger_id)
+        self.stage_hook, self.keyring = stage_hook, keyring
+        self.heads: dict[int, Manifest] = {}  # per fragment: its newest manifest (JSON only, no tensors)
+        self.first_ready: dict[int, float] = {}  # per fragment: when deltas were first seen waiting
+        self.gap_seen: dict[int, dict] = {p: {} for p in self.fragments}  # a Merger's gap timers, kept across merges
+
+    def head(self, index: int) -> Manifest:
+        """The fragment's newest manifest: cached, re-read when its next version exists."""
+        cached = self.heads.get(index)
+        keys = self.ctx.keys.for_fragment(index) if self.ctx.fragments else self.ctx.keys
+        if cached is None or manifest_exists(self.ctx.store, keys, cached.version + 1):
+            latest = read_latest(self.ctx.store, keys)
+            if latest is None:
+                raise RuntimeError(f"run {self.ctx.run_id} fragment {index} has no version 0")
+            self.heads[index] = cached = latest
+        return cached
+
+    def version(self, index: int) -> int:
+        return self.head(index).version
+
+    def _waiting(self, index: int, head: Manifest, barred: set[str]) -> int:
+        """Learners not removed or quarantined with a delta after their cursor in the fragment's chain (one
+        listing); the barred ones' deltas are rejected by the next merge the others' deltas bring."""
+        keys = self.ctx.keys.for_fragment(index) if self.ctx.fragments else self.ctx.keys
+        names = set()
+        for key in self.ctx.store.list(keys.deltas_prefix()):
+            parsed = parse_delta_key(key)
+            if parsed and parsed[0] not in barred and parsed[1] > head.cursors.get(parsed[0], -1):
+                names.add(parsed[0])
+        return len(names)
+
+    def due(self, index: int, now: float) -> bool:
+        """A quorum of learners waiting, or any waiting for quorum_timeout_s (the merger's own rule)."""
+        head, cfg = self.head(index), self.ctx.cfg.merger
+        members = head.guard.members if head.guard and head.guard.members else self.ctx.learners
+        barred = {*head.guard.removed, *head.guard.quarantined} if head.guard else set()
+        waiting = self._waiting(index, head, barred)
+        if not waiting:
+            self.first_ready.pop(index, None)
+            return False
+        since = self.first_ready.setdefault(index, now)
+        return waiting >= min(cfg.quorum, max(1, len(members))) or now - since >= cfg.quorum_timeout_s
+
+    def merge_fragment(self, index: int, should_stop: Callable[[], bool]) -> Manifest | None:
+        """Load the fragment, merge it once, release it; None when another merger won or nothing was taken."""
+        merger = FragmentMerger(fragment_context(self.ctx, index), self.merger_id, events=self.events,
+                                stage_hook=self.stage_hook, keyring=self.keyring)
+        merger.gap_seen = self.gap_seen[index]
+        merger.waited_s = time.time() - self.first_ready.get(index, time.time())
+        merger.load()
+        manifest = merger.merge_once(should_stop)
+        self.heads[index] = merger.manifest
+        if manifest is not None:
+            self.first_ready.pop(index, None)
+        return manifest
+
+    def poll_once(self, should_stop: Callable[[], bool] = lambda: False,
+                  target_version: int | None = None) -> list[Manifest]:
+        """One pass over the shard's fragments: merge each that is due (and below the target)."""
+        merged = []
+        for index in self.fragments:
+            if should_stop():
+                break
+            if target_version is not None and self.version(index) >= target_version:
+                continue
+            if self.due(index, time.time()):
+                manifest = self.merge_fragment(index, should_stop)
+                if manifest is not None:
+                    merged.append(manifest)
+        return merged
+
+    def done(self, target_version: int) -> bool:
+        return all(self.version(p) >= target_version for p in self.fragments)
+
+
+def run_shard(shard: ShardMerger, *, max_merges: int | None = None, target_version: int | None = None,
+              should_stop: Callable[[], bool] = lambda: False,
+              on_merge: Callable[[Manifest], None] | None = None) -> int:
+    """Merge the shard's fragments until stopped, every one reached the target, or max_merges were made."""
+    merges, backoff = 0, Backoff(*STORAGE_BACKOFF_S)
+    while not should_stop():
+        try:
+            if target_version is not None and shard.done(target_version):
+                break
+            if max_merges is not None and merges >= max_merges:
+                break
+            merged = shard.poll_once(should_stop, target_version)
+            backoff.reset()
+        except StorageError as err:
+            wait_s = backoff.next_s()
+            log.warning("shard %d: merge failed on storage (%s); retrying in %.1fs", shard.shard, err, wait_s)
+            shard.events.emit("storage_error", reason=str(err))
+            shard.heads.clear()
+            time.sleep(wait_s)
+            continue
+        merges += len(merged)
+        for manifest in merged:
+            if on_merge:
+                on_merge(manifest)
+        if not merged:
+            time.sleep(shard.ctx.cfg.merger.poll_interval_s)
+        shard.events.flush()
+    shard.events.flush()
+    return merges

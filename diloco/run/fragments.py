@@ -1,0 +1,111 @@
+"""A fragmented run's chains: one RunContext per fragment (its own namespace and layout), version 0 of each,
+and the run's newest state across them (docs/STORAGE.md, "Fragments").
+
+Contract: a run without fragments (fragments.count = 1, run.json's `fragments` empty) has one chain, the root,
+and every function here is then exactly the root-chain call it replaces. A fragmented run's version is the
+minimum over its fragments' versions: every fragment has merged at least that many times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+
+import torch
+
+from diloco.configs import ConfigError
+from diloco.run.context import RunContext
+from diloco.run.objects import read_tensors, write_tensors
+from diloco.storage import Conflict, Manifest, commit, latest_version, manifest_exists, read_manifest
+from diloco.storage.keys import new_nonce
+from diloco.storage.store import Store
+from diloco.training.fragments import FragmentError, fragment_layout, plan_fragments, put_, take
+from diloco.training.tensors import Tensors
+
+
+def plan_for(cfg_count: int, layout: list[dict]) -> list[dict]:
+    """The fragment layout run.json records: [] for one fragment (the root chain), else plan_fragments."""
+    if cfg_count == 1:
+        return []
+    try:
+        return plan_fragments(layout, cfg_count)
+    except FragmentError as err:
+        raise ConfigError(f"invalid config: {err}") from None
+
+
+def shard_merger_id(shard: int) -> str:
+    """`merger` for shard 0 (the id of an unsharded run's merger), `merger-s<shard>` for the others."""
+    return "merger" if shard == 0 else f"merger-s{shard}"
+
+
+def num_fragments(ctx: RunContext) -> int:
+    return len(ctx.fragments) or 1
+
+
+def is_fragmented(ctx: RunContext) -> bool:
+    return bool(ctx.fragments)
+
+
+def fragment_context(ctx: RunContext, index: int) -> RunContext:
+    """The chain of fragment `index`: its keys under fragments/<p:04d>/, its pieces as the layout."""
+    if not ctx.fragments:
+        if index != 0:
+            raise ValueError(f"run {ctx.run_id} has one fragment; there is no fragment {index}")
+        return ctx
+    if not 0 <= index < len(ctx.fragments):
+        raise ValueError(f"run {ctx.run_id} has {len(ctx.fragments)} fragments; there is no fragment {index}")
+    return dataclasses.replace(ctx, keys=ctx.keys.for_fragment(index),
+                               layout=fragment_layout(ctx.fragments[index]), fragments=[])
+
+
+def fragment_versions(ctx: RunContext, store: Store | None = None) -> list[int | None]:
+    """The newest committed version of every fragment's chain (fresh listings), in fragment order."""
+    store = store or ctx.store
+    if not ctx.fragments:
+        return [latest_version(store, ctx.keys)]
+    return [latest_version(store, ctx.keys.for_fragment(p)) for p in range(len(ctx.fragments))]
+
+
+def run_version(ctx: RunContext, store: Store | None = None) -> int | None:
+    """The run's version: the root chain's newest, or for fragments the minimum over the fragments' newest
+    (`store`: another view of the run's store, e.g. one with its own retries)."""
+    if not ctx.fragments:
+        return latest_version(store or ctx.store, ctx.keys)
+    versions = fragment_versions(ctx, store)
+    return None if any(v is None for v in versions) else min(versions)
+
+
+def commit_fragments_zero(ctx: RunContext, params: Tensors) -> None:
+    """Version 0 of every fragment's chain: its pieces of the initial model (idempotent, like the root's)."""
+    for index, fragment in enumerate(ctx.fragments):
+        keys = ctx.keys.for_fragment(index)
+        if manifest_exists(ctx.store, keys, 0):
+            continue
+        key = keys.params(0, new_nonce())
+        _, checksum = write_tensors(ctx.store, key, take(params, fragment), kind="params",
+                                    fingerprint=ctx.fingerprint)
+        manifest = Manifest(run_id=ctx.run_id, version=0, created_at=time.time(), merger_id="init",
+                            params_key=key, params_checksum=checksum)
+        with contextlib.suppress(Conflict):  # another process committed it first; ours is an orphan
+            commit(ctx.store, keys, manifest)
+
+
+def read_run_version(ctx: RunContext, version: int) -> tuple[Tensors, int, float]:
+    """(whole-model params, tokens merged, committed at) of run version `version`: the root manifest's, or for
+    fragments every fragment's version `version` put together (the tokens every fragment merged: the minimum)."""
+    if not ctx.fragments:
+        manifest = read_manifest(ctx.store, ctx.keys, version)
+        _, params = read_tensors(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
+                                 checksum=manifest.params_checksum)
+        return params, manifest.tokens_total, manifest.created_at
+    params = {e["name"]: torch.zeros(e["shape"], dtype=torch.float32) for e in ctx.layout}
+    tokens, committed = [], []
+    for index, fragment in enumerate(ctx.fragments):
+        manifest = read_manifest(ctx.store, ctx.keys.for_fragment(index), version)
+        _, part = read_tensors(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
+                               checksum=manifest.params_checksum)
+        put_(params, fragment, part)
+        tokens.append(manifest.tokens_total)
+        committed.append(manifest.created_at)
+    return params, min(tokens), max(committed)

@@ -1,0 +1,33 @@
+"""`diloco bench scale --quick`: the JSON has exactly the issue's keys, every row merged a whole round with the
+real merger in a fresh process, and the staggered schedule's peak upload shrinks with P.
+
+Run: .venv/bin/pytest tests/integration/test_bench_scale.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+from diloco.bench.scale import bench_scale, peak_window_bytes
+
+
+def test_quick_scale_bench_writes_the_issue_keys(tmp_path):
+    out = tmp_path / "scale.json"
+    bench_scale(json_path=out, learners=2, fragments="1,4", quick=True)
+    result = json.loads(out.read_text())
+    assert set(result) == {"model_params", "learners", "rows", "codec"}
+    assert result["learners"] == 2 and result["model_params"] > 0
+    assert set(result["codec"]) == {"int4"} and set(result["codec"]["int4"]) == {"encode_mb_s", "decode_mb_s"}
+    keys = {"fragments", "largest_fragment_mb", "merge_peak_rss_mb", "merge_s_per_round", "publish_mb",
+            "peak_upload_ratio_vs_unfragmented"}
+    assert [set(r) for r in result["rows"]] == [keys, keys]
+    whole, four = result["rows"]
+    assert whole["peak_upload_ratio_vs_unfragmented"] == 1.0
+    assert four["peak_upload_ratio_vs_unfragmented"] <= 1.4 / 4  # the issue's target, on bytes
+    assert four["largest_fragment_mb"] < whole["largest_fragment_mb"] and four["publish_mb"] < whole["publish_mb"]
+
+
+def test_peak_window_of_the_staggered_schedule():
+    assert peak_window_bytes([100], 24) == 100  # P = 1: one whole publish per window of H steps
+    assert peak_window_bytes([10, 20, 30, 40], 24) == 40  # P = 4, window of 6 steps: one fragment at most
+    assert peak_window_bytes([5, 5, 5], 2) == 10  # P > H: fragments share steps, window of one step

@@ -1,0 +1,185 @@
+"""Ship-and-carry per fragment under random interleavings (property-based): phases of random length (so
+fragments ship on their staggered schedule at random points between merges), shard merges and installs.
+
+Invariant (DESIGN §5, per fragment): shipped + carried = all local progress; with one learner, outer lr 1,
+no momentum, the assembled global is exactly the start minus everything shipped. Also: a learner rejoins
+at every fragment's newest version, with fresh seqs per fragment chain.
+Run: .venv/bin/pytest tests/integration/test_fragment_lanes.py -q
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diloco.configs import load_config
+from diloco.learner.fragmented import FragmentLearner
+from diloco.merger.shard import ShardMerger, run_shard
+from diloco.run.create import create_run
+from diloco.run.fragments import fragment_versions, run_version
+from diloco.run.objects import decode_tensors, read_tensors
+from diloco.specs.gpt import load_corpus, make_spec
+from diloco.storage import open_store, read_latest, read_manifest
+from diloco.training.fragments import put_
+from diloco.training.model import get_flat_params
+
+OPS = st.lists(st.one_of(st.integers(1, 7), st.sampled_from(["merge", "install"])), min_size=3, max_size=14)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(load_config("tiny").data)
+
+
+def _cfg(count: int, codec: str, tau: int):
+    return load_config("tiny").with_overrides({
+        "run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0, "learner.codec": codec,
+        "outer.lr": 1.0, "outer.momentum": 0.0, "outer.partial_scaling": False, "inner.steps_per_phase": 4,
+        "learner.probe_every_steps": 1000, "outer.max_staleness": 1000, "learner.local_state_every_steps": 0,
+        "fragments.count": count, "fragments.overlap_steps": tau, "merger.shards": min(2, count)})
+
+
+def _whole(template: dict, parts: list[tuple[dict, dict]]) -> dict:
+    out = {k: torch.zeros_like(v) for k, v in template.items()}
+    for fragment, values in parts:
+        put_(out, fragment, values)
+    return out
+
+
+def _assembled_global(ctx) -> dict:
+    parts = []
+    for index, fragment in enumerate(ctx.fragments):
+        m = read_latest(ctx.store, ctx.keys.for_fragment(index))
+        parts.append((fragment, read_tensors(ctx.store, m.params_key)[1]))
+    return _whole(read_tensors(ctx.store, read_latest(ctx.store, ctx.keys).params_key)[1], parts)
+
+
+class Meter:
+    """All local progress (the optimizer's own parameter changes) and all shipped (dequantized) deltas."""
+
+    def __init__(self, learner: FragmentLearner) -> None:
+        theta = learner.theta()
+        self.total = {k: torch.zeros_like(v) for k, v in theta.items()}
+        self.shipped = {k: torch.zeros_like(v) for k, v in theta.items()}
+        step, ship = learner.trainer.train_step, learner.lanes.shipped
+
+        def counted(*batch):
+            before = get_flat_params(learner.model)
+            loss = step(*batch)
+            for k, v in get_flat_params(learner.model).items():
+                self.total[k] += v - before[k]
+            return loss
+
+        def shipped(index, dequantized, at):
+            put_(delta := {k: torch.zeros_like(v) for k, v in self.total.items()}, learner.lanes.lanes[index].fragment,
+                 dequantized)
+            for k in self.shipped:
+                self.shipped[k] += delta[k]
+            return ship(index, dequantized, at)
+
+        learner.trainer.train_step, learner.lanes.shipped = counted, shipped
+
+
+def _merge_all(ctx) -> int:
+    return sum(len(ShardMerger(ctx, s).poll_once()) for s in range(ctx.cfg.merger.shards))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS, count=st.sampled_from([2, 3, 4]), codec=st.sampled_from(["fp32", "int8", "int4"]),
+       tau=st.sampled_from([0, 1, 2]))
+def test_shipped_plus_carried_is_all_progress_per_fragment(corpus, ops, count, codec, tau):
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(count, codec, tau))
+    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.join()
+    theta0 = learner.theta()
+    meter = Meter(learner)
+    for op in [*ops, 4, "merge", "install"]:
+        if isinstance(op, int):
+            learner.run_phase(num_steps=op)
+            learner.publisher.drain()
+        elif op == "merge":
+            _merge_all(ctx)
+        else:
+            learner.steps_done += tau  # past every overlap: an install op installs whatever is there
+            learner.maybe_install()
+        theta = learner.theta()
+        ref = _whole(theta, [(lane.fragment, lane.ref) for lane in learner.lanes.lanes])
+        for k in theta:  # shipped (as progress) + carried == all local progress
+            assert torch.allclose(-meter.shipped[k] + (theta[k] - ref[k]), meter.total[k], atol=1e-5), op
+    glob = _assembled_global(ctx)
+    for k in theta0:  # every shipped delta merged: the global is the start plus what was shipped
+        assert torch.allclose(glob[k], theta0[k] - meter.shipped[k], atol=1e-5)
+        assert torch.allclose(learner.theta()[k], theta0[k] + meter.total[k], atol=1e-5)
+    learner.close()
+
+
+def test_staggered_schedule_and_rejoin_at_the_newest_fragments(corpus):
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(4, "int8", 1))
+    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.join()
+    shipped_at: list[tuple[int, int]] = []
+    ship = learner.ship
+    learner.ship = lambda index, stats=None: shipped_at.append((learner.steps_done, index)) or ship(index, stats)
+    learner.run_phase(num_steps=8)
+    learner.publisher.drain()
+    # H = 4, P = 4: one fragment per step, fragment p at step p (mod 4), fragment 0 first at step 4
+    assert shipped_at == [(1, 1), (2, 2), (3, 3), (4, 0), (5, 1), (6, 2), (7, 3), (8, 0)]
+    assert _merge_all(ctx) == 4 and fragment_versions(ctx) == [1, 1, 1, 1] and run_version(ctx) == 1
+    learner.heartbeat(force=True, wait=True)
+    learner.close()
+    again = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    again.join()
+    assert (again.cursor, again.trainer.step) == (learner.cursor, learner.trainer.step) == (8, 8)  # data, lr
+    assert again.lanes.meta()["bases"] == [1, 1, 1, 1] and again.state.base == 1
+    assert again.lanes.meta()["seqs"] == [2, 2, 2, 2]  # one past every seq published in each chain
+    glob = _assembled_global(ctx)
+    assert all(torch.equal(again.theta()[k], glob[k]) for k in glob)
+    again.close()
+
+
+def test_sync_mode_installs_each_fragment_tau_steps_after_shipping(corpus):
+    """Sync: tau steps after a fragment ships the learner waits for the version deciding it; installs go by the
+    compact (int8) updates and hold exactly the committed params' bits."""
+    cfg = _cfg(2, "int8", 1).with_overrides({"learner.mode": "sync", "outer.update_codec": "int8"})
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", cfg)
+    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.join()
+    stop = threading.Event()
+    shards = [threading.Thread(target=run_shard, args=(ShardMerger(ctx, s),), kwargs={"should_stop": stop.is_set})
+              for s in range(2)]
+    for t in shards:
+        t.start()
+    try:
+        learner.run_phase(num_steps=8)
+    finally:
+        stop.set()
+        for t in shards:
+            t.join(timeout=30)
+    assert learner.awaiting == {0: 1}  # H = 4, P = 2: fragment 0 ships at steps 4 and 8 (the last: not waited yet)
+    for lane in learner.lanes.lanes:
+        m = read_manifest(ctx.store, ctx.keys.for_fragment(lane.index), lane.base)
+        assert lane.base >= 1 and m.cursors["local-0"] >= lane.seq - 1 - (lane.index in learner.awaiting)
+        stored = read_tensors(ctx.store, m.params_key)[1]
+        assert all(torch.equal(lane.glob[k], stored[k]) for k in stored)
+    learner.close()
+
+
+def test_a_full_publisher_defers_a_lane_which_ships_everything_next_time(corpus):
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(2, "fp32", 0))
+    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.join()
+    learner.publisher.full = lambda: True  # two deltas still uploading: storage slow or down
+    learner.run_phase(num_steps=4)
+    assert [lane.seq for lane in learner.lanes.lanes] == [0, 0] and [lane.steps for lane in learner.lanes.lanes] == [4, 4]
+    learner.publisher.full = lambda: False
+    learner.run_phase(num_steps=4)  # H = 4: fragment 1 due at step 6, fragment 0 at step 8
+    learner.publisher.drain()
+    for index, steps in ((0, 8), (1, 6)):
+        data = ctx.store.get(ctx.keys.for_fragment(index).delta("local-0", 0))
+        assert decode_tensors(data)[0].meta["steps"] == steps  # nothing lost: the deferred steps ship with it
+    learner.close()

@@ -1,0 +1,163 @@
+"""Fragment chains and the sharded merger on file://: synthetic deltas per fragment merged by the real
+ShardMerger; fragmenting does not change the math (mean rule: the assembled fragments equal the whole-model
+merge bit for bit; P = 1 through the shard path equals today's merger bit for bit); racing mergers on one
+shard commit exactly once per fragment version; a killed shard stalls only its fragments; audit replays
+every fragment chain; gc collects a fragment chain's orphans.
+
+Run: .venv/bin/pytest tests/integration/test_fragment_merger.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.configs import ConfigError, load_config
+from diloco.inspect.audit import audit_run
+from diloco.inspect.gc import collect_orphans
+from diloco.merger.merger import Merger, run_merger
+from diloco.merger.shard import ShardMerger, run_shard, shard_merger_id, shard_of_id
+from diloco.run.create import create_run
+from diloco.run.fragments import fragment_versions, run_version
+from diloco.run.objects import encode_tensors, read_tensors
+from diloco.storage import list_versions, open_store, read_latest, read_manifest
+from diloco.training.fragments import put_, take
+
+LEARNERS = ["a-0", "a-1"]
+
+
+def _cfg(count: int, shards: int = 1):
+    return load_config("tiny").with_overrides({
+        "fragments.count": count, "merger.shards": shards, "merger.quorum": 2, "learner.codec": "fp32",
+        "outer.merge_rule": "mean", "run.num_learners": 2, "run.learner_prefix": "a"})
+
+
+def _full_deltas(params: dict, rounds: int) -> list[dict[str, dict]]:
+    gen = torch.Generator().manual_seed(3)
+    return [{name: {k: torch.randn(v.shape, generator=gen) * 1e-2 for k, v in params.items()} for name in LEARNERS}
+            for _ in range(rounds)]
+
+
+def _publish(ctx, keys, learner: str, seq: int, tensors: dict, base: int = 0) -> None:
+    meta = {"learner": learner, "seq": seq, "base_version": base, "tokens": 640 * (1 + LEARNERS.index(learner)),
+            "steps": 10, "phase_time_s": 0.0, "train_loss": 2.0, "created_at": 0.0}
+    data = encode_tensors(tensors, codec_name="fp32", kind="delta", fingerprint=ctx.fingerprint, meta=meta)
+    ctx.store.put_if_absent(keys.delta(learner, seq), data)
+
+
+def _publish_round(ctx, deltas: dict[str, dict], seq: int, base: int, only: list[int] | None = None) -> None:
+    for index, fragment in enumerate(ctx.fragments or [None]):
+        if only is not None and index not in only:
+            continue
+        for learner, full in deltas.items():
+            part = full if fragment is None else take(full, fragment)
+            _publish(ctx, ctx.keys.for_fragment(index) if fragment else ctx.keys, learner, seq, part, base)
+
+
+def _params(ctx, keys, version: int) -> dict:
+    m = read_manifest(ctx.store, keys, version)
+    return read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)[1]
+
+
+def _assembled(ctx, version: int) -> dict:
+    whole = {k: torch.zeros_like(v) for k, v in _params(ctx, ctx.keys, 0).items()}
+    for index, fragment in enumerate(ctx.fragments):
+        put_(whole, fragment, _params(ctx, ctx.keys.for_fragment(index), version))
+    return whole
+
+
+def test_create_records_fragments_and_commits_every_version_zero(tmp_path):
+    ctx = create_run(open_store(f"file://{tmp_path}"), "r", _cfg(4, 2))
+    assert len(ctx.fragments) == 4 and fragment_versions(ctx) == [0, 0, 0, 0] and run_version(ctx) == 0
+    assert torch.equal(_assembled(ctx, 0)["wte.weight"], _params(ctx, ctx.keys, 0)["wte.weight"])
+    assert shard_of_id(shard_merger_id(3)) == 3 and shard_of_id("merger") == 0
+    assert shard_of_id("merger-2") == 0 and shard_of_id("merger-s1-2") == 1  # second processes of a shard
+    with pytest.raises(ValueError, match="names no shard"):
+        shard_of_id("merger-x")
+
+
+def test_fragments_equal_the_whole_model_merge_bit_for_bit(tmp_path):
+    """Two rounds, two learners: P = 4 over two shards vs P = 1 by today's merger, the same deltas."""
+    store = open_store(f"file://{tmp_path}")
+    whole, frag = create_run(store, "whole", _cfg(1)), create_run(store, "frag", _cfg(4, 2))
+    rounds = _full_deltas(_params(whole, whole.keys, 0), 2)
+    for seq, deltas in enumerate(rounds):
+        _publish_round(whole, deltas, seq, seq)
+        _publish_round(frag, deltas, seq, seq)
+        assert run_merger(Merger(whole), max_merges=1) == 1
+        shards = [ShardMerger(frag, s) for s in range(2)]
+        assert sum(len(s.poll_once()) for s in shards) == 4
+        assert fragment_versions(frag) == [seq + 1] * 4
+        expected, got = _params(whole, whole.keys, seq + 1), _assembled(frag, seq + 1)
+        assert all(torch.equal(expected[k], got[k]) for k in expected)
+    report = audit_run(frag)
+    assert report.ok, report.problems
+    assert report.num_versions == 3 and report.fragment_versions == [3, 3, 3, 3] and report.deltas_merged == 16
+
+
+def test_one_fragment_through_the_shard_path_is_todays_merger(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    old, new = create_run(store, "old", _cfg(1)), create_run(store, "new", _cfg(1))
+    assert new.fragments == [] and open_store(f"file://{tmp_path}").exists("new/versions/" + "0" * 20 + ".json")
+    for seq, deltas in enumerate(_full_deltas(_params(old, old.keys, 0), 3)):
+        _publish_round(old, deltas, seq, seq)
+        _publish_round(new, deltas, seq, seq)
+        assert run_merger(Merger(old), max_merges=1) == 1
+        assert len(ShardMerger(new, 0).poll_once()) == 1
+    for v in (1, 2, 3):
+        a, b = read_manifest(store, old.keys, v), read_manifest(store, new.keys, v)
+        assert (a.params_checksum, a.update_checksum) == (b.params_checksum, b.update_checksum)
+        # the .outer object's header carries wall-time moving averages (the grace window's): compare its tensors
+        outer_a, outer_b = (read_tensors(store, m.outer_key)[1] for m in (a, b))
+        assert all(torch.equal(outer_a[k], outer_b[k]) for k in outer_a)
+        assert [d.model_dump() for d in a.decisions] == [d.model_dump() for d in b.decisions]
+
+
+def test_racing_mergers_on_one_shard_commit_once_per_version(tmp_path):
+    ctx = create_run(open_store(f"file://{tmp_path}"), "race", _cfg(2, 1))
+    _publish_round(ctx, _full_deltas(_params(ctx, ctx.keys, 0), 1)[0], 0, 0)
+    rival = ShardMerger(ctx, 0, "merger-rival")
+    fired = []
+
+    def hook(stage: str) -> None:  # the rival commits fragment 0's version 1 while we are about to
+        if stage == "before_manifest" and not fired:
+            fired.append(stage)
+            assert rival.merge_fragment(0, lambda: False) is not None
+
+    ours = ShardMerger(ctx, 0, "merger", stage_hook=hook)
+    merged = ours.poll_once()
+    assert [m.version for m in merged] == [1]  # fragment 0 lost the race (Conflict, reloaded); fragment 1 won
+    for index, winner in enumerate(["merger-rival", "merger"]):
+        keys = ctx.keys.for_fragment(index)
+        assert list_versions(ctx.store, keys) == [0, 1]
+        assert read_manifest(ctx.store, keys, 1).merger_id == winner
+    assert ours.poll_once() == [] and ours.version(0) == 1
+    assert audit_run(ctx).ok
+    gc = collect_orphans(ctx, min_age_s=0.0)  # the loser's objects, in fragment 0's namespace only
+    assert len(gc.deleted) == 3 and all(k.startswith("race/fragments/0000/global/") for k in gc.deleted)
+    assert audit_run(ctx).ok
+
+
+def test_a_killed_shard_stalls_only_its_fragments_and_a_restart_resumes(tmp_path):
+    ctx = create_run(open_store(f"file://{tmp_path}"), "kill", _cfg(4, 2))
+    deltas = _full_deltas(_params(ctx, ctx.keys, 0), 2)
+    _publish_round(ctx, deltas[0], 0, 0)
+    survivor = ShardMerger(ctx, 1, "merger-s1")  # shard 0 is down
+    assert run_shard(survivor, target_version=1) == 2
+    assert fragment_versions(ctx) == [0, 1, 0, 1] and run_version(ctx) == 0
+    _publish_round(ctx, deltas[1], 1, 1, only=[1, 3])
+    assert run_shard(survivor, target_version=2) == 2
+    assert fragment_versions(ctx) == [0, 2, 0, 2]
+    restarted = ShardMerger(ctx, 0)
+    assert run_shard(restarted, target_version=1) == 2
+    assert fragment_versions(ctx) == [1, 2, 1, 2] and run_version(ctx) == 1
+    assert read_latest(ctx.store, ctx.keys).version == 0  # the root chain keeps only version 0
+    assert audit_run(ctx).ok
+
+
+def test_a_count_the_model_cannot_fill_creates_nothing(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    cfg = load_config("tiny").with_overrides({"fragments.count": 1000, "model.d_model": 8, "model.n_head": 1})
+    with pytest.raises(ConfigError, match=r"fragments.count \(1000\)"):
+        create_run(store, "toomany", cfg)
+    assert store.list("toomany/") == []
