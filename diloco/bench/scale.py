@@ -4,12 +4,12 @@ small's size (124M parameters), with M synthetic int4 deltas per fragment merged
 Contract: each row merges one whole round (every fragment, every learner) in a fresh spawned process on a
 file:// store the parent prepared (ru_maxrss growth over the round is clean); the upload figures come from
 the staggered schedule (fragment p due at step p*H/P) and the encoded sizes; prints a table, writes JSON.
+Peak RSS is the child's own VmHWM, reset before the round (ru_maxrss would carry the parent's across exec).
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import tempfile
 import time
@@ -73,8 +73,26 @@ def _publish(cfg: Config, storage: str, run_id: str) -> tuple[list[int], list[in
     return sizes, fp32
 
 
-def _max_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> int:
+    """Start a fresh high-water mark of this process's RSS now; returns the RSS in bytes. ru_maxrss is no use
+    here: a spawned process inherits its parent's high-water mark across exec (Linux), so a parent that once
+    held the whole model would hide the child's peak. VmHWM is reset by writing 5 to clear_refs."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """The RSS high-water mark since reset_peak_rss (VmHWM)."""
+    return _status_kib("VmHWM") * 1024
 
 
 def _merge_child(storage: str, run_id: str, queue: Any) -> None:
@@ -88,11 +106,11 @@ def _merge_child(storage: str, run_id: str, queue: Any) -> None:
     ctx = open_run(storage, run_id)
     shard = ShardMerger(ctx, 0)
     gc.collect()
-    before = _max_rss_bytes()
+    before = reset_peak_rss()
     t0 = time.perf_counter()
     merged = shard.poll_once()
     merge_s = time.perf_counter() - t0
-    peak = _max_rss_bytes() - before
+    peak = peak_rss_bytes() - before
     t0 = time.perf_counter()
     for index in range(len(ctx.fragments) or 1):
         keys = ctx.keys.for_fragment(index) if ctx.fragments else ctx.keys

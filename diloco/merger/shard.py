@@ -8,6 +8,7 @@ safely (exactly one commit per fragment version, the loser reloads); a shard nev
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import time
@@ -117,6 +118,8 @@ class ShardMerger:
         self.heads[index] = merger.manifest
         if manifest is not None:
             self.first_ready.pop(index, None)
+        del merger
+        gc.collect()  # a merge leaves reference cycles holding its tensors: free them before the next fragment's
         return manifest
 
     def poll_once(self, should_stop: Callable[[], bool] = lambda: False,
