@@ -66,9 +66,11 @@ def make_learner(storage: str, run_id: str, name: str, world=None):
 
 
 def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
-    """The merger of the run (a chaos plan may order it to kill itself at a stage), and its context."""
+    """The merger of the run (a chaos plan may order it to kill itself at a stage), and its context; for a
+    fragmented run the shard its id names (`merger` = 0, `merger-s<k>` = k: diloco.merger.shard)."""
     from diloco.chaos.inprocess import MergerSaboteur, apply_chaos
     from diloco.merger.merger import Merger
+    from diloco.merger.shard import ShardMerger, shard_of_id
     from diloco.run.context import open_run
     from diloco.run.events import EventLog
     from diloco.storage.keys import validate_learner_name
@@ -80,31 +82,10 @@ def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
     events = EventLog(ctx.store, ctx.keys, merger_id)
     hook = MergerSaboteur(ctx, raw_store, merger_id, events) if control else None
     keyring = keyring_of_env() if ctx.cfg.learner.sign else None
+    if ctx.fragments:
+        return ShardMerger(ctx, shard_of_id(merger_id), merger_id, events=events, stage_hook=hook,
+                           keyring=keyring), ctx
     return Merger(ctx, merger_id, events=events, stage_hook=hook, keyring=keyring), ctx
-
-
-def is_fragmented(storage: str, run_id: str) -> bool:
-    from diloco.run.context import open_run
-
-    return bool(open_run(storage, run_id).fragments)
-
-
-def run_shard_role(storage: str, run_id: str, merger_id: str, merges: int | None) -> int:
-    """A fragmented run's merger: the shard its id names (`merger` = 0, `merger-s<k>` = k; diloco.merger.shard)."""
-    from diloco.chaos.inprocess import MergerSaboteur, apply_chaos
-    from diloco.merger.shard import ShardMerger, run_shard, shard_of_id
-    from diloco.run.context import open_run
-    from diloco.run.events import EventLog
-    from diloco.run.signals import RoleStop
-
-    ctx = open_run(storage, run_id)
-    raw_store, shard = ctx.store, shard_of_id(merger_id)
-    control = apply_chaos(ctx)
-    events = EventLog(ctx.store, ctx.keys, merger_id)
-    hook = MergerSaboteur(ctx, raw_store, merger_id, events) if control else None
-    keyring = keyring_of_env() if ctx.cfg.learner.sign else None
-    merger = ShardMerger(ctx, shard, merger_id, events=events, stage_hook=hook, keyring=keyring)
-    return run_shard(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions, should_stop=RoleStop(ctx))
 
 
 def load_secret(block_name: str) -> str:
@@ -184,11 +165,13 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
                            join=units.join or type(learner).join, why=lambda: should_stop.why)
     if role == "merger":
         from diloco.merger.merger import run_merger
+        from diloco.merger.shard import run_shard
         from diloco.run.signals import RoleStop
 
-        if is_fragmented(storage, run_id):
-            return run_shard_role(storage, run_id, name or "merger", merges)
         merger, ctx = make_merger(storage, run_id, name or "merger")
+        if ctx.fragments:  # a shard runs as one long loop over its fragments
+            return run_shard(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
+                             should_stop=RoleStop(ctx))
         return run_merger(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
                           should_stop=RoleStop(ctx), merge=units.merge)
     if role == "evaluator":

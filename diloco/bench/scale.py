@@ -22,6 +22,7 @@ from rich.table import Table
 
 from diloco.bench.merge import in_fresh_process
 from diloco.configs import Config, ConfigError, load_config
+from diloco.run.fragments import fragment_context
 from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.storage import open_store
 from diloco.training.fragments import due_offset
@@ -58,7 +59,7 @@ def _publish(cfg: Config, storage: str, run_id: str) -> tuple[list[int], list[in
     ctx = create_run(open_store(storage), run_id, cfg)
     sizes, fp32 = [], []
     for index, shapes in enumerate(_fragment_shapes(ctx)):
-        keys = ctx.keys.for_fragment(index) if ctx.fragments else ctx.keys
+        keys = fragment_context(ctx, index).keys
         fp32.append(4 * sum(torch.Size(s).numel() for s in shapes.values()))
         for m, name in enumerate(ctx.learners):
             gen = torch.Generator().manual_seed(1000 * index + m)
@@ -113,7 +114,7 @@ def _merge_child(storage: str, run_id: str, queue: Any) -> None:
     peak = peak_rss_bytes() - before
     t0 = time.perf_counter()
     for index in range(len(ctx.fragments) or 1):
-        keys = ctx.keys.for_fragment(index) if ctx.fragments else ctx.keys
+        keys = fragment_context(ctx, index).keys
         for name in ctx.learners:
             decode_tensors(ctx.store.get(keys.delta(name, 0)))
     queue.put({"merge_s": merge_s, "peak_rss_bytes": peak, "read_decode_s": time.perf_counter() - t0,

@@ -1,10 +1,11 @@
 """`diloco bench startup`: where the main job's wall time goes — `diloco run` as `make run` starts it.
 
 Contract: runs `diloco run --config <recipe> --no-live --json` (with Prefect unless --no-prefect) in a fresh
-folder as a user would (its Prefect home prepared as `make setup` leaves it, unless prepared=False), stamps each line of its output as it arrives, then reads the run's events and
-manifests back from the bucket and prints one table of milestones (seconds from the command's start) and
-the spans between them; the machine's load before and after is part of the result, since the figures
-depend on it. Import costs are measured apart, each in a fresh interpreter. Writes JSON with --json.
+folder as a user would (its Prefect home prepared as `make setup` leaves it, unless prepared=False), stamps
+each line of its output as it arrives, then reads the run's events and manifests back from the bucket and
+prints one table of milestones (seconds from the command's start) and the spans between them; the
+machine's load before and after is part of the result, since the figures depend on it. Import costs are
+measured apart, each in a fresh interpreter. Writes JSON with --json.
 """
 
 from __future__ import annotations
@@ -188,8 +189,8 @@ def bench_startup(*, config: str = "demo", prefect: bool = True, json_path: Path
     summary = json.loads(stdout.strip().splitlines()[-1])
     ctx = open_run(f"file://{work}/runs", run_id)
     m = milestones(ctx, t0, lines, t_exit)
-    result = {"config": config, "prefect": prefect, "prepared_home": prepared, "wall_s": round(t_exit - t0, 1), "cpu_s": round(cpu_s, 1),
-              "cpu_parts_s": cpu_parts,
+    result = {"config": config, "prefect": prefect, "prepared_home": prepared, "wall_s": round(t_exit - t0, 1),
+              "cpu_s": round(cpu_s, 1), "cpu_parts_s": cpu_parts,
               "final_eval_loss": summary["final_eval_loss"], "num_versions": summary["num_versions"],
               "milestones_s": m, "spans_s": spans(m), "imports_s": measure_imports() if imports else {},
               "server_start_s": measure_server_start(work / "server-probe") if imports and prefect else {},

@@ -102,13 +102,8 @@ def launch_early(home: Path) -> None:
 def close_early(home: Path) -> None:
     """Stop a server launch_early started that ensure_api did not take (nothing reported to it: no flush)."""
     early = _EARLY.pop(home, None)
-    if early is None:
-        return
-    _RECORDS.pop(early[1].pid, None)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(early[1].pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        early[1].wait(timeout=15)
+    if early is not None:
+        stop_api(early[1], flush=False)
 
 
 def ensure_api(home: Path, wait: bool = True) -> tuple[str, subprocess.Popen | None]:
@@ -147,7 +142,9 @@ def flush_prefect(timeout_s: float = 10.0) -> None:
             worker.drain_all(timeout=timeout_s)
 
 
-def stop_api(proc: subprocess.Popen | None) -> None:
+def stop_api(proc: subprocess.Popen | None, flush: bool = True) -> None:
+    """Stop a server started here (its record removed); flush=True sends this process's Prefect logs and
+    events to it first."""
     if proc is None:
         return
     record = _RECORDS.pop(proc.pid, None)
@@ -156,7 +153,8 @@ def stop_api(proc: subprocess.Popen | None) -> None:
             record.unlink()
     if proc.poll() is not None:
         return
-    flush_prefect()
+    if flush:
+        flush_prefect()
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=15)

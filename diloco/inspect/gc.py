@@ -7,7 +7,6 @@ for the version it is about to commit are younger than that — and the run's hi
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -30,9 +29,7 @@ class GcReport:
 def collect_orphans(ctx: RunContext, *, min_age_s: float = DEFAULT_MIN_AGE_S, dry_run: bool = False,
                     now: float | None = None) -> GcReport:
     """The orphans of the run's chain, or of every chain of a fragmented run (the root's and each fragment's)."""
-    if not ctx.fragments:
-        return _collect_chain(ctx, GcReport(), min_age_s, dry_run, now)
-    report = _collect_chain(dataclasses.replace(ctx, fragments=[]), GcReport(), min_age_s, dry_run, now)
+    report = _collect_chain(ctx, GcReport(), min_age_s, dry_run, now)  # the root chain (reads keys, not fragments)
     for index in range(len(ctx.fragments)):
         report = _collect_chain(fragment_context(ctx, index), report, min_age_s, dry_run, now)
     return report

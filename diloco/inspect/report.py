@@ -5,13 +5,13 @@ Contract: read-only; every figure is computed from stored manifests, evals and h
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 
 from diloco.inspect.model_out import num_params, sample
 from diloco.run.context import RunContext
 from diloco.run.evaluator import read_evals
+from diloco.run.fragments import fragment_context, num_fragments
 from diloco.storage import Manifest, StorageError, list_versions, read_manifest
 from diloco.storage.records import LearnerStatus, RecordError, read_record
 
@@ -48,9 +48,7 @@ def dp_bytes(num_params_: int, steps_per_learner: float, num_learners: int) -> f
 
 def fragment_chains(ctx: RunContext) -> list[list[Manifest]]:
     """Every fragment's committed manifests (one chain, the root's, without fragments)."""
-    if not ctx.fragments:
-        return [manifests(ctx)]
-    return [manifests(dataclasses.replace(ctx, keys=ctx.keys.for_fragment(p))) for p in range(len(ctx.fragments))]
+    return [manifests(fragment_context(ctx, p)) for p in range(num_fragments(ctx))]
 
 
 def slowest_chain(chains: list[list[Manifest]]) -> list[Manifest]:

@@ -122,6 +122,8 @@ class FragmentLearner(Learner):
                                      seq=self.lanes.lanes[index].seq)
                     continue
                 self.ship(index, stats)
+            if self.run_ended_at(i + 1):
+                break  # what the lanes have not shipped yet stays unshipped: the run is over
             if cfg.learner.mode == "sync":
                 self._wait_for_decisions()
             elif (i + 1) % cfg.learner.probe_every_steps == 0:

@@ -210,14 +210,13 @@ class Learner:
                 time.sleep((time.time() - ts) * (self.slowdown - 1.0))
             self.heartbeat()
             done = i + 1
-            if (i + 1) % cfg.learner.probe_every_steps == 0:
-                if self.stop_check is not None and self.stop_check():
-                    break  # the run ended (target, stop, removal): the phase ends here, its steps are shipped
-                if cfg.learner.mode != "sync":
-                    installed = self.maybe_install()
-                    if installed is not None:
-                        stats.installs.append(installed)
-            if every and (i + 1) % every == 0 and i + 1 < num_steps:
+            if self.run_ended_at(done):
+                break  # the phase ends here, its steps are shipped
+            if done % cfg.learner.probe_every_steps == 0 and cfg.learner.mode != "sync":
+                installed = self.maybe_install()
+                if installed is not None:
+                    stats.installs.append(installed)
+            if every and done % every == 0 and done < num_steps:
                 self.save_local()  # the phase's end is saved by publish()
         stats.steps = done
         stats.loss = sum(losses) / len(losses)
@@ -226,6 +225,12 @@ class Learner:
         self.events.emit("phase", learner=self.name, version=self.state.base, steps=stats.steps,
                          tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss)
         return stats
+
+    def run_ended_at(self, step_in_phase: int) -> bool:
+        """At a probe (every learner.probe_every_steps steps of a phase): whether the run has ended (target,
+        stop, removal: stop_check), so the phase ends there instead of training on to its H."""
+        return (step_in_phase % self.cfg.learner.probe_every_steps == 0 and self.stop_check is not None
+                and self.stop_check())
 
     def _next_batch(self) -> object:
         if self._batches is None:

@@ -69,11 +69,11 @@ class ShardMerger:
         self.heads: dict[int, Manifest] = {}  # per fragment: its newest manifest (JSON only, no tensors)
         self.first_ready: dict[int, float] = {}  # per fragment: when deltas were first seen waiting
         self.gap_seen: dict[int, dict] = {p: {} for p in self.fragments}  # a Merger's gap timers, kept across merges
+        self.keys = {p: fragment_context(ctx, p).keys for p in self.fragments}  # each owned fragment's chain
 
     def head(self, index: int) -> Manifest:
         """The fragment's newest manifest: cached, re-read when its next version exists."""
-        cached = self.heads.get(index)
-        keys = self.ctx.keys.for_fragment(index) if self.ctx.fragments else self.ctx.keys
+        cached, keys = self.heads.get(index), self.keys[index]
         if cached is None or manifest_exists(self.ctx.store, keys, cached.version + 1):
             latest = read_latest(self.ctx.store, keys)
             if latest is None:
@@ -87,17 +87,17 @@ class ShardMerger:
     def _waiting(self, index: int, head: Manifest, barred: set[str]) -> int:
         """Learners not removed or quarantined with a delta after their cursor in the fragment's chain (one
         listing); the barred ones' deltas are rejected by the next merge the others' deltas bring."""
-        keys = self.ctx.keys.for_fragment(index) if self.ctx.fragments else self.ctx.keys
         names = set()
-        for key in self.ctx.store.list(keys.deltas_prefix()):
+        for key in self.ctx.store.list(self.keys[index].deltas_prefix()):
             parsed = parse_delta_key(key)
             if parsed and parsed[0] not in barred and parsed[1] > head.cursors.get(parsed[0], -1):
                 names.add(parsed[0])
         return len(names)
 
-    def due(self, index: int, now: float) -> bool:
-        """A quorum of learners waiting, or any waiting for quorum_timeout_s (the merger's own rule)."""
-        head, cfg = self.head(index), self.ctx.cfg.merger
+    def due(self, index: int, head: Manifest, now: float) -> bool:
+        """A quorum of learners waiting, or any waiting for quorum_timeout_s (the merger's own rule); `head`
+        is the fragment's newest manifest (self.head)."""
+        cfg = self.ctx.cfg.merger
         members = head.guard.members if head.guard and head.guard.members else self.ctx.learners
         barred = {*head.guard.removed, *head.guard.quarantined} if head.guard else set()
         waiting = self._waiting(index, head, barred)
@@ -129,9 +129,10 @@ class ShardMerger:
         for index in self.fragments:
             if should_stop():
                 break
-            if target_version is not None and self.version(index) >= target_version:
+            head = self.head(index)  # one read of the fragment's newest version per pass
+            if target_version is not None and head.version >= target_version:
                 continue
-            if self.due(index, time.time()):
+            if self.due(index, head, time.time()):
                 manifest = self.merge_fragment(index, should_stop)
                 if manifest is not None:
                     merged.append(manifest)

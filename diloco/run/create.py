@@ -11,20 +11,20 @@ import contextlib
 import socket
 import time
 
-from torch import nn
-
 from diloco import __version__
 from diloco.configs import Config
 from diloco.run.context import RunContext, RunError, open_run
-from diloco.run.fragments import commit_fragments_zero, plan_for
+from diloco.run.fragments import fragment_context, plan_for
 from diloco.run.objects import write_tensors
 from diloco.run.spec import SpecFiles, StagedFiles, build_model, probe, spec_of
 from diloco.storage import Conflict, Manifest, RunKeys, commit, manifest_exists
 from diloco.storage.keys import new_nonce
 from diloco.storage.records import RunRecord, write_record
 from diloco.storage.store import Store
+from diloco.training.fragments import take
 from diloco.training.model import get_flat_params
 from diloco.training.spec import TrainSpec, layout_fingerprint, model_layout
+from diloco.training.tensors import Tensors
 
 
 def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | None = None, *,
@@ -54,9 +54,10 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
             ) from None
         return ctx
     ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout, fragments)
-    _commit_version_zero(ctx, model)
-    if fragments:
-        commit_fragments_zero(ctx, get_flat_params(model))
+    params = get_flat_params(model)
+    _commit_version_zero(ctx, params)
+    for index, fragment in enumerate(fragments):  # every fragment's chain starts at its pieces of version 0
+        _commit_version_zero(fragment_context(ctx, index), take(params, fragment))
     return ctx
 
 
@@ -66,12 +67,13 @@ def fingerprint_of(cfg: Config, files: SpecFiles | None = None) -> str:
     return layout_fingerprint(model_layout(build_model(spec_of(cfg, files), cfg.data.seed)))
 
 
-def _commit_version_zero(ctx: RunContext, model: nn.Module) -> None:
+def _commit_version_zero(ctx: RunContext, params: Tensors) -> None:
+    """Version 0 of the context's chain (the root's, or a fragment's): idempotent, the first commit wins."""
     if manifest_exists(ctx.store, ctx.keys, 0):
         return
     nonce = new_nonce()
     key = ctx.keys.params(0, nonce)
-    _, checksum = write_tensors(ctx.store, key, get_flat_params(model), kind="params", fingerprint=ctx.fingerprint)
+    _, checksum = write_tensors(ctx.store, key, params, kind="params", fingerprint=ctx.fingerprint)
     manifest = Manifest(
         run_id=ctx.run_id, version=0, created_at=time.time(), merger_id="init",
         params_key=key, params_checksum=checksum,

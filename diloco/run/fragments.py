@@ -8,19 +8,16 @@ minimum over its fragments' versions: every fragment has merged at least that ma
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import time
 
 import torch
 
 from diloco.configs import ConfigError
 from diloco.run.context import RunContext
-from diloco.run.objects import read_tensors, write_tensors
-from diloco.storage import Conflict, Manifest, commit, latest_version, manifest_exists, read_manifest
-from diloco.storage.keys import new_nonce
+from diloco.run.objects import read_tensors
+from diloco.storage import latest_version, read_manifest
 from diloco.storage.store import Store
-from diloco.training.fragments import FragmentError, fragment_layout, plan_fragments, put_, take
+from diloco.training.fragments import FragmentError, fragment_layout, plan_fragments, put_
 from diloco.training.tensors import Tensors
 
 
@@ -39,12 +36,13 @@ def shard_merger_id(shard: int) -> str:
     return "merger" if shard == 0 else f"merger-s{shard}"
 
 
+def merger_ids(ctx: RunContext) -> list[str]:
+    """The run's mergers, one per shard: `merger` alone, or merger, merger-s1, ... for a fragmented run."""
+    return [shard_merger_id(s) for s in range(ctx.cfg.merger.shards if ctx.fragments else 1)]
+
+
 def num_fragments(ctx: RunContext) -> int:
     return len(ctx.fragments) or 1
-
-
-def is_fragmented(ctx: RunContext) -> bool:
-    return bool(ctx.fragments)
 
 
 def fragment_context(ctx: RunContext, index: int) -> RunContext:
@@ -70,25 +68,8 @@ def fragment_versions(ctx: RunContext, store: Store | None = None) -> list[int |
 def run_version(ctx: RunContext, store: Store | None = None) -> int | None:
     """The run's version: the root chain's newest, or for fragments the minimum over the fragments' newest
     (`store`: another view of the run's store, e.g. one with its own retries)."""
-    if not ctx.fragments:
-        return latest_version(store or ctx.store, ctx.keys)
     versions = fragment_versions(ctx, store)
     return None if any(v is None for v in versions) else min(versions)
-
-
-def commit_fragments_zero(ctx: RunContext, params: Tensors) -> None:
-    """Version 0 of every fragment's chain: its pieces of the initial model (idempotent, like the root's)."""
-    for index, fragment in enumerate(ctx.fragments):
-        keys = ctx.keys.for_fragment(index)
-        if manifest_exists(ctx.store, keys, 0):
-            continue
-        key = keys.params(0, new_nonce())
-        _, checksum = write_tensors(ctx.store, key, take(params, fragment), kind="params",
-                                    fingerprint=ctx.fingerprint)
-        manifest = Manifest(run_id=ctx.run_id, version=0, created_at=time.time(), merger_id="init",
-                            params_key=key, params_checksum=checksum)
-        with contextlib.suppress(Conflict):  # another process committed it first; ours is an orphan
-            commit(ctx.store, keys, manifest)
 
 
 def read_run_version(ctx: RunContext, version: int) -> tuple[Tensors, int, float]:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from diloco.run.context import RunContext
 from diloco.run.controls import membership
 from diloco.run.events import EventLog
-from diloco.run.fragments import run_version, shard_merger_id
+from diloco.run.fragments import merger_ids, run_version
 from diloco.run.lease import Lease, acquire
 from diloco.run.signals import RemovedSignal, StopSignal, request_stop
 from diloco.storage import NotFound, StorageError
@@ -122,8 +122,8 @@ class Supervisor:
         """The merger (every shard: merger, merger-s1, ...), the run's learners (run.json's, plus the admitted,
         minus the removed) and the evaluator, started in that order: the mergers' start (imports, flow run,
         state) is under way before the first delta arrives, a learner's first phase later."""
-        for shard in range(self.cfg.merger.shards if self.ctx.fragments else 1):
-            self.add("merger", shard_merger_id(shard))
+        for merger_id in merger_ids(self.ctx):
+            self.add("merger", merger_id)
         for name in self._members():
             self.add("learner", name, **self.learner_spec(name))
         self.add("evaluator", "evaluator")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
-from diloco.run.fragments import shard_merger_id
+from diloco.run.fragments import merger_ids
 from diloco.supervise.core import ENDED, RUNNING, STARTING, UNKNOWN, Job, Supervisor
 
 if TYPE_CHECKING:
@@ -73,8 +73,7 @@ def add_deployment_jobs(sup: Supervisor, learners: dict[str, str], merger_deploy
     run_tag = f"run:{ctx.run_id}"
     sup.add("evaluator", "evaluator", deployment=evaluator_deployment, parameters=dict(base),
             tags=[run_tag, "role:evaluate"], flow_run_name=f"evaluate-{ctx.run_id}")
-    for shard in range(ctx.cfg.merger.shards if ctx.fragments else 1):  # fragments: merger, merger-s1, ...
-        merger_id = shard_merger_id(shard)
+    for shard, merger_id in enumerate(merger_ids(ctx)):  # fragments: merger, merger-s1, ...
         sup.add("merger", merger_id, deployment=merger_deployment,
                 parameters=dict(base) if shard == 0 else {**base, "merger_id": merger_id},
                 tags=[run_tag, "role:merger"] + ([f"shard:{shard}"] if ctx.fragments else []),
