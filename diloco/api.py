@@ -99,22 +99,23 @@ def _supervise(ctx: RunContext, *, prefect: bool, chaos: str | Path | None, anno
 
 def train(spec: Callable[..., Any] | str | None = None, *, config: str | Config = "demo",
           spec_args: dict[str, Any] | None = None, learners: int | None = None, versions: int | None = None,
-          storage: str | None = None, run_id: str | None = None, time_limit_s: float | None = None,
+          tokens: int | None = None, storage: str | None = None, run_id: str | None = None, time_limit_s: float | None = None,
           overrides: dict[str, Any] | None = None, prefect: bool = False, chaos: str | Path | None = None) -> dict:
     """Train a TrainSpec with the same supervised run as `diloco run`; returns what `diloco run --json` prints.
 
     `spec` is the factory itself (a module-level function; in a script, guard the call with
     `if __name__ == "__main__":`, since the learner processes import the script to find the factory) or its
     "module:function" / "file.py:function" reference; None keeps the recipe's (the built-in GPT).
-    `config` is a recipe name, a YAML path or a Config; `overrides` are dotted keys. Without Prefect by
+    `config` is a recipe name, a YAML path or a Config; `overrides` are dotted keys; `versions` and `tokens`
+    (a token budget: run.num_tokens) end the run, whichever comes first. Without Prefect by
     default (prefect=True reports to PREFECT_API_URL, or a local server started for the run).
     """
     from diloco.inspect.report import summarize, summary_json
     from diloco.specs.loader import reference_of
 
     cfg = resolve_config(config, {
-        **(overrides or {}), "run.num_learners": learners, "run.num_versions": versions, "run.storage": storage,
-        "run.time_limit_s": time_limit_s, "spec": reference_of(spec) if spec is not None else None,
+        **(overrides or {}), "run.num_learners": learners, "run.num_versions": versions, "run.num_tokens": tokens,
+        "run.storage": storage, "run.time_limit_s": time_limit_s, "spec": reference_of(spec) if spec is not None else None,
         "spec_args": spec_args})
     ctx = create(cfg, run_id, chaos)
     supervise(ctx, prefect=prefect, chaos=chaos)

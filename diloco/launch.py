@@ -171,9 +171,9 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
         merger, ctx = make_merger(storage, run_id, name or "merger")
         if ctx.fragments:  # a shard runs as one long loop over its fragments
             return run_shard(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
-                             should_stop=RoleStop(ctx))
+                             target_tokens=ctx.cfg.run.num_tokens, should_stop=RoleStop(ctx))
         return run_merger(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
-                          should_stop=RoleStop(ctx), merge=units.merge)
+                          target_tokens=ctx.cfg.run.num_tokens, should_stop=RoleStop(ctx), merge=units.merge)
     if role == "evaluator":
         from diloco.run.evaluator import run_evaluator
 

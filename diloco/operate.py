@@ -18,7 +18,9 @@ import yaml
 from diloco.configs import ConfigError, config_from_record
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.controls import write_op
-from diloco.storage import StorageError, latest_version, open_store
+from diloco.run.fragments import run_version
+from diloco.run.target import run_tokens, target_reached
+from diloco.storage import StorageError, open_store
 from diloco.storage.keys import validate_learner_name
 from diloco.storage.records import FINAL_STATES, LearnerStatus, RecordError, RunRecord, read_record
 from diloco.storage.store import Store
@@ -152,11 +154,11 @@ def _newest_beat(ctx: RunContext) -> tuple[str, float] | None:
 
 
 def run_state(ctx: RunContext) -> str:
-    """"stopped" (control/stop), "finished" (the target version committed), "live" (a learner beat within
-    run.heartbeat_timeout_s), else "idle" (nothing runs: a crashed or never started session)."""
+    """"stopped" (control/stop), "finished" (the target version committed, or the token budget), "live" (a
+    learner beat within run.heartbeat_timeout_s), else "idle" (nothing runs: a crashed or never started session)."""
     if ctx.store.exists(ctx.keys.stop()):
         return "stopped"
-    if (latest_version(ctx.store, ctx.keys) or 0) >= ctx.cfg.run.num_versions:
+    if target_reached(ctx):
         return "finished"
     beat = _newest_beat(ctx)
     return "live" if beat is not None and beat[1] < ctx.cfg.run.heartbeat_timeout_s else "idle"
@@ -196,8 +198,10 @@ def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, ver
     if state == "live":
         raise RunError(f"run {ctx.run_id} is live (its learners beat within {ctx.cfg.run.heartbeat_timeout_s:g}s): "
                        "change it with `diloco set`, or `diloco stop` it first")
-    latest = latest_version(ctx.store, ctx.keys) or 0
+    latest = run_version(ctx) or 0  # fragments: the slowest fragment's version
     values = {"run.num_versions": latest + more, "run.time_limit_s": float(limit)}
+    if base.run.num_tokens > 0:  # a token budget grows by run.json's budget again (and the versions as above)
+        values["run.num_tokens"] = run_tokens(ctx) + base.run.num_tokens
     ctx.cfg.with_overrides(values)  # validated before anything is written
     if state == "stopped":
         _wait_quiet(ctx, wait_s)

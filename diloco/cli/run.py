@@ -22,6 +22,8 @@ def run(
     storage: str = typer.Option(None, "--storage", help="Storage URL (default: the recipe's, file://runs)."),
     learners: int = typer.Option(None, "--learners", help="Number of learners."),
     versions: int = typer.Option(None, "--versions", help="Stop after this many committed versions."),
+    tokens: int = typer.Option(None, "--tokens", help="Or once the versions carry this many merged tokens "
+                               "(a token budget; 0: none; the demo recipe's: 6,500,000)."),
     corpus: str = typer.Option(None, "--corpus", help="Text file, folder of text files, or fsspec URL."),
     run_id: str = typer.Option(None, "--run-id", help="Run id (default: <recipe>-<time>)."),
     json_out: bool = typer.Option(False, "--json", help="End with one JSON object of the results."),
@@ -47,8 +49,8 @@ def run(
         from diloco.cli.view import execute_run
 
         with user_errors():
-            execute_run(config=config, storage=storage, learners=learners, versions=versions, corpus=corpus,
-                        run_id=run_id, json_out=json_out, prefect=prefect, chaos=chaos,
+            execute_run(config=config, storage=storage, learners=learners, versions=versions, tokens=tokens,
+                        corpus=corpus, run_id=run_id, json_out=json_out, prefect=prefect, chaos=chaos,
                         time_limit_s=time_limit_s, live=live, spec=spec, spec_args=spec_arg or [],
                         overrides=override or [])
     finally:

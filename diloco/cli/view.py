@@ -23,7 +23,8 @@ from rich.table import Table
 from diloco.inspect.report import learner_status, sample_text, summary_json
 from diloco.run.context import RunContext, open_run
 from diloco.run.state import RunState, learner_word, read_run_state
-from diloco.storage import StorageError, latest_version, open_store
+from diloco.run.target import run_target
+from diloco.storage import StorageError, open_store
 
 STATUS_COLUMNS = ("state", "ranks", "seq", "base", "step", "loss", "steps/s", "MB out", "beat")
 
@@ -37,7 +38,6 @@ def progress_table(ctx: RunContext, started: float | None, state: RunState | Non
     from diloco.run.evaluator import read_evals
 
     try:
-        version = latest_version(ctx.store, ctx.keys) or 0
         evals = read_evals(ctx)
         rows = learner_status(ctx)
         state = state or read_run_state(ctx)
@@ -46,7 +46,7 @@ def progress_table(ctx: RunContext, started: float | None, state: RunState | Non
         return Table(title=f"run {ctx.run_id}: storage unavailable ({err})")
     last = evals[-1] if evals else None
     loss = f"{last['loss']:.3f} {last.get('metric', 'nats/byte')} @ v{last['version']}" if last else "—"
-    head = state.title() if state.ended else f"{state.word} · version {version}/{ctx.cfg.run.num_versions}"
+    head = state.title() if state.ended else f"{state.word} · {state.where()}"
     clock = f" · {time.time() - started:.0f}s" if started else ""
     table = Table(title=f"run {ctx.run_id} · {head} · held-out {loss}{clock}")
     _name_column(table, "learner", [r.get("learner", "?") for r in rows])
@@ -91,7 +91,7 @@ class LiveView:
 
 
 def execute_run(*, config: str, storage: str | None, learners: int | None, versions: int | None,
-                corpus: str | None, run_id: str | None, json_out: bool, prefect: bool, chaos: Path | None,
+                tokens: int | None = None, corpus: str | None, run_id: str | None, json_out: bool, prefect: bool, chaos: Path | None,
                 time_limit_s: float | None, live: bool, spec: str | None = None, spec_args: list[str] = (),
                 overrides: list[str] = ()) -> None:
     from diloco import api
@@ -101,11 +101,12 @@ def execute_run(*, config: str, storage: str | None, learners: int | None, versi
     from diloco.specs.loader import absolute, parse_spec_args
     from diloco.supervise.interrupt import catch_signals, reason_of
 
-    overrides = {**parse_overrides(list(overrides)),
-                 "run.num_learners": learners, "run.num_versions": versions, "data.corpus": corpus,
-                 "run.storage": storage, "run.time_limit_s": time_limit_s,
-                 "spec": absolute(spec) if spec else None,
-                 "spec_args": parse_spec_args(list(spec_args)) if spec_args else None}
+    flags = {"run.num_learners": learners, "run.num_versions": versions, "run.num_tokens": tokens,
+             "data.corpus": corpus, "run.storage": storage, "run.time_limit_s": time_limit_s,
+             "spec": absolute(spec) if spec else None,
+             "spec_args": parse_spec_args(list(spec_args)) if spec_args else None}
+    # a flag given wins over `-o` of the same key; one not given leaves `-o`'s value (None would drop it)
+    overrides = {**parse_overrides(list(overrides)), **{k: v for k, v in flags.items() if v is not None}}
     with catch_signals():  # from here on, Ctrl-C and SIGTERM end the run in order (supervise/interrupt.py)
         cfg = api.resolve_config(config, overrides)
         ctx = api.create(cfg, run_id, chaos)
@@ -114,7 +115,8 @@ def execute_run(*, config: str, storage: str | None, learners: int | None, versi
         for line in knob_warnings(config, overrides, cfg, "prefect" if prefect else cfg.run.start_method):
             console.print(f"[yellow]warning:[/yellow] {line}", markup=True, highlight=False)
         console.print(f"[bold]diloco[/bold] run [cyan]{ctx.run_id}[/cyan] in {ctx.store.url}: "
-                      f"{cfg.run.num_learners} learners, target {cfg.run.num_versions} versions, recipe {cfg.name}")
+                      f"{cfg.run.num_learners} learners, target {run_target(ctx).describe()}, "
+                      f"recipe {cfg.name}")
         local_ui = prefect and not os.environ.get("PREFECT_API_URL")
         with LiveView(ctx, console, live and console.is_terminal):
             reason = api.supervise(ctx, prefect=prefect, chaos=chaos, announce=console.print)
@@ -144,7 +146,7 @@ def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: s
     caught = reason_of(reason or "")
     if caught is not None:
         console.print(f"[bold]{caught.reason}[/bold] (signal {caught.signal}) at version {summary['num_versions']} "
-                      f"of {ctx.cfg.run.num_versions}: every process of the run has ended; the summary so far:",
+                      f"of {run_target(ctx).describe()}: every process of the run has ended; the summary so far:",
                       soft_wrap=True)
     table = Table(title=f"run {ctx.run_id} — summary")
     table.add_column("what", no_wrap=True)

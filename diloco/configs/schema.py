@@ -168,6 +168,7 @@ class EvalConfig(_Strict):
 class RunConfig(_Strict):
     num_learners: int = Field(4, ge=1, le=1024)
     num_versions: int = Field(20, ge=1)  # stop once this many versions are committed
+    num_tokens: int = Field(0, ge=0)  # or once the versions carry this many merged tokens (0: no token budget)
     learner_prefix: str = "local"  # learners are named <prefix>-0 ... <prefix>-(N-1)
     storage: str = "file://runs"  # the embedded default: the local disk
     max_restarts: int = Field(5, ge=0)  # per learner, by the supervisor

@@ -152,23 +152,29 @@ def _deployment_run(storage: str, run_id: str, config: str | None, overrides: di
 
 
 def _progress(ctx: RunContext) -> Callable[[Any], None]:
-    """A progress artifact (versions committed of the target) and a reporter that updates it."""
+    """A progress artifact (versions committed of the target, or tokens merged of the token budget) and a
+    reporter that updates it."""
+    from diloco.run.target import run_target, run_tokens
+
     logger = get_run_logger()
-    target = ctx.cfg.run.num_versions
+    target = run_target(ctx)
     progress_id = create_progress_artifact(0.0, key=artifact_key("progress", ctx.run_id),
-                                           description=f"run {ctx.run_id}: versions committed of {target}")
+                                           description=f"run {ctx.run_id}: progress to {target.describe()}")
     seen = {"version": 0}
 
     def report(sup: Any) -> None:
         version = sup.latest()
         if version > seen["version"]:
+            share = version / target.versions
             try:
-                update_progress_artifact(progress_id, min(100.0, 100.0 * version / target))
-            except (httpx.HTTPError, PrefectException) as err:  # a busy API must not end the run
+                if target.tokens > 0:
+                    share = max(share, run_tokens(ctx) / target.tokens)
+                update_progress_artifact(progress_id, min(100.0, 100.0 * share))
+            except (httpx.HTTPError, PrefectException, StorageError) as err:  # a busy API must not end the run
                 logger.warning("progress artifact not updated: %s", err)
                 return
             seen["version"] = version
-            logger.info("run %s: version %d of %d", ctx.run_id, version, target)
+            logger.info("run %s: version %d, %.0f%% of %s", ctx.run_id, version, 100.0 * share, target.describe())
 
     return report
 

@@ -30,6 +30,7 @@ from diloco.run.controls import read_ops
 from diloco.run.events import EventLog
 from diloco.run.objects import read_tensors, write_tensors
 from diloco.run.signing import SigningError
+from diloco.run.target import Target
 from diloco.storage import (
     Conflict,
     DeltaDecision,
@@ -330,16 +331,18 @@ class Merger:
 
 
 def run_merger(merger: Merger, *, max_merges: int | None = None, target_version: int | None = None,
-               should_stop: Callable[[], bool] = lambda: False,
+               target_tokens: int = 0, should_stop: Callable[[], bool] = lambda: False,
                on_merge: Callable[[Manifest], None] | None = None,
                merge: Callable[[Merger, Callable[[], bool]], Manifest | None] | None = None) -> int:
-    """Merge until stopped, the target version is committed, or max_merges merges were made.
+    """Merge until stopped, the target version is committed (or `target_tokens` > 0 merged), or max_merges
+    merges were made.
     `merge` is the unit a Prefect flow wraps as a task (default: Merger.merge_once)."""
     merge = merge or (lambda m, stop: m.merge_once(stop))
     merges, backoff = 0, Backoff(*STORAGE_BACKOFF_S)
     merger.load()
+    target = None if target_version is None else Target(target_version, target_tokens)
     while not should_stop():
-        if target_version is not None and merger.version >= target_version:
+        if target is not None and target.reached_by(merger.manifest):
             break
         if max_merges is not None and merges >= max_merges:
             break

@@ -18,6 +18,7 @@ from diloco.merger.merger import Merger, Pending
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.fragments import fragment_context, num_fragments, shard_merger_id
+from diloco.run.target import Target
 from diloco.storage import Manifest, StorageError, manifest_exists, read_latest
 from diloco.storage.errors import Backoff
 from diloco.storage.keys import parse_delta_key
@@ -123,14 +124,14 @@ class ShardMerger:
         return manifest
 
     def poll_once(self, should_stop: Callable[[], bool] = lambda: False,
-                  target_version: int | None = None) -> list[Manifest]:
-        """One pass over the shard's fragments: merge each that is due (and below the target)."""
+                  target: Target | None = None) -> list[Manifest]:
+        """One pass over the shard's fragments: merge each that is due (and short of the target)."""
         merged = []
         for index in self.fragments:
             if should_stop():
                 break
             head = self.head(index)  # one read of the fragment's newest version per pass
-            if target_version is not None and head.version >= target_version:
+            if target is not None and target.reached_by(head):
                 continue
             if self.due(index, head, time.time()):
                 manifest = self.merge_fragment(index, should_stop)
@@ -138,22 +139,25 @@ class ShardMerger:
                     merged.append(manifest)
         return merged
 
-    def done(self, target_version: int) -> bool:
-        return all(self.version(p) >= target_version for p in self.fragments)
+    def done(self, target: Target) -> bool:
+        """Every fragment of the shard reached the target."""
+        return all(target.reached_by(self.head(p)) for p in self.fragments)
 
 
 def run_shard(shard: ShardMerger, *, max_merges: int | None = None, target_version: int | None = None,
-              should_stop: Callable[[], bool] = lambda: False,
+              target_tokens: int = 0, should_stop: Callable[[], bool] = lambda: False,
               on_merge: Callable[[Manifest], None] | None = None) -> int:
-    """Merge the shard's fragments until stopped, every one reached the target, or max_merges were made."""
+    """Merge the shard's fragments until stopped, every one reached the target (the version, or `target_tokens`
+    > 0 merged), or max_merges were made."""
     merges, backoff = 0, Backoff(*STORAGE_BACKOFF_S)
+    target = None if target_version is None else Target(target_version, target_tokens)
     while not should_stop():
         try:
-            if target_version is not None and shard.done(target_version):
+            if target is not None and shard.done(target):
                 break
             if max_merges is not None and merges >= max_merges:
                 break
-            merged = shard.poll_once(should_stop, target_version)
+            merged = shard.poll_once(should_stop, target)
             backoff.reset()
         except StorageError as err:
             wait_s = backoff.next_s()

@@ -23,7 +23,7 @@ from diloco.storage.keys import new_nonce, parse_op_key
 from diloco.storage.records import ControlOp, RecordError, read_record, write_record
 from diloco.storage.store import Store
 
-RUN_KEYS = ("run.num_versions", "run.time_limit_s")  # set by `diloco resume`; read by every role at its start
+RUN_KEYS = ("run.num_versions", "run.num_tokens", "run.time_limit_s")  # set by `diloco resume`; read by every role at its start
 
 
 def operator_identity() -> str:

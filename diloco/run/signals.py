@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 from diloco.run.context import RunContext
 from diloco.run.controls import write_op
-from diloco.run.fragments import run_version
 from diloco.run.lease import describe, read_current
+from diloco.run.target import Target, target_reached
 from diloco.storage import NotFound, StorageError
 from diloco.storage.records import RecordError, RemovedMark, StopRequest, read_record, write_record
 
@@ -24,7 +24,8 @@ TARGET_REASON = "target version"  # the supervisor's stop reason when the run re
 
 
 class StopSignal:
-    """`control/stop` in the bucket, or the target version committed; checked at most every `every_s`."""
+    """`control/stop` in the bucket, or the target version committed (or the token budget merged: run.num_tokens);
+    checked at most every `every_s`."""
 
     def __init__(self, ctx: RunContext, target_version: int | None = None, every_s: float = 1.0) -> None:
         self.ctx, self.target, self.every_s = ctx, target_version, every_s
@@ -42,9 +43,8 @@ class StopSignal:
         try:
             if self.store.exists(self.ctx.keys.stop()):
                 self._stopped, self.reason = True, read_stop_reason(self.ctx) or "stop requested"
-            elif self.target is not None:
-                latest = run_version(self.ctx, self.store)  # fragments: the slowest fragment's version
-                self._stopped = latest is not None and latest >= self.target
+            elif self.target is not None:  # the target version, or the token budget, on every chain
+                self._stopped = target_reached(self.ctx, self.store, Target(self.target, self.ctx.cfg.run.num_tokens))
                 self.reason = TARGET_REASON if self._stopped else None
         except StorageError:
             return False

@@ -1,8 +1,9 @@
 """Where a run stands, read from the bucket: running, finished, stopped, or idle — and how to continue it.
 
-Contract: read-only; "finished" means the target version is committed, "stopped" that control/stop exists
-(with its reason), "running" that a supervisor holds a live lease, "idle" anything else (never supervised,
-or its supervisor vanished before anyone recorded a stop: `diloco run` takes it up again).
+Contract: read-only; "finished" means the target version is committed (or the token budget merged, on every
+chain: run/target.py), "stopped" that control/stop exists (with its reason), "running" that a supervisor holds a
+live lease, "idle" anything else (never supervised, or its supervisor vanished before anyone recorded a stop:
+`diloco run` takes it up again).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from diloco.run.context import RunContext, RunError
 from diloco.run.fragments import run_version
 from diloco.run.lease import describe, held_error, is_live, read_current
 from diloco.run.signals import read_stop_reason
+from diloco.run.target import run_tokens, target_reached
 from diloco.storage.records import FINAL_STATES, SupervisorLease
 
 ENDED = ("finished", "stopped")
@@ -25,31 +27,40 @@ class RunState:
     target: int  # run.num_versions
     reason: str | None = None  # control/stop's reason (stopped)
     lease: SupervisorLease | None = None  # the current supervisor session, if any
+    tokens: int = 0  # merged by the run (read only with a token budget)
+    budget: int = 0  # run.num_tokens (0: no token budget)
 
     @property
     def ended(self) -> bool:
         return self.word in ENDED
 
+    def where(self) -> str:
+        """`version 9 of 40`, or with a token budget `version 9, 460,800 of 6,500,000 tokens`."""
+        if self.budget > 0:
+            return f"version {self.version}, {self.tokens:,} of {self.budget:,} tokens"
+        return f"version {self.version} of {self.target}"
+
     def title(self) -> str:
         """`finished: version 20 of 20`, `stopped at version 9 of 40 (interrupted)`, `running (pid …)`."""
         if self.word == "finished":
-            return f"finished: version {self.version} of {self.target}"
+            return f"finished: {self.where()}"
         if self.word == "stopped":
-            return f"stopped at version {self.version} of {self.target} ({self.reason})"
+            return f"stopped at {self.where()} ({self.reason})"
         if self.word == "running" and self.lease is not None:
-            return f"running: version {self.version} of {self.target}, supervised by {describe(self.lease)}"
-        return f"{self.word}: version {self.version} of {self.target}"
+            return f"running: {self.where()}, supervised by {describe(self.lease)}"
+        return f"{self.word}: {self.where()}"
 
 
 def read_run_state(ctx: RunContext) -> RunState:
     version = run_version(ctx) or 0  # fragments: the slowest fragment's version
-    target = ctx.cfg.run.num_versions
+    target, budget = ctx.cfg.run.num_versions, ctx.cfg.run.num_tokens
+    tokens = run_tokens(ctx) if budget > 0 else 0
     lease = read_current(ctx.store, ctx.keys)
-    if version >= target:
-        return RunState("finished", version, target, read_stop_reason(ctx), lease)
+    if target_reached(ctx):  # the target version, or the token budget (run.num_tokens)
+        return RunState("finished", version, target, read_stop_reason(ctx), lease, tokens, budget)
     if ctx.store.exists(ctx.keys.stop()):
-        return RunState("stopped", version, target, read_stop_reason(ctx) or "stop requested", lease)
-    return RunState("running" if is_live(lease) else "idle", version, target, None, lease)
+        return RunState("stopped", version, target, read_stop_reason(ctx) or "stop requested", lease, tokens, budget)
+    return RunState("running" if is_live(lease) else "idle", version, target, None, lease, tokens, budget)
 
 
 def continue_hint(ctx: RunContext) -> str:

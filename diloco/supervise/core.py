@@ -27,6 +27,7 @@ from diloco.run.events import EventLog
 from diloco.run.fragments import merger_ids, run_version
 from diloco.run.lease import Lease, acquire
 from diloco.run.signals import RemovedSignal, StopSignal, request_stop
+from diloco.run.target import target_reached
 from diloco.storage import NotFound, StorageError
 from diloco.storage.errors import Backoff
 from diloco.storage.records import LearnerStatus, RecordError, read_record
@@ -318,11 +319,18 @@ class Supervisor:
         except StorageError:
             return -1
 
+    def target_reached(self) -> bool:
+        """The target version (or the token budget, run.num_tokens) reached on every chain; False on trouble."""
+        try:
+            return target_reached(self.ctx)
+        except StorageError:
+            return False
+
     def run(self, tick_s: float = 0.5, on_tick: Callable[[Supervisor], None] | None = None,
             until: Callable[[Supervisor], bool] | None = None) -> str:
         """Watch until the target version, a stop request (`diloco stop`), the time limit, or `until(self)`
         holds ("done": a test's own end condition, checked each tick); returns why it ended."""
-        target, limit = self.cfg.run.num_versions, self.cfg.run.time_limit_s
+        limit = self.cfg.run.time_limit_s
         reason = "time limit"
         while time.time() - self.started_at < limit:
             if (caught := interrupt.received()) is not None:
@@ -332,7 +340,7 @@ class Supervisor:
                 reason = "lease lost"
                 log.error("run %s: %s; this supervisor ends", self.ctx.run_id, self.lease.lost)
                 break
-            if self.latest() >= target:
+            if self.target_reached():
                 reason = "target version"
                 break
             if self._stop():

@@ -1,0 +1,61 @@
+"""A run's end: `run.num_versions` committed, or `run.num_tokens` merged (a token budget; 0: none) — on every chain.
+
+Contract: a chain (the root, or one fragment's) has reached the target once its newest manifest's version is
+>= num_versions or its tokens_total >= num_tokens > 0; the run has once every chain has (so each merger stops
+its own chains, and the run ends exactly when the last one does). Without a token budget this reads only the
+versions (one listing per chain), as before; with one, the newest manifest of each chain too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diloco.run.context import RunContext
+from diloco.run.fragments import run_version
+from diloco.storage import Manifest, read_latest
+from diloco.storage.store import Store
+
+
+@dataclass(frozen=True)
+class Target:
+    versions: int  # run.num_versions
+    tokens: int = 0  # run.num_tokens (0: no token budget)
+
+    def reached_by(self, manifest: Manifest | None) -> bool:
+        """Whether a chain whose newest manifest is `manifest` is done."""
+        if manifest is None:
+            return False
+        return manifest.version >= self.versions or (self.tokens > 0 and manifest.tokens_total >= self.tokens)
+
+    def describe(self) -> str:
+        """`50 versions` or `6,500,000 tokens (at most 400 versions)`."""
+        if self.tokens > 0:
+            return f"{self.tokens:,} tokens (at most {self.versions} versions)"
+        return f"{self.versions} versions"
+
+
+def run_target(ctx: RunContext) -> Target:
+    return Target(ctx.cfg.run.num_versions, ctx.cfg.run.num_tokens)
+
+
+def chain_heads(ctx: RunContext, store: Store | None = None) -> list[Manifest | None]:
+    """The newest manifest of every chain of the run (the root, or each fragment's), in fragment order."""
+    store = store or ctx.store
+    if not ctx.fragments:
+        return [read_latest(store, ctx.keys)]
+    return [read_latest(store, ctx.keys.for_fragment(p)) for p in range(len(ctx.fragments))]
+
+
+def run_tokens(ctx: RunContext, store: Store | None = None) -> int:
+    """Tokens merged by the run: the fewest any chain has merged (0 before version 0)."""
+    heads = chain_heads(ctx, store)
+    return 0 if any(h is None for h in heads) else min(h.tokens_total for h in heads)
+
+
+def target_reached(ctx: RunContext, store: Store | None = None, target: Target | None = None) -> bool:
+    """Whether every chain of the run has reached `target` (default: the run's own)."""
+    target = target or run_target(ctx)
+    if target.tokens <= 0:
+        version = run_version(ctx, store)  # fragments: the slowest fragment's version
+        return version is not None and version >= target.versions
+    return all(target.reached_by(head) for head in chain_heads(ctx, store))
