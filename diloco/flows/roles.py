@@ -14,28 +14,24 @@ from diloco.launch import parse_args, wait_as_standby, warm_up
 
 def run_flow_role(role: str, storage: str, run_id: str, name: str | None = None, *,
                   phases: int | None = None, merges: int | None = None) -> int:
-    """The role's flow (learner, outer-merge, evaluate), inside the run's tags."""
-    from prefect import tags
-
+    """The role's flow (learner, outer-merge, evaluate) in a flow run tagged with the run (its task runs are not:
+    diloco.flows.subflow.call_flow says why)."""
     from diloco.flows.subflow import call_flow
 
     base = {"storage": storage, "run_id": run_id}
     if role == "learner":
         from diloco.flows.learner import learner_flow
 
-        marks = [f"run:{run_id}", f"learner:{name}", "role:learner"]
-        with tags(*marks):
-            return call_flow(learner_flow, {**base, "learner": name, "phases": phases}, marks)
+        return call_flow(learner_flow, {**base, "learner": name, "phases": phases},
+                         [f"run:{run_id}", f"learner:{name}", "role:learner"])
     if role == "merger":
         from diloco.flows.outer_merge import outer_merge_flow
 
-        with tags(f"run:{run_id}", "role:merger"):
-            return call_flow(outer_merge_flow, {**base, "merges": merges, "merger_id": name or "merger"},
-                             [f"run:{run_id}", "role:merger"])
+        return call_flow(outer_merge_flow, {**base, "merges": merges, "merger_id": name or "merger"},
+                         [f"run:{run_id}", "role:merger"])
     from diloco.flows.evaluate import evaluate_flow
 
-    with tags(f"run:{run_id}", "role:evaluate"):
-        return call_flow(evaluate_flow, base, [f"run:{run_id}", "role:evaluate"])
+    return call_flow(evaluate_flow, base, [f"run:{run_id}", "role:evaluate"])
 
 
 def warm_up_flows() -> None:
