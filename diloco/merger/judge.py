@@ -9,25 +9,31 @@ reason); a clipped delta is scaled in place and recorded with its scale.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from diloco.configs import Config
 from diloco.merger.guard import Policy, window_median
-from diloco.merger.step import DeltaInvalid, DeltaStale, validate_delta
+from diloco.merger.step import NON_FINITE, DeltaInvalid, DeltaStale, validate_delta
 from diloco.run.objects import decode_tensors
 from diloco.run.signing import verify
 from diloco.storage import DeltaDecision
 from diloco.storage.codec import CodecError, Header, object_checksum
+from diloco.training.fp64 import Fp64Scratch, sum_squares
 from diloco.training.tensors import Tensors
 
 
-def delta_norm(delta: Tensors) -> float:
-    """The L2 norm over every tensor, in fp64, in the delta's order (deterministic with one torch thread)."""
+def delta_norm(delta: Tensors, scratch: Fp64Scratch | None = None) -> float:
+    """The L2 norm over every tensor, in fp64, in the delta's order (deterministic with one torch thread):
+    the sum of `(value.double() ** 2).sum()`, squared through `scratch` (a fresh one when None).
+
+    For fp32 values (all the codec decodes) it is finite exactly when every value is: a finite fp32 squared
+    is below 1.2e77, so no sum of them overflows fp64, while a NaN or an Inf makes the sum NaN or Inf."""
+    scratch = scratch or Fp64Scratch()
     total = torch.zeros((), dtype=torch.float64)
     for value in delta.values():
-        total += (value.double() ** 2).sum()
+        total += sum_squares(value, scratch)
     return float(torch.sqrt(total))
 
 
@@ -41,6 +47,7 @@ class Judge:
     params: Tensors
     policy: Policy
     keyring: dict[str, list[bytes]] | None = None  # None: signatures not checked (audit without keys)
+    scratch: Fp64Scratch = field(default_factory=Fp64Scratch)  # the norms' fp64 squares, reused delta by delta
 
     @property
     def cfg(self) -> Config:
@@ -64,7 +71,10 @@ class Judge:
         try:
             header, delta = decode_tensors(data, fingerprint=self.fingerprint, max_bytes=limit)
             staleness = validate_delta(header, delta, learner=learner, seq=seq, version=self.version,
-                                       params=self.params, cfg=self.cfg)
+                                       params=self.params, cfg=self.cfg, check_finite=False)
+            norm = delta_norm(delta, self.scratch)  # finite <=> every value is (fp32): validate's last check
+            if not math.isfinite(norm):
+                raise DeltaInvalid(NON_FINITE)
         except DeltaStale as err:
             return self._reject(d, "stale", str(err))
         except DeltaInvalid as err:
@@ -74,9 +84,7 @@ class Judge:
         meta = header.meta
         d.status, d.base_version, d.staleness = "merged", meta["base_version"], staleness
         d.tokens, d.steps = meta["tokens"], meta["steps"]
-        d.norm = delta_norm(delta)
-        if not math.isfinite(d.norm):  # finite values can still overflow fp64's sum of squares
-            return self._reject(d, "invalid", f"norm overflows: {d.norm}")
+        d.norm = norm
         return self._outlier(d, header, delta)
 
     def _outlier(self, d: DeltaDecision, header: Header, delta: Tensors):

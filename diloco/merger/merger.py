@@ -16,19 +16,21 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.merger.guard import Policy, entry_of, fold, gate, policy_after, state_of
+from diloco.merger.inplace import outer_step_in_place
 from diloco.merger.judge import Judge
+from diloco.merger.state import VersionState
 from diloco.merger.step import (
     GradientStream,
     LearnerGroup,
     OuterState,
     gradient_stream,
     outer_optimizer,
-    outer_step,
 )
 from diloco.run.context import RunContext, direct_names
 from diloco.run.controls import read_ops
 from diloco.run.events import EventLog
-from diloco.run.objects import read_tensors, write_tensors
+from diloco.run.heap import release_freed_memory
+from diloco.run.objects import write_tensors
 from diloco.run.signing import SigningError
 from diloco.run.target import Target
 from diloco.storage import (
@@ -44,6 +46,7 @@ from diloco.storage import (
 from diloco.storage.codec import object_checksum
 from diloco.storage.errors import Backoff
 from diloco.storage.keys import new_nonce, parse_delta_key
+from diloco.training.tensors import Tensors
 
 log = logging.getLogger("diloco.merger")
 CONTROLS_EVERY_S = 1.0  # control ops (pause, set, admit, ...) are listed at most this often while waiting
@@ -66,6 +69,8 @@ class Pending:
 class Merger:
     """Drive with load() once, then merge_once() in a loop."""
 
+    keep_state = True  # keep the new params and outer state after a commit (False: freed while written)
+
     def __init__(self, ctx: RunContext, merger_id: str = "merger", events: EventLog | None = None,
                  stage_hook: Callable[[str], None] | None = None,
                  keyring: dict[str, list[bytes]] | None = None) -> None:
@@ -80,26 +85,33 @@ class Merger:
         self.stage_hook = stage_hook or (lambda stage: None)  # chaos: kill at a named stage
         self.gap_seen: dict[tuple[str, int], float] = {}
         self.ema = {"phase_s": 0.0, "quorum_s": 0.0, "merge_s": 0.0}
+        self.state = VersionState(ctx)  # the version's params and outer state, read when a merge needs them
 
     # ---- state ---------------------------------------------------------------------------
     def load(self) -> int:
+        """Read the newest manifest and the bytes of its outer state (their header carries the grace
+        window's moving averages); the params and the outer state are decoded when a merge needs them."""
         manifest = read_latest(self.ctx.store, self.ctx.keys)
         if manifest is None:
             raise RuntimeError(f"run {self.ctx.run_id} has no version 0")
-        _, params = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
-                                   checksum=manifest.params_checksum)
-        if manifest.outer_key:
-            header, raw = read_tensors(self.ctx.store, manifest.outer_key, fingerprint=self.ctx.fingerprint,
-                                         checksum=manifest.outer_checksum)
-            self.outer = OuterState.from_tensors(raw, params)
-            self.ema.update({k: float(v) for k, v in header.meta.get("ema", {}).items() if k in self.ema})
-        else:
-            self.outer = OuterState.zeros_like(params)
-        self.params, self.manifest = params, manifest
+        self.manifest = manifest
+        self.ema.update({k: v for k, v in self.state.reset(manifest).items() if k in self.ema})
+        if not self.ctx.layout:  # a run without a layout: its params are the layout, read now
+            _ = self.state.params
         self.policy = Policy(state_of(manifest, self.ctx.learners), [], self.base_cfg)
         self._controls_at = 0.0
         self.refresh_policy()
         return manifest.version
+
+    @property
+    def params(self) -> Tensors:
+        """The params of self.manifest's version (read on first use)."""
+        return self.state.params
+
+    @property
+    def outer(self) -> OuterState:
+        """The outer state of self.manifest's version (decoded on first use; zeros before any merge)."""
+        return self.state.outer
 
     @property
     def version(self) -> int:
@@ -211,7 +223,12 @@ class Merger:
         policy = self.policy  # frozen for this merge: the ops it applies, the config it merges by
         decisions, stream, phase_times, judge = self._decide(pending, policy)
         optimizer = outer_optimizer(policy.cfg, len(self.ctx.learners))
-        result = outer_step(self.params, self.outer, stream, self.ctx.fingerprint, optimizer)
+        judge.scratch.release()
+        finished = stream.finish()  # the fp64 sums become the fp32 pseudo-gradient before the params are read
+        params, outer = self.state.take(judge.params)
+        result = outer_step_in_place(params, outer, stream, self.ctx.fingerprint, optimizer, finished)
+        del params, outer, finished
+        release_freed_memory()  # the step's freed temporaries, before the objects are written
         for d in decisions:
             if d.status == "merged":
                 d.weight = result.weights.get(d.learner, 0.0)
@@ -235,8 +252,9 @@ class Merger:
         """Read, judge and fold the deltas learner by learner (streamed: memory does not grow
         with the number of learners); a learner that may not publish is rejected without a read."""
         decisions: list[DeltaDecision] = []
-        stream = gradient_stream(self.params, self.version, policy.cfg.outer, direct_names(self.ctx, self.params))
-        judge = Judge(self.ctx.run_id, self.ctx.fingerprint, self.version, self.params, policy, self.keyring)
+        layout = self.state.layout()
+        stream = gradient_stream(layout, self.version, policy.cfg.outer, direct_names(self.ctx, layout))
+        judge = Judge(self.ctx.run_id, self.ctx.fingerprint, self.version, layout, policy, self.keyring)
         phase_times: list[float] = []
         for learner, seqs in sorted(pending.lost.items()):
             for seq in seqs:
@@ -285,12 +303,21 @@ class Merger:
         self.stage_hook("writing")
         params_key, update_key, outer_key = keys.params(version, nonce), keys.update(version, nonce), keys.outer(version, nonce)
         store.put(update_key, result.update_bytes)
+        update_sum, update_bytes = object_checksum(result.update_bytes), len(result.update_bytes)
+        consume = not self.keep_state  # each tensor freed once encoded: the object and the tensors never both whole
+        if consume:
+            result.update_bytes = b""
+            self.state.forget()
         _, params_sum = write_tensors(store, params_key, result.params, kind="params",
-                                        fingerprint=self.ctx.fingerprint)
+                                      fingerprint=self.ctx.fingerprint, consume=consume)
         merge_s = time.time() - t0
         ema = self._next_ema(phase_times, quorum_wait, merge_s)
-        _, outer_sum = write_tensors(store, outer_key, result.outer.to_tensors(), kind="outer",
-                                       fingerprint=self.ctx.fingerprint, meta={"ema": ema})
+        outer_tensors = result.outer.to_tensors()
+        if consume:
+            result.outer = OuterState({}, {})
+        _, outer_sum = write_tensors(store, outer_key, outer_tensors, kind="outer",
+                                     fingerprint=self.ctx.fingerprint, meta={"ema": ema}, consume=consume)
+        del outer_tensors
         self.stage_hook("before_manifest")
         cursors = dict(self.manifest.cursors)
         for d in decisions:
@@ -299,12 +326,12 @@ class Merger:
         manifest = Manifest(
             run_id=self.ctx.run_id, version=version, parent=self.version, created_at=time.time(),
             merger_id=self.merger_id, params_key=params_key, params_checksum=params_sum,
-            update_key=update_key, update_checksum=object_checksum(result.update_bytes),
+            update_key=update_key, update_checksum=update_sum,
             outer_key=outer_key, outer_checksum=outer_sum, decisions=decisions, cursors=cursors,
             tokens_total=self.manifest.tokens_total + merged_tokens,
             timing={"quorum_wait_s": quorum_wait, "grace_s": grace, "merge_s": merge_s},
             stats={"update_norm": result.update_norm, "num_learners": float(num_groups), "round_share": result.scale,
-                   "update_bytes": float(len(result.update_bytes)), **trust["stats"]},
+                   "update_bytes": float(update_bytes), **trust["stats"]},
             guard=trust["guard"], controls=trust["controls"],
         )
         try:
@@ -315,7 +342,11 @@ class Merger:
             self.load()
             return None
         self.stage_hook("after_manifest")
-        self.params, self.outer, self.manifest, self.ema = result.params, result.outer, manifest, ema
+        self.manifest, self.ema = manifest, ema
+        if self.keep_state:  # the new global and outer state, kept for the next merge (else read again)
+            self.state.keep(manifest, result.params, result.outer)
+        else:
+            self.state.forget(manifest)
         self.events.emit("merge", version=version, merged=[f"{d.learner}/{d.seq}" for d in manifest.merged()],
                          rejected=len(manifest.rejected()), tokens=merged_tokens, merge_s=merge_s)
         return manifest

@@ -44,6 +44,7 @@ class FragmentMerger(Merger):
     """The Merger on one fragment's chain. It never blocks for a quorum: its shard decided one is there."""
 
     waited_s: float = 0.0  # how long the shard saw deltas waiting: the manifest's quorum wait
+    keep_state = False  # loaded for one merge and released after it: its state is freed while it is written
 
     def wait_for_quorum(self, should_stop: Callable[[], bool]) -> tuple[Pending, float] | None:
         if should_stop() or manifest_exists(self.ctx.store, self.ctx.keys, self.version + 1):

@@ -19,7 +19,7 @@ from diloco.training.merge import Combiner, delta_weight
 from diloco.training.outer import OuterOptimizer, OuterState
 from diloco.training.tensors import Tensors, add_, all_finite, clone, same_layout
 
-__all__ = ["DeltaInvalid", "DeltaStale", "GradientStream", "LearnerGroup", "OuterOptimizer", "OuterState", "StepResult",
+__all__ = ["NON_FINITE", "DeltaInvalid", "DeltaStale", "GradientStream", "LearnerGroup", "OuterOptimizer", "OuterState", "StepResult",
            "gradient_stream", "outer_optimizer", "outer_step", "validate_delta"]
 
 
@@ -58,9 +58,14 @@ class LearnerGroup:
         return delta_weight(self.tokens, self.steps, staleness, staleness_power)
 
 
+NON_FINITE = "non-finite values (NaN or Inf)"  # the reason recorded for a delta with a NaN or an Inf
+
+
 def validate_delta(header: Header, delta: Tensors, *, learner: str, seq: int, version: int,
-                   params: Tensors, cfg: Config) -> int:
-    """Check one decoded delta against its key, the current version and the model; returns staleness."""
+                   params: Tensors, cfg: Config, check_finite: bool = True) -> int:
+    """Check one decoded delta against its key, the current version and the model; returns staleness.
+    The last check, every value finite, is the caller's when `check_finite` is False (the judge folds it
+    into the delta's fp64 norm)."""
     meta = header.meta
     if header.kind != "delta":
         raise DeltaInvalid(f"not a delta (kind {header.kind!r})")
@@ -80,8 +85,8 @@ def validate_delta(header: Header, delta: Tensors, *, learner: str, seq: int, ve
         raise DeltaStale(f"stale: staleness {staleness} > max_staleness {cfg.outer.max_staleness}")
     if not same_layout(delta, params):
         raise DeltaInvalid("tensor names or shapes do not match the model")
-    if not all_finite(delta):
-        raise DeltaInvalid("non-finite values (NaN or Inf)")
+    if check_finite and not all_finite(delta):
+        raise DeltaInvalid(NON_FINITE)
     return staleness
 
 
@@ -121,8 +126,8 @@ class GradientStream:
         normalised = {k: (w / total_w if total_w > 0 else 0.0) for k, w in self.weights.items()}
         if not self.weights or total_w <= 0:
             return None, normalised
-        combined = self.combiner.result()
-        self.combiner = Combiner(self.combiner.rule, direct=tuple(self.combiner.direct))  # the fp64 sums freed
+        combined = self.combiner.take_result()  # the fp64 sums freed tensor by tensor
+        self.combiner = Combiner(self.combiner.rule, direct=tuple(self.combiner.direct))
         return combined, normalised
 
 

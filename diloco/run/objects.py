@@ -8,19 +8,39 @@ from __future__ import annotations
 
 from typing import Any
 
+from diloco.run.heap import release_freed_memory
 from diloco.storage import codec
 from diloco.storage.store import Store
 from diloco.training.tensors import Tensors, to_numpy, to_torch
 
+TRIM_EVERY_BYTES = 64 << 20  # a consuming encode returns freed memory this often
+
 
 def encode_tensors(
     tensors: Tensors, *, codec_name: str, kind: str, fingerprint: str,
-    meta: dict[str, Any] | None = None, shuffle: bool = True,
-) -> bytes:
-    return codec.encode(
-        to_numpy(tensors), codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {},
-        shuffle=shuffle,
-    )
+    meta: dict[str, Any] | None = None, shuffle: bool = True, consume: bool = False,
+) -> bytes | bytearray:
+    """The codec's bytes of `tensors`; `consume`: pop each tensor from the dict once encoded and build the
+    object in a bytearray (the same bytes; the tensors, the frames and the object are never all held whole
+    when the dict holds the last reference to its tensors)."""
+    if not consume:
+        return codec.encode(
+            to_numpy(tensors), codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {},
+            shuffle=shuffle,
+        )
+    encoder = codec.Encoder(codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {}, shuffle=shuffle,
+                            into_bytearray=True)
+    freed = 0
+    for name in list(tensors):
+        tensor = tensors.pop(name)
+        freed += tensor.numel() * 4
+        encoder.add(name, to_numpy({name: tensor})[name])
+        del tensor
+        if freed >= TRIM_EVERY_BYTES:  # the freed tensors' pages to the OS, not kept beside the growing object
+            release_freed_memory()
+            freed = 0
+    release_freed_memory()
+    return encoder.finish()
 
 
 def decode_tensors(
@@ -32,10 +52,11 @@ def decode_tensors(
 
 def write_tensors(
     store: Store, key: str, tensors: Tensors, *, kind: str, fingerprint: str,
-    codec_name: str = "fp32", meta: dict[str, Any] | None = None,
+    codec_name: str = "fp32", meta: dict[str, Any] | None = None, consume: bool = False,
 ) -> tuple[int, str]:
-    """Encode and put; returns (size in bytes, object checksum)."""
-    data = encode_tensors(tensors, codec_name=codec_name, kind=kind, fingerprint=fingerprint, meta=meta)
+    """Encode and put; returns (size in bytes, object checksum). `consume`: see encode_tensors."""
+    data = encode_tensors(tensors, codec_name=codec_name, kind=kind, fingerprint=fingerprint, meta=meta,
+                          consume=consume)
     store.put(key, data)
     return len(data), codec.object_checksum(data)
 

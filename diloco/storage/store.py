@@ -119,9 +119,10 @@ class ObjectStore:
         return self._call(lambda: self._backend.modified(key), key)
 
     def put(self, key: str, data: bytes) -> None:
-        """Write (or overwrite) an object; atomic for readers (they see old or new, never a part)."""
+        """Write (or overwrite) an object; atomic for readers (they see old or new, never a part). A bytearray
+        is written as it is, not copied: the caller must not change it meanwhile."""
         check_key(key)
-        payload = bytes(data)
+        payload = data if isinstance(data, bytearray) else bytes(data)
         self._call(lambda: self._backend.write(key, payload), key, writing=True)
 
     def put_if_absent(self, key: str, data: bytes) -> None:

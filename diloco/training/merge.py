@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from diloco.training.fp64 import Fp64Scratch, add_scaled_
+
 MERGE_RULES = ("mean", "rda")
 ACC_DTYPE = torch.float64  # accumulate in fp64, hand back fp32
 
@@ -48,6 +50,7 @@ class Combiner:
         self._shapes: dict[str, tuple[int, ...]] | None = None
         self._acc: dict[str, torch.Tensor] = {}  # mean: sum w*d; rda: sum w*unit(d)
         self._norm_acc: dict[str, float] = {}  # rda only: sum w*|d|
+        self._scratch = Fp64Scratch()  # one chunk of a delta in fp64 (the mean's elementwise fold)
 
     def _uses_rda(self, name: str) -> bool:
         return self.rule == "rda" and name not in self.direct
@@ -75,24 +78,37 @@ class Combiner:
             self._acc = {name: torch.zeros(shape, dtype=ACC_DTYPE) for name, shape in self._shapes.items()}
             self._norm_acc = {name: 0.0 for name in self._shapes if self._uses_rda(name)}
         for name in self._shapes:
+            if not self._uses_rda(name):  # acc += w * fp64(d), chunk by chunk: the same bits, no fp64 copy
+                add_scaled_(self._acc[name], delta[name].detach(), weight, self._scratch)
+                continue
             d = delta[name].detach().to("cpu", ACC_DTYPE)
-            if self._uses_rda(name):
-                self._norm_acc[name] += weight * float(torch.linalg.vector_norm(d))
-                d = _unit(d)
-            self._acc[name].add_(d, alpha=weight)
+            self._norm_acc[name] += weight * float(torch.linalg.vector_norm(d))
+            self._acc[name].add_(_unit(d), alpha=weight)
         self.num_added += 1
         self.total_weight += weight
 
     def result(self) -> dict[str, torch.Tensor]:
         """The combined pseudo-gradient: name -> fp32 CPU tensor, in the first delta's order."""
+        return self._result(consume=False)
+
+    def take_result(self) -> dict[str, torch.Tensor]:
+        """result(), consuming the accumulators tensor by tensor (the same bits; the combiner is empty
+        after it): the fp64 sums and the fp32 result are never both held whole."""
+        return self._result(consume=True)
+
+    def _result(self, consume: bool) -> dict[str, torch.Tensor]:
         if self._shapes is None:
             raise ValueError("no deltas to combine")
         if self.total_weight <= 0:
             raise ValueError(f"total weight of the {self.num_added} delta(s) is zero")
         out: dict[str, torch.Tensor] = {}
-        for name, acc in self._acc.items():
-            mean = acc / self.total_weight
+        for name in list(self._acc):
+            acc = self._acc.pop(name) if consume else self._acc[name]
+            mean = acc.div_(self.total_weight) if consume else acc / self.total_weight  # the same division
             if self._uses_rda(name):
                 mean = _unit(mean) * (self._norm_acc[name] / self.total_weight)
             out[name] = mean.to(torch.float32)
+            del acc, mean
+        if consume:
+            self._shapes, self._norm_acc, self.num_added, self.total_weight = None, {}, 0, 0.0
         return out

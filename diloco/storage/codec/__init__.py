@@ -36,7 +36,7 @@ from diloco.storage.codec.header import (
 )
 from diloco.storage.codec.payload import decode_stream, encode_stream, frame_stream, unframe_stream
 
-__all__ = ["CODECS", "FORMAT_VERSION", "MAGIC", "CodecError", "Header", "TensorSpec", "decode", "encode",
+__all__ = ["CODECS", "FORMAT_VERSION", "MAGIC", "CodecError", "Encoder", "Header", "TensorSpec", "decode", "encode",
            "fingerprint_of", "object_checksum", "read_header"]
 
 
@@ -49,6 +49,67 @@ def _as_input(name: Any, value: Any) -> np.ndarray:
     if arr.dtype != np.float32:
         raise CodecError(f"tensor {name!r} has dtype {arr.dtype}; the codec takes float32")
     return arr if arr.flags.c_contiguous else arr.copy(order="C")  # (ascontiguousarray makes 0-d 1-d)
+
+
+class Encoder:
+    """encode(), one tensor at a time: `add(name, array)` frames a tensor and hands back its raw stream,
+    `shipped(...)` decodes that stream as decode() would (the same bits, without the lz4 round trip),
+    `finish()` returns the object's bytes. An added array must not change before finish() (a frame lz4
+    cannot shrink is a view of the stream, which for unshuffled fp32 is a view of the array).
+    `into_bytearray`: the same bytes, built in one bytearray each frame is appended to as it is made (grown
+    in place, the header put in front at the end): the frames are never all held beside the object."""
+
+    def __init__(self, *, codec: str, kind: str, fingerprint: str, meta: Mapping[str, Any] | None = None,
+                 shuffle: bool = True, block_size: int = 256, into_bytearray: bool = False) -> None:
+        check_encode_args(codec, kind, fingerprint, block_size)
+        if meta is not None and not isinstance(meta, Mapping):
+            raise CodecError(f"meta must be a mapping, got {type(meta).__name__}")
+        self.codec, self.kind, self.fingerprint, self.block_size = codec, kind, fingerprint, block_size
+        self.meta = dict(meta or {})
+        self.shuffle = bool(shuffle) and codec in ("fp32", "bf16")
+        self.parts: list[Any] = []
+        self.out = bytearray() if into_bytearray else None
+        self.entries: list[dict[str, Any]] = []
+        self.crc = 0
+
+    def add(self, name: Any, value: Any) -> np.ndarray:
+        arr = _as_input(name, value)
+        stream = encode_stream(arr.reshape(-1), self.codec, self.shuffle, self.block_size, name)
+        frames, lengths = frame_stream(stream)
+        for part in frames:
+            self.crc = zlib.crc32(part, self.crc)
+            if self.out is not None:
+                self.out += part
+        if self.out is None:
+            self.parts += frames
+        self.entries.append({"name": name, "shape": list(arr.shape), "frames": lengths})
+        return stream
+
+    def shipped(self, name: str, shape: tuple[int, ...], stream: np.ndarray) -> np.ndarray:
+        """What decode() gives back for the tensor `add` turned into `stream` (a fresh f32 array)."""
+        return decode_stream(stream, self.codec, self.shuffle, self.block_size, TensorSpec(name, tuple(shape)))
+
+    def finish(self) -> bytes | bytearray:
+        """The object's bytes (a bytearray when into_bytearray)."""
+        fields = {
+            "format_version": FORMAT_VERSION,
+            "kind": self.kind,
+            "codec": self.codec,
+            "block_size": self.block_size,
+            "shuffle": self.shuffle,
+            "fingerprint": self.fingerprint,
+            "meta": self.meta,
+            "tensors": self.entries,
+            "payload_bytes": sum(sum(e["frames"]) for e in self.entries),
+            "payload_crc32": self.crc,
+        }
+        header = pack_header(fields)
+        if self.out is not None:
+            out, self.out = self.out, bytearray()
+            out[0:0] = header  # resized in place, the payload moved up
+            return out
+        parts, self.parts = self.parts, []
+        return b"".join([header, *parts])
 
 
 def encode(
@@ -66,33 +127,11 @@ def encode(
     shuffle applies to fp32/bf16 only (int8/int4 bytes have no planes); the header records the
     effective value. int8/int4 raise CodecError on NaN/Inf; fp32/bf16 carry them.
     """
-    check_encode_args(codec, kind, fingerprint, block_size)
-    if meta is not None and not isinstance(meta, Mapping):
-        raise CodecError(f"meta must be a mapping, got {type(meta).__name__}")
-    shuffle = bool(shuffle) and codec in ("fp32", "bf16")
-    parts: list[Any] = []
-    entries = []
-    crc = 0
+    encoder = Encoder(codec=codec, kind=kind, fingerprint=fingerprint, meta=meta, shuffle=shuffle,
+                      block_size=block_size)
     for name, value in tensors.items():
-        arr = _as_input(name, value)
-        frames, lengths = frame_stream(encode_stream(arr.reshape(-1), codec, shuffle, block_size, name))
-        for part in frames:
-            crc = zlib.crc32(part, crc)
-        parts += frames
-        entries.append({"name": name, "shape": list(arr.shape), "frames": lengths})
-    fields = {
-        "format_version": FORMAT_VERSION,
-        "kind": kind,
-        "codec": codec,
-        "block_size": block_size,
-        "shuffle": shuffle,
-        "fingerprint": fingerprint,
-        "meta": dict(meta or {}),
-        "tensors": entries,
-        "payload_bytes": sum(sum(e["frames"]) for e in entries),
-        "payload_crc32": crc,
-    }
-    return b"".join([pack_header(fields), *parts])
+        encoder.add(name, value)
+    return encoder.finish()
 
 
 def decode(

@@ -104,7 +104,13 @@ def _shuffle(u8: np.ndarray, width: int) -> np.ndarray:
 
 
 def _unshuffle(u8: np.ndarray, width: int) -> np.ndarray:
-    return np.ascontiguousarray(u8.reshape(width, -1).T).reshape(-1)
+    """Byte planes -> (n*width,) bytes: plane k into every width-th byte from k (a plane-wise strided copy,
+    some 2.5x faster than a transposing copy of the (width, n) planes; the same bytes)."""
+    out = np.empty(u8.size, np.uint8)
+    n, rows = u8.size // width, out.reshape(-1, width)
+    for k in range(width):
+        np.copyto(rows[:, k], u8[k * n : (k + 1) * n])
+    return out
 
 
 def encode_stream(x: np.ndarray, codec: str, shuffle: bool, block_size: int, name: str) -> np.ndarray:
