@@ -45,7 +45,10 @@ def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
                 table.add_row(r["run_id"], "unreadable", r["problem"], "", "", "")
                 continue
             loss = f"{r['last_eval_loss']:.3f} (v{r['last_eval_version']})" if r["last_eval_loss"] is not None else "—"
-            table.add_row(r["run_id"], r["state"], f"{r['version']}/{r['target']}", loss, str(r["num_learners"]),
+            versions = f"{r['version']}/{r['target']}"
+            if r.get("token_budget"):  # a token budget ends the run: the version, and the share of the budget merged
+                versions = f"{r['version']} ({100.0 * r['tokens'] / r['token_budget']:.0f}%)"
+            table.add_row(r["run_id"], r["state"], versions, loss, str(r["num_learners"]),
                           _age(time.time() - r["created_at"]))
         Console().print(table)
 

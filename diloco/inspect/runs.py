@@ -32,7 +32,8 @@ def list_runs(store: Store) -> list[dict[str, Any]]:
             continue
         last = evals[-1] if evals else None
         rows.append({"run_id": run_id, "state": state.word, "reason": state.reason, "version": state.version,
-                     "target": state.target, "last_eval_loss": last["loss"] if last else None,
+                     "target": state.target, "tokens": state.tokens, "token_budget": state.budget,
+                     "last_eval_loss": last["loss"] if last else None,
                      "last_eval_version": last["version"] if last else None, "num_learners": len(ctx.learners),
                      "created_at": ctx.created_at, "recipe": ctx.cfg.name})
     return rows

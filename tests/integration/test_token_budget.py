@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from diloco.configs import load_config
+from diloco.inspect.runs import list_runs
 from diloco.launch import run_role
 from diloco.operate import prepare_resume
 from diloco.run.context import open_run
@@ -53,6 +54,8 @@ def test_the_merger_stops_at_the_first_version_that_reaches_the_budget(tmp_path)
     state = read_run_state(ctx)
     assert state.word == "finished" and state.title() == f"finished: version 2, {4 * per_delta:,} of {budget:,} tokens"
     assert run_role("merger", url, "tok", merges=5) == 0  # nothing more to merge: the run is done
+    [listed] = list_runs(open_store(url))
+    assert (listed["state"], listed["tokens"], listed["token_budget"]) == ("finished", 4 * per_delta, budget)
 
     report = prepare_resume(url, "tok", versions=10)
     resumed = open_run(url, "tok")
