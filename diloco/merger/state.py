@@ -13,9 +13,9 @@ import torch
 
 from diloco.merger.step import OuterState
 from diloco.run.context import RunContext
-from diloco.run.objects import decode_tensors, read_tensors
+from diloco.run.objects import decode_tensors, read_checked, read_tensors
 from diloco.storage import Manifest
-from diloco.storage.codec import CodecError, object_checksum, read_header
+from diloco.storage.codec import read_header
 from diloco.training.tensors import Tensors, same_layout
 
 
@@ -37,10 +37,7 @@ class VersionState:
         self._outer, self._outer_data = None, None
         if not manifest.outer_key:
             return {}
-        data = self.ctx.store.get(manifest.outer_key)
-        if object_checksum(data) != manifest.outer_checksum:
-            raise CodecError(f"{manifest.outer_key}: checksum {object_checksum(data)} != recorded "
-                             f"{manifest.outer_checksum}")
+        data = read_checked(self.ctx.store, manifest.outer_key, manifest.outer_checksum)
         self._outer_data = data
         return {k: float(v) for k, v in read_header(data).meta.get("ema", {}).items()}
 

@@ -61,12 +61,17 @@ def write_tensors(
     return len(data), codec.object_checksum(data)
 
 
+def read_checked(store: Store, key: str, checksum: str | None = None) -> bytes:
+    """Get an object's bytes and verify the checksum recorded for it (when given): CodecError naming the key."""
+    data = store.get(key)
+    if checksum and (got := codec.object_checksum(data)) != checksum:
+        raise codec.CodecError(f"{key}: checksum {got} != recorded {checksum}")
+    return data
+
+
 def read_tensors(
     store: Store, key: str, *, fingerprint: str | None = None, checksum: str | None = None,
     max_bytes: int | None = None,
 ) -> tuple[codec.Header, Tensors]:
     """Get, verify the recorded checksum (when given), decode."""
-    data = store.get(key)
-    if checksum and codec.object_checksum(data) != checksum:
-        raise codec.CodecError(f"{key}: checksum {codec.object_checksum(data)} != recorded {checksum}")
-    return decode_tensors(data, fingerprint=fingerprint, max_bytes=max_bytes)
+    return decode_tensors(read_checked(store, key, checksum), fingerprint=fingerprint, max_bytes=max_bytes)

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diloco.run.context import RunContext, RunError
-from diloco.run.fragments import run_version
 from diloco.run.lease import describe, held_error, is_live, read_current
 from diloco.run.signals import read_stop_reason
-from diloco.run.target import run_tokens, target_reached
+from diloco.run.target import run_progress
 from diloco.storage.records import FINAL_STATES, SupervisorLease
 
 ENDED = ("finished", "stopped")
@@ -52,11 +51,11 @@ class RunState:
 
 
 def read_run_state(ctx: RunContext) -> RunState:
-    version = run_version(ctx) or 0  # fragments: the slowest fragment's version
     target, budget = ctx.cfg.run.num_versions, ctx.cfg.run.num_tokens
-    tokens = run_tokens(ctx) if budget > 0 else 0
+    progress = run_progress(ctx)  # the target version, or the token budget (run.num_tokens), on every chain
+    version, tokens = progress.version or 0, progress.tokens
     lease = read_current(ctx.store, ctx.keys)
-    if target_reached(ctx):  # the target version, or the token budget (run.num_tokens)
+    if progress.reached:
         return RunState("finished", version, target, read_stop_reason(ctx), lease, tokens, budget)
     if ctx.store.exists(ctx.keys.stop()):
         return RunState("stopped", version, target, read_stop_reason(ctx) or "stop requested", lease, tokens, budget)

@@ -46,16 +46,35 @@ def chain_heads(ctx: RunContext, store: Store | None = None) -> list[Manifest | 
     return [read_latest(store, ctx.keys.for_fragment(p)) for p in range(len(ctx.fragments))]
 
 
+@dataclass(frozen=True)
+class Progress:
+    version: int | None  # the run's version (fragments: the slowest fragment's); None before version 0
+    tokens: int  # merged by the run (the fewest any chain merged; 0 without a token budget: not read)
+    reached: bool  # every chain reached the target
+
+
+def run_progress(ctx: RunContext, store: Store | None = None, target: Target | None = None) -> Progress:
+    """Where the run stands against `target` (default: the run's own), from one read of its chains: their
+    versions alone without a token budget (one listing per chain), their newest manifests with one."""
+    target = target or run_target(ctx)
+    if target.tokens <= 0:
+        version = run_version(ctx, store)
+        return Progress(version, 0, version is not None and version >= target.versions)
+    heads = chain_heads(ctx, store)
+    if any(h is None for h in heads):
+        return Progress(None, 0, False)
+    return Progress(min(h.version for h in heads), _fewest_tokens(heads), all(target.reached_by(h) for h in heads))
+
+
+def _fewest_tokens(heads: list[Manifest | None]) -> int:
+    return 0 if any(h is None for h in heads) else min(h.tokens_total for h in heads)
+
+
 def run_tokens(ctx: RunContext, store: Store | None = None) -> int:
     """Tokens merged by the run: the fewest any chain has merged (0 before version 0)."""
-    heads = chain_heads(ctx, store)
-    return 0 if any(h is None for h in heads) else min(h.tokens_total for h in heads)
+    return _fewest_tokens(chain_heads(ctx, store))
 
 
 def target_reached(ctx: RunContext, store: Store | None = None, target: Target | None = None) -> bool:
     """Whether every chain of the run has reached `target` (default: the run's own)."""
-    target = target or run_target(ctx)
-    if target.tokens <= 0:
-        version = run_version(ctx, store)  # fragments: the slowest fragment's version
-        return version is not None and version >= target.versions
-    return all(target.reached_by(head) for head in chain_heads(ctx, store))
+    return run_progress(ctx, store, target).reached
