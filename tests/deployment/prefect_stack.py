@@ -117,7 +117,7 @@ def start_stack(home: Path) -> Stack:
 
     stack = Stack(home)
     with _environ(SERVER_SETTINGS):
-        api_url, server = start_server(home / "prefect")
+        api_url, server = start_server(home / "prefect", lean=False)  # workers: every service
     stack.procs.append(server)
     stack.api_url = api_url
     stack.env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": str(home / "prefect"),
