@@ -126,9 +126,7 @@ class GradientStream:
         normalised = {k: (w / total_w if total_w > 0 else 0.0) for k, w in self.weights.items()}
         if not self.weights or total_w <= 0:
             return None, normalised
-        combined = self.combiner.take_result()  # the fp64 sums freed tensor by tensor
-        self.combiner = Combiner(self.combiner.rule, direct=tuple(self.combiner.direct))
-        return combined, normalised
+        return self.combiner.take_result(), normalised  # the fp64 sums freed tensor by tensor
 
 
 def gradient_stream(params: Tensors, version: int, outer: OuterConfig,

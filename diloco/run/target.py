@@ -63,7 +63,8 @@ def run_progress(ctx: RunContext, store: Store | None = None, target: Target | N
     heads = chain_heads(ctx, store)
     if any(h is None for h in heads):
         return Progress(None, 0, False)
-    return Progress(min(h.version for h in heads), _fewest_tokens(heads), all(target.reached_by(h) for h in heads))
+    return Progress(min(h.version for h in heads), min(h.tokens_total for h in heads),
+                    all(target.reached_by(h) for h in heads))
 
 
 def _fewest_tokens(heads: list[Manifest | None]) -> int:

@@ -109,6 +109,7 @@ class Combiner:
                 mean = _unit(mean) * (self._norm_acc[name] / self.total_weight)
             out[name] = mean.to(torch.float32)
             del acc, mean
-        if consume:
+        if consume:  # as new: the next add() starts a fresh combination
             self._shapes, self._norm_acc, self.num_added, self.total_weight = None, {}, 0, 0.0
+            self._scratch.release()
         return out
