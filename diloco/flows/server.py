@@ -64,17 +64,18 @@ LEAN_SETTINGS = {**{f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name 
 
 def launch_server(home: Path, port: int | None = None, log_path: Path | None = None,
                   lean: bool = True) -> tuple[str, subprocess.Popen]:
-    """Start `prefect server start` on a free loopback port with its own PREFECT_HOME; returns at once (its
-    API URL is known before it answers: wait_healthy waits for it). lean: LEAN_SETTINGS, unless set."""
+    """Start `prefect server start` (through flows/prefect_server: its SQLite writes wait for the lock, not
+    503) on a free loopback port with its own PREFECT_HOME; returns at once (its API URL is known before it
+    answers: wait_healthy waits for it). lean: LEAN_SETTINGS, unless set."""
     port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
     env = {**(LEAN_SETTINGS if lean else {}), **os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_PORT": str(port),
            "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api"}
     env.pop("PREFECT_API_URL", None)
-    prefect = str(Path(sys.executable).with_name("prefect"))
     with open(log_path or home / "server.log", "ab") as out:  # the child keeps its own copy
-        proc = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "diloco.flows.prefect_server", "server", "start", "--host",
+                                 "127.0.0.1", "--port", str(port)],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     _RECORDS[proc.pid] = home / SERVER_RECORD
