@@ -13,25 +13,20 @@ transaction that may write; readers outside a transaction (most of the API's) ar
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncGenerator
-from contextlib import asynccontextmanager
 from typing import Any
 
 
 def immediate_transactions() -> None:
-    """Make AioSqliteConfiguration.begin_transaction begin IMMEDIATE whatever its caller's with_for_update."""
-    from prefect.server.database import configurations
+    """Make AioSqliteConfiguration.begin_transaction take Prefect's own IMMEDIATE path (with_for_update=True,
+    what its row-locking writes ask for) whatever its caller asks."""
+    from prefect.server.database.configurations import AioSqliteConfiguration
 
-    @asynccontextmanager
-    async def begin_transaction(self: Any, session: Any, with_for_update: bool = False) -> AsyncGenerator[Any, None]:
-        token = configurations.SQLITE_BEGIN_MODE.set("IMMEDIATE")
-        try:
-            async with session.begin() as transaction:
-                yield transaction
-        finally:
-            configurations.SQLITE_BEGIN_MODE.reset(token)
+    begin = AioSqliteConfiguration.begin_transaction
 
-    configurations.AioSqliteConfiguration.begin_transaction = begin_transaction  # type: ignore[method-assign]
+    def begin_immediate(self: Any, session: Any, with_for_update: bool = False) -> Any:
+        return begin(self, session, with_for_update=True)
+
+    AioSqliteConfiguration.begin_transaction = begin_immediate  # type: ignore[method-assign]
 
 
 def main() -> int:
