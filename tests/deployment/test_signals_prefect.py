@@ -7,7 +7,8 @@
 - A learner deployment that does not exist fails the `train` flow (deployment mode) with the reason in the
   flow run's own logs, after the supervisor's bounded retries (MAX_REFUSALS).
 
-Run: make test-long, or .venv/bin/pytest tests/deployment/test_signals_prefect.py   (a few minutes on 2 cores)
+Run: .venv/bin/pytest tests/deployment/test_signals_prefect.py   (~20 s for SIGTERM, which starts its own server;
+the other two start the shared stack first)
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ def _parents(api_url: str, runs: list) -> dict[str, str | None]:
     return out
 
 
-@pytest.mark.long  # ~3 min: a Prefect server of its own, started and stopped by the run
 def test_sigterm_ends_a_prefect_run_and_its_local_server(tmp_path: Path) -> None:
     run_id = "sig-prefect-term"
     env = {"PREFECT_API_URL": None}  # unset for the child: it starts its own server, as `make run` does
@@ -69,7 +69,6 @@ def test_sigterm_ends_a_prefect_run_and_its_local_server(tmp_path: Path) -> None
     assert not record.exists()
 
 
-@pytest.mark.long  # ~2-4 min beside the shared stack
 def test_sigint_ends_a_prefect_run_reporting_to_a_shared_server(deployed_run: DeployedRun, tmp_path: Path) -> None:
     run_id = "sig-prefect-int"
     api = deployed_run.stack.api_url
