@@ -30,7 +30,7 @@ from diloco.run.context import RunContext, direct_names
 from diloco.run.controls import read_ops
 from diloco.run.events import EventLog
 from diloco.run.heap import release_freed_memory
-from diloco.run.objects import write_tensors
+from diloco.run.objects import put_checksummed, write_state
 from diloco.run.signing import SigningError
 from diloco.run.target import Target
 from diloco.storage import (
@@ -43,7 +43,6 @@ from diloco.storage import (
     manifest_exists,
     read_latest,
 )
-from diloco.storage.codec import object_checksum
 from diloco.storage.errors import Backoff
 from diloco.storage.keys import new_nonce, parse_delta_key
 from diloco.training.tensors import Tensors
@@ -302,20 +301,19 @@ class Merger:
         nonce = new_nonce()
         self.stage_hook("writing")
         params_key, update_key, outer_key = keys.params(version, nonce), keys.update(version, nonce), keys.outer(version, nonce)
-        store.put(update_key, result.update_bytes)
-        update_sum, update_bytes = object_checksum(result.update_bytes), len(result.update_bytes)
+        update_sum, update_bytes = put_checksummed(store, update_key, result.update_bytes), len(result.update_bytes)
         consume = not self.keep_state  # each tensor freed once encoded: the object and the tensors never both whole
         if consume:
             result.update_bytes = b""
             self.state.forget()
-        _, params_sum = write_tensors(store, params_key, result.params, kind="params",
+        _, params_sum = write_state(store, params_key, result.params, kind="params",
                                       fingerprint=self.ctx.fingerprint, consume=consume)
         merge_s = time.time() - t0
         ema = self._next_ema(phase_times, quorum_wait, merge_s)
         outer_tensors = result.outer.to_tensors()
         if consume:
             result.outer = OuterState({}, {})
-        _, outer_sum = write_tensors(store, outer_key, outer_tensors, kind="outer",
+        _, outer_sum = write_state(store, outer_key, outer_tensors, kind="outer",
                                      fingerprint=self.ctx.fingerprint, meta={"ema": ema}, consume=consume)
         del outer_tensors
         self.stage_hook("before_manifest")

@@ -15,7 +15,7 @@ from diloco import __version__
 from diloco.configs import Config
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.fragments import fragment_context, plan_for
-from diloco.run.objects import write_tensors
+from diloco.run.objects import write_state
 from diloco.run.spec import SpecFiles, StagedFiles, build_model, probe, spec_of
 from diloco.storage import Conflict, Manifest, RunKeys, commit, manifest_exists
 from diloco.storage.keys import new_nonce
@@ -73,7 +73,7 @@ def _commit_version_zero(ctx: RunContext, params: Tensors) -> None:
         return
     nonce = new_nonce()
     key = ctx.keys.params(0, nonce)
-    _, checksum = write_tensors(ctx.store, key, params, kind="params", fingerprint=ctx.fingerprint)
+    _, checksum = write_state(ctx.store, key, params, kind="params", fingerprint=ctx.fingerprint)
     manifest = Manifest(
         run_id=ctx.run_id, version=0, created_at=time.time(), merger_id="init",
         params_key=key, params_checksum=checksum,

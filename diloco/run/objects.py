@@ -6,6 +6,7 @@ fingerprint checks; callers get fp32 CPU torch tensors.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from diloco.run.heap import release_freed_memory
@@ -18,18 +19,17 @@ TRIM_EVERY_BYTES = 64 << 20  # a consuming encode returns freed memory this ofte
 
 def encode_tensors(
     tensors: Tensors, *, codec_name: str, kind: str, fingerprint: str,
-    meta: dict[str, Any] | None = None, shuffle: bool = True, consume: bool = False,
+    meta: dict[str, Any] | None = None, shuffle: bool = True, consume: bool = False, compress: bool = True,
 ) -> bytes | bytearray:
     """The codec's bytes of `tensors`; `consume`: pop each tensor from the dict once encoded and build the
     object in a bytearray (the same bytes; the tensors, the frames and the object are never all held whole
-    when the dict holds the last reference to its tensors)."""
-    if not consume:
-        return codec.encode(
-            to_numpy(tensors), codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {},
-            shuffle=shuffle,
-        )
+    when the dict holds the last reference to its tensors). `compress=False`: no lz4 (codec.Encoder)."""
     encoder = codec.Encoder(codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {}, shuffle=shuffle,
-                            into_bytearray=True)
+                            into_bytearray=consume, compress=compress)
+    if not consume:
+        for name, array in to_numpy(tensors).items():
+            encoder.add(name, array)
+        return encoder.finish()
     freed = 0
     for name in list(tensors):
         tensor = tensors.pop(name)
@@ -50,15 +50,26 @@ def decode_tensors(
     return header, to_torch(arrays)
 
 
-def write_tensors(
+def write_state(
     store: Store, key: str, tensors: Tensors, *, kind: str, fingerprint: str,
-    codec_name: str = "fp32", meta: dict[str, Any] | None = None, consume: bool = False,
+    meta: dict[str, Any] | None = None, consume: bool = False,
 ) -> tuple[int, str]:
-    """Encode and put; returns (size in bytes, object checksum). `consume`: see encode_tensors."""
-    data = encode_tensors(tensors, codec_name=codec_name, kind=kind, fingerprint=fingerprint, meta=meta,
-                          consume=consume)
-    store.put(key, data)
-    return len(data), codec.object_checksum(data)
+    """A version's fp32 state (params, outer state), encoded and put; returns (size in bytes, object checksum).
+    Stored raw, neither shuffled nor lz4-framed: lz4 shrinks fp32 weights by only about a tenth, and on a
+    124M-parameter model it cost the merger more time than anything else in writing a version
+    (docs/BENCHMARKS.md, bench scale). `consume`: see encode_tensors."""
+    data = encode_tensors(tensors, codec_name="fp32", kind=kind, fingerprint=fingerprint, meta=meta,
+                          consume=consume, shuffle=False, compress=False)
+    return len(data), put_checksummed(store, key, data)
+
+
+def put_checksummed(store: Store, key: str, data: bytes | bytearray) -> str:
+    """Put `data` and return its object checksum, the hash computed on a second thread while the put writes
+    (both release the GIL: a 500 MB object's BLAKE2b no longer waits for its write). `data` must not change."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum") as pool:
+        checksum = pool.submit(codec.object_checksum, data)
+        store.put(key, data)
+        return checksum.result()
 
 
 def read_checked(store: Store, key: str, checksum: str | None = None) -> bytes:

@@ -86,6 +86,36 @@ def test_fp32_round_trip_is_exact(tensors: dict[str, np.ndarray], shuffle: bool)
     assert header.tensors == tuple(TensorSpec(k, v.shape) for k, v in tensors.items())
 
 
+def test_fp32_state_stored_raw_round_trips_exactly_across_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The version state's format (run/objects.write_state): no shuffle, no lz4, every frame raw; a tensor of
+    several frames decodes to its exact bits in a fresh writable array that shares nothing with the object."""
+    from diloco.storage.codec import header as codec_header
+    from diloco.storage.codec import payload as codec_payload
+
+    monkeypatch.setattr(codec_header, "FRAME_BYTES", 64)
+    monkeypatch.setattr(codec_payload, "FRAME_BYTES", 64)
+    tensors = {"w": np.zeros((10, 7), np.float32), "b": np.arange(3, dtype=np.float32)}  # zeros: lz4 would shrink them
+    data = encode_tensors_raw(tensors)
+    obj, payload = _split(data)
+    assert obj["shuffle"] is False and obj["tensors"][0]["frames"] == [64, 64, 64, 64, 24]  # raw, not lz4
+    assert len(payload) == 4 * (70 + 3)
+    _, out = decode(data)
+    for name, x in tensors.items():
+        assert out[name].tobytes() == x.tobytes() and out[name].flags.writeable
+    out["w"][0, 0] = out["b"][0] = 9.0
+    again = decode(data)[1]
+    assert again["w"][0, 0] == again["b"][0] == 0.0  # decoded arrays are their own, not views of the object
+
+
+def encode_tensors_raw(tensors: dict[str, np.ndarray]) -> bytes:
+    import torch
+
+    from diloco.run.objects import encode_tensors
+
+    return bytes(encode_tensors({k: torch.from_numpy(v) for k, v in tensors.items()}, codec_name="fp32",
+                                kind="params", fingerprint="f", shuffle=False, compress=False))
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     tensors=tensor_sets(),

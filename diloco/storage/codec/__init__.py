@@ -57,16 +57,20 @@ class Encoder:
     `finish()` returns the object's bytes. An added array must not change before finish() (a frame lz4
     cannot shrink is a view of the stream, which for unshuffled fp32 is a view of the array).
     `into_bytearray`: the same bytes, built in one bytearray each frame is appended to as it is made (grown
-    in place, the header put in front at the end): the frames are never all held beside the object."""
+    in place, the header put in front at the end): the frames are never all held beside the object.
+    `compress=False`: every frame stored raw, no lz4 (fp32 state, which lz4 shrinks by about a tenth at a cost
+    in time; decode needs nothing to tell: a frame as long as its raw size is raw)."""
 
     def __init__(self, *, codec: str, kind: str, fingerprint: str, meta: Mapping[str, Any] | None = None,
-                 shuffle: bool = True, block_size: int = 256, into_bytearray: bool = False) -> None:
+                 shuffle: bool = True, block_size: int = 256, into_bytearray: bool = False,
+                 compress: bool = True) -> None:
         check_encode_args(codec, kind, fingerprint, block_size)
         if meta is not None and not isinstance(meta, Mapping):
             raise CodecError(f"meta must be a mapping, got {type(meta).__name__}")
         self.codec, self.kind, self.fingerprint, self.block_size = codec, kind, fingerprint, block_size
         self.meta = dict(meta or {})
         self.shuffle = bool(shuffle) and codec in ("fp32", "bf16")
+        self.compress = bool(compress)
         self.parts: list[Any] = []
         self.out = bytearray() if into_bytearray else None
         self.entries: list[dict[str, Any]] = []
@@ -75,7 +79,7 @@ class Encoder:
     def add(self, name: Any, value: Any) -> np.ndarray:
         arr = _as_input(name, value)
         stream = encode_stream(arr.reshape(-1), self.codec, self.shuffle, self.block_size, name)
-        frames, lengths = frame_stream(stream)
+        frames, lengths = frame_stream(stream, self.compress)
         for part in frames:
             self.crc = zlib.crc32(part, self.crc)
             if self.out is not None:

@@ -140,8 +140,8 @@ def decode_stream(
 ) -> np.ndarray:
     """Inverse of encode_stream; returns a fresh writable f32 array of spec.shape."""
     n, bsz = elements_of(spec.shape), block_size
-    if codec == "fp32":
-        y = _unshuffle(stream, 4) if shuffle else stream.copy()
+    if codec == "fp32":  # an unshuffled stream unframe_stream just assembled is fresh already: not copied again
+        y = _unshuffle(stream, 4) if shuffle else stream if stream.flags.owndata else stream.copy()
         return y.view(np.float32).reshape(spec.shape)
     if codec == "bf16":
         h = _unshuffle(stream, 2) if shuffle else stream.copy()
@@ -164,13 +164,14 @@ def decode_stream(
 # ------------------------------------------------------------------------------------- framing
 
 
-def frame_stream(stream: np.ndarray) -> tuple[list[Any], list[int]]:
-    """Raw stream -> (frame buffers, stored lengths). A frame lz4 cannot shrink is stored raw."""
+def frame_stream(stream: np.ndarray, compress: bool = True) -> tuple[list[Any], list[int]]:
+    """Raw stream -> (frame buffers, stored lengths). A frame lz4 cannot shrink is stored raw, and so is
+    every frame when not `compress` (decode tells them apart by length: nothing in the format changes)."""
     view = memoryview(stream).cast("B")
     parts, lengths = [], []
     for start in range(0, len(view), FRAME_BYTES):
         raw = view[start : start + FRAME_BYTES]
-        packed = lz4.block.compress(raw, store_size=False)
+        packed = lz4.block.compress(raw, store_size=False) if compress else raw
         part = packed if len(packed) < len(raw) else raw
         parts.append(part)
         lengths.append(len(part))
