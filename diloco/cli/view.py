@@ -3,7 +3,8 @@
 Contract: every figure is read from the bucket, never from in-memory counters; a run that ended says so
 (finished / stopped / removed, and the command that continues it); SIGINT and SIGTERM end `diloco run` in
 order — every process of the run ends, the summary so far is printed — with exit code 130 / 143; tables stay
-readable at 80 columns (names are never cut: other cells wrap). Imported only when a command runs (it pulls
+readable at 80 columns (a name is never cut at its end: one too long for the width is shortened from the
+middle, its distinguishing suffix kept; other cells wrap). Imported only when a command runs (it pulls
 torch, for the sample), so `diloco --help` stays fast.
 """
 
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -34,7 +36,33 @@ def _name_column(table: Table, header: str, names: list[str]) -> None:
     table.add_column(header, no_wrap=True, min_width=max([len(header), *map(len, names)]))
 
 
-def progress_table(ctx: RunContext, started: float | None, state: RunState | None = None) -> Table:
+MIN_NAME_CHARS = 9  # "eu…name-0": a name shortened from the middle keeps at least this much
+
+
+def shorten_middle(names: list[str], width: int) -> list[str]:
+    """Names cut to `width` from the middle ("eu-west-long-region-0" -> "eu-…egion-0"): the start and the
+    distinguishing suffix stay; widened until every shortened name is still unique."""
+    longest = max(map(len, names), default=0)
+    for w in range(max(width, MIN_NAME_CHARS), longest + 1):
+        keep = w - 1
+        short = [n if len(n) <= w else f"{n[:keep // 3]}…{n[len(n) - (keep - keep // 3):]}" for n in names]
+        if len(set(short)) == len(set(names)):
+            return short
+    return names
+
+
+def _status_cells(r: dict, word: str) -> list[str]:
+    """A learner's figures, in STATUS_COLUMNS order."""
+    return [word, str(r.get("ranks", 1)), str(r.get("seq", "")), str(r.get("base_version", "")),
+            str(r.get("step", "")), f"{r['loss']:.3f}" if isinstance(r.get("loss"), float) else "",
+            f"{r.get('steps_per_s', 0):.1f}" if "steps_per_s" in r else "",
+            f"{r.get('bytes_published', 0) / 1e6:.2f}" if "bytes_published" in r else "",
+            f"{r['age_s']:.0f}s ago" if "age_s" in r else ""]
+
+
+def progress_table(ctx: RunContext, started: float | None, state: RunState | None = None,
+                   width: int | None = None) -> Table:
+    """The status table of `diloco status` and the live view; `width`: the console's (default: this terminal's)."""
     from diloco.run.evaluator import read_evals
 
     try:
@@ -48,19 +76,19 @@ def progress_table(ctx: RunContext, started: float | None, state: RunState | Non
     loss = f"{last['loss']:.3f} {last.get('metric', 'nats/byte')} @ v{last['version']}" if last else "—"
     head = state.title() if state.ended else f"{state.word} · {state.where()}"
     clock = f" · {time.time() - started:.0f}s" if started else ""
-    table = Table(title=f"run {ctx.run_id} · {head} · held-out {loss}{clock}")
-    _name_column(table, "learner", [r.get("learner", "?") for r in rows])
-    for col in STATUS_COLUMNS:
-        table.add_column(col, overflow="fold", min_width=len(col))
-    for r in rows:
-        table.add_row(
-            r.get("learner", "?"), learner_word(r.get("state"), r.get("learner") in removed, state),
-            str(r.get("ranks", 1)), str(r.get("seq", "")), str(r.get("base_version", "")),
-            str(r.get("step", "")), f"{r['loss']:.3f}" if isinstance(r.get("loss"), float) else "",
-            f"{r.get('steps_per_s', 0):.1f}" if "steps_per_s" in r else "",
-            f"{r.get('bytes_published', 0) / 1e6:.2f}" if "bytes_published" in r else "",
-            f"{r['age_s']:.0f}s ago" if "age_s" in r else "",
-        )
+    cells = [_status_cells(r, learner_word(r.get("state"), r.get("learner") in removed, state)) for r in rows]
+    # no rules between columns (each costs its width + 2): ten columns of everyday names fit in 80 (with rules they
+    # took 83 and rich cut the last one off); a name too long for what is left is shortened from the middle
+    figures = sum(2 + max([len(col), *(len(c[i]) for c in cells)]) for i, col in enumerate(STATUS_COLUMNS))
+    names = shorten_middle([r.get("learner", "?") for r in rows], (width or Console().width) - figures - 3)
+    table = Table(title=f"run {ctx.run_id} · {head} · held-out {loss}{clock}", box=box.SIMPLE_HEAD, show_edge=False,
+                  collapse_padding=True)
+    _name_column(table, "learner", names)
+    table.add_column("state", no_wrap=True)
+    for col in STATUS_COLUMNS[1:]:
+        table.add_column(col, overflow="fold", justify="right")
+    for name, row in zip(names, cells, strict=True):
+        table.add_row(name, *row)
     return table
 
 
@@ -84,10 +112,10 @@ class LiveView:
             self._thread.join(timeout=5)
 
     def _loop(self) -> None:
-        with Live(progress_table(self.ctx, self.started), console=self.console, refresh_per_second=1,
+        with Live(progress_table(self.ctx, self.started, width=self.console.width), console=self.console, refresh_per_second=1,
                   transient=False) as live:
             while not self._stop.wait(1.0):
-                live.update(progress_table(self.ctx, self.started))
+                live.update(progress_table(self.ctx, self.started, width=self.console.width))
 
 
 def execute_run(*, config: str, storage: str | None, learners: int | None, versions: int | None,

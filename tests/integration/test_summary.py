@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from diloco.configs import load_config
@@ -22,6 +23,7 @@ from diloco.run.evaluator import evaluate_missing as complete_evals
 from diloco.run.evaluator import missing_evals
 from diloco.run.signals import request_stop
 from diloco.storage import open_store
+from diloco.storage.records import LearnerStatus, write_record
 
 
 def _diloco(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -68,16 +70,30 @@ def test_a_run_the_evaluator_never_saw_gets_a_complete_summary(tmp_path: Path) -
 
 
 def test_status_at_80_columns_keeps_every_name_whole(tmp_path: Path) -> None:
-    """us-east-0 and us-east-1 must be told apart, and the run's title is wrapped, not cut."""
+    """us-east-0 and us-east-1 must be told apart, a name too long for 80 columns is shortened from the middle
+    (its suffix kept), no column is cut off, and the run's title is wrapped, not cut."""
     url = f"file://{tmp_path}/bucket"
     names = ["us-east-0", "us-east-1", "eu-west-long-region-name-0"]
     cfg = load_config("tiny").with_overrides({"run.storage": url})
     ctx = create_run(open_store(url), "a-fairly-long-run-identifier-2026", cfg, learners=names)
+    for name in names:  # every cell filled, with figures as wide as a long run's
+        write_record(ctx.store, ctx.keys.status(name), LearnerStatus(
+            learner=name, state="stopped", t=time.time() - 125, pid=4242, seq=1234, base_version=2468, step=49360,
+            cursor=0, loss=1.6543, bytes_published=123_456_789, steps_per_s=41.5))
     request_stop(ctx, "operator")
     done = _diloco("status", "--storage", url, "--run-id", ctx.run_id)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80
-    for name in names:
-        assert any(name in line for line in lines), (name, done.stdout)
+    for name in names[:2]:  # whole: they fit
+        assert any(name in line and "stopped" in line for line in lines), (name, done.stdout)
+    long = next(line for line in lines if "…" in line)  # the long one shortened from the middle, its suffix kept
+    assert "name-0" in long and "stopped" in long and names[2] not in done.stdout, done.stdout
     assert "a-fairly-long-run-identifier-2026" in done.stdout and "stopped at version 0" in done.stdout
+    text = "".join(done.stdout.split())  # folded figures read whole once the table's spacing is gone
+    assert "beat" in text and text.count("ago") == len(names), done.stdout  # the last column is not cut off
+    assert text.count("123.46") >= len(names), done.stdout  # MB out
+    everyday = _diloco("status", "--storage", url, "--run-id", create_run(
+        open_store(url), "demo-20261203-083742", cfg, learners=["us-east-0", "us-east-1"]).run_id)
+    header = next(line for line in everyday.stdout.splitlines() if "learner" in line)
+    assert all(col in header.split() for col in ("state", "ranks", "steps/s", "beat")), everyday.stdout  # unfolded
