@@ -18,10 +18,15 @@ from typing import Any
 
 def immediate_transactions() -> None:
     """Make AioSqliteConfiguration.begin_transaction take Prefect's own IMMEDIATE path (with_for_update=True,
-    what its row-locking writes ask for) whatever its caller asks."""
-    from prefect.server.database.configurations import AioSqliteConfiguration
+    what its row-locking writes ask for) whatever its caller asks. A Prefect without that hook (a later 3.x) runs
+    as it is, with one line on stderr: its writes may then be answered 503 under load, as before, never fail."""
+    try:
+        from prefect.server.database.configurations import AioSqliteConfiguration
 
-    begin = AioSqliteConfiguration.begin_transaction
+        begin = AioSqliteConfiguration.begin_transaction
+    except (ImportError, AttributeError) as err:
+        print(f"diloco: SQLite writes begun as Prefect begins them ({err})", file=sys.stderr)
+        return
 
     def begin_immediate(self: Any, session: Any, with_for_update: bool = False) -> Any:
         return begin(self, session, with_for_update=True)
