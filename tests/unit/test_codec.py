@@ -34,7 +34,7 @@ from diloco.storage.codec import (
     read_header,
 )
 
-LEVELS = {"int8": 127, "int4": 7}
+LEVELS = {"int8": 127, "int4": 7, "int2": 1}
 shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
 
 
@@ -119,12 +119,13 @@ def encode_tensors_raw(tensors: dict[str, np.ndarray]) -> bytes:
 @settings(max_examples=80, deadline=None)
 @given(
     tensors=tensor_sets(),
-    codec=st.sampled_from(["int8", "int4"]),
+    codec=st.sampled_from(["int8", "int4", "int2"]),
     block_size=st.sampled_from([2, 16, 64, 256]),
 )
 def test_quantized_error_is_within_half_a_step_per_block(
     tensors: dict[str, np.ndarray], codec: str, block_size: int
 ) -> None:
+    block_size = max(block_size, 4) if codec == "int2" else block_size  # int2 packs 4 values a byte
     _, out = decode(encode(tensors, codec=codec, kind="delta", fingerprint="f", block_size=block_size))
     for name, x in tensors.items():
         assert out[name].shape == x.shape and out[name].dtype == np.float32
@@ -155,13 +156,25 @@ def test_bf16_rounds_to_nearest_even() -> None:
     assert out["x"].view(np.uint32).tolist() == [0x3F800000, 0x3F820000, 0x3F810000, 0x3F800000]
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 def test_quantized_zero_blocks_and_exact_levels(codec: str) -> None:
     x = np.zeros(300, np.float32)
     x[256:] = np.arange(44, dtype=np.float32) % (LEVELS[codec] + 1)  # integers up to the level count
     x[256] = LEVELS[codec]
     _, out = decode(encode({"x": x}, codec=codec, kind="delta", fingerprint="f"))
     np.testing.assert_array_equal(out["x"], x)
+
+
+def test_int2_is_ternary_in_two_bits_and_needs_blocks_of_four() -> None:
+    x = np.random.default_rng(0).normal(size=4096).astype(np.float32)
+    data = encode({"x": x}, codec="int2", kind="update", fingerprint="f")
+    _, payload = _split(data)
+    assert len(payload) <= 4096 // 4 + 4 * 16  # 2 bits a value + a scale a block, at most (lz4 may shrink it)
+    out = decode(data)[1]["x"].reshape(16, 256)
+    absmax = np.abs(x.reshape(16, 256)).max(axis=1, keepdims=True)
+    assert set(np.unique(np.round(out / absmax, 6))) <= {-1.0, 0.0, 1.0}
+    with pytest.raises(CodecError, match="multiple of 4"):
+        encode({"x": x}, codec="int2", kind="update", fingerprint="f", block_size=6)
 
 
 def test_meta_kind_and_order_survive() -> None:
@@ -189,7 +202,7 @@ def test_lossless_codecs_carry_non_finite_values(codec: str) -> None:
     assert np.isnan(out["x"][0]) and out["x"][1] == np.inf and out["x"][2] == -np.inf
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_quantized_codecs_refuse_non_finite_input(codec: str, bad: float) -> None:
     x = np.ones(1000, np.float32)
@@ -329,7 +342,7 @@ def test_non_bytes_input_is_refused() -> None:
         decode("DLCO")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("scale", [np.nan, np.inf, -1.0])
 def test_bad_block_scales_are_refused(codec: str, scale: float) -> None:
     x = np.linspace(-1, 1, 32, dtype=np.float32)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-CODECS = ("fp32", "bf16", "int8", "int4")
+CODECS = ("fp32", "bf16", "int8", "int4", "int2")
 FORMAT_VERSION = 1
 MAGIC = b"DLCO"
 
@@ -104,7 +104,10 @@ def stream_bytes(codec: str, n: int, block_size: int) -> int:
     if codec == "bf16":
         return 2 * n
     nb = -(-n // block_size)
-    return 4 * nb + (nb * block_size if codec == "int8" else nb * block_size // 2)
+    return 4 * nb + nb * block_size // VALUES_PER_BYTE[codec]
+
+
+VALUES_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}  # int2: ternary (-1, 0, 1 x the block's scale), 2 bits each
 
 
 def frame_sizes(raw_bytes: int) -> list[int]:
@@ -125,6 +128,8 @@ def check_encode_args(codec: str, kind: str, fingerprint: str, block_size: int) 
         raise CodecError(
             f"block_size must be an even int in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {block_size!r}"
         )
+    if codec == "int2" and block_size % 4:
+        raise CodecError(f"int2 packs 4 values a byte: block_size must be a multiple of 4, got {block_size}")
 
 
 def pack_header(fields: dict[str, Any]) -> bytes:

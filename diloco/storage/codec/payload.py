@@ -14,6 +14,7 @@ import numpy as np
 
 from diloco.storage.codec.header import (
     FRAME_BYTES,
+    VALUES_PER_BYTE,
     CodecError,
     TensorSpec,
     elements_of,
@@ -21,7 +22,7 @@ from diloco.storage.codec.header import (
     stream_bytes,
 )
 
-_LEVELS = {"int8": 127, "int4": 7}
+_LEVELS = {"int8": 127, "int4": 7, "int2": 1}
 _CHUNK_ELEMENTS = 1 << 16  # quantize in 256 KiB chunks so temporaries stay in L2
 
 
@@ -36,7 +37,7 @@ def _quantize_rows(x2: np.ndarray, scales: np.ndarray, out: np.ndarray, codec: s
     t = np.empty((min(step, rows), bsz), np.float32)  # (R, B) scratch, stays in cache
     amax = np.empty(min(step, rows), np.float32)
     inv = np.empty((min(step, rows), 1), np.float32)
-    q8 = np.empty((min(step, rows), bsz), np.int8) if codec == "int4" else None
+    q8 = np.empty((min(step, rows), bsz), np.int8) if codec != "int8" else None
     for s in range(0, rows, step):
         e = min(rows, s + step)
         xs, ts, am, iv = x2[s:e], t[: e - s], amax[: e - s], inv[: e - s]
@@ -51,8 +52,10 @@ def _quantize_rows(x2: np.ndarray, scales: np.ndarray, out: np.ndarray, codec: s
         np.multiply(am, 1.0 / levels, out=scales[s:e])
         if q8 is None:
             np.copyto(out[s:e], ts, casting="unsafe")
-        else:
+        elif codec == "int4":
             _pack_int4(ts, q8[: e - s], out[s:e])
+        else:
+            _pack_int2(ts, q8[: e - s], out[s:e])
 
 
 def _pack_int4(ts: np.ndarray, q8: np.ndarray, packed: np.ndarray) -> None:
@@ -65,11 +68,26 @@ def _pack_int4(ts: np.ndarray, q8: np.ndarray, packed: np.ndarray) -> None:
     np.bitwise_or(lo, hi, out=packed)
 
 
+def _pack_int2(ts: np.ndarray, q8: np.ndarray, packed: np.ndarray) -> None:
+    """ts (R, B) integral floats in -1..1 -> packed (R, B/4): quarter k of the block in bits 2k, 2k+1."""
+    c = ts.shape[1] // 4
+    np.copyto(q8, ts, casting="unsafe")
+    np.bitwise_and(q8, 0x03, out=q8)
+    for k in range(1, 4):
+        np.left_shift(q8[:, k * c : (k + 1) * c], 2 * k, out=q8[:, k * c : (k + 1) * c])
+    np.bitwise_or(q8[:, :c], q8[:, c : 2 * c], out=packed)
+    np.bitwise_or(packed, q8[:, 2 * c : 3 * c], out=packed)
+    np.bitwise_or(packed, q8[:, 3 * c :], out=packed)
+
+
 def _dequantize_rows(scales: np.ndarray, q: np.ndarray, y2: np.ndarray, codec: str) -> None:
     """Inverse of _quantize_rows: scales (rows,), q int8 (rows, B) or packed (rows, B/2) -> y2."""
     rows, bsz = y2.shape
     if codec == "int8":
         np.multiply(q, scales[:, None], out=y2)
+        return
+    if codec == "int2":
+        _dequantize_int2(scales, q, y2)
         return
     h = bsz // 2
     step = max(1, _CHUNK_ELEMENTS // bsz)
@@ -82,6 +100,21 @@ def _dequantize_rows(scales: np.ndarray, q: np.ndarray, y2: np.ndarray, codec: s
         np.multiply(ls, sc, out=y2[s:e, :h])
         np.right_shift(p, 4, out=ls)
         np.multiply(ls, sc, out=y2[s:e, h:])
+
+
+def _dequantize_int2(scales: np.ndarray, q: np.ndarray, y2: np.ndarray) -> None:
+    """packed (rows, B/4) -> y2 (rows, B): each 2-bit pair sign-extended (shifted to the top, then back)."""
+    rows, bsz = y2.shape
+    c = bsz // 4
+    step = max(1, _CHUNK_ELEMENTS // bsz)
+    t = np.empty((min(step, rows), c), np.int8)
+    for s in range(0, rows, step):
+        e = min(rows, s + step)
+        p, ts, sc = q[s:e], t[: e - s], scales[s:e, None]
+        for k in range(4):
+            np.left_shift(p, 6 - 2 * k, out=ts)
+            np.right_shift(ts, 6, out=ts)  # arithmetic: sign-extends the pair
+            np.multiply(ts, sc, out=y2[s:e, k * c : (k + 1) * c])
 
 
 def _to_bf16(x: np.ndarray) -> np.ndarray:
@@ -125,7 +158,7 @@ def encode_stream(x: np.ndarray, codec: str, shuffle: bool, block_size: int, nam
     nb, nfull = -(-n // bsz), n // bsz
     stream = np.empty(stream_bytes(codec, n, bsz), np.uint8)
     scales = stream[: 4 * nb].view(np.float32)
-    q = stream[4 * nb :].view(np.int8).reshape(nb, bsz if codec == "int8" else bsz // 2)
+    q = stream[4 * nb :].view(np.int8).reshape(nb, bsz // VALUES_PER_BYTE[codec])
     if nfull:
         _quantize_rows(x[: nfull * bsz].reshape(nfull, bsz), scales[:nfull], q[:nfull], codec, name)
     if nb > nfull:  # zero-padded last block
@@ -150,7 +183,7 @@ def decode_stream(
     scales = stream[: 4 * nb].copy().view(np.float32)  # copy: aligned, and small
     if not (np.isfinite(scales).all() and (scales >= 0).all()):
         raise CodecError(f"tensor {spec.name!r}: block scales must be finite and >= 0")
-    q = stream[4 * nb :].view(np.int8).reshape(nb, bsz if codec == "int8" else bsz // 2)
+    q = stream[4 * nb :].view(np.int8).reshape(nb, bsz // VALUES_PER_BYTE[codec])
     y = np.empty(n, np.float32)
     if nfull:
         _dequantize_rows(scales[:nfull], q[:nfull], y[: nfull * bsz].reshape(nfull, bsz), codec)
