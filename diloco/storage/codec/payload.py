@@ -52,68 +52,39 @@ def _quantize_rows(x2: np.ndarray, scales: np.ndarray, out: np.ndarray, codec: s
         np.multiply(am, 1.0 / levels, out=scales[s:e])
         if q8 is None:
             np.copyto(out[s:e], ts, casting="unsafe")
-        elif codec == "int4":
-            _pack_int4(ts, q8[: e - s], out[s:e])
         else:
-            _pack_int2(ts, q8[: e - s], out[s:e])
+            _pack(ts, q8[: e - s], out[s:e], VALUES_PER_BYTE[codec])
 
 
-def _pack_int4(ts: np.ndarray, q8: np.ndarray, packed: np.ndarray) -> None:
-    """ts (R, B) integral floats in -7..7 -> packed (R, B/2): low nibble first half, high second."""
-    h = ts.shape[1] // 2
+def _pack(ts: np.ndarray, q8: np.ndarray, packed: np.ndarray, per_byte: int) -> None:
+    """ts (R, B) integral floats -> packed (R, B/per_byte): part k of the block (B/per_byte values each) in
+    bits k*w .. k*w+w-1 of each byte, w = 8/per_byte, two's complement (int4: low nibble first half, high second)."""
+    c, bits = ts.shape[1] // per_byte, 8 // per_byte
     np.copyto(q8, ts, casting="unsafe")
-    lo, hi = q8[:, :h], q8[:, h:]
-    np.left_shift(hi, 4, out=hi)
-    np.bitwise_and(lo, 0x0F, out=lo)
-    np.bitwise_or(lo, hi, out=packed)
-
-
-def _pack_int2(ts: np.ndarray, q8: np.ndarray, packed: np.ndarray) -> None:
-    """ts (R, B) integral floats in -1..1 -> packed (R, B/4): quarter k of the block in bits 2k, 2k+1."""
-    c = ts.shape[1] // 4
-    np.copyto(q8, ts, casting="unsafe")
-    np.bitwise_and(q8, 0x03, out=q8)
-    for k in range(1, 4):
-        np.left_shift(q8[:, k * c : (k + 1) * c], 2 * k, out=q8[:, k * c : (k + 1) * c])
-    np.bitwise_or(q8[:, :c], q8[:, c : 2 * c], out=packed)
-    np.bitwise_or(packed, q8[:, 2 * c : 3 * c], out=packed)
-    np.bitwise_or(packed, q8[:, 3 * c :], out=packed)
+    np.bitwise_and(q8, (1 << bits) - 1, out=q8)
+    np.copyto(packed, q8[:, :c])
+    for k in range(1, per_byte):
+        part = q8[:, k * c : (k + 1) * c]
+        np.left_shift(part, bits * k, out=part)
+        np.bitwise_or(packed, part, out=packed)
 
 
 def _dequantize_rows(scales: np.ndarray, q: np.ndarray, y2: np.ndarray, codec: str) -> None:
-    """Inverse of _quantize_rows: scales (rows,), q int8 (rows, B) or packed (rows, B/2) -> y2."""
+    """Inverse of _quantize_rows: scales (rows,), q int8 (rows, B) or packed (rows, B/per_byte) -> y2."""
     rows, bsz = y2.shape
     if codec == "int8":
         np.multiply(q, scales[:, None], out=y2)
         return
-    if codec == "int2":
-        _dequantize_int2(scales, q, y2)
-        return
-    h = bsz // 2
-    step = max(1, _CHUNK_ELEMENTS // bsz)
-    lo = np.empty((min(step, rows), h), np.int8)
-    for s in range(0, rows, step):
-        e = min(rows, s + step)
-        p, ls, sc = q[s:e], lo[: e - s], scales[s:e, None]
-        np.left_shift(p, 4, out=ls)
-        np.right_shift(ls, 4, out=ls)  # arithmetic: sign-extends the low nibble
-        np.multiply(ls, sc, out=y2[s:e, :h])
-        np.right_shift(p, 4, out=ls)
-        np.multiply(ls, sc, out=y2[s:e, h:])
-
-
-def _dequantize_int2(scales: np.ndarray, q: np.ndarray, y2: np.ndarray) -> None:
-    """packed (rows, B/4) -> y2 (rows, B): each 2-bit pair sign-extended (shifted to the top, then back)."""
-    rows, bsz = y2.shape
-    c = bsz // 4
+    per_byte = VALUES_PER_BYTE[codec]
+    c, bits = bsz // per_byte, 8 // per_byte
     step = max(1, _CHUNK_ELEMENTS // bsz)
     t = np.empty((min(step, rows), c), np.int8)
     for s in range(0, rows, step):
         e = min(rows, s + step)
         p, ts, sc = q[s:e], t[: e - s], scales[s:e, None]
-        for k in range(4):
-            np.left_shift(p, 6 - 2 * k, out=ts)
-            np.right_shift(ts, 6, out=ts)  # arithmetic: sign-extends the pair
+        for k in range(per_byte):
+            top = 8 - bits * (k + 1)  # part k shifted to the top bits (the last part is there already)
+            np.right_shift(np.left_shift(p, top, out=ts) if top else p, 8 - bits, out=ts)  # arithmetic: sign-extends
             np.multiply(ts, sc, out=y2[s:e, k * c : (k + 1) * c])
 
 
