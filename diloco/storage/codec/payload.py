@@ -23,6 +23,10 @@ from diloco.storage.codec.header import (
 )
 
 _LEVELS = {"int8": 127, "int4": 7, "int2": 1}
+# int2 (ternary) scales a block by 1.5 x its mean |x|, clipping beyond, not by its absmax: on Gaussian values that
+# ships 56% of a block's L2 norm instead of 19% (relative error 0.44 against 0.81); ~1.2 sigma is the L2-best
+# ternary scale for a Gaussian, and 1.5 x mean |x| is that
+TERNARY_SCALE = 1.5
 _CHUNK_ELEMENTS = 1 << 16  # quantize in 256 KiB chunks so temporaries stay in L2
 
 
@@ -45,10 +49,15 @@ def _quantize_rows(x2: np.ndarray, scales: np.ndarray, out: np.ndarray, codec: s
         np.max(ts, axis=1, out=am)
         if not np.isfinite(am).all():
             raise CodecError(f"non-finite values in tensor {name!r}: {codec} cannot carry NaN/Inf")
+        if codec == "int2":
+            np.mean(ts, axis=1, out=am)
+            am *= TERNARY_SCALE
         np.divide(levels, am[:, None], out=iv, where=am[:, None] > 0)
         iv[am == 0] = 0.0
         np.multiply(xs, iv, out=ts)
-        np.rint(ts, out=ts)  # |ts| <= levels: no clipping needed
+        np.rint(ts, out=ts)  # |ts| <= levels (int8, int4: the scale is the absmax)
+        if codec == "int2":
+            np.clip(ts, -1.0, 1.0, out=ts)
         np.multiply(am, 1.0 / levels, out=scales[s:e])
         if q8 is None:
             np.copyto(out[s:e], ts, casting="unsafe")
