@@ -307,14 +307,14 @@ class Merger:
             result.update_bytes = b""
             self.state.forget()
         _, params_sum = write_state(store, params_key, result.params, kind="params",
-                                      fingerprint=self.ctx.fingerprint, consume=consume)
+                                    fingerprint=self.ctx.fingerprint, consume=consume)
         merge_s = time.time() - t0
         ema = self._next_ema(phase_times, quorum_wait, merge_s)
         outer_tensors = result.outer.to_tensors()
         if consume:
             result.outer = OuterState({}, {})
         _, outer_sum = write_state(store, outer_key, outer_tensors, kind="outer",
-                                     fingerprint=self.ctx.fingerprint, meta={"ema": ema}, consume=consume)
+                                   fingerprint=self.ctx.fingerprint, meta={"ema": ema}, consume=consume)
         del outer_tensors
         self.stage_hook("before_manifest")
         cursors = dict(self.manifest.cursors)

@@ -24,12 +24,13 @@ def encode_tensors(
     """The codec's bytes of `tensors`; `consume`: pop each tensor from the dict once encoded and build the
     object in a bytearray (the same bytes; the tensors, the frames and the object are never all held whole
     when the dict holds the last reference to its tensors). `compress=False`: no lz4 (codec.Encoder)."""
-    encoder = codec.Encoder(codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {}, shuffle=shuffle,
-                            into_bytearray=consume, compress=compress)
     if not consume:
-        for name, array in to_numpy(tensors).items():
-            encoder.add(name, array)
-        return encoder.finish()
+        return codec.encode(
+            to_numpy(tensors), codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {},
+            shuffle=shuffle, compress=compress,
+        )
+    encoder = codec.Encoder(codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {}, shuffle=shuffle,
+                            into_bytearray=True, compress=compress)
     freed = 0
     for name in list(tensors):
         tensor = tensors.pop(name)

@@ -125,14 +125,15 @@ def encode(
     meta: Mapping[str, Any] | None = None,
     shuffle: bool = True,
     block_size: int = 256,
+    compress: bool = True,
 ) -> bytes:
     """float32 arrays (in the given order) -> bytes. meta must be JSON-serialisable.
 
-    shuffle applies to fp32/bf16 only (int8/int4 bytes have no planes); the header records the
-    effective value. int8/int4 raise CodecError on NaN/Inf; fp32/bf16 carry them.
+    shuffle applies to fp32/bf16 only (int8/int4/int2 bytes have no planes); the header records the
+    effective value. int8/int4/int2 raise CodecError on NaN/Inf; fp32/bf16 carry them. compress: see Encoder.
     """
     encoder = Encoder(codec=codec, kind=kind, fingerprint=fingerprint, meta=meta, shuffle=shuffle,
-                      block_size=block_size)
+                      block_size=block_size, compress=compress)
     for name, value in tensors.items():
         encoder.add(name, value)
     return encoder.finish()

@@ -97,6 +97,9 @@ def elements_of(shape: tuple[int, ...]) -> int:
     return n
 
 
+VALUES_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}  # int2: ternary (-1, 0, 1 x the block's scale), 2 bits each
+
+
 def stream_bytes(codec: str, n: int, block_size: int) -> int:
     """Raw stream length of one tensor of n elements (exact, from the header alone)."""
     if codec == "fp32":
@@ -106,8 +109,6 @@ def stream_bytes(codec: str, n: int, block_size: int) -> int:
     nb = -(-n // block_size)
     return 4 * nb + nb * block_size // VALUES_PER_BYTE[codec]
 
-
-VALUES_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}  # int2: ternary (-1, 0, 1 x the block's scale), 2 bits each
 
 
 def frame_sizes(raw_bytes: int) -> list[int]:
