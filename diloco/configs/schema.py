@@ -122,7 +122,7 @@ class LearnerConfig(_Strict):
     probe_every_steps: int = Field(10, ge=1)  # a cheap HEAD for version b+1 this often
     max_updates_behind: int = Field(4, ge=1)  # further behind: fetch full params, not updates
     # fetch newer globals in a background thread (polling every prefetch_poll_s) and install them at the next
-    # probe: on a thin link the training thread never waits for a download (off: the probe fetches itself)
+    # step: on a thin link the training thread never waits for a download (off: the probe fetches itself)
     prefetch: bool = False
     prefetch_poll_s: float = Field(0.25, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"

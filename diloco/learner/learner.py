@@ -212,7 +212,10 @@ class Learner:
             done = i + 1
             if self.run_ended_at(done):
                 break  # the phase ends here, its steps are shipped
-            if done % cfg.learner.probe_every_steps == 0 and cfg.learner.mode != "sync":
+            # with a prefetcher, taking what it fetched costs no request: a newer global is installed at the
+            # first step after it arrived, not up to probe_every_steps later (measured: docs/BENCHMARKS.md, WAN)
+            probe = self.prefetcher is not None or done % cfg.learner.probe_every_steps == 0
+            if probe and cfg.learner.mode != "sync":
                 installed = self.maybe_install()
                 if installed is not None:
                     stats.installs.append(installed)

@@ -46,6 +46,9 @@ def _wait_for(predicate, timeout_s: float = 10.0) -> None:
 def _two_versions(ctx, corpus) -> tuple[Learner, Learner]:
     a, b = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus)), Learner(ctx, "local-1", make_spec(ctx.cfg, corpus))
     a.join(), b.join()
+    if a.prefetcher is not None:  # the writer trains the same steps in both runs: no installs of its own
+        a.prefetcher.close()
+        a.prefetcher = None
     merger = Merger(ctx)
     merger.load()
     for _ in range(2):
@@ -85,6 +88,18 @@ def test_prefetched_install_has_the_same_bits_and_needs_no_request(corpus) -> No
         assert torch.equal(v, pre_b.theta()[k]), k
         assert torch.equal(plain_b.state.glob[k], pre_b.state.glob[k]), k
     assert pre_b.maybe_install() is None  # handed over once
+    for learner in (plain_a, plain_b, pre_a, pre_b):
+        learner.close()
+
+
+def test_a_prefetched_global_is_installed_at_the_next_step_not_the_next_probe(corpus) -> None:
+    """Taking what the prefetcher fetched costs no request, so a phase takes it at its first step (probes here
+    are 1000 steps apart); a learner fetching on its training thread waits for its probe."""
+    plain_a, plain_b = _two_versions(_run(False), corpus)
+    pre_a, pre_b = _two_versions(_run(True), corpus)
+    _wait_for(lambda: pre_b.prefetcher.fetches == 2)
+    assert pre_b.run_phase(1).installs == [2] and pre_b.state.base == 2
+    assert plain_b.run_phase(1).installs == [] and plain_b.state.base == 0
     for learner in (plain_a, plain_b, pre_a, pre_b):
         learner.close()
 
