@@ -23,6 +23,7 @@ from diloco.storage.throttle import LinkSpec
 from diloco.storage.traffic import CountingStore
 
 JOIN_TIMEOUT_S = 120.0  # learners' imports and joins on a loaded 2-core box
+EVAL_PROCS = 2  # after a run its versions are evaluated on both cores
 
 
 @dataclass(frozen=True)
@@ -174,15 +175,39 @@ def _merge_until_done(merger, procs, drain, deadline_s: float) -> None:
             raise RuntimeError(f"a learner process died: {drain()}")
 
 
-def _curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
-    from diloco.inspect.report import manifests
+_EVAL: dict[str, Any] = {}  # what a forked evaluator inherits: the run's context and the held-out set
+
+
+def _losses(jobs: list[tuple[str, str | None]]) -> list[float]:
+    """In a forked evaluator: the held-out loss of each (params key, checksum)."""
     from diloco.run.objects import read_tensors
 
+    torch.set_num_threads(1)
+    ctx, held = _EVAL["ctx"], _EVAL["held"]
     out = []
-    for m in manifests(ctx):
-        _, params = read_tensors(ctx.store, m.params_key, fingerprint=ctx.fingerprint, checksum=m.params_checksum)
-        out.append((max(0.0, m.created_at - t0), held.loss(params), m.version))
+    for key, checksum in jobs:
+        _, params = read_tensors(ctx.store, key, fingerprint=ctx.fingerprint, checksum=checksum)
+        out.append(held.loss(params))
     return out
+
+
+def _curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
+    """Every version's held-out loss, evaluated after the run (its learners are gone) by EVAL_PROCS forked
+    processes, each a share of the versions (the same model, batches and bits as one process would use)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from diloco.inspect.report import manifests
+
+    found = manifests(ctx)
+    jobs = [(m.params_key, m.params_checksum) for m in found]
+    _EVAL.update(ctx=ctx, held=held)
+    try:
+        with ProcessPoolExecutor(EVAL_PROCS, mp_context=mp.get_context("fork")) as pool:
+            parts = list(pool.map(_losses, [jobs[i::EVAL_PROCS] for i in range(EVAL_PROCS)]))
+    finally:
+        _EVAL.clear()
+    return [(max(0.0, m.created_at - t0), parts[i % EVAL_PROCS][i // EVAL_PROCS], m.version)
+            for i, m in enumerate(found)]
 
 
 def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:

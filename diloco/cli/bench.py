@@ -74,8 +74,9 @@ def _bench_wan(
                                            help="Cap per learner link, MB/s each way (default: the cap at which "
                                                 "DP's all-reduce takes 39.6x its compute, the paper's ratio)."),
     steps: int | None = typer.Option(None, "--steps", min=1, help="Inner steps per learner (default: the recipe's)."),
-    step_time_s: float = typer.Option(0.05, "--step-time-s", min=1e-4,
-                                      help="Emulated compute per inner step (each step is padded to it)."),
+    step_time_s: float | None = typer.Option(None, "--step-time-s", min=1e-4,
+                                             help="Emulated compute per inner step (each step is padded to "
+                                                  "it; default 0.04 s)."),
     rtt_ms: float = typer.Option(2.0, "--rtt-ms", min=0.0, help="Round trip added to every store request."),
     config: str = typer.Option("bench", "--config", help="Recipe name or YAML path."),
     quick: bool = typer.Option(False, "--quick", help="Smoke run: H=10, 40 steps, 10 ms steps."),
@@ -86,8 +87,8 @@ def _bench_wan(
     from diloco.bench.wan import bench_wan
 
     with user_errors():
-        bench_wan(json_path=json_path, link_mb_s=link_mb_s, steps=steps, step_time_s=step_time_s, rtt_ms=rtt_ms,
-                  config=config, quick=quick, peer=peer, seed=seed)
+        bench_wan(json_path=json_path, link_mb_s=link_mb_s, steps=steps, rtt_ms=rtt_ms, config=config, quick=quick,
+                  peer=peer, seed=seed, **({} if step_time_s is None else {"step_time_s": step_time_s}))
 
 @bench.command("merge")
 def _bench_merge(
