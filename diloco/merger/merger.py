@@ -194,6 +194,21 @@ class Merger:
         slack = self.ema["phase_s"] - self.ema["quorum_s"] - self.ema["merge_s"]
         return min(max(cfg.grace_gamma * slack, 0.0), cfg.grace_cap_s)
 
+    def grace_window(self, pending: Pending) -> tuple[float, Pending]:
+        """Wait up to grace_s() for more deltas, listing them every poll interval; over at once when every
+        learner that may publish (the members, less the removed and quarantined) has a delta pending: nobody
+        is left to wait for. Returns (seconds waited, what is pending at its end)."""
+        limit, t0 = self.grace_s(), time.time()
+        state = self.policy.state
+        expected = set(state.members or self.ctx.learners) - set(state.removed) - set(state.quarantined)
+        while not (expected and expected <= set(pending.ready)):
+            left = limit - (time.time() - t0)
+            if left <= 0:
+                break
+            time.sleep(min(self.cfg.merger.poll_interval_s, left))
+            pending = self.pending()
+        return time.time() - t0, pending
+
     # ---- one merge -----------------------------------------------------------------------
     def merge_once(self, should_stop: Callable[[], bool] = lambda: False) -> Manifest | None:
         """One outer step; None when stopped or when another merger committed first (reloaded)."""
@@ -210,10 +225,7 @@ class Merger:
                 self.load()
             return None
         pending, quorum_wait = got
-        grace = self.grace_s()
-        if grace > 0:
-            time.sleep(grace)
-            pending = self.pending()
+        grace, pending = self.grace_window(pending)
         # the ops read after the deltas were listed: a writer admitted just before its first delta (op, then
         # delta) is admitted in this merge, never rejected as unknown by a policy read before its op landed
         if self.refresh_policy().state.paused:
