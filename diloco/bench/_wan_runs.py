@@ -175,14 +175,18 @@ def _merge_until_done(merger, procs, drain, deadline_s: float) -> None:
             raise RuntimeError(f"a learner process died: {drain()}")
 
 
-_EVAL: dict[str, Any] = {}  # what a forked evaluator inherits: the run's context and the held-out set
+_EVAL: dict[str, Any] = {}  # in a forked evaluator: the run's context and the held-out set (_start_evaluator)
+
+
+def _start_evaluator(ctx, held: HeldOut) -> None:
+    torch.set_num_threads(1)
+    _EVAL.update(ctx=ctx, held=held)
 
 
 def _losses(jobs: list[tuple[str, str | None]]) -> list[float]:
     """In a forked evaluator: the held-out loss of each (params key, checksum)."""
     from diloco.run.objects import read_tensors
 
-    torch.set_num_threads(1)
     ctx, held = _EVAL["ctx"], _EVAL["held"]
     out = []
     for key, checksum in jobs:
@@ -200,12 +204,9 @@ def _curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
 
     found = manifests(ctx)
     jobs = [(m.params_key, m.params_checksum) for m in found]
-    _EVAL.update(ctx=ctx, held=held)
-    try:
-        with ProcessPoolExecutor(EVAL_PROCS, mp_context=mp.get_context("fork")) as pool:
-            parts = list(pool.map(_losses, [jobs[i::EVAL_PROCS] for i in range(EVAL_PROCS)]))
-    finally:
-        _EVAL.clear()
+    with ProcessPoolExecutor(EVAL_PROCS, mp_context=mp.get_context("fork"), initializer=_start_evaluator,
+                             initargs=(ctx, held)) as pool:  # forked: ctx and held are inherited, not pickled
+        parts = list(pool.map(_losses, [jobs[i::EVAL_PROCS] for i in range(EVAL_PROCS)]))
     return [(max(0.0, m.created_at - t0), parts[i % EVAL_PROCS][i // EVAL_PROCS], m.version)
             for i, m in enumerate(found)]
 

@@ -110,7 +110,6 @@ def stream_bytes(codec: str, n: int, block_size: int) -> int:
     return 4 * nb + nb * block_size // VALUES_PER_BYTE[codec]
 
 
-
 def frame_sizes(raw_bytes: int) -> list[int]:
     return [min(FRAME_BYTES, raw_bytes - s) for s in range(0, raw_bytes, FRAME_BYTES)]
 
