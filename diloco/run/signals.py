@@ -75,14 +75,15 @@ class RemovedSignal:
     """True once control/removed-<learner> exists; checked at most every `every_s`."""
 
     def __init__(self, ctx: RunContext, learner: str, every_s: float = 1.0) -> None:
-        self.key, self.ctx, self.every_s = ctx.keys.removed(learner), ctx, every_s
+        self.key, self.every_s = ctx.keys.removed(learner), every_s
+        self.store = ctx.store.with_retries(1)  # checked between phases and at probes: an outage must not stall
         self._last, self._removed = 0.0, False
 
     def __call__(self) -> bool:
         if not self._removed and time.time() - self._last >= self.every_s:
             self._last = time.time()
             try:
-                self._removed = self.ctx.store.exists(self.key)
+                self._removed = self.store.exists(self.key)
             except StorageError:
                 return False
         return self._removed

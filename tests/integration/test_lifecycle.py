@@ -9,6 +9,7 @@ Run: .venv/bin/pytest tests/integration/test_lifecycle.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from diloco.chaos.control import StorageWindow
+from diloco.chaos.faulty_store import FaultyStore
 from diloco.configs import load_config
 from diloco.run.context import RunContext, RunError
 from diloco.run.create import create_run
@@ -94,6 +97,16 @@ def test_role_stop_says_finished_removed_or_stopped(ctx: RunContext) -> None:
     request_stop(ctx, "target version")
     finished = RoleStop(ctx, 3, learner="local-0")
     assert finished() and finished.why == "finished"
+
+
+def test_a_roles_stop_checks_fail_fast_in_a_storage_outage(ctx: RunContext) -> None:
+    # A learner checks RoleStop between phases and at every probe. In an outage each check must give up
+    # after one quick retry ("not yet"); a full retry budget stalled the training thread ~1.2 s per check,
+    # so learners trained at a quarter of their speed through the goodput bench's 20 s outage.
+    outage = FaultyStore(ctx.store, [StorageWindow(t0=0.0, outage=True)])
+    stop = RoleStop(dataclasses.replace(ctx, store=outage), 3, learner="local-0")
+    assert not stop() and stop.why is None
+    assert outage.injected == 6  # stop, removed, supervisor: two attempts each
 
 
 def test_where_a_run_stands_and_what_its_commands_say(ctx: RunContext) -> None:
