@@ -19,9 +19,19 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from diloco.configs import ConfigError
+from diloco.configs import Config, ConfigError
 
 RULES = ("whole", "round_rate")
+
+
+def rule_config(base: Config, rule: str, rounds: int) -> Config:
+    """The recipe as this bench runs it: quorum M, no grace, no local state, and no prefetcher (the probe
+    fetches, so a run is the same to the last bit every time; a prefetcher's timing is not)."""
+    return base.with_overrides({
+        "learner.checkpoint": False, "learner.local_state_every_steps": 0, "learner.device": "cpu",
+        "learner.prefetch": False, "merger.quorum": base.run.num_learners, "merger.grace_cap_s": 0.0,
+        "inner.total_steps": base.inner.steps_per_phase * rounds, "experimental.backlog_momentum": rule,
+    })
 
 
 def run_rule(rule: str, at: int, down: int, rounds: int, config: str) -> dict[str, Any]:
@@ -36,12 +46,7 @@ def run_rule(rule: str, at: int, down: int, rounds: int, config: str) -> dict[st
     from diloco.storage import open_store
 
     torch.set_num_threads(1)
-    base = load_config(config)
-    cfg = base.with_overrides({
-        "learner.checkpoint": False, "learner.local_state_every_steps": 0, "learner.device": "cpu",
-        "merger.quorum": base.run.num_learners, "merger.grace_cap_s": 0.0,
-        "inner.total_steps": base.inner.steps_per_phase * rounds, "experimental.backlog_momentum": rule,
-    })
+    cfg = rule_config(load_config(config), rule, rounds)
     corpus = load_corpus(cfg.data)
     held = HeldOut(cfg, corpus)
     t0 = time.time()

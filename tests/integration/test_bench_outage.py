@@ -1,5 +1,5 @@
 """`diloco bench outage` end to end on the tiny recipe: no version is committed while the merger is
-down, the next merge takes the backlog, and both momentum rules are reported.
+down, the next merge takes the backlog, both momentum rules are reported, and the bench runs without a prefetcher.
 Run: .venv/bin/pytest tests/integration/test_bench_outage.py -q
 """
 
@@ -10,6 +10,7 @@ import json
 import yaml
 from typer.testing import CliRunner
 
+from diloco.bench.outage import rule_config
 from diloco.cli import app
 from diloco.configs import load_config
 
@@ -34,3 +35,12 @@ def test_bench_outage_reports_both_rules(tmp_path):
 def test_bench_outage_refuses_an_outage_past_the_end():
     result = CliRunner().invoke(app, ["bench", "outage", "--at", "5", "--down", "5", "--rounds", "8"])
     assert result.exit_code == 2 and "--rounds" in result.output
+
+
+def test_bench_outage_runs_the_recipe_without_its_prefetcher():
+    # the bench recipe prefetches; a prefetcher installs whenever its background fetch lands, so the bench's
+    # curves would depend on timing: the probe fetches instead (the same run every time)
+    assert load_config("bench").learner.prefetch
+    cfg = rule_config(load_config("bench"), "whole", rounds=4)
+    assert not cfg.learner.prefetch and cfg.merger.quorum == cfg.run.num_learners
+    assert cfg.inner.total_steps == 4 * cfg.inner.steps_per_phase and cfg.experimental.backlog_momentum == "whole"
