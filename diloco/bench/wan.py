@@ -2,7 +2,9 @@
 capped — data-parallel (modelled all-reduce), synchronous DiLoCo and Decoupled DiLoCo (real runs through
 ThrottledStore), and torchft's DiLoCo (its loss measured, its all-reduce time modelled like DP's).
 
-Contract: equal tokens for every method; prints a table per cap (the paper-equivalent cap X, 2X, X/2) and
+Contract: equal tokens for every method (with `tokens_factor` F > 1 the DiLoCo methods train F x data-parallel's
+tokens, their schedules over that length, so their time to DP's target is measured past equal tokens; the JSON
+says F); prints a table per cap (the paper-equivalent cap X, 2X, X/2) and
 writes JSON {"link_mb_s", "target_loss", "time_to_target_s": {...}, "speedup_vs_dp", "traffic_ratio_vs_dp":
 {"sent", "received"}, "final_loss": {...}, "busy", "rows": [...], "config"}; targets are reported, never
 assumed. What is modelled and what is measured is written into the JSON ("model").
@@ -108,8 +110,16 @@ def _dp_entry(curve: list[tuple[int, float]], step_s: float, comm_s: float, step
             "curve": [[round(t, 3), loss] for t, loss in timed], "modelled": True}
 
 
+def diloco_steps(steps: int, tokens_factor: float, steps_per_phase: int) -> int:
+    """Inner steps per learner of the DiLoCo methods: F x data-parallel's, rounded to whole phases."""
+    if not 1.0 <= tokens_factor <= 10.0:
+        raise ConfigError(f"--tokens-factor must be between 1 and 10, got {tokens_factor:g}")
+    return max(1, round(steps * tokens_factor / steps_per_phase)) * steps_per_phase
+
+
 def _row(cap_mb_s: float, link: LinkSpec, dp: list[tuple[int, float]], runs: dict[str, WanResult],
-         peer: dict[str, Any] | None, steps: int, num_params: int, num_learners: int) -> dict[str, Any]:
+         peer: dict[str, Any] | None, steps: int, num_params: int, num_learners: int,
+         tokens_factor: float = 1.0) -> dict[str, Any]:
     target = dp[-1][1] * TARGET_OVER_DP
     methods = {name: _engine_entry(r, target) for name, r in runs.items()}
     dec = methods["decoupled"]
@@ -125,7 +135,8 @@ def _row(cap_mb_s: float, link: LinkSpec, dp: list[tuple[int, float]], runs: dic
     ttt = {k: v["time_to_target_s"] for k, v in methods.items()}
     dp_m = methods["dp"]
     return {
-        "link_mb_s": cap_mb_s, "rtt_s": link.rtt_s, "target_loss": target, "time_to_target_s": ttt,
+        "link_mb_s": cap_mb_s, "rtt_s": link.rtt_s, "target_loss": target, "tokens_factor": tokens_factor,
+        "time_to_target_s": ttt,
         "speedup_vs_dp": ttt["dp"] / ttt["decoupled"] if ttt["dp"] and ttt["decoupled"] else None,
         "traffic_ratio_vs_dp": {"sent": dp_m["bytes_sent_per_learner"] / dec["bytes_sent_per_learner"],
                                 "received": dp_m["bytes_received_per_learner"] / dec["bytes_received_per_learner"]},
@@ -139,7 +150,9 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="time to target held-out loss behind a capped link (per learner, each way)")
+    factor = rows[0]["tokens_factor"]
+    table = Table(title="time to target held-out loss behind a capped link (per learner, each way)"
+                        + (f"; DiLoCo methods train {factor:g}x data-parallel's tokens" if factor != 1.0 else ""))
     for col in ("cap MB/s", "method", "time to target s", "final nats/byte", "wall s", "busy", "sent MB",
                 "recv MB", "vs DP: speedup / sent / recv"):
         table.add_column(col, justify="right")
@@ -167,7 +180,7 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
 
 def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, steps: int | None = None,
               step_time_s: float = STEP_TIME_S, rtt_ms: float = 2.0, config: str = "bench", quick: bool = False,
-              peer: bool = True, seed: int | None = None) -> dict[str, Any]:
+              peer: bool = True, seed: int | None = None, tokens_factor: float = 1.0) -> dict[str, Any]:
     """DP (modelled), sync DiLoCo and Decoupled DiLoCo (real), torchft DiLoCo (peer) behind capped links."""
     torch.set_num_threads(1)
     cfg = load_config(config)
@@ -181,16 +194,18 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
         raise ConfigError(f"--steps {steps} must be a multiple of inner.steps_per_phase ({cfg.inner.steps_per_phase})")
     if step_time_s <= 0 or rtt_ms < 0:
         raise ConfigError("--step-time-s must be > 0 and --rtt-ms >= 0")
+    d_steps = diloco_steps(steps, tokens_factor, cfg.inner.steps_per_phase)
+    d_cfg = cfg.with_overrides({"inner.total_steps": d_steps})  # the DiLoCo methods' own length and schedule
     m, log = cfg.run.num_learners, (lambda s: print(s, file=sys.stderr, flush=True))
     num_params = sum(p.numel() for p in build_model(cfg.model).parameters())
     base_cap = link_mb_s or default_cap_mb_s(num_params, m, step_time_s)
     held, t_start = HeldOut(cfg, load_corpus(cfg.data)), time.time()
-    log(f"bench wan: {num_params:,} params, M={m}, {steps} steps per learner, step {step_time_s * 1e3:g} ms, "
-        f"paper-equivalent cap {base_cap:.4g} MB/s, rtt {rtt_ms:g} ms")
+    log(f"bench wan: {num_params:,} params, M={m}, {steps} steps per learner ({d_steps} for DiLoCo), step "
+        f"{step_time_s * 1e3:g} ms, paper-equivalent cap {base_cap:.4g} MB/s, rtt {rtt_ms:g} ms")
     # torchft's replicas (subprocesses) train beside data-parallel (this thread): neither is timed by the
     # wall clock (both are on a modelled time axis), and together they use both cores
     with ThreadPoolExecutor(1) as side:
-        peer_future = side.submit(_peer, cfg, steps, step_time_s, log) if peer else None
+        peer_future = side.submit(_peer, d_cfg, d_steps, step_time_s, log) if peer else None
         dp = dp_curve(cfg, held, steps, every=max(1, cfg.inner.steps_per_phase // 2))
         log(f"  dp: final {dp[-1][1]:.4f} ({time.time() - t_start:.0f}s)")
         peer_run, peer_skipped = peer_future.result() if peer_future else (None, "--no-peer")
@@ -200,14 +215,14 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
         link = LinkSpec.symmetric(cap, rtt_ms / 1e3)
         runs = {}
         for name, mode in (("sync_diloco", "sync"), ("decoupled", "carry")):
-            runs[name] = run_wan(cfg, WanRun(name, mode, link, step_time_s, steps), held, cfg.data.seed)
+            runs[name] = run_wan(d_cfg, WanRun(name, mode, link, step_time_s, d_steps), held, cfg.data.seed)
             log(f"  {cap:.4g} MB/s {name}: final {runs[name].final_loss:.4f}, wall {runs[name].wall_s:.1f}s "
                 f"({time.time() - t_start:.0f}s)")
-        rows.append(_row(cap, link, dp, runs, peer_run, steps, num_params, m))
+        rows.append(_row(cap, link, dp, runs, peer_run, steps, num_params, m, tokens_factor))
     result = {**{k: v for k, v in rows[0].items() if k != "methods"}, "methods": rows[0]["methods"], "rows": rows,
               "targets": TARGETS, "config": _config_record(cfg, steps, step_time_s, rtt_ms, num_params, base_cap,
                                                              link_mb_s is None, peer_run, time.time() - t_start)}
-    result["config"]["torchft_skipped"] = peer_skipped
+    result["config"].update(torchft_skipped=peer_skipped, tokens_factor=tokens_factor, diloco_steps_per_learner=d_steps)
     _print_rows(rows)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2) + "\n")

@@ -82,13 +82,17 @@ def _bench_wan(
     quick: bool = typer.Option(False, "--quick", help="Smoke run: H=10, 40 steps, 10 ms steps."),
     peer: bool = typer.Option(True, "--peer/--no-peer", help="Run torchft's DiLoCo too (skipped if not installed)."),
     seed: int | None = typer.Option(None, "--seed", help="Data seed (default: the recipe's)."),
+    tokens_factor: float = typer.Option(1.0, "--tokens-factor",
+                                        help="DiLoCo methods train this many times DP's tokens (1-10; default 1: "
+                                             "equal tokens), to time them to DP's target past equal tokens."),
 ) -> None:
     """Time to a target loss behind a capped link: DP (modelled), sync and decoupled DiLoCo (real), torchft."""
     from diloco.bench.wan import bench_wan
 
     with user_errors():
         bench_wan(json_path=json_path, link_mb_s=link_mb_s, steps=steps, rtt_ms=rtt_ms, config=config, quick=quick,
-                  peer=peer, seed=seed, **({} if step_time_s is None else {"step_time_s": step_time_s}))
+                  peer=peer, seed=seed, tokens_factor=tokens_factor,
+                  **({} if step_time_s is None else {"step_time_s": step_time_s}))
 
 @bench.command("merge")
 def _bench_merge(

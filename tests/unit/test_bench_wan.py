@@ -1,5 +1,5 @@
 """`bench wan`'s arithmetic: the paper-equivalent cap, the modelled ring all-reduce, time to target, the
-second cohort's phase plan, step padding, the torchft row's clock, the concurrent clock's cohorts and the
+second cohort's phase plan, the DiLoCo methods' steps past equal tokens, step padding, the torchft row's clock, the concurrent clock's cohorts and the
 engine overrides of each schedule (sync; decoupled as the recipe ships it; two cohorts).
 Run: `.venv/bin/pytest tests/unit/test_bench_wan.py`.
 """
@@ -14,8 +14,8 @@ from diloco.bench._concurrent import clocked
 from diloco.bench._quality_runs import quorum_of, speeds_of
 from diloco.bench._wan_runs import PaddedSteps, WanRun, engine_overrides, phase_plan
 from diloco.bench.peer_torchft import wan_entry
-from diloco.bench.wan import COMM_OVER_COMPUTE, allreduce_s, default_cap_mb_s, first_below
-from diloco.configs import load_config
+from diloco.bench.wan import COMM_OVER_COMPUTE, allreduce_s, default_cap_mb_s, diloco_steps, first_below
+from diloco.configs import ConfigError, load_config
 from diloco.storage.throttle import LinkSpec
 
 
@@ -43,6 +43,15 @@ def test_second_cohort_starts_with_half_a_phase_and_keeps_equal_steps() -> None:
     assert phase_plan(200, 40, False) == [40] * 5
     plan = phase_plan(200, 40, True)
     assert plan == [20, 40, 40, 40, 40, 20] and sum(plan) == 200
+
+
+def test_tokens_factor_gives_the_diloco_methods_whole_phases() -> None:
+    assert diloco_steps(2000, 1.0, 40) == 2000  # equal tokens, the contract's default
+    assert diloco_steps(2000, 1.5, 40) == 3000
+    assert diloco_steps(2000, 1.26, 40) == 2520  # 63 phases
+    for bad in (0.5, 0.99, 11.0):
+        with pytest.raises(ConfigError, match="--tokens-factor must be between 1 and 10"):
+            diloco_steps(2000, bad, 40)
 
 
 def test_padded_steps_last_at_least_the_step_time() -> None:
