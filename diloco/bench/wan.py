@@ -2,12 +2,14 @@
 capped — data-parallel (modelled all-reduce), synchronous DiLoCo and Decoupled DiLoCo (real runs through
 ThrottledStore), and torchft's DiLoCo (its loss measured, its all-reduce time modelled like DP's).
 
-Contract: equal tokens for every method (with `tokens_factor` F > 1 the DiLoCo methods train F x data-parallel's
-tokens, their schedules over that length, so their time to DP's target is measured past equal tokens; the JSON
-says F); prints a table per cap (the paper-equivalent cap X, 2X, X/2) and
+Contract: equal tokens for every method; prints a table per cap (the paper-equivalent cap X, 2X, X/2) and
 writes JSON {"link_mb_s", "target_loss", "time_to_target_s": {...}, "speedup_vs_dp", "traffic_ratio_vs_dp":
-{"sent", "received"}, "final_loss": {...}, "busy", "rows": [...], "config"}; targets are reported, never
-assumed. What is modelled and what is measured is written into the JSON ("model").
+{"sent", "received"}, "final_loss": {...}, "busy", "tokens_factor", "speedup_vs_dp_past_equal_tokens",
+"rows": [...], "config"}; targets are reported, never assumed. What is modelled and what is measured is
+written into the JSON ("model"). With `tokens_factor` F > 1 the DiLoCo methods (torchft's too) train F x
+data-parallel's tokens, their schedules over that length: their time to data-parallel's target is then
+measured past equal tokens, reported as speedup_vs_dp_past_equal_tokens, and speedup_vs_dp (equal tokens)
+is null.
 """
 
 from __future__ import annotations
@@ -111,10 +113,20 @@ def _dp_entry(curve: list[tuple[int, float]], step_s: float, comm_s: float, step
 
 
 def diloco_steps(steps: int, tokens_factor: float, steps_per_phase: int) -> int:
-    """Inner steps per learner of the DiLoCo methods: F x data-parallel's, rounded to whole phases."""
+    """Inner steps per learner of the DiLoCo methods: F x data-parallel's, rounded to whole phases (the factor
+    run is this / steps, recorded as such)."""
     if not 1.0 <= tokens_factor <= 10.0:
         raise ConfigError(f"--tokens-factor must be between 1 and 10, got {tokens_factor:g}")
     return max(1, round(steps * tokens_factor / steps_per_phase)) * steps_per_phase
+
+
+def speedups(dp_s: float | None, decoupled_s: float | None, tokens_factor: float) -> dict[str, float | None]:
+    """DP's time to target / decoupled's: the issue's speedup_vs_dp at equal tokens, or, when the DiLoCo
+    methods trained F != 1 times DP's tokens, speedup_vs_dp_past_equal_tokens (the other one null)."""
+    speedup = dp_s / decoupled_s if dp_s and decoupled_s else None
+    equal = tokens_factor == 1.0
+    return {"speedup_vs_dp": speedup if equal else None,
+            "speedup_vs_dp_past_equal_tokens": None if equal else speedup}
 
 
 def _row(cap_mb_s: float, link: LinkSpec, dp: list[tuple[int, float]], runs: dict[str, WanResult],
@@ -136,8 +148,7 @@ def _row(cap_mb_s: float, link: LinkSpec, dp: list[tuple[int, float]], runs: dic
     dp_m = methods["dp"]
     return {
         "link_mb_s": cap_mb_s, "rtt_s": link.rtt_s, "target_loss": target, "tokens_factor": tokens_factor,
-        "time_to_target_s": ttt,
-        "speedup_vs_dp": ttt["dp"] / ttt["decoupled"] if ttt["dp"] and ttt["decoupled"] else None,
+        "time_to_target_s": ttt, **speedups(ttt["dp"], ttt["decoupled"], tokens_factor),
         "traffic_ratio_vs_dp": {"sent": dp_m["bytes_sent_per_learner"] / dec["bytes_sent_per_learner"],
                                 "received": dp_m["bytes_received_per_learner"] / dec["bytes_received_per_learner"]},
         "final_loss": {k: v["final_loss"] for k, v in methods.items()},
@@ -151,8 +162,8 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     factor = rows[0]["tokens_factor"]
-    table = Table(title="time to target held-out loss behind a capped link (per learner, each way)"
-                        + (f"; DiLoCo methods train {factor:g}x data-parallel's tokens" if factor != 1.0 else ""))
+    past = f"; DiLoCo methods train {factor:.3g}x data-parallel's tokens" if factor != 1.0 else ""
+    table = Table(title=f"time to target held-out loss behind a capped link (per learner, each way){past}")
     for col in ("cap MB/s", "method", "time to target s", "final nats/byte", "wall s", "busy", "sent MB",
                 "recv MB", "vs DP: speedup / sent / recv"):
         table.add_column(col, justify="right")
@@ -161,7 +172,7 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
             ttt = m["time_to_target_s"]
             vs = ""
             if name == "decoupled":
-                sp = row["speedup_vs_dp"]
+                sp = row["speedup_vs_dp"] or row["speedup_vs_dp_past_equal_tokens"]
                 vs = (f"{sp:.1f}x" if sp else "-") + f" / {row['traffic_ratio_vs_dp']['sent']:.0f}x" \
                      f" / {row['traffic_ratio_vs_dp']['received']:.0f}x"
             table.add_row(f"{row['link_mb_s']:.4g}", name + (" (modelled)" if m.get("modelled") else ""),
@@ -171,11 +182,16 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
         table.add_section()
     Console().print(table)
     head = rows[0]
-    Console().print(f"target {head['target_loss']:.4f} nats/byte (DP final x {TARGET_OVER_DP}); at the paper-equivalent "
-                    f"cap {head['link_mb_s']:.4g} MB/s: speedup_vs_dp "
-                    f"{head['speedup_vs_dp'] and round(head['speedup_vs_dp'], 1)} (target >= "
-                    f"{TARGETS['speedup_vs_dp_min']:g}), decoupled busy min {head['decoupled_busy_min']:.3f} "
-                    f"(target >= {TARGETS['decoupled_busy_min']})")
+    if factor == 1.0:
+        speed = (f"speedup_vs_dp {head['speedup_vs_dp'] and round(head['speedup_vs_dp'], 1)} "
+                 f"(target >= {TARGETS['speedup_vs_dp_min']:g})")
+    else:
+        past_s = head["speedup_vs_dp_past_equal_tokens"]
+        speed = (f"speedup past equal tokens (DiLoCo at {factor:.3g}x DP's tokens) "
+                 f"{past_s and round(past_s, 1)}; speedup_vs_dp (equal tokens) not measured by this run")
+    Console().print(f"target {head['target_loss']:.4f} nats/byte (DP final x {TARGET_OVER_DP}); at the "
+                    f"paper-equivalent cap {head['link_mb_s']:.4g} MB/s: {speed}, decoupled busy min "
+                    f"{head['decoupled_busy_min']:.3f} (target >= {TARGETS['decoupled_busy_min']})")
 
 
 def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, steps: int | None = None,
@@ -200,8 +216,9 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
     num_params = sum(p.numel() for p in build_model(cfg.model).parameters())
     base_cap = link_mb_s or default_cap_mb_s(num_params, m, step_time_s)
     held, t_start = HeldOut(cfg, load_corpus(cfg.data)), time.time()
-    log(f"bench wan: {num_params:,} params, M={m}, {steps} steps per learner ({d_steps} for DiLoCo), step "
-        f"{step_time_s * 1e3:g} ms, paper-equivalent cap {base_cap:.4g} MB/s, rtt {rtt_ms:g} ms")
+    log(f"bench wan: {num_params:,} params, M={m}, {steps} steps per learner"
+        + (f" ({d_steps} for the DiLoCo methods)" if d_steps != steps else "")
+        + f", step {step_time_s * 1e3:g} ms, paper-equivalent cap {base_cap:.4g} MB/s, rtt {rtt_ms:g} ms")
     # torchft's replicas (subprocesses) train beside data-parallel (this thread): neither is timed by the
     # wall clock (both are on a modelled time axis), and together they use both cores
     with ThreadPoolExecutor(1) as side:
@@ -218,11 +235,13 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
             runs[name] = run_wan(d_cfg, WanRun(name, mode, link, step_time_s, d_steps), held, cfg.data.seed)
             log(f"  {cap:.4g} MB/s {name}: final {runs[name].final_loss:.4f}, wall {runs[name].wall_s:.1f}s "
                 f"({time.time() - t_start:.0f}s)")
-        rows.append(_row(cap, link, dp, runs, peer_run, steps, num_params, m, tokens_factor))
+        rows.append(_row(cap, link, dp, runs, peer_run, steps, num_params, m, d_steps / steps))
     result = {**{k: v for k, v in rows[0].items() if k != "methods"}, "methods": rows[0]["methods"], "rows": rows,
               "targets": TARGETS, "config": _config_record(cfg, steps, step_time_s, rtt_ms, num_params, base_cap,
                                                              link_mb_s is None, peer_run, time.time() - t_start)}
-    result["config"].update(torchft_skipped=peer_skipped, tokens_factor=tokens_factor, diloco_steps_per_learner=d_steps)
+    result["config"].update(torchft_skipped=peer_skipped, tokens_factor_requested=tokens_factor,
+                            diloco_steps_per_learner=d_steps,
+                            diloco_tokens_per_method=m * d_steps * cfg.data.batch_size * cfg.model.ctx_len)
     _print_rows(rows)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2) + "\n")
@@ -230,7 +249,7 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
 
 
 def _peer(cfg: Config, steps: int, step_time_s: float, log) -> tuple[dict[str, Any] | None, str | None]:
-    """torchft's DiLoCo on the same model, data and tokens, or (None, why not)."""
+    """torchft's DiLoCo on the same model and data, for the DiLoCo methods' tokens, or (None, why not)."""
     from diloco.bench.peer_torchft import PeerUnavailable, run_torchft
 
     try:
@@ -270,6 +289,8 @@ def _config_record(cfg: Config, steps: int, step_time_s: float, rtt_ms: float, n
                         "2(M-1)/M x 4N / cap + (M-1) x rtt) per step; torchft_diloco: its measured loss per sync "
                         "on a time axis of its steps x the same step time + per sync its measured all-reduce "
                         "payload as a ring all-reduce at the cap",
+            "tokens": "data-parallel trains tokens_per_method; sync_diloco, decoupled and torchft_diloco "
+                      "train diloco_tokens_per_method (tokens_factor x it, schedules over that length)",
             "schedules": "sync_diloco: learner.mode sync, quorum M, learners wait for each version; decoupled: "
                          "the recipe as shipped (carry mode, its quorum and grace window, its learner.prefetch), "
                          "learners never wait",

@@ -83,8 +83,9 @@ def _bench_wan(
     peer: bool = typer.Option(True, "--peer/--no-peer", help="Run torchft's DiLoCo too (skipped if not installed)."),
     seed: int | None = typer.Option(None, "--seed", help="Data seed (default: the recipe's)."),
     tokens_factor: float = typer.Option(1.0, "--tokens-factor",
-                                        help="DiLoCo methods train this many times DP's tokens (1-10; default 1: "
-                                             "equal tokens), to time them to DP's target past equal tokens."),
+                                        help="DiLoCo methods train this many times DP's tokens (1-10; "
+                                             "default 1: equal tokens), to time them to DP's target past "
+                                             "equal tokens."),
 ) -> None:
     """Time to a target loss behind a capped link: DP (modelled), sync and decoupled DiLoCo (real), torchft."""
     from diloco.bench.wan import bench_wan

@@ -3,8 +3,10 @@
 Contract: `control/stop` (any reason) ends every role after its phase; `control/removed-<learner>` ends that
 learner for good and no supervisor starts it again; a supervisor whose lease stopped moving for its timeout
 (killed, or its host gone) ends the roles too, and the first role to see it records control/stop with that
-reason. Each is checked at most once a second or two; storage trouble while checking means "not yet",
-never a crash. RoleStop combines them for a role and says why it ended (finished, stopped, removed).
+reason. Each is checked at most once a second or two, with at most two attempts (one quick retry), so
+storage trouble while checking means "not yet" at once, never a crash and never the store's whole retry
+budget on the caller's thread (a learner checks between phases and at its probes). RoleStop combines them
+for a role and says why it ended (finished, stopped, removed).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from diloco.run.context import RunContext
 from diloco.run.controls import write_op
 from diloco.run.lease import describe, read_current
 from diloco.run.target import Target, target_reached
-from diloco.storage import NotFound, StorageError
+from diloco.storage import NotFound, StorageError, Store
 from diloco.storage.records import RecordError, RemovedMark, StopRequest, read_record, write_record
 
 TARGET_REASON = "target version"  # the supervisor's stop reason when the run reached its target
@@ -42,7 +44,7 @@ class StopSignal:
         self._last = now
         try:
             if self.store.exists(self.ctx.keys.stop()):
-                self._stopped, self.reason = True, read_stop_reason(self.ctx) or "stop requested"
+                self._stopped, self.reason = True, read_stop_reason(self.ctx, self.store) or "stop requested"
             elif self.target is not None:  # the target version, or the token budget, on every chain
                 self._stopped = target_reached(self.ctx, self.store, Target(self.target, self.ctx.cfg.run.num_tokens))
                 self.reason = TARGET_REASON if self._stopped else None
@@ -51,10 +53,11 @@ class StopSignal:
         return self._stopped
 
 
-def read_stop_reason(ctx: RunContext) -> str | None:
-    """control/stop's reason, or None when there is no (readable) stop request."""
+def read_stop_reason(ctx: RunContext, store: Store | None = None) -> str | None:
+    """control/stop's reason (read through `store`, default the run's), or None when there is no (readable)
+    stop request."""
     try:
-        return read_record(ctx.store, ctx.keys.stop(), StopRequest).reason
+        return read_record(store or ctx.store, ctx.keys.stop(), StopRequest).reason
     except (NotFound, RecordError):
         return None
 
@@ -76,7 +79,7 @@ class RemovedSignal:
 
     def __init__(self, ctx: RunContext, learner: str, every_s: float = 1.0) -> None:
         self.key, self.every_s = ctx.keys.removed(learner), every_s
-        self.store = ctx.store.with_retries(1)  # checked between phases and at probes: an outage must not stall
+        self.store = ctx.store.with_retries(1)  # an outage must not stall the caller (contract)
         self._last, self._removed = 0.0, False
 
     def __call__(self) -> bool:

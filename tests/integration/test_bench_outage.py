@@ -1,5 +1,6 @@
 """`diloco bench outage` end to end on the tiny recipe: no version is committed while the merger is
-down, the next merge takes the backlog, both momentum rules are reported, and the bench runs without a prefetcher.
+down, the next merge takes the backlog, both momentum rules are reported, and the bench runs without a
+prefetcher.
 Run: .venv/bin/pytest tests/integration/test_bench_outage.py -q
 """
 
@@ -40,7 +41,7 @@ def test_bench_outage_refuses_an_outage_past_the_end():
 def test_bench_outage_runs_the_recipe_without_its_prefetcher():
     # the bench recipe prefetches; a prefetcher installs whenever its background fetch lands, so the bench's
     # curves would depend on timing: the probe fetches instead (the same run every time)
-    assert load_config("bench").learner.prefetch
-    cfg = rule_config(load_config("bench"), "whole", rounds=4)
+    cfg = rule_config(load_config("bench").with_overrides({"learner.prefetch": True}), "whole", rounds=4)
     assert not cfg.learner.prefetch and cfg.merger.quorum == cfg.run.num_learners
-    assert cfg.inner.total_steps == 4 * cfg.inner.steps_per_phase and cfg.experimental.backlog_momentum == "whole"
+    assert cfg.inner.total_steps == 4 * cfg.inner.steps_per_phase
+    assert cfg.experimental.backlog_momentum == "whole"

@@ -1,6 +1,7 @@
 """The run lifecycle without training processes: the supervisor's lease (one live supervisor, takeover of a
-dead one), roles that notice a vanished supervisor and record the stop, where a run stands (running,
-finished, stopped, idle) and what `diloco run`, `learner`, `merge` and `status` say about an ended run,
+dead one), roles that notice a vanished supervisor and record the stop, stop checks that give up at once in
+a storage outage, where a run stands (running, finished, stopped, idle) and what `diloco run`, `learner`,
+`merge` and `status` say about an ended run,
 SIGTERM / SIGINT during supervision (a real signal to this process), and a learner that finds its run ended
 (it neither joins nor overwrites its status).
 

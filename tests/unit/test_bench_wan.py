@@ -1,6 +1,7 @@
 """`bench wan`'s arithmetic: the paper-equivalent cap, the modelled ring all-reduce, time to target, the
-second cohort's phase plan, the DiLoCo methods' steps past equal tokens, step padding, the torchft row's clock, the concurrent clock's cohorts and the
-engine overrides of each schedule (sync; decoupled as the recipe ships it; two cohorts).
+second cohort's phase plan, the DiLoCo methods' steps and speedup past equal tokens, step padding, the
+torchft row's clock, the concurrent clock's cohorts and the engine overrides of each schedule (sync;
+decoupled as the recipe ships it; two cohorts).
 Run: `.venv/bin/pytest tests/unit/test_bench_wan.py`.
 """
 
@@ -14,7 +15,14 @@ from diloco.bench._concurrent import clocked
 from diloco.bench._quality_runs import quorum_of, speeds_of
 from diloco.bench._wan_runs import PaddedSteps, WanRun, engine_overrides, phase_plan
 from diloco.bench.peer_torchft import wan_entry
-from diloco.bench.wan import COMM_OVER_COMPUTE, allreduce_s, default_cap_mb_s, diloco_steps, first_below
+from diloco.bench.wan import (
+    COMM_OVER_COMPUTE,
+    allreduce_s,
+    default_cap_mb_s,
+    diloco_steps,
+    first_below,
+    speedups,
+)
 from diloco.configs import ConfigError, load_config
 from diloco.storage.throttle import LinkSpec
 
@@ -52,6 +60,12 @@ def test_tokens_factor_gives_the_diloco_methods_whole_phases() -> None:
     for bad in (0.5, 0.99, 11.0):
         with pytest.raises(ConfigError, match="--tokens-factor must be between 1 and 10"):
             diloco_steps(2000, bad, 40)
+
+
+def test_speedup_past_equal_tokens_is_not_the_issues_speedup() -> None:
+    assert speedups(2478.0, 100.0, 1.0) == {"speedup_vs_dp": 24.78, "speedup_vs_dp_past_equal_tokens": None}
+    assert speedups(2478.0, 100.0, 1.5) == {"speedup_vs_dp": None, "speedup_vs_dp_past_equal_tokens": 24.78}
+    assert speedups(2478.0, None, 1.0) == {"speedup_vs_dp": None, "speedup_vs_dp_past_equal_tokens": None}
 
 
 def test_padded_steps_last_at_least_the_step_time() -> None:
