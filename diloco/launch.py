@@ -62,7 +62,8 @@ def make_learner(storage: str, run_id: str, name: str, world=None):
     if ctx.fragments:  # fragments.count > 1: ship-and-carry per fragment (diloco.learner.fragmented)
         from diloco.learner.fragmented import FragmentLearner as Learner
     learner = Learner(ctx, name, events=events, slowdown=slowdown, world=world, signing_key=key)
-    return learner, RoleStop(ctx, ctx.cfg.run.num_versions, learner=name)
+    # watched: the training thread asks between phases and at every probe, and must never wait on the bucket
+    return learner, RoleStop(ctx, ctx.cfg.run.num_versions, learner=name).watch()
 
 
 def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
@@ -161,8 +162,12 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
             run_world(storage, run_id, name or "", phases)  # the ranks never import Prefect: no task units
             return 0
         learner, should_stop = make_learner(storage, run_id, name or "")
-        return run_learner(learner, phases=phases, should_stop=should_stop, step=units.phase or learner_step,
-                           join=units.join or type(learner).join, why=lambda: should_stop.why)
+        try:
+            return run_learner(learner, phases=phases, should_stop=should_stop,
+                               step=units.phase or learner_step, join=units.join or type(learner).join,
+                               why=lambda: should_stop.why)
+        finally:
+            should_stop.close()
     if role == "merger":
         from diloco.merger.merger import run_merger
         from diloco.merger.shard import run_shard
@@ -196,7 +201,10 @@ def _rank(world, storage: str, run_id: str, name: str, phases: int | None) -> No
         from diloco.learner.loop import run_learner
 
         learner, should_stop = make_learner(storage, run_id, name, world=world)
-        run_learner(learner, phases=phases, should_stop=should_stop, why=lambda: should_stop.why)
+        try:
+            run_learner(learner, phases=phases, should_stop=should_stop, why=lambda: should_stop.why)
+        finally:
+            should_stop.close()
         return
     from diloco.learner.ranks import follow
     from diloco.run.context import open_run

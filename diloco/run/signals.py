@@ -5,13 +5,16 @@ learner for good and no supervisor starts it again; a supervisor whose lease sto
 (killed, or its host gone) ends the roles too, and the first role to see it records control/stop with that
 reason. Each is checked at most once a second or two, with at most two attempts (one quick retry), so
 storage trouble while checking means "not yet" at once, never a crash and never the store's whole retry
-budget on the caller's thread (a learner checks between phases and at its probes). RoleStop combines them
-for a role and says why it ended (finished, stopped, removed).
+budget on the caller's thread. RoleStop combines them for a role and says why it ended (finished, stopped,
+removed); a learner's RoleStop is watched (`RoleStop.watch`): checked on a thread of its own, so a learner's
+training thread, which asks between phases and at every probe, never waits on the bucket, even one that
+hangs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -141,8 +144,30 @@ class RoleStop:
         self.supervisor = SupervisorSignal(ctx)
         self.why: str | None = None
         self.reason: str | None = None
+        self._watcher: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    def watch(self, every_s: float = 0.5) -> RoleStop:
+        """From now on check on a daemon thread every `every_s` (each signal keeps its own pace); a call
+        then only reads what the thread found. The first check runs here, on the caller's thread; close()
+        ends the thread, as does the stop itself."""
+        self.check()
+        self._watcher = threading.Thread(target=self._watch, args=(every_s,), name="role-stop", daemon=True)
+        self._watcher.start()
+        return self
+
+    def _watch(self, every_s: float) -> None:
+        while self.why is None and not self._closed.wait(every_s):
+            self.check()
+
+    def close(self) -> None:
+        self._closed.set()
 
     def __call__(self) -> bool:
+        return self.why is not None if self._watcher is not None else self.check()
+
+    def check(self) -> bool:
+        """Check every signal now (a watched RoleStop does this on its thread)."""
         if self.why is not None:
             return True
         if self.removed is not None and self.removed():

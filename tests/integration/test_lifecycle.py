@@ -1,7 +1,7 @@
 """The run lifecycle without training processes: the supervisor's lease (one live supervisor, takeover of a
 dead one), roles that notice a vanished supervisor and record the stop, stop checks that give up at once in
-a storage outage, where a run stands (running, finished, stopped, idle) and what `diloco run`, `learner`,
-`merge` and `status` say about an ended run,
+a storage outage and a watched one that never waits on a hanging bucket, where a run stands (running,
+finished, stopped, idle) and what `diloco run`, `learner`, `merge` and `status` say about an ended run,
 SIGTERM / SIGINT during supervision (a real signal to this process), and a learner that finds its run ended
 (it neither joins nor overwrites its status).
 
@@ -108,6 +108,39 @@ def test_a_roles_stop_checks_fail_fast_in_a_storage_outage(ctx: RunContext) -> N
     stop = RoleStop(dataclasses.replace(ctx, store=outage), 3, learner="local-0")
     assert not stop() and stop.why is None
     assert outage.injected == 6  # stop, removed, supervisor: two attempts each
+
+
+def test_a_watched_role_stop_never_waits_on_a_hanging_bucket(ctx: RunContext) -> None:
+    # A learner's RoleStop is watched (launch.make_learner): a call only reads what its thread found, so a
+    # bucket that hangs (an endpoint that stops answering) never holds up the training thread.
+    hanging, release = threading.Event(), threading.Event()
+
+    def sleep(_: float) -> None:  # the injected latency: none, or hang until released
+        if hanging.is_set():
+            release.wait()
+
+    store = FaultyStore(ctx.store, [StorageWindow(t0=0.0, latency_s=1.0)], sleep=sleep)
+    stop = RoleStop(dataclasses.replace(ctx, store=store), 3, learner="local-0")
+    stop.stop.every_s = stop.removed.every_s = stop.supervisor.every_s = 0.0  # every check asks the bucket
+    stop.watch(every_s=0.01)
+    try:
+        assert not stop()  # the first check ran on this thread, the bucket answering: nothing to stop
+        hanging.set()  # from now on every request hangs
+        answers: list[bool] = []
+        caller = threading.Thread(target=lambda: answers.extend(stop() for _ in range(1000)), daemon=True)
+        caller.start()
+        caller.join(timeout=30)
+        assert not caller.is_alive() and answers == [False] * 1000  # none of them touched the bucket
+        request_stop(ctx, "operator")  # through the run's own store
+        hanging.clear()
+        release.set()
+        deadline = time.time() + 30
+        while not stop() and time.time() < deadline:
+            time.sleep(0.05)
+        assert stop() and stop.why == "stopped" and stop.reason == "operator"  # the thread saw it
+    finally:
+        stop.close()
+        release.set()
 
 
 def test_where_a_run_stands_and_what_its_commands_say(ctx: RunContext) -> None:
