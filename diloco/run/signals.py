@@ -146,6 +146,7 @@ class RoleStop:
         self.reason: str | None = None
         self._watcher: threading.Thread | None = None
         self._closed = threading.Event()
+        self._error: Exception | None = None  # what broke the watching thread: raised to the caller
 
     def watch(self, every_s: float = 0.5) -> RoleStop:
         """From now on check on a daemon thread every `every_s` (each signal keeps its own pace); a call
@@ -157,14 +158,21 @@ class RoleStop:
         return self
 
     def _watch(self, every_s: float) -> None:
-        while self.why is None and not self._closed.wait(every_s):
-            self.check()
+        try:
+            while self.why is None and not self._closed.wait(every_s):
+                self.check()
+        except Exception as err:  # not storage trouble (that is "not yet"): the caller's next call raises it
+            self._error = err
 
     def close(self) -> None:
         self._closed.set()
 
     def __call__(self) -> bool:
-        return self.why is not None if self._watcher is not None else self.check()
+        if self._watcher is None:
+            return self.check()
+        if self._error is not None:
+            raise self._error  # as an unwatched check would have, on the caller's thread
+        return self.why is not None
 
     def check(self) -> bool:
         """Check every signal now (a watched RoleStop does this on its thread)."""

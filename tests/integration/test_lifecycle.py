@@ -143,6 +143,25 @@ def test_a_watched_role_stop_never_waits_on_a_hanging_bucket(ctx: RunContext) ->
         release.set()
 
 
+def test_a_watched_role_stop_hands_an_unexpected_error_to_its_caller(ctx: RunContext) -> None:
+    stop = RoleStop(ctx, 3, learner="local-0")
+    stop.stop.every_s = 0.0
+    stop.watch(every_s=0.01)
+
+    def broken() -> bool:
+        raise ValueError("a check broke")
+
+    stop.stop = broken  # type: ignore[assignment]  # not storage trouble: a bug, or a record it cannot read
+    try:
+        deadline = time.time() + 30
+        with pytest.raises(ValueError, match="a check broke"):
+            while time.time() < deadline:
+                stop()
+                time.sleep(0.01)
+    finally:
+        stop.close()
+
+
 def test_where_a_run_stands_and_what_its_commands_say(ctx: RunContext) -> None:
     assert read_run_state(ctx).word == "idle"
     lease = acquire(ctx, "local")
