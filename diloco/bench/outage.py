@@ -2,9 +2,10 @@
 held-out loss behaves when the backlog is merged, under each `experimental.backlog_momentum` rule.
 
 Contract: in one process per rule, deterministic: bench recipe, M learners, quorum M (every merge is one
-round), no prefetcher (the probe fetches), H inner steps per phase; at round `--at` the merges stop for `--down` rounds, then the next merge
-takes the whole backlog (`down + 1` rounds). Prints a table of the held-out loss per round and writes JSON
-{rules: {rule: {curve: [[round, version, loss]], final_loss, peak_after_outage, loss_before_outage}}}.
+round), no prefetcher (the probe fetches), H inner steps per phase; at round `--at` the merges stop for
+`--down` rounds, then the next merge takes the whole backlog (`down + 1` rounds). Prints a table of the
+held-out loss per round and writes JSON {rules: {rule: {curve: [[round, version, loss]], final_loss,
+peak_after_outage, loss_before_outage}}}.
 """
 
 from __future__ import annotations
