@@ -34,7 +34,7 @@ from diloco.storage.codec import (
     read_header,
 )
 
-LEVELS = {"int8": 127, "int4": 7, "int2": 1}
+LEVELS = {"int8": 127, "int4": 7, "int2": 1}  # nf2 has no zero level: its own test below
 shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
 
 
@@ -182,6 +182,28 @@ def test_int2_is_ternary_in_two_bits_and_needs_blocks_of_four() -> None:
         encode({"x": x}, codec="int2", kind="update", fingerprint="f", block_size=6)
 
 
+def test_nf2_spends_all_four_codes_on_a_mid_rise_grid() -> None:
+    x = np.random.default_rng(1).normal(size=4096).astype(np.float32)
+    x[7] = -30.0  # an outlier is clipped to the grid's end, its error left to the residual
+    data = encode({"x": x}, codec="nf2", kind="update", fingerprint="f")
+    _, payload = _split(data)
+    assert len(payload) <= 4096 // 4 + 4 * 16  # 2 bits a value + a scale a block, at most
+    out = decode(data)[1]["x"].reshape(16, 256)
+    blocks = x.reshape(16, 256)
+    scale = 1.25 * np.abs(blocks).mean(axis=1, keepdims=True)  # codec.payload.NF2_SCALE
+    q = np.clip(np.floor(blocks / scale), -2, 1)  # the code, decoded at the middle of its cell
+    np.testing.assert_allclose(out, (q + 0.5) * scale, rtol=1e-6, atol=1e-7)
+    assert set(np.unique(np.round(out / scale, 5))) == {-1.5, -0.5, 0.5, 1.5}  # every code in use, no zero
+    normal, shipped = np.delete(x, 7), np.delete(out.reshape(-1), 7)
+    ternary = decode(encode({"x": x}, codec="int2", kind="update", fingerprint="f"))[1]["x"]
+    err = np.linalg.norm(shipped - normal) / np.linalg.norm(normal)
+    assert err < 0.37 and err < np.linalg.norm(np.delete(ternary, 7) - normal) / np.linalg.norm(normal) - 0.05
+    zeros = encode({"z": np.zeros(300, np.float32)}, codec="nf2", kind="update", fingerprint="f")
+    assert not decode(zeros)[1]["z"].any()  # a block of zeros has scale 0: zeros come back
+    with pytest.raises(CodecError, match="nf2 packs 4 values a byte"):
+        encode({"x": x}, codec="nf2", kind="update", fingerprint="f", block_size=6)
+
+
 def test_meta_kind_and_order_survive() -> None:
     meta = {
         "base_version": 3,
@@ -207,7 +229,7 @@ def test_lossless_codecs_carry_non_finite_values(codec: str) -> None:
     assert np.isnan(out["x"][0]) and out["x"][1] == np.inf and out["x"][2] == -np.inf
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "nf2"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_quantized_codecs_refuse_non_finite_input(codec: str, bad: float) -> None:
     x = np.ones(1000, np.float32)
@@ -347,7 +369,7 @@ def test_non_bytes_input_is_refused() -> None:
         decode("DLCO")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "nf2"])
 @pytest.mark.parametrize("scale", [np.nan, np.inf, -1.0])
 def test_bad_block_scales_are_refused(codec: str, scale: float) -> None:
     x = np.linspace(-1, 1, 32, dtype=np.float32)

@@ -26,7 +26,7 @@ def test_the_consuming_encoder_writes_the_codecs_bytes(codec):
     assert bytes(got) == expected and consumed == {}
 
 
-@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "int2", "nf2"])
 def test_the_encoders_shipped_tensor_is_what_decode_gives_back(codec):
     gen = torch.Generator().manual_seed(8)
     tensors = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-CODECS = ("fp32", "bf16", "int8", "int4", "int2")
+CODECS = ("fp32", "bf16", "int8", "int4", "int2", "nf2")
 FORMAT_VERSION = 1
 MAGIC = b"DLCO"
 
@@ -97,7 +97,8 @@ def elements_of(shape: tuple[int, ...]) -> int:
     return n
 
 
-VALUES_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4}  # int2: ternary (-1, 0, 1 x the block's scale), 2 bits each
+VALUES_PER_BYTE = {"int8": 1, "int4": 2, "int2": 4, "nf2": 4}  # int2: ternary (-1, 0, 1 x the block's scale);
+# nf2: four levels (-1.5, -0.5, 0.5, 1.5 x the block's scale); 2 bits each
 
 
 def stream_bytes(codec: str, n: int, block_size: int) -> int:
@@ -128,8 +129,9 @@ def check_encode_args(codec: str, kind: str, fingerprint: str, block_size: int) 
         raise CodecError(
             f"block_size must be an even int in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {block_size!r}"
         )
-    if codec == "int2" and block_size % 4:
-        raise CodecError(f"int2 packs 4 values a byte: block_size must be a multiple of 4, got {block_size}")
+    if VALUES_PER_BYTE.get(codec) == 4 and block_size % 4:
+        raise CodecError(f"{codec} packs 4 values a byte: block_size must be a multiple of 4, "
+                         f"got {block_size}")
 
 
 def pack_header(fields: dict[str, Any]) -> bytes:
