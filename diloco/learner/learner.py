@@ -21,7 +21,7 @@ from diloco.learner.prefetch import Prefetcher, fetch_global
 from diloco.learner.publisher import Publisher
 from diloco.learner.ranks import build_trainer, lead_step
 from diloco.learner.resume import resume
-from diloco.learner.state import LearnerState
+from diloco.learner.state import QUICK_RETRIES, LearnerState
 from diloco.learner.world import FULL, PARAMS, RESET, STOP, World, slice_batch
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
@@ -44,7 +44,6 @@ from diloco.training.tensors import Tensors, add_, clone, sub
 
 log = logging.getLogger("diloco.learner")
 HEARTBEAT_EVERY_S = 2.0  # status.json refresh while training; the supervisor's timeout is far longer
-QUICK_RETRIES = 1  # probes and heartbeats on the training thread: one quick retry, then train on (next one soon)
 
 
 @dataclass

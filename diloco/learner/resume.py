@@ -14,11 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from diloco.learner.local_state import LocalState, Saved
-from diloco.learner.state import LearnerState
+from diloco.learner.state import QUICK_RETRIES, LearnerState
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.objects import read_tensors
-from diloco.storage import Manifest, NotFound, StorageError, read_latest
+from diloco.storage import Manifest, NotFound, StorageError, Store, read_latest
 from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
 from diloco.training.tensors import Tensors, clone
@@ -37,9 +37,10 @@ class Resumed:
     extra: dict = field(default_factory=dict)  # for the join event: where it came from
 
 
-def next_seq(ctx: RunContext, name: str, manifest: Manifest | None) -> int:
-    """One past the highest seq of ours listed in the bucket or decided by `manifest`."""
-    listed = [parse_delta_key(k) for k in ctx.store.list(ctx.keys.deltas_prefix(name))]
+def next_seq(ctx: RunContext, name: str, manifest: Manifest | None, store: Store | None = None) -> int:
+    """One past the highest seq of ours listed in the bucket (through `store`, default the run's) or decided
+    by `manifest`."""
+    listed = [parse_delta_key(k) for k in (store or ctx.store).list(ctx.keys.deltas_prefix(name))]
     seqs = [p[1] for p in listed if p and p[0] == name]
     return max([*seqs, manifest.cursors.get(name, -1) if manifest else -1]) + 1
 
@@ -68,8 +69,9 @@ def _from_local(ctx: RunContext, name: str, saved: Saved, local: LocalState, set
                 import_optimizer: ImportOptimizer, requeue: Callable[[int, bytes], None]) -> Resumed | None:
     """The local state, or None (and the state cleared) when the bucket moved past it or it does not fit."""
     meta = saved.meta
+    quick = ctx.store.with_retries(QUICK_RETRIES)  # in an outage: resume at once, not after the retry budget
     try:
-        bucket_next: int | None = next_seq(ctx, name, read_latest(ctx.store, ctx.keys))
+        bucket_next: int | None = next_seq(ctx, name, read_latest(quick, ctx.keys), quick)
     except StorageError as err:
         log.warning("learner %s: bucket unreachable (%s); resuming from local state unchecked", name, err)
         bucket_next = None

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from diloco.training.tensors import Tensors, clone
 
+QUICK_RETRIES = 1  # probes and heartbeats on the training thread: one quick retry, then train on (next one soon)
+
 
 @dataclass
 class LearnerState:

@@ -19,6 +19,7 @@ from diloco.configs import load_config
 from diloco.inspect.audit import audit_run
 from diloco.inspect.report import manifests
 from diloco.learner.learner import Learner
+from diloco.learner.resume import resume
 from diloco.merger.merger import Merger
 from diloco.run.create import create_run
 from diloco.run.events import EventLog, read_events
@@ -108,6 +109,14 @@ def test_delta_kept_from_an_outage_lands_after_the_restart(tmp_path, corpus):
     first.local.flush()
     spooled = first.local.spooled()
     assert [seq for seq, _ in spooled] == [1]
+
+    # The resume's check of the bucket gives up after one quick retry: two attempts, not the store's whole
+    # retry budget (six attempts, ~1.2 s of back-off that every restart in an outage waited before training).
+    # Its own view of the outage, so that nothing else counts: the resume alone, nothing set or queued.
+    alone = FaultyStore(ctx.store, [StorageWindow(t0=0.0, outage=True)])
+    resumed = resume(dataclasses.replace(ctx, store=alone), "local-0", local=first.local, events=first.events,
+                     set_theta=lambda _: None, import_optimizer=lambda *_: 0, requeue=lambda *_: None)
+    assert resumed.extra["local"] and resumed.state.seq == 2 and alone.injected == 2
 
     second = learner(learner_ctx, corpus)
     second.join()  # the bucket is unreachable: resumes unchecked from the local state
