@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from diloco.training.tensors import Tensors, clone
 
-QUICK_RETRIES = 1  # probes and heartbeats on the training thread: one quick retry, then train on (next one soon)
+# probes and heartbeats on the training thread, and a resume's check of the bucket: one quick retry, then go on
+# (train on, the next probe soon; resume from local state)
+QUICK_RETRIES = 1
 
 
 @dataclass
