@@ -47,6 +47,10 @@ class DataConfig(_Strict):
     batch_size: int = Field(16, ge=1, le=4096)
     seed: int = 1234  # one seed drives every learner's batch order (offset by its shard), and the model's init
     text_field: str = "text"  # the text field of .jsonl corpora and the text column of .parquet ones
+    # how the built-in specs (gpt, hf) give each learner its batches: "shard", random windows of its own contiguous
+    # shard of the training text; "whole", random windows of the whole text, each learner its own random stream
+    # (with learners at different speeds, shards over-sample the fast learners' text: docs/BENCHMARKS.md)
+    sampling: Literal["shard", "whole"] = "shard"
 
 
 class InnerConfig(_Strict):
@@ -59,6 +63,11 @@ class InnerConfig(_Strict):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
     steps_per_phase: int = Field(50, ge=1)  # H: inner steps between two publishes
+    # what step the schedule (warmup + cosine, or a spec's lr_at) is at: "own", the learner's own inner steps;
+    # "run", the run's progress: the tokens merged into the newest installed version / (learners x the learner's
+    # tokens per step), plus the learner's steps since that install. With learners at different speeds every
+    # learner then follows one schedule over the run's tokens, as data-parallel does (docs/ENGINE.md)
+    schedule_clock: Literal["own", "run"] = "own"
 
 
 class OuterConfig(_Strict):

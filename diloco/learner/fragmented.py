@@ -54,14 +54,16 @@ class FragmentLearner(Learner):
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
     def join(self) -> int:
-        theta = self._live()
+        theta, tokens_total = self._live(), 0
         for lane in self.lanes.lanes:
             keys = self.ctx.keys.for_fragment(lane.index)
             manifest = read_latest(self.ctx.store, keys)
+            tokens_total = max(tokens_total, manifest.tokens_total)
             _, glob = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                    checksum=manifest.params_checksum)
             self.lanes.join(lane.index, manifest.version, glob, self._next_seq(keys, manifest), theta)
         self.cursor, self.trainer.step = self._last_position()
+        self.run_clock(tokens_total)  # inner.schedule_clock "run": the newest fragment's clock
         self._open_batches()
         self.steps_done, self.awaiting = 0, {}
         self._sync_state()
@@ -111,6 +113,8 @@ class FragmentLearner(Learner):
                 break
             if self.slowdown > 1.0:  # a chaos plan's slow learner: steps take this x longer
                 time.sleep((time.time() - ts) * (self.slowdown - 1.0))
+            if self._clock_pending is not None:
+                self.run_clock(*self._clock_pending)
             self.lanes.stepped(self.trainer.last_tokens)
             self.steps_done += 1
             stats.tokens += self.trainer.last_tokens
@@ -193,10 +197,11 @@ class FragmentLearner(Learner):
         lane = self.lanes.lanes[index]
         if version <= lane.base:
             return
-        glob = fetch_global(fragment_context(self.ctx, index), self.ctx.store, lane.base, lane.glob, version,
-                            self.cfg.learner.max_updates_behind)
+        glob, manifest = fetch_global(fragment_context(self.ctx, index), self.ctx.store, lane.base, lane.glob,
+                                      version, self.cfg.learner.max_updates_behind)
         previous = lane.base
         self.lanes.install(index, version, glob, theta)
+        self.run_clock(manifest.tokens_total)  # every fragment's chain merges every step's tokens once
         self.events.emit("install", learner=self.name, fragment=index, version=version, previous=previous)
 
     def _wait_for_decisions(self, timeout_s: float | None = None) -> None:

@@ -22,7 +22,7 @@ from diloco.learner.publisher import Publisher
 from diloco.learner.ranks import build_trainer, lead_step
 from diloco.learner.resume import resume
 from diloco.learner.state import QUICK_RETRIES, LearnerState
-from diloco.learner.world import FULL, PARAMS, RESET, STOP, World, slice_batch
+from diloco.learner.world import CLOCK, FULL, PARAMS, RESET, STOP, World, slice_batch
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
@@ -33,6 +33,7 @@ from diloco.storage import (
     latest_version,
     manifest_exists,
     read_latest,
+    read_manifest,
 )
 from diloco.storage.codec import CodecError
 from diloco.storage.records import LearnerStatus, write_record
@@ -88,6 +89,8 @@ class Learner:
         self._batches: Iterator | None = None  # the spec's batches from `cursor`, opened at join
         self.state = LearnerState()
         self.prefetcher: Prefetcher | None = None  # learner.prefetch: newer globals fetched off the training thread
+        # inner.schedule_clock "run" before the first step (tokens per step unknown): (tokens_total, own step)
+        self._clock_pending: tuple[int, int] | None = None
         self.loss_ema = float("nan")
         self.phase_t0 = time.time()
         self._last_beat = 0.0
@@ -107,6 +110,12 @@ class Learner:
                          import_optimizer=self._import_optimizer, requeue=self._requeue,
                          use_checkpoint=self.cfg.learner.checkpoint)
         self.state, self.cursor = resumed.state, resumed.cursor
+        if self.cfg.inner.schedule_clock == "run":  # the joined version's clock (taken at the first step)
+            try:
+                self.run_clock(read_manifest(self.quick, self.ctx.keys, self.state.base).tokens_total)
+            except StorageError as err:  # a resume from local state in an outage: the own clock until an install
+                log.warning("learner %s: the run's clock is unknown (%s); the own step count until an install",
+                            self.name, err)
         self._open_batches()
         if self.world is not None:
             self.world.pending |= FULL  # the other ranks take parameters, optimizer state, step and cursor
@@ -202,6 +211,8 @@ class Learner:
                 losses.append(self.trainer.train_step(batch))
             except FloatingPointError as err:
                 return self.abandon_phase(stats, t0, str(err))
+            if self._clock_pending is not None:
+                self.run_clock(*self._clock_pending)
             self.state.steps_since_publish += 1
             self.state.tokens_since_publish += self.trainer.last_tokens
             stats.tokens += self.trainer.last_tokens
@@ -261,6 +272,7 @@ class Learner:
         if self.world is not None:
             self.world.pending |= PARAMS | RESET
         self.state = LearnerState.at_version(manifest.version, glob, self.state.seq)
+        self.run_clock(manifest.tokens_total)
         if self.prefetcher is not None:
             self.prefetcher.rebase(manifest.version, glob)
         stats.phase_time_s, stats.tokens = time.time() - t0, 0
@@ -323,7 +335,7 @@ class Learner:
         install what it fetched (no request to the bucket on this thread)."""
         if self.prefetcher is not None:
             fetched = self.prefetcher.take()
-            return None if fetched is None else self.install(*fetched)
+            return None if fetched is None else self.install(*fetched, tokens_total=self.prefetcher.taken_tokens_total)
         try:
             if not manifest_exists(self.quick, self.ctx.keys, self.state.base + 1):
                 return None
@@ -336,14 +348,16 @@ class Learner:
             self.events.emit("install_failed", learner=self.name, version=self.state.base, reason=str(err))
             return None
 
-    def install(self, version: int, glob: Tensors | None = None) -> int:
-        """Move to `version` (`glob`: G_version already fetched): theta = G + (theta - r) (carry) or G
-        (overwrite); r = G."""
+    def install(self, version: int, glob: Tensors | None = None, tokens_total: int | None = None) -> int:
+        """Move to `version` (`glob`: G_version already fetched, `tokens_total` its manifest's): theta = G +
+        (theta - r) (carry) or G (overwrite); r = G. With inner.schedule_clock "run", the schedule moves to the
+        run's clock."""
         state = self.state
         behind = version - state.base
         if glob is None:
-            glob = fetch_global(self.ctx, self.ctx.store, state.base, state.glob, version,
-                                self.cfg.learner.max_updates_behind)
+            glob, manifest = fetch_global(self.ctx, self.ctx.store, state.base, state.glob, version,
+                                          self.cfg.learner.max_updates_behind)
+            tokens_total = manifest.tokens_total
         theta = self.theta()
         if self.cfg.learner.mode == "overwrite":
             new_theta = clone(glob)
@@ -354,9 +368,31 @@ class Learner:
             self.world.pending |= PARAMS
         self.events.emit("install", learner=self.name, version=version, previous=state.base, behind=behind)
         state.base, state.glob, state.ref = version, glob, clone(glob)
+        if tokens_total is not None:
+            self.run_clock(tokens_total)
         if self.prefetcher is not None:
             self.prefetcher.rebase(version, glob)
         return version
+
+    def run_clock(self, tokens_total: int, at_step: int | None = None) -> None:
+        """inner.schedule_clock "run": put the schedule at the run's step, `tokens_total` (merged into the version
+        installed at own step `at_step`, default now) / (learners x this learner's tokens per step), plus the own
+        steps since; it advances one per own step from here. Only merged tokens count: no guess at the steps in
+        flight (adding this learner's unshipped steps for every learner's was 0.3% worse on the hetero row,
+        docs/BENCHMARKS.md). Before the learner's first step (tokens per step unknown: a join) the clock is kept
+        for then."""
+        if self.cfg.inner.schedule_clock != "run":
+            return
+        at_step = self.trainer.step if at_step is None else at_step
+        tokens_per_step = self.trainer.last_tokens
+        if tokens_per_step <= 0:
+            self._clock_pending = (tokens_total, at_step)
+            return
+        self._clock_pending = None
+        run_step = round(tokens_total / (max(len(self.ctx.learners), 1) * tokens_per_step))
+        self.trainer.set_clock(run_step + self.trainer.step - at_step)
+        if self.world is not None:
+            self.world.pending |= CLOCK
 
     def wait_for_decision(self, seq: int, timeout_s: float, should_stop=lambda: False) -> int | None:
         """Sync mode: block until a version decides delta `seq`, then install it."""

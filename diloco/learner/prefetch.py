@@ -15,7 +15,7 @@ import threading
 
 from diloco.run.context import RunContext
 from diloco.run.objects import read_tensors
-from diloco.storage import StorageError, latest_version, manifest_exists, read_manifest
+from diloco.storage import Manifest, StorageError, latest_version, manifest_exists, read_manifest
 from diloco.storage.codec import CodecError
 from diloco.storage.store import Store
 from diloco.training.tensors import Tensors, add_, clone
@@ -24,19 +24,19 @@ log = logging.getLogger("diloco.learner")
 
 
 def fetch_global(ctx: RunContext, store: Store, base: int, glob: Tensors, version: int,
-                 max_updates_behind: int) -> Tensors:
-    """G_version from (base, G_base): the updates base+1..version, or the full params when more than
-    `max_updates_behind` behind. StorageError / CodecError from the bucket."""
+                 max_updates_behind: int) -> tuple[Tensors, Manifest]:
+    """(G_version, version's manifest) from (base, G_base): the updates base+1..version, or the full params when
+    more than `max_updates_behind` behind. StorageError / CodecError from the bucket."""
     if version - base <= max_updates_behind:
         out = clone(glob)
         for v in range(base + 1, version + 1):
             m = read_manifest(store, ctx.keys, v)
             _, update = read_tensors(store, m.update_key, fingerprint=ctx.fingerprint, checksum=m.update_checksum)
             add_(out, update)
-        return out
+        return out, m
     m = read_manifest(store, ctx.keys, version)
     _, params = read_tensors(store, m.params_key, fingerprint=ctx.fingerprint, checksum=m.params_checksum)
-    return params
+    return params, m
 
 
 class Prefetcher:
@@ -49,15 +49,20 @@ class Prefetcher:
         self._lock = threading.Lock()
         self._base, self._glob = base, clone(glob)  # the newest version fetched (handed over or not)
         self._ready: tuple[int, Tensors] | None = None
+        self._ready_tokens = 0  # the manifest's tokens_total of the version in _ready
+        self.taken_tokens_total = 0  # ... of the version the last take() handed over (the training thread's)
         self._stop = threading.Event()
         self.fetches = 0  # versions fetched (for a report)
         self._thread = threading.Thread(target=self._run, name=f"prefetch-{name}", daemon=True)
         self._thread.start()
 
     def take(self) -> tuple[int, Tensors] | None:
-        """(version, G_version) fetched since the last take, the newest only; None when nothing new."""
+        """(version, G_version) fetched since the last take, the newest only; None when nothing new.
+        `taken_tokens_total` is then that version's tokens_total (the run's clock)."""
         with self._lock:
             ready, self._ready = self._ready, None
+            if ready is not None:
+                self.taken_tokens_total = self._ready_tokens
             return ready
 
     def rebase(self, base: int, glob: Tensors) -> None:
@@ -87,10 +92,10 @@ class Prefetcher:
         latest = latest_version(self.store, self.ctx.keys)
         if latest is None or latest <= base:
             return
-        fetched = fetch_global(self.ctx, self.store, base, glob, latest, self.max_updates_behind)
+        fetched, manifest = fetch_global(self.ctx, self.store, base, glob, latest, self.max_updates_behind)
         with self._lock:
             if self._base != base:  # rebased meanwhile: this fetch builds on an older chain
                 return
             self._base, self._glob = latest, fetched
-            self._ready = (latest, clone(fetched))
+            self._ready, self._ready_tokens = (latest, clone(fetched)), manifest.tokens_total
             self.fetches += latest - base

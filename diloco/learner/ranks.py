@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from diloco.learner.world import FULL, PARAMS, RESET, STOP, World, slice_batch
+from diloco.learner.world import CLOCK, FULL, PARAMS, RESET, STOP, World, slice_batch
 from diloco.run.spec import build_model, check_layout, load_run_spec
 from diloco.training.data import shard_of
 from diloco.training.inner import InnerTrainer
@@ -74,6 +74,8 @@ def _sync(world: World, word: int, model: nn.Module, trainer: InnerTrainer, curs
             trainer.import_state(tensors, meta)
     if word & RESET and not world.leader:
         trainer.reset_optimizer()
+    if word & (FULL | PARAMS | CLOCK) and trainer.cfg.schedule_clock == "run":
+        trainer.set_clock(world.json(trainer.schedule_step))  # rank 0's schedule moved: every rank's lr follows
     return cursor
 
 

@@ -30,7 +30,7 @@ from diloco.training.spec import slice_batch  # noqa: F401 - re-exported for the
 
 log = logging.getLogger("diloco.world")
 
-STOP, PARAMS, FULL, RESET = 1, 2, 4, 8  # bits of the control word rank 0 broadcasts before each step
+STOP, PARAMS, FULL, RESET, CLOCK = 1, 2, 4, 8, 16  # bits of the control word rank 0 broadcasts before each step
 
 
 def free_port() -> int:

@@ -2,9 +2,10 @@
 
 Contract: `make_spec(run_config)` (the engine passes the run's Config) builds exactly what the engine trained
 before specs existed: the model from `model.*` under `data.seed`, batches of `data.batch_size` random windows
-of `model.ctx_len + 1` bytes from the learner's contiguous shard (batch i a pure function of (seed, shard, i)),
-the mean cross-entropy per byte with every target byte a token, `eval.*` fixed held-out batches, AdamW and
-warmup + cosine from `inner.*` (the engine's defaults), and text sampled from a prompt. Metric: nats/byte.
+of `model.ctx_len + 1` bytes from the learner's contiguous shard, or from the whole text (`data.sampling`; batch
+i a pure function of (seed, shard, i)), the mean cross-entropy per byte with every target byte a token, `eval.*`
+fixed held-out batches, AdamW and warmup + cosine from `inner.*` (the engine's defaults), and text sampled from
+a prompt. Metric: nats/byte.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def make_spec(run_config: Config, corpus: Corpus | None = None) -> TrainSpec:
 
     def batches(shard: int, num_shards: int, start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         sampler = ShardSampler(text.train, shard, num_shards, cfg.data.batch_size, cfg.model.ctx_len,
-                               cfg.data.seed, cursor=start)
+                               cfg.data.seed, cursor=start, whole=cfg.data.sampling == "whole")
         while True:
             yield sampler.next_batch()
 

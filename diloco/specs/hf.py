@@ -5,10 +5,11 @@ Contract: `make_spec(run_config, files, **spec_args)`: the model is `AutoModelFo
 `model_type` (default llama) with the given sizes; the tokenizer is trained once, by the run's creator, with
 the `tokenizers` library, and stored in the run's spec files (`tokenizer.json`), so every learner and the
 evaluator tokenize alike; batches are `batch_size` random windows of `seq_len` tokens from the learner's
-contiguous shard of the training tokens (batch i a pure function of (data.seed, shard, i)); loss is the
-model's own (labels = inputs, shifted inside), `batch_size * (seq_len - 1)` tokens; the held-out metric is
-nats per token on fixed windows of the held-out text; `export` writes a `save_pretrained` folder (model and
-tokenizer) that `transformers` loads with `from_pretrained`. The corpus comes from `data.*` as for the GPT.
+contiguous shard of the training tokens, or from all of them (`data.sampling`; batch i a pure function of
+(data.seed, shard, i)); loss is the model's own (labels = inputs, shifted inside), `batch_size * (seq_len - 1)`
+tokens; the held-out metric is nats per token on fixed windows of the held-out text; `export` writes a
+`save_pretrained` folder (model and tokenizer) that `transformers` loads with `from_pretrained`. The corpus
+comes from `data.*` as for the GPT.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def make_spec(run_config: Config, files: Any = None, *, model_type: str = "llama
 
     def batches(shard: int, num_shards: int, start: int) -> Iterator[torch.Tensor]:
         n = len(train_ids)
-        mine = train_ids[shard * n // num_shards:(shard + 1) * n // num_shards]
+        mine = train_ids if cfg.data.sampling == "whole" else train_ids[shard * n // num_shards:(shard + 1) * n // num_shards]
         if len(mine) <= seq_len:
             raise SpecError(f"shard {shard}/{num_shards} has {len(mine)} tokens, fewer than seq_len + 1")
         i = start

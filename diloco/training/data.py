@@ -29,17 +29,19 @@ def shard_of(learner: str, learners: list[str]) -> tuple[int, int]:
 
 
 class ShardSampler:
-    """Random windows from one contiguous shard of the training bytes; resumable by cursor."""
+    """Random windows from one contiguous shard of the training bytes (`whole`: from all of them, the shard
+    index keying only the random stream, so every learner has its own); resumable by cursor."""
 
     def __init__(self, data: np.ndarray, shard: int, num_shards: int, batch_size: int,
-                 ctx_len: int, seed: int, cursor: int = 0) -> None:
+                 ctx_len: int, seed: int, cursor: int = 0, *, whole: bool = False) -> None:
         if num_shards < 1 or not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} must lie in [0, num_shards={num_shards})")
         if batch_size < 1 or ctx_len < 1 or cursor < 0:
             raise ValueError(f"batch_size ({batch_size}), ctx_len ({ctx_len}) must be >= 1 "
                              f"and cursor ({cursor}) >= 0")
         n = len(data)
-        self.data = np.asarray(data, dtype=np.uint8)[shard * n // num_shards:(shard + 1) * n // num_shards]
+        lo, hi = (0, n) if whole else (shard * n // num_shards, (shard + 1) * n // num_shards)
+        self.data = np.asarray(data, dtype=np.uint8)[lo:hi]
         if len(self.data) < ctx_len + 1:
             raise DataError(f"shard {shard}/{num_shards} has {len(self.data)} bytes, "
                             f"needs at least ctx_len + 1 = {ctx_len + 1}")

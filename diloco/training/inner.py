@@ -71,6 +71,9 @@ class InnerTrainer:
         self.cfg = cfg
         self.device = device
         self.step = step
+        # inner.schedule_clock "run": the schedule's step is step + clock_offset, the learner moving the offset
+        # to the run's progress at each install (set_clock); 0 with the own clock
+        self.clock_offset = 0
         self.last_grad_norm = 0.0  # before clipping, of the last train_step
         self.last_tokens = 0  # tokens of the last train_step (the spec's count)
         self.named = dict(model.named_parameters())  # tied weights once, stable order
@@ -93,15 +96,26 @@ class InnerTrainer:
             fused=True,  # one kernel per parameter group: 18.9 ms a step of the demo model against 20.3 (CPU)
         )
 
+    @property
+    def schedule_step(self) -> int:
+        """The step the schedule is at: the own step count, or the run's clock (inner.schedule_clock)."""
+        return max(0, self.step + self.clock_offset)
+
+    def set_clock(self, run_step: int) -> None:
+        """inner.schedule_clock "run": the schedule is at `run_step` now and advances one per step from here."""
+        self.clock_offset = run_step - self.step
+        self._set_lr()
+
     def _set_lr(self) -> None:
         """Every group's lr for the next step: the config's schedule (the default), or the build's lr of
         the group times the spec's multiplier (or the default schedule's, relative to cfg.lr)."""
+        step = self.schedule_step
         if not self.custom:
-            lr = lr_at(self.step, self.cfg)
+            lr = lr_at(step, self.cfg)
             for group in self.opt.param_groups:
                 group["lr"] = lr
             return
-        scale = self.lr_at_step(self.step) if self.lr_at_step else lr_at(self.step, self.cfg) / self.cfg.lr
+        scale = self.lr_at_step(step) if self.lr_at_step else lr_at(step, self.cfg) / self.cfg.lr
         for group, base in zip(self.opt.param_groups, self.base_lrs, strict=True):
             group["lr"] = base * scale
 

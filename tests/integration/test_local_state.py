@@ -35,8 +35,8 @@ def corpus():
     return load_corpus(load_config("tiny").data)
 
 
-def new_run(tmp_path, run_id="local"):
-    cfg = load_config("tiny").with_overrides(OVERRIDES)
+def new_run(tmp_path, run_id="local", **overrides):
+    cfg = load_config("tiny").with_overrides({**OVERRIDES, **overrides})
     return create_run(open_store(f"file://{tmp_path}/bucket"), run_id, cfg)
 
 
@@ -92,8 +92,9 @@ def test_restart_resumes_mid_phase_from_local_state(tmp_path, corpus):
     assert audit_run(ctx).ok
 
 
-def test_delta_kept_from_an_outage_lands_after_the_restart(tmp_path, corpus):
-    ctx = new_run(tmp_path)
+@pytest.mark.parametrize("clock", ["own", "run"])  # run: the join cannot read the run's clock either, and goes on
+def test_delta_kept_from_an_outage_lands_after_the_restart(tmp_path, corpus, clock):
+    ctx = new_run(tmp_path, **{"inner.schedule_clock": clock})
     faulty = FaultyStore(ctx.store, [])
     learner_ctx = dataclasses.replace(ctx, store=faulty)  # the learner's view of the bucket; the merger's is real
     merger = Merger(ctx)
@@ -120,7 +121,7 @@ def test_delta_kept_from_an_outage_lands_after_the_restart(tmp_path, corpus):
 
     second = learner(learner_ctx, corpus)
     second.join()  # the bucket is unreachable: resumes unchecked from the local state
-    assert second.state.seq == 2
+    assert second.state.seq == 2 and second.trainer.clock_offset == 0
     faulty.windows.clear()  # storage is back
     assert second.publisher.drain(timeout_s=60)
     assert ctx.store.get(ctx.keys.delta("local-0", 1)) == spooled[0][1]  # the very bytes computed before the crash
