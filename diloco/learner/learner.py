@@ -33,7 +33,6 @@ from diloco.storage import (
     latest_version,
     manifest_exists,
     read_latest,
-    read_manifest,
 )
 from diloco.storage.codec import CodecError
 from diloco.storage.records import LearnerStatus, write_record
@@ -110,12 +109,8 @@ class Learner:
                          import_optimizer=self._import_optimizer, requeue=self._requeue,
                          use_checkpoint=self.cfg.learner.checkpoint)
         self.state, self.cursor = resumed.state, resumed.cursor
-        if self.cfg.inner.schedule_clock == "run":  # the joined version's clock (taken at the first step)
-            try:
-                self.run_clock(read_manifest(self.quick, self.ctx.keys, self.state.base).tokens_total)
-            except StorageError as err:  # a resume from local state in an outage: the own clock until an install
-                log.warning("learner %s: the run's clock is unknown (%s); the own step count until an install",
-                            self.name, err)
+        if resumed.tokens_total is not None:  # the run's clock as the resume read it (taken at the first step);
+            self.run_clock(resumed.tokens_total)  # none in an outage: the own step count until an install
         self._open_batches()
         if self.world is not None:
             self.world.pending |= FULL  # the other ranks take parameters, optimizer state, step and cursor

@@ -35,6 +35,7 @@ class Resumed:
     cursor: int  # batches of the shard already consumed
     step: int  # the optimizer's step count (drives the schedule)
     extra: dict = field(default_factory=dict)  # for the join event: where it came from
+    tokens_total: int | None = None  # of the newest manifest read on the way (the run's clock); None: none read
 
 
 def next_seq(ctx: RunContext, name: str, manifest: Manifest | None, store: Store | None = None) -> int:
@@ -62,7 +63,7 @@ def resume(ctx: RunContext, name: str, *, local: LocalState | None, events: Even
     state = LearnerState.at_version(manifest.version, params, next_seq(ctx, name, manifest))
     set_theta(clone(params))
     step, cursor = _from_checkpoint(ctx, name, events, import_optimizer) if use_checkpoint else (0, 0)
-    return Resumed(state, cursor, step)
+    return Resumed(state, cursor, step, tokens_total=manifest.tokens_total)
 
 
 def _from_local(ctx: RunContext, name: str, saved: Saved, local: LocalState, set_theta: SetTheta,
@@ -71,10 +72,11 @@ def _from_local(ctx: RunContext, name: str, saved: Saved, local: LocalState, set
     meta = saved.meta
     quick = ctx.store.with_retries(QUICK_RETRIES)  # in an outage: resume at once, not after the retry budget
     try:
-        bucket_next: int | None = next_seq(ctx, name, read_latest(quick, ctx.keys), quick)
+        latest = read_latest(quick, ctx.keys)
+        bucket_next: int | None = next_seq(ctx, name, latest, quick)
     except StorageError as err:
         log.warning("learner %s: bucket unreachable (%s); resuming from local state unchecked", name, err)
-        bucket_next = None
+        latest, bucket_next = None, None
     try:
         state = LearnerState.from_saved(meta, saved.parts["glob"], saved.parts["ref"])
         if bucket_next is not None and bucket_next > state.seq:
@@ -99,7 +101,8 @@ def _from_local(ctx: RunContext, name: str, saved: Saved, local: LocalState, set
         else:
             local.unspool(seq)  # listed or decided already
     return Resumed(state, cursor, step, {"local": True, "requeued": requeued,
-                                         "unshipped_steps": state.steps_since_publish})
+                                         "unshipped_steps": state.steps_since_publish},
+                   tokens_total=latest.tokens_total if latest is not None else None)
 
 
 def _from_checkpoint(ctx: RunContext, name: str, events: EventLog,
