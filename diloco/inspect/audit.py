@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from diloco.inspect.audit_trust import check_controls, replay_decisions
@@ -15,7 +16,7 @@ from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_
 from diloco.run.context import RunContext, direct_names
 from diloco.run.objects import read_tensors
 from diloco.storage import Manifest, StorageError, list_versions, read_manifest
-from diloco.storage.codec import CodecError, object_checksum
+from diloco.storage.codec import CodecError, decode, object_checksum
 from diloco.storage.keys import parse_delta_key
 
 
@@ -154,8 +155,22 @@ def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport, keyring=
         _compare_replay(ctx, m, result, report)
 
 
+def same_update(ctx: RunContext, m: Manifest, replayed: bytes) -> bool:
+    """The replayed update is the committed one: the same bytes, or (when a zstd of another version packs the
+    same frames differently) the same header and the same values, bit for bit."""
+    if object_checksum(replayed) == m.update_checksum:
+        return True
+    try:
+        h1, ours = decode(replayed)
+        h2, theirs = decode(ctx.store.get(m.update_key))
+    except (StorageError, CodecError):  # the stored object's own problem is reported by _check_object
+        return False
+    return (h1.codec, h1.meta, h1.tensors) == (h2.codec, h2.meta, h2.tensors) and \
+        all(np.array_equal(ours[k], theirs[k]) for k in ours)
+
+
 def _compare_replay(ctx: RunContext, m: Manifest, result, report: AuditReport) -> None:
-    if object_checksum(result.update_bytes) != m.update_checksum:
+    if not same_update(ctx, m, result.update_bytes):
         report.replay_ok = False
         report.problem(f"version {m.version}: replayed update differs from the committed one")
         return

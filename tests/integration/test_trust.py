@@ -114,3 +114,53 @@ def test_signing_rejects_forged_and_unsigned_deltas(tmp_path: Path) -> None:
     without = audit_run(open_run(ctx.store, ctx.run_id))
     assert without.ok and not without.signatures_verified and without.decisions_unreplayable == 2, without.problems
     assert len(list_versions(ctx.store, ctx.keys)) == 3
+
+
+def test_audit_compares_an_update_packed_another_way_by_its_values(tmp_path: Path, monkeypatch) -> None:
+    """A replay whose zstd packs the same update into other bytes (another zstd version; here, a writer without
+    zstd: lz4 frames) passes on equal header and values; other values fail."""
+
+    import diloco.storage.codec as codec
+    from diloco.inspect.audit import same_update
+    from diloco.run.objects import encode_tensors, read_tensors
+
+    ctx, learners, merger = tiny_run(tmp_path, **{"outer.update_codec": "int4"})
+    for _ in range(2):
+        m = one_round(learners, merger)
+    for learner in learners:
+        learner.close()
+    stored = ctx.store.get(m.update_key)
+    assert codec.read_header(stored).compression == "zstd"
+    monkeypatch.setattr(codec, "zstd_available", lambda: False)  # the replay's encoder packs lz4 frames
+    report = audit_run(open_run(ctx.store, ctx.run_id))
+    assert report.ok and report.replay_ok, report.problems
+    repacked = _repacked_lz4(stored)
+    assert repacked != stored and codec.read_header(repacked).compression == "lz4"
+    assert same_update(ctx, m, repacked)
+    header, values = read_tensors(ctx.store, m.update_key)
+    nudged = {k: v + 1e-3 if i == 0 else v for i, (k, v) in enumerate(values.items())}
+    assert not same_update(ctx, m, encode_tensors(nudged, codec_name="int4", kind="update",
+                                                  fingerprint=ctx.fingerprint, meta=header.meta))
+
+
+def _repacked_lz4(data: bytes) -> bytes:
+    """The same object with every zstd frame repacked as lz4 (no `compression` key): the same streams."""
+    import zlib
+
+    from diloco.storage.codec.header import elements_of, pack_header, read_layout, stream_bytes
+    from diloco.storage.codec.payload import frame_stream, unframe_stream
+
+    layout = read_layout(data, None, allow_partial=False)
+    head, view, pos, parts, entries = layout.header, memoryview(data)[layout.payload_offset:], 0, [], []
+    for spec, stored in zip(head.tensors, layout.frames, strict=True):
+        raw = stream_bytes(head.codec, elements_of(spec.shape), head.block_size)
+        stream = unframe_stream(view[pos:pos + sum(stored)], stored, raw, spec.name, "zstd")
+        pos += sum(stored)
+        frames, lengths = frame_stream(stream, "lz4")
+        parts += [bytes(f) for f in frames]
+        entries.append({"name": spec.name, "shape": list(spec.shape), "frames": lengths})
+    payload = b"".join(parts)
+    fields = {"format_version": head.format_version, "kind": head.kind, "codec": head.codec,
+              "block_size": head.block_size, "shuffle": head.shuffle, "fingerprint": head.fingerprint,
+              "meta": head.meta, "tensors": entries, "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload)}
+    return pack_header(fields) + payload

@@ -47,7 +47,7 @@ def test_codec_sizes_ordered() -> None:
     sizes = [codec_bytes_per_param(c) for c in ("fp32", "bf16", "int8", "int4")]
     assert sizes == sorted(sizes, reverse=True)
     assert 3.0 < sizes[0] <= 4.01  # fp32 + byte-shuffle + lz4 squeezes the exponent bytes a little
-    assert 0.45 < sizes[3] < 0.6  # 4 bits + block scales
+    assert 0.38 < sizes[3] < 0.5  # 4 bits + block scales (0.516 raw), less zstd's entropy stage (~3.3 bits)
     with pytest.raises(ValueError):
         codec_bytes_per_param("int3")
 

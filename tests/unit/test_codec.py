@@ -25,6 +25,7 @@ from diloco.storage.codec import (
     FORMAT_VERSION,
     MAGIC,
     CodecError,
+    Encoder,
     Header,
     TensorSpec,
     decode,
@@ -355,6 +356,8 @@ HOSTILE = {
     "shuffle not bool": _edit({"shuffle": "yes"}),
     "meta a list": _edit({"meta": [1]}),
     "payload crc lies": _edit({"payload_crc32": 1}),
+    "unknown compression": _edit({"compression": "brotli"}),
+    "compression not a string": _edit({"compression": ["zstd"]}),
 }
 
 
@@ -405,6 +408,71 @@ def test_hostile_sizes_are_refused_before_allocating(shape: list[int], frames: l
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20
+
+
+# ------------------------------------------------------------------------------ zstd frames
+
+
+def _skewed(n: int, seed: int = 0) -> np.ndarray:
+    """Laplace values, like a delta's: most of a block near zero, a few large (int4 codes ~3 bits of entropy)."""
+    return np.random.default_rng(seed).laplace(size=n).astype(np.float32)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "nf2"])
+def test_quantized_frames_are_zstd_and_smaller_than_raw(codec: str) -> None:
+    x = {"w": _skewed(1 << 16)}
+    data = encode(x, codec=codec, kind="delta", fingerprint="f")
+    obj, payload = _split(data)
+    raw = 4 * (len(x["w"]) // 256) + len(x["w"]) * {"int8": 1, "int4": 1 / 2, "int2": 1 / 4, "nf2": 1 / 4}[codec]
+    assert obj["compression"] == "zstd" and read_header(data).compression == "zstd"
+    assert len(payload) < 0.95 * raw  # the entropy stage: lz4 stored these codes raw
+    y = decode(data)[1]["w"]
+    forced_raw = Encoder(codec=codec, kind="delta", fingerprint="f", compress=False)
+    forced_raw.add("w", x["w"])
+    assert np.array_equal(y, decode(forced_raw.finish())[1]["w"])  # the same values, bit for bit
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16"])
+def test_float_frames_stay_lz4_with_no_compression_key(codec: str) -> None:
+    obj, _ = _split(encode({"w": _skewed(4096)}, codec=codec, kind="params", fingerprint="f"))
+    assert "compression" not in obj  # an lz4 object's header (and bytes) are what they were before zstd
+
+
+def test_objects_with_lz4_quantized_frames_still_decode() -> None:
+    """Objects written before zstd: quantized streams in lz4 frames, no `compression` key."""
+    x = np.zeros(1 << 14, np.float32)  # zeros: lz4 does shrink these, so the frame is a real lz4 block
+    x[::7] = _skewed(len(x[::7]))
+    enc = Encoder(codec="int4", kind="delta", fingerprint="f")
+    enc.compression = "lz4"
+    enc.add("w", x)
+    data = enc.finish()
+    obj, payload = _split(data)
+    assert "compression" not in obj and obj["tensors"][0]["frames"][0] < 4 * 64 + len(x) // 2
+    assert np.array_equal(decode(data)[1]["w"], decode(encode({"w": x}, codec="int4", kind="delta",
+                                                                 fingerprint="f"))[1]["w"])
+
+
+def test_a_zero_tensor_is_padded_to_the_ratio_bound_and_decodes() -> None:
+    """zstd shrinks zeros ~20,000x; decode refuses more than 256x, so the frame carries a skippable pad."""
+    n = 1 << 22  # 2 MiB of int4 codes + scales: one frame
+    data = encode({"w": np.zeros(n, np.float32)}, codec="int4", kind="update", fingerprint="f")
+    obj, _ = _split(data)
+    raw = 4 * (n // 256) + n // 2
+    stored = obj["tensors"][0]["frames"][0]
+    assert raw <= 256 * stored + 64 and stored < raw // 200  # at the bound: lz4's best, no better
+    assert not decode(data)[1]["w"].any()
+
+
+def test_a_corrupt_zstd_frame_is_refused_by_name() -> None:
+    obj, payload = _split(encode({"w": _skewed(1 << 14)}, codec="int4", kind="delta", fingerprint="f"))
+    forged = bytearray(payload)
+    forged[0] ^= 0xFF  # the zstd frame's magic
+    obj["payload_crc32"] = zlib.crc32(bytes(forged))
+    with pytest.raises(CodecError, match="zstd frame 0 is corrupt"):
+        decode(_forge(obj, bytes(forged)))
+    obj["compression"], obj["payload_crc32"] = "lz4", zlib.crc32(payload)  # zstd bytes read as lz4: refused
+    with pytest.raises(CodecError, match="lz4 frame 0"):
+        decode(_forge(obj, bytes(payload)))
 
 
 # ------------------------------------------------------------------------------- bench CLI

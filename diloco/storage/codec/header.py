@@ -30,7 +30,11 @@ MAX_NAME_CHARS = 1024
 MAX_ELEMENTS = 1 << 36  # 64 G elements in one object (256 GiB fp32): far beyond any delta
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 2, 1 << 20
 FRAME_BYTES = 1 << 24  # raw bytes per lz4 frame (lz4 blocks top out near 2 GiB)
-LZ4_MAX_RATIO = 256  # lz4 cannot expand a block by more than ~255x; bounds claimed raw sizes
+MAX_FRAME_RATIO = 256  # lz4 cannot expand a block by more than ~255x; bounds claimed raw sizes (zstd frames too)
+# How a payload's compressed frames are packed: lz4 (fp32/bf16, and every object written before zstd), or zstd
+# (the quantized codecs: their codes are not repetitive, so lz4 stores them raw; zstd's entropy stage takes ~1/5
+# off int4). The header names it only when it is not lz4, so an lz4 object's bytes are what they always were.
+COMPRESSIONS = ("lz4", "zstd")
 _KIND_RE = re.compile(r"[a-z0-9_-]{1,32}")
 _HEADER_KEYS = {
     "format_version",
@@ -44,6 +48,7 @@ _HEADER_KEYS = {
     "payload_bytes",
     "payload_crc32",
 }
+_OPTIONAL_KEYS = {"compression"}  # absent: "lz4"
 
 
 class CodecError(ValueError):
@@ -66,6 +71,7 @@ class Header:
     fingerprint: str  # model fingerprint: names + shapes (+ model config)
     tensors: tuple[TensorSpec, ...]
     meta: dict[str, Any] = field(default_factory=dict)  # base_version, seq, learner, tokens, steps, ...
+    compression: str = "lz4"  # of the frames stored shorter than their raw size (COMPRESSIONS)
 
     @property
     def num_elements(self) -> int:
@@ -191,8 +197,8 @@ def _parse_json(text: memoryview) -> dict[str, Any]:
         raise CodecError(f"header is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise CodecError(f"header must be a JSON object, got {type(obj).__name__}")
-    if set(obj) != _HEADER_KEYS:
-        missing, unknown = sorted(_HEADER_KEYS - set(obj)), sorted(set(obj) - _HEADER_KEYS)
+    if not _HEADER_KEYS <= set(obj) <= _HEADER_KEYS | _OPTIONAL_KEYS:
+        missing, unknown = sorted(_HEADER_KEYS - set(obj)), sorted(set(obj) - _HEADER_KEYS - _OPTIONAL_KEYS)
         raise CodecError(f"header keys wrong: missing {missing}, unknown {unknown}")
     return obj
 
@@ -203,6 +209,8 @@ def _check_fields(obj: dict[str, Any]) -> None:
     if obj["codec"] not in CODECS:
         raise CodecError(f"unknown codec {obj['codec']!r}; expected one of {CODECS}")
     check_encode_args(obj["codec"], obj["kind"], obj["fingerprint"], obj["block_size"])
+    if obj.get("compression", "lz4") not in COMPRESSIONS:
+        raise CodecError(f"unknown compression {obj['compression']!r}; expected one of {COMPRESSIONS}")
     if type(obj["shuffle"]) is not bool:
         raise CodecError(f"shuffle must be a bool, got {obj['shuffle']!r}")
     if not isinstance(obj["meta"], dict):
@@ -240,7 +248,7 @@ def _check_tensor(entry: Any, codec: str, block_size: int) -> tuple[TensorSpec, 
             f"tensor {name!r}: expected {num_frames} frames for shape {shape}, header lists {frames!r:.80}"
         )
     for i, (stored, size) in enumerate(zip(frames, frame_sizes(raw), strict=True)):
-        if not _is_int(stored, 1, size) or size > LZ4_MAX_RATIO * stored + 64:
+        if not _is_int(stored, 1, size) or size > MAX_FRAME_RATIO * stored + 64:
             raise CodecError(f"tensor {name!r}: frame {i} stores {stored!r} bytes for {size} raw bytes")
     return TensorSpec(name, tuple(shape)), frames, n
 
@@ -283,6 +291,7 @@ def read_layout(data: Any, max_bytes: int | None, allow_partial: bool) -> Layout
         fingerprint=obj["fingerprint"],
         tensors=tuple(specs),
         meta=obj["meta"],
+        compression=obj.get("compression", "lz4"),
     )
     return Layout(header, tuple(frames), offset, payload_bytes, obj["payload_crc32"])
 

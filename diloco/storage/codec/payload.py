@@ -1,5 +1,5 @@
 """The codec's payload: per-tensor streams (fp32, bf16, block-quantized int8/int4/int2/nf2, byte-shuffled) and
-their lz4 frames.
+their frames (lz4, zstd or raw).
 
 Contract: encode_stream / decode_stream are exact inverses for fp32 and bounded-error for int8/int4
 (half a step per block); int2 and nf2 clip (compact updates: the merger's residual carries the rest);
@@ -8,6 +8,8 @@ unframe_stream trusts only frame lengths the header has already validated.
 
 from __future__ import annotations
 
+import functools
+import struct
 from typing import Any
 
 import lz4.block
@@ -15,6 +17,7 @@ import numpy as np
 
 from diloco.storage.codec.header import (
     FRAME_BYTES,
+    MAX_FRAME_RATIO,
     VALUES_PER_BYTE,
     CodecError,
     TensorSpec,
@@ -191,21 +194,72 @@ def decode_stream(
 # ------------------------------------------------------------------------------------- framing
 
 
-def frame_stream(stream: np.ndarray, compress: bool = True) -> tuple[list[Any], list[int]]:
-    """Raw stream -> (frame buffers, stored lengths). A frame lz4 cannot shrink is stored raw, and so is
-    every frame when not `compress` (decode tells them apart by length: nothing in the format changes)."""
+_ZSTD_SKIPPABLE = struct.Struct("<II")  # a zstd skippable frame: magic, then the length of what follows
+_ZSTD_SKIPPABLE_MAGIC = 0x184D2A50
+
+
+@functools.cache
+def zstd_available() -> bool:
+    import pyarrow as pa
+
+    return bool(pa.Codec.is_available("zstd"))
+
+
+@functools.cache
+def _zstd():
+    """pyarrow's zstd (a dependency already: parquet corpora); imported on first use (~0.1 s)."""
+    import pyarrow as pa
+
+    if not zstd_available():
+        raise CodecError("this pyarrow build has no zstd: it cannot read zstd frames")
+    return pa.Codec("zstd", compression_level=1)
+
+
+def _compress_frame(raw: memoryview, compression: str | None) -> Any:
+    if compression == "lz4":
+        return lz4.block.compress(raw, store_size=False)
+    if compression == "zstd":
+        packed = _zstd().compress(raw, asbytes=True)
+        # decode refuses a frame claiming more than MAX_FRAME_RATIO x expansion (a bound on what a small object
+        # can make a reader allocate); zstd shrinks a block of zeros far more, so such a frame is padded up to
+        # the bound with a zstd skippable frame, which decompression passes over: lz4's best ratio, no better
+        short = -(-(len(raw) - 64) // MAX_FRAME_RATIO) - len(packed)
+        if short > 0:
+            pad = max(0, short - _ZSTD_SKIPPABLE.size)
+            packed += _ZSTD_SKIPPABLE.pack(_ZSTD_SKIPPABLE_MAGIC, pad) + bytes(pad)
+        return packed
+    return raw
+
+
+def frame_stream(stream: np.ndarray, compression: str | None = "lz4") -> tuple[list[Any], list[int]]:
+    """Raw stream -> (frame buffers, stored lengths). A frame the compression cannot shrink is stored raw,
+    and so is every frame when `compression` is None (decode tells them apart by length: a frame as long as
+    its raw size is raw; a shorter one is compressed with the object's `compression`)."""
     view = memoryview(stream).cast("B")
     parts, lengths = [], []
     for start in range(0, len(view), FRAME_BYTES):
         raw = view[start : start + FRAME_BYTES]
-        packed = lz4.block.compress(raw, store_size=False) if compress else raw
+        packed = _compress_frame(raw, compression)
         part = packed if len(packed) < len(raw) else raw
         parts.append(part)
         lengths.append(len(part))
     return parts, lengths
 
 
-def unframe_stream(view: memoryview, stored: list[int], raw_bytes: int, name: str) -> np.ndarray:
+def _decompress_frame(frame: memoryview, size: int, compression: str, name: str, i: int) -> Any:
+    if compression == "zstd":
+        try:
+            return _zstd().decompress(frame, decompressed_size=size, asbytes=True)
+        except OSError as exc:  # pyarrow's ArrowIOError: corrupt, truncated, or not that many bytes
+            raise CodecError(f"tensor {name!r}: zstd frame {i} is corrupt ({exc})") from None
+    try:
+        return lz4.block.decompress(frame, uncompressed_size=size)
+    except lz4.block.LZ4BlockError as exc:
+        raise CodecError(f"tensor {name!r}: lz4 frame {i} is corrupt ({exc})") from None
+
+
+def unframe_stream(view: memoryview, stored: list[int], raw_bytes: int, name: str,
+                   compression: str = "lz4") -> np.ndarray:
     """Stored frames (lengths already validated against the header) -> the raw stream (u8)."""
     sizes = frame_sizes(raw_bytes)
     out = np.empty(raw_bytes, np.uint8) if len(sizes) > 1 else None
@@ -214,12 +268,9 @@ def unframe_stream(view: memoryview, stored: list[int], raw_bytes: int, name: st
         frame = view[pos : pos + length]
         pos += length
         if length < size:
-            try:
-                frame = lz4.block.decompress(frame, uncompressed_size=size)
-            except lz4.block.LZ4BlockError as exc:
-                raise CodecError(f"tensor {name!r}: lz4 frame {i} is corrupt ({exc})") from None
+            frame = _decompress_frame(frame, size, compression, name, i)
             if len(frame) != size:
-                raise CodecError(f"tensor {name!r}: lz4 frame {i} holds {len(frame)} bytes, expected {size}")
+                raise CodecError(f"tensor {name!r}: {compression} frame {i} holds {len(frame)} bytes, expected {size}")
         if out is None:
             return np.frombuffer(frame, np.uint8)
         out[i * FRAME_BYTES : i * FRAME_BYTES + size] = np.frombuffer(frame, np.uint8)
