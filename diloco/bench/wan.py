@@ -47,6 +47,14 @@ QUICK_STEPS, QUICK_STEP_TIME_S = 40, 0.01
 STEP_TIME_S = 0.04
 
 
+def parse_cap_factors(text: str) -> tuple[float, ...]:
+    """`--caps 1,2,0.5` -> (1.0, 2.0, 0.5); ConfigError naming the bad part."""
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--caps must be comma-separated numbers (e.g. 1,2,0.5), got {text!r}") from None
+
+
 def dp_curve(cfg: Config, held: HeldOut, steps: int, every: int) -> list[tuple[int, float]]:
     """Data-parallel at equal tokens (one model, batch M x B, AdamW every step): (step, held-out loss)."""
     corpus = load_corpus(cfg.data)
@@ -131,7 +139,7 @@ def speedups(dp_s: float | None, decoupled_s: float | None, tokens_factor: float
 
 def _row(cap_mb_s: float, link: LinkSpec, dp: list[tuple[int, float]], runs: dict[str, WanResult],
          peer: dict[str, Any] | None, steps: int, num_params: int, num_learners: int,
-         tokens_factor: float = 1.0) -> dict[str, Any]:
+         tokens_factor: float = 1.0, cap_factor: float = 1.0) -> dict[str, Any]:
     target = dp[-1][1] * TARGET_OVER_DP
     methods = {name: _engine_entry(r, target) for name, r in runs.items()}
     dec = methods["decoupled"]
@@ -147,7 +155,8 @@ def _row(cap_mb_s: float, link: LinkSpec, dp: list[tuple[int, float]], runs: dic
     ttt = {k: v["time_to_target_s"] for k, v in methods.items()}
     dp_m = methods["dp"]
     return {
-        "link_mb_s": cap_mb_s, "rtt_s": link.rtt_s, "target_loss": target, "tokens_factor": tokens_factor,
+        "link_mb_s": cap_mb_s, "cap_factor": cap_factor, "rtt_s": link.rtt_s, "target_loss": target,
+        "tokens_factor": tokens_factor,
         "time_to_target_s": ttt, **speedups(ttt["dp"], ttt["decoupled"], tokens_factor),
         "traffic_ratio_vs_dp": {"sent": dp_m["bytes_sent_per_learner"] / dec["bytes_sent_per_learner"],
                                 "received": dp_m["bytes_received_per_learner"] / dec["bytes_received_per_learner"]},
@@ -189,15 +198,19 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
         past_s = head["speedup_vs_dp_past_equal_tokens"]
         speed = (f"speedup past equal tokens (DiLoCo at {factor:.3g}x DP's tokens) "
                  f"{past_s and round(past_s, 1)}; speedup_vs_dp (equal tokens) not measured by this run")
-    Console().print(f"target {head['target_loss']:.4f} nats/byte (DP final x {TARGET_OVER_DP}); at the "
+    where = "the" if head["cap_factor"] == 1.0 else f"{head['cap_factor']:g}x the"
+    Console().print(f"target {head['target_loss']:.4f} nats/byte (DP final x {TARGET_OVER_DP}); at {where} "
                     f"paper-equivalent cap {head['link_mb_s']:.4g} MB/s: {speed}, decoupled busy min "
                     f"{head['decoupled_busy_min']:.3f} (target >= {TARGETS['decoupled_busy_min']})")
 
 
 def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, steps: int | None = None,
               step_time_s: float = STEP_TIME_S, rtt_ms: float = 2.0, config: str = "bench", quick: bool = False,
-              peer: bool = True, seed: int | None = None, tokens_factor: float = 1.0) -> dict[str, Any]:
-    """DP (modelled), sync DiLoCo and Decoupled DiLoCo (real), torchft DiLoCo (peer) behind capped links."""
+              peer: bool = True, seed: int | None = None, tokens_factor: float = 1.0,
+              cap_factors: tuple[float, ...] = CAP_FACTORS, cohorts: bool = False) -> dict[str, Any]:
+    """DP (modelled), sync DiLoCo and Decoupled DiLoCo (real), torchft DiLoCo (peer) behind capped links.
+    `cap_factors`: the rows, as multiples of the cap; `cohorts`: the decoupled learners as bench quality's drive
+    runs them, two cohorts half a phase apart (quorum M/2, no grace window) instead of in step."""
     torch.set_num_threads(1)
     cfg = load_config(config)
     steps = steps or cfg.inner.total_steps
@@ -210,6 +223,8 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
         raise ConfigError(f"--steps {steps} must be a multiple of inner.steps_per_phase ({cfg.inner.steps_per_phase})")
     if step_time_s <= 0 or rtt_ms < 0:
         raise ConfigError("--step-time-s must be > 0 and --rtt-ms >= 0")
+    if not cap_factors or any(not 0 < f <= 100 for f in cap_factors):
+        raise ConfigError(f"--caps must be one or more factors in (0, 100], got {list(cap_factors)}")
     d_steps = diloco_steps(steps, tokens_factor, cfg.inner.steps_per_phase)
     d_cfg = cfg.with_overrides({"inner.total_steps": d_steps})  # the DiLoCo methods' own length and schedule
     m, log = cfg.run.num_learners, (lambda s: print(s, file=sys.stderr, flush=True))
@@ -227,19 +242,21 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
         log(f"  dp: final {dp[-1][1]:.4f} ({time.time() - t_start:.0f}s)")
         peer_run, peer_skipped = peer_future.result() if peer_future else (None, "--no-peer")
     rows = []
-    for factor in CAP_FACTORS:
+    for factor in cap_factors:
         cap = base_cap * factor
         link = LinkSpec.symmetric(cap, rtt_ms / 1e3)
         runs = {}
         for name, mode in (("sync_diloco", "sync"), ("decoupled", "carry")):
-            runs[name] = run_wan(d_cfg, WanRun(name, mode, link, step_time_s, d_steps), held, cfg.data.seed)
+            run = WanRun(name, mode, link, step_time_s, d_steps, cohorts=cohorts and mode == "carry")
+            runs[name] = run_wan(d_cfg, run, held, cfg.data.seed)
             log(f"  {cap:.4g} MB/s {name}: final {runs[name].final_loss:.4f}, wall {runs[name].wall_s:.1f}s "
                 f"({time.time() - t_start:.0f}s)")
-        rows.append(_row(cap, link, dp, runs, peer_run, steps, num_params, m, d_steps / steps))
+        rows.append(_row(cap, link, dp, runs, peer_run, steps, num_params, m, d_steps / steps, factor))
     result = {**{k: v for k, v in rows[0].items() if k != "methods"}, "methods": rows[0]["methods"], "rows": rows,
               "targets": TARGETS, "config": _config_record(cfg, steps, step_time_s, rtt_ms, num_params, base_cap,
                                                              link_mb_s is None, peer_run, time.time() - t_start)}
     result["config"].update(torchft_skipped=peer_skipped, tokens_factor_requested=tokens_factor,
+                            cap_factors=list(cap_factors), decoupled_cohorts=cohorts,
                             diloco_steps_per_learner=d_steps,
                             diloco_tokens_per_method=m * d_steps * cfg.data.batch_size * cfg.model.ctx_len)
     _print_rows(rows)

@@ -1,7 +1,7 @@
 """`bench wan`'s arithmetic: the paper-equivalent cap, the modelled ring all-reduce, time to target, the
 second cohort's phase plan, the DiLoCo methods' steps and speedup past equal tokens, step padding, the
 torchft row's clock, the concurrent clock's cohorts and the engine overrides of each schedule (sync;
-decoupled as the recipe ships it; two cohorts).
+decoupled as the recipe ships it; two cohorts); `--caps` refused when malformed, before anything runs.
 Run: `.venv/bin/pytest tests/unit/test_bench_wan.py`.
 """
 
@@ -18,9 +18,11 @@ from diloco.bench.peer_torchft import wan_entry
 from diloco.bench.wan import (
     COMM_OVER_COMPUTE,
     allreduce_s,
+    bench_wan,
     default_cap_mb_s,
     diloco_steps,
     first_below,
+    parse_cap_factors,
     speedups,
 )
 from diloco.configs import ConfigError, load_config
@@ -118,3 +120,12 @@ def test_engine_overrides_per_schedule() -> None:
     assert merged.merger.quorum == cfg.merger.quorum and merged.learner.prefetch == cfg.learner.prefetch
     cohorts = engine_overrides(cfg, WanRun("c", "carry", link, 0.01, 40, cohorts=True))
     assert cohorts["merger.quorum"] == max(1, m // 2) and cohorts["merger.grace_cap_s"] == 0.0
+
+
+def test_cap_factors_are_parsed_and_bad_ones_refused_before_anything_runs() -> None:
+    assert parse_cap_factors("1,2,0.5") == (1.0, 2.0, 0.5) and parse_cap_factors("0.25") == (0.25,)
+    with pytest.raises(ConfigError, match="comma-separated numbers"):
+        parse_cap_factors("1,two")
+    for bad in ((), (0.0,), (1.0, -2.0), (1e3,)):
+        with pytest.raises(ConfigError, match="--caps must be"):  # (checked before the DP run or any learner)
+            bench_wan(quick=True, peer=False, cap_factors=bad)
