@@ -13,6 +13,7 @@ the other two start the shared stack first)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 from pathlib import Path
@@ -109,11 +110,19 @@ def test_a_missing_deployment_fails_the_train_flow_with_its_reason(deployed_run:
             state = client.read_flow_run(flow_run_id).state
         return state.type.value if state and state.is_final() else None
 
+    def log_text() -> str:
+        with SyncPrefectClient(stack.api_url) as client:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        return "\n".join(log.message for log in logs)
+
     wait_for(final_state, 600, "the train flow run to end")
     assert final_state() == "FAILED"
-    with SyncPrefectClient(stack.api_url) as client:
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-    text = "\n".join(log.message for log in logs)
+    # Prefect ships a run's logs in batches after the fact: the FAILED state can be on the server before the
+    # last batch (the exception that ended the run). Wait for that line rather than read the logs once.
+    bound = f"could not be started {MAX_REFUSALS} times in a row"
+    with contextlib.suppress(TimeoutError):  # the assertion below names what is missing
+        wait_for(lambda: bound in log_text(), 60, "the run's last logs to reach the server")
+    text = log_text()
     assert "learner/learner-nope" in text and "could not start us-east-0" in text, text  # each refusal, here
-    assert f"could not be started {MAX_REFUSALS} times in a row" in text, text  # the bound, then the end
+    assert bound in text, text  # the bound, then the end
     assert read_stop_reason(open_run(storage, run_id)).startswith("error: RoleUnstartable")
