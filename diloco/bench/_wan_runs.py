@@ -30,7 +30,11 @@ EVAL_PROCS = 2  # after a run its versions are evaluated on both cores
 class WanRun:
     """One method behind one link: `mode` sync (quorum M, learners wait) or carry (the recipe's quorum and
     grace window; learners never wait). `cohorts`: odd learners start with half a phase (two cohorts half a
-    phase apart, quorum M/2, no grace: bench quality's "alternate" schedule in real time)."""
+    phase apart, quorum M/2, no grace: bench quality's "alternate" schedule in real time). `fragments` > 1:
+    FragmentLearners ship fragment p at step p*H/P of every phase into its own chain and a merger shard merges each
+    fragment once a quorum of its deltas is there (M in step; M/2 in cohorts: fragments.cohorts 2, the odd learners'
+    schedule half a phase later); with the recipe's learner.prefetch each lane fetches its fragment's versions in
+    the background."""
 
     name: str
     mode: str
@@ -38,6 +42,7 @@ class WanRun:
     step_time_s: float
     steps: int  # inner steps per learner
     cohorts: bool = False
+    fragments: int = 1  # > 1: streaming (fragments.count, tau = fragments.overlap_steps), one merger shard
 
 
 @dataclass
@@ -103,6 +108,12 @@ def engine_overrides(cfg: Config, run: WanRun) -> dict[str, Any]:
         out.update({"merger.quorum": m, "merger.grace_cap_s": 0.0, "merger.quorum_timeout_s": 600.0})
     elif run.cohorts:
         out.update({"merger.quorum": max(1, m // 2), "merger.grace_cap_s": 0.0})
+    if run.fragments > 1:
+        if run.mode == "sync":
+            raise ValueError("bench wan: fragments > 1 is for the decoupled (carry) rows")
+        # a shard merges a fragment once its quorum is there (it has no grace window): every learner in step
+        out.update({"fragments.count": run.fragments, "merger.shards": 1, "fragments.cohorts": 2 if run.cohorts else 1,
+                    "merger.quorum": max(1, m // 2) if run.cohorts else m})
     return out
 
 
@@ -117,6 +128,7 @@ def phase_plan(steps: int, h: int, half_first: bool) -> list[int]:
 def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: bool, corpus, barrier, out) -> None:
     """One learner process (forked: `corpus` is the parent's): join through its link, wait for everyone,
     then steps / H phases."""
+    from diloco.learner.fragmented import FragmentLearner
     from diloco.learner.learner import Learner
     from diloco.run.context import open_run
     from diloco.specs.gpt import make_spec
@@ -127,14 +139,15 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
     try:
         counting = CountingStore(ThrottledStore(open_store(url), run.link))
         ctx = open_run(counting, run_id)
-        learner = Learner(ctx, name, make_spec(ctx.cfg, corpus))
+        fragmented = bool(ctx.fragments)
+        learner = (FragmentLearner if fragmented else Learner)(ctx, name, make_spec(ctx.cfg, corpus))
         padded = PaddedSteps(learner.trainer, run.step_time_s)
         learner.join()
         joined_link = counting.inner.link.snapshot()
         counting.reset()
         t0 = barrier_wait(barrier)
         start, installs = time.time() - t0, 0
-        for num_steps in phase_plan(run.steps, ctx.cfg.inner.steps_per_phase, half_first):
+        for num_steps in phase_plan(run.steps, ctx.cfg.inner.steps_per_phase, half_first and not fragmented):
             stats = learner.run_phase(num_steps)
             seq = learner.publish(stats)
             if seq is not None and run.mode == "sync":
@@ -175,6 +188,28 @@ def _merge_until_done(merger, procs, drain, deadline_s: float) -> None:
             raise RuntimeError(f"a learner process died: {drain()}")
 
 
+def _merge_fragments_until_done(shard, procs, drain, deadline_s: float) -> None:
+    """A fragmented run's _merge_until_done: one shard merges every fragment due; once every learner reported,
+    what still waits below its quorum (a cohort's last ships) is merged at once rather than after the timeout."""
+    deadline = time.time() + deadline_s
+    while True:
+        reported = len(drain()) == len(procs) or all(not p.is_alive() for p in procs)
+        if time.time() > deadline:
+            raise RuntimeError(f"run still going after {deadline_s:.0f}s: versions "
+                               f"{[shard.version(p) for p in shard.fragments]}, reports {sorted(drain())}")
+        merged = shard.poll_once()
+        if any(p.exitcode not in (None, 0) for p in procs):
+            raise RuntimeError(f"a learner process died: {drain()}")
+        if reported and not merged:
+            waiting = [p for p in shard.fragments if shard._waiting(p, shard.head(p), set())]
+            if not waiting:
+                return
+            for p in waiting:
+                shard.merge_fragment(p, lambda: False)
+        elif not merged:
+            time.sleep(shard.ctx.cfg.merger.poll_interval_s)
+
+
 _EVAL: dict[str, Any] = {}  # in a forked evaluator: the run's context and the held-out set (_start_evaluator)
 
 
@@ -202,6 +237,8 @@ def _curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
 
     from diloco.inspect.report import manifests
 
+    if ctx.fragments:
+        return _run_version_curve(ctx, held, t0)
     found = manifests(ctx)
     jobs = [(m.params_key, m.params_checksum) for m in found]
     with ProcessPoolExecutor(EVAL_PROCS, mp_context=mp.get_context("fork"), initializer=_start_evaluator,
@@ -211,9 +248,37 @@ def _curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
             for i, m in enumerate(found)]
 
 
+def _run_version_losses(versions: list[int]) -> list[tuple[float, float]]:
+    """In a forked evaluator: (committed at, held-out loss) of each run version of a fragmented run."""
+    from diloco.run.fragments import read_run_version
+
+    ctx, held = _EVAL["ctx"], _EVAL["held"]
+    out = []
+    for version in versions:
+        params, _, committed = read_run_version(ctx, version)
+        out.append((committed, held.loss(params)))
+    return out
+
+
+def _run_version_curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
+    """_curve of a fragmented run: every run version (each fragment's version v put together), at the time its
+    last fragment committed it."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from diloco.run.fragments import run_version
+
+    versions = list(range(run_version(ctx) + 1))
+    with ProcessPoolExecutor(EVAL_PROCS, mp_context=mp.get_context("fork"), initializer=_start_evaluator,
+                             initargs=(ctx, held)) as pool:
+        parts = list(pool.map(_run_version_losses, [versions[i::EVAL_PROCS] for i in range(EVAL_PROCS)]))
+    points = [parts[i % EVAL_PROCS][i // EVAL_PROCS] for i in range(len(versions))]
+    return [(max(0.0, at - t0), loss, v) for v, (at, loss) in zip(versions, points, strict=True)]
+
+
 def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
     """One real run: learners forked from this process (torch already imported: a fork is fast), the merger here."""
     from diloco.merger.merger import Merger
+    from diloco.merger.shard import ShardMerger
     from diloco.run.create import create_run
     from diloco.specs.gpt import load_corpus
     from diloco.storage import open_store
@@ -233,8 +298,11 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
                                 name=f"wan-{name}", daemon=True) for i, name in enumerate(ctx.learners)]
         for p in procs:
             p.start()
-        merger = Merger(ctx)
-        merger.load()
+        if ctx.fragments:
+            merger = ShardMerger(ctx, 0)
+        else:
+            merger = Merger(ctx)
+            merger.load()
         barrier.wait(JOIN_TIMEOUT_S)
         t0 = time.time()
         reports: dict[str, Any] = {}
@@ -246,7 +314,8 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
             return reports
 
         expected_s = run.steps * run.step_time_s
-        _merge_until_done(merger, procs, drain, deadline_s=max(600.0, 20 * expected_s))
+        until_done = _merge_fragments_until_done if ctx.fragments else _merge_until_done
+        until_done(merger, procs, drain, deadline_s=max(600.0, 20 * expected_s))
         for p in procs:
             p.join(30)
         errors = {k: v for k, (s, v) in reports.items() if s != "ok"}
@@ -254,7 +323,8 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
             raise RuntimeError(f"{run.name}: learners failed: {errors or 'no report'}")
         learners = [reports[name][1] for name in ctx.learners]
         curve = _curve(ctx, held, t0)
+        versions = curve[-1][2]
     wall = curve[-1][0]  # the clock's start to the last commit
     return WanResult([(t, loss) for t, loss, _ in curve], curve[-1][1], curve[-1][2], wall, learners,
-                     {"versions_per_phase": curve[-1][2] / max(1, run.steps // h)})
+                     {"versions_per_phase": versions / max(1, run.steps // h)})
 

@@ -207,10 +207,14 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
 def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, steps: int | None = None,
               step_time_s: float = STEP_TIME_S, rtt_ms: float = 2.0, config: str = "bench", quick: bool = False,
               peer: bool = True, seed: int | None = None, tokens_factor: float = 1.0,
-              cap_factors: tuple[float, ...] = CAP_FACTORS, cohorts: bool = False) -> dict[str, Any]:
+              cap_factors: tuple[float, ...] = CAP_FACTORS, cohorts: bool = True,
+              fragments: int = 8) -> dict[str, Any]:
     """DP (modelled), sync DiLoCo and Decoupled DiLoCo (real), torchft DiLoCo (peer) behind capped links.
-    `cap_factors`: the rows, as multiples of the cap; `cohorts`: the decoupled learners as bench quality's drive
-    runs them, two cohorts half a phase apart (quorum M/2, no grace window) instead of in step."""
+    `cap_factors`: the rows, as multiples of the cap. The decoupled row is Decoupled DiLoCo as the paper runs it,
+    streaming: `fragments` fragments (tau = fragments.overlap_steps, merged by one shard, each learner's lanes
+    prefetched), and `cohorts`: the learners in two cohorts half a phase apart (fragments.cohorts 2, quorum M/2)
+    as bench quality's drive runs its decoupled rows. fragments 1: whole-model deltas (cohorts then: the odd
+    learners start with half a phase, no grace window), cohorts False: every learner in step."""
     torch.set_num_threads(1)
     cfg = load_config(config)
     steps = steps or cfg.inner.total_steps
@@ -223,6 +227,8 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
         raise ConfigError(f"--steps {steps} must be a multiple of inner.steps_per_phase ({cfg.inner.steps_per_phase})")
     if step_time_s <= 0 or rtt_ms < 0:
         raise ConfigError("--step-time-s must be > 0 and --rtt-ms >= 0")
+    if not 1 <= fragments <= 64:
+        raise ConfigError(f"--fragments must be in [1, 64], got {fragments}")
     if not cap_factors or any(not 0 < f <= 100 for f in cap_factors):
         raise ConfigError(f"--caps must be one or more factors in (0, 100], got {list(cap_factors)}")
     d_steps = diloco_steps(steps, tokens_factor, cfg.inner.steps_per_phase)
@@ -247,7 +253,8 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
         link = LinkSpec.symmetric(cap, rtt_ms / 1e3)
         runs = {}
         for name, mode in (("sync_diloco", "sync"), ("decoupled", "carry")):
-            run = WanRun(name, mode, link, step_time_s, d_steps, cohorts=cohorts and mode == "carry")
+            run = WanRun(name, mode, link, step_time_s, d_steps, cohorts=cohorts and mode == "carry",
+                         fragments=fragments if mode == "carry" else 1)
             runs[name] = run_wan(d_cfg, run, held, cfg.data.seed)
             log(f"  {cap:.4g} MB/s {name}: final {runs[name].final_loss:.4f}, wall {runs[name].wall_s:.1f}s "
                 f"({time.time() - t_start:.0f}s)")
@@ -256,7 +263,7 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
               "targets": TARGETS, "config": _config_record(cfg, steps, step_time_s, rtt_ms, num_params, base_cap,
                                                              link_mb_s is None, peer_run, time.time() - t_start)}
     result["config"].update(torchft_skipped=peer_skipped, tokens_factor_requested=tokens_factor,
-                            cap_factors=list(cap_factors), decoupled_cohorts=cohorts,
+                            cap_factors=list(cap_factors), decoupled_cohorts=cohorts, decoupled_fragments=fragments,
                             diloco_steps_per_learner=d_steps,
                             diloco_tokens_per_method=m * d_steps * cfg.data.batch_size * cfg.model.ctx_len)
     _print_rows(rows)

@@ -88,9 +88,12 @@ def _bench_wan(
                                              "equal tokens."),
     caps: str = typer.Option("1,2,0.5", "--caps", help="The rows: caps as multiples of the paper-equivalent cap "
                                                        "(or of --link-mb-s), comma-separated; the first is the headline."),
-    cohorts: bool = typer.Option(False, "--cohorts", help="Decoupled learners in two cohorts half a phase apart "
-                                                          "(quorum M/2, no grace window), as bench quality's drive "
-                                                          "runs them; default: in step."),
+    cohorts: bool = typer.Option(True, "--cohorts/--in-step", help="Decoupled learners in two cohorts half a phase "
+                                                                    "apart (quorum M/2), as bench quality's drive runs "
+                                                                    "them, or every learner in step."),
+    fragments: int = typer.Option(8, "--fragments", help="Decoupled learners stream this many fragments (each shipped "
+                                                         "every H steps, staggered, tau 2; one merger shard); 1: "
+                                                         "whole-model deltas."),
 ) -> None:
     """Time to a target loss behind a capped link: DP (modelled), sync and decoupled DiLoCo (real), torchft."""
     from diloco.bench.wan import bench_wan, parse_cap_factors
@@ -98,7 +101,7 @@ def _bench_wan(
     with user_errors():
         bench_wan(json_path=json_path, link_mb_s=link_mb_s, steps=steps, rtt_ms=rtt_ms, config=config, quick=quick,
                   peer=peer, seed=seed, tokens_factor=tokens_factor, cap_factors=parse_cap_factors(caps),
-                  cohorts=cohorts,
+                  cohorts=cohorts, fragments=fragments,
                   **({} if step_time_s is None else {"step_time_s": step_time_s}))
 
 @bench.command("merge")

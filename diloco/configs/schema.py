@@ -166,6 +166,10 @@ class FragmentsConfig(_Strict):
 
     count: int = Field(1, ge=1, le=1024)  # 1: the whole model as one delta, today's protocol bit for bit
     overlap_steps: int = Field(2, ge=0)  # tau: steps between shipping a fragment and its earliest install (paper: 2)
+    # learners in this many cohorts: learner k (its place in the run's learner list) ships fragment p at step
+    # p * H / count + (k % cohorts) * H / cohorts of every phase, so a fragment's merges alternate between cohorts
+    # (with merger.quorum = learners / cohorts, each merge takes one cohort's deltas); 1: every learner in step
+    cohorts: int = Field(1, ge=1, le=64)
 
 
 class EvalConfig(_Strict):
@@ -219,6 +223,8 @@ class Config(_Strict):
         count, shards, phase = self.fragments.count, self.merger.shards, self.inner.steps_per_phase
         if shards > count:
             raise ValueError(f"merger.shards ({shards}) must be <= fragments.count ({count}): a shard owns fragments")
+        if self.fragments.cohorts > phase:
+            raise ValueError(f"fragments.cohorts ({self.fragments.cohorts}) must be <= inner.steps_per_phase ({phase})")
         if count > 1 and self.fragments.overlap_steps >= phase:
             raise ValueError(f"fragments.overlap_steps ({self.fragments.overlap_steps}) must be < "
                              f"inner.steps_per_phase ({phase})")

@@ -4,8 +4,9 @@ own staggered schedule into its own chain and a merged fragment is installed whe
 Contract: per fragment, shipped + carried = all local progress (diloco.learner.lanes); a (re)join starts
 every lane at its fragment's newest version with the next unused seq of that chain, and the data cursor and
 inner step (the lr schedule) of the learner's last status; `sync` mode waits tau steps after a ship for the
-version deciding it. Not supported yet with fragments (refused or off): learner.ranks > 1, local state,
-bucket checkpoints, prefetch.
+version deciding it. With `learner.prefetch` each lane has its own Prefetcher (a thread on its fragment's chain):
+the training thread installs what it fetched at the next step a lane may install, without a request. Not
+supported yet with fragments (refused or off): learner.ranks > 1, local state, bucket checkpoints.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 from diloco.learner.lanes import Lanes
 from diloco.learner.learner import Learner, PhaseStats
-from diloco.learner.prefetch import fetch_global
+from diloco.learner.prefetch import Prefetcher, fetch_global
 from diloco.learner.publisher import Publisher
 from diloco.run.fragments import fragment_context
 from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
@@ -42,10 +43,11 @@ class FragmentLearner(Learner):
             self.local = None
             self.publisher.close()
             self.publisher = Publisher(ctx.store, self.events)
-        self.prefetcher = None
+        self.prefetcher = None  # the whole-model one: never; lanes have their own (lane_prefetch)
+        self.lane_prefetch: dict[int, Prefetcher] = {}
         cfg = ctx.cfg
         self.lanes = Lanes(ctx.fragments, cfg.inner.steps_per_phase, cfg.fragments.overlap_steps, cfg.learner.mode)
-        self.steps_done = 0  # since join: the stagger counts from here
+        self.steps_done = 0  # since join, plus the cohort's offset (stagger): the ship schedule counts from here
         self.awaiting: dict[int, int] = {}  # sync mode: lane -> seq waiting for its decision
 
     # ---- join ------------------------------------------------------------------------------
@@ -65,13 +67,41 @@ class FragmentLearner(Learner):
         self.cursor, self.trainer.step = self._last_position()
         self.run_clock(tokens_total)  # inner.schedule_clock "run": the newest fragment's clock
         self._open_batches()
-        self.steps_done, self.awaiting = 0, {}
+        self.steps_done, self.awaiting = self.stagger(), {}
+        self._start_prefetch()
         self._sync_state()
         self.events.emit("join", learner=self.name, version=self.state.base, cursor=self.cursor, **self.lanes.meta())
         self.heartbeat("joined", force=True, wait=True)
         log.info("learner %s joined fragments at versions %s, data cursor %d", self.name,
                  self.lanes.meta()["bases"], self.cursor)
         return self.state.base
+
+    def stagger(self) -> int:
+        """fragments.cohorts: this learner's schedule offset, (k % cohorts) * H / cohorts steps (k: its place in
+        the run's learner list; a name not in it is cohort 0)."""
+        cohorts, h = self.cfg.fragments.cohorts, self.cfg.inner.steps_per_phase
+        k = self.ctx.learners.index(self.name) if self.name in self.ctx.learners else 0
+        return (k % cohorts) * h // cohorts
+
+    def _start_prefetch(self) -> None:
+        """learner.prefetch (not in sync mode): one Prefetcher per lane, from the lane's version just joined."""
+        self._close_prefetch()
+        cfg = self.cfg.learner
+        if not cfg.prefetch or cfg.mode == "sync":
+            return
+        for lane in self.lanes.lanes:
+            self.lane_prefetch[lane.index] = Prefetcher(
+                fragment_context(self.ctx, lane.index), self.ctx.store, f"{self.name}-f{lane.index}", lane.base,
+                lane.glob, poll_s=cfg.prefetch_poll_s, max_updates_behind=cfg.max_updates_behind)
+
+    def _close_prefetch(self) -> None:
+        for prefetcher in self.lane_prefetch.values():
+            prefetcher.close()
+        self.lane_prefetch = {}
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self._close_prefetch()
+        super().close(timeout_s)
 
     def _next_seq(self, keys, manifest) -> int:
         """One past every seq this learner used in the chain: decided (the cursor) or listed (published)."""
@@ -130,7 +160,7 @@ class FragmentLearner(Learner):
                 break  # what the lanes have not shipped yet stays unshipped: the run is over
             if cfg.learner.mode == "sync":
                 self._wait_for_decisions()
-            elif (i + 1) % cfg.learner.probe_every_steps == 0:
+            elif self.lane_prefetch or (i + 1) % cfg.learner.probe_every_steps == 0:  # taking a prefetch is free
                 stats.installs.extend(self.maybe_install())
             self.heartbeat()
         stats.loss = sum(losses) / len(losses) if losses else float("nan")
@@ -178,6 +208,18 @@ class FragmentLearner(Learner):
         for lane in self.lanes.lanes:
             if not self.lanes.may_install(lane.index, self.steps_done):
                 continue
+            prefetcher = self.lane_prefetch.get(lane.index)
+            if prefetcher is not None:
+                fetched = prefetcher.take()
+                if fetched is not None and fetched[0] > lane.base:
+                    theta = theta if theta is not None else self._live()
+                    previous = lane.base
+                    self.lanes.install(lane.index, fetched[0], fetched[1], theta)
+                    self.run_clock(prefetcher.taken_tokens_total)
+                    self.events.emit("install", learner=self.name, fragment=lane.index, version=fetched[0],
+                                     previous=previous)
+                    moved.append(lane.index)
+                continue
             keys = self.ctx.keys.for_fragment(lane.index)
             try:
                 if not manifest_exists(self.quick, keys, lane.base + 1):
@@ -201,6 +243,8 @@ class FragmentLearner(Learner):
                                       version, self.cfg.learner.max_updates_behind)
         previous = lane.base
         self.lanes.install(index, version, glob, theta)
+        if index in self.lane_prefetch:  # installed another way (a sync wait): its prefetcher fetches from here
+            self.lane_prefetch[index].rebase(version, glob)
         self.run_clock(manifest.tokens_total)  # every fragment's chain merges every step's tokens once
         self.events.emit("install", learner=self.name, fragment=index, version=version, previous=previous)
 

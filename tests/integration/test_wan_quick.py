@@ -33,6 +33,7 @@ def test_quick_wan_writes_the_issue_keys(tmp_path: Path) -> None:
     caps = [row["link_mb_s"] for row in r["rows"]]
     assert caps == pytest.approx([caps[0], 2 * caps[0], caps[0] / 2])
     dec = r["methods"]["decoupled"]
+    assert r["config"]["decoupled_fragments"] == 8 and r["config"]["decoupled_cohorts"] is True  # the default row
     assert dec["versions"] >= 2 and 0 < dec["busy_mean"] <= 1.0 + 1e-9
     assert dec["delta_bytes_sent_per_learner"] > 0 and dec["global_bytes_received_per_learner"] > 0
     assert r["methods"]["dp"]["modelled"] and r["config"]["torchft_skipped"] == "--no-peer"
