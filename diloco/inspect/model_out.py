@@ -26,7 +26,10 @@ from diloco.training.tensors import Tensors
 
 
 def version_params(ctx: RunContext, version: int | None = None) -> tuple[int, Tensors]:
-    """(version, its parameters): the newest committed version by default; RunError if it is not committed."""
+    """(version, its parameters): the newest committed version by default; RunError if it is not committed.
+    A fragmented run's version is its run version: every fragment's version `version` put together."""
+    if ctx.fragments:
+        return _run_version_params(ctx, version)
     newest = latest_version(ctx.store, ctx.keys)
     version = newest if version is None else version
     if version is None or version < 0 or (newest is not None and version > newest):
@@ -37,6 +40,21 @@ def version_params(ctx: RunContext, version: int | None = None) -> tuple[int, Te
         raise RunError(f"run {ctx.run_id!r} has no committed version {version}") from None
     _, params = read_tensors(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
                              checksum=manifest.params_checksum)
+    return version, params
+
+
+def _run_version_params(ctx: RunContext, version: int | None) -> tuple[int, Tensors]:
+    from diloco.run.fragments import read_run_version, run_version
+
+    newest = run_version(ctx)
+    version = newest if version is None else version
+    if version is None or version < 0 or (newest is not None and version > newest):
+        raise RunError(f"run {ctx.run_id!r} has no committed run version {version} (newest: {newest}; "
+                       "a fragmented run's version is the oldest of its fragments' newest)")
+    try:
+        params, _, _ = read_run_version(ctx, version)
+    except NotFound:
+        raise RunError(f"run {ctx.run_id!r} has no committed run version {version}") from None
     return version, params
 
 

@@ -3,6 +3,8 @@
 - cohorts 2: learner k's fragment schedule is offset by (k % 2) * H / 2 steps, so half a phase in, learner 0 has
   shipped the fragments due in the first half of a phase and learner 1 those of the second; a rejoin keeps the
   offset; a bad value is refused naming the key.
+- the model out of a fragmented run (sample, exports) is its run version put together from every fragment, not
+  the root chain's version 0.
 - prefetch: each lane's prefetcher fetches its fragment's newer versions; the learner installs them at its next
   step past the overlap without a request of its own, with the bits every learner and the merger hold.
 Run: .venv/bin/pytest tests/integration/test_fragment_cohorts.py -q
@@ -121,3 +123,27 @@ def test_prefetched_lanes_install_the_merged_fragment_bit_for_bit(tmp_path, corp
     for learner in learners:
         learner.close()
     assert reader.lane_prefetch == {} and not any(pf._thread.is_alive() for pf in prefetchers)
+
+
+def test_a_fragmented_runs_model_is_its_run_version(tmp_path, corpus) -> None:
+    from diloco.inspect.model_out import version_params
+    from diloco.run.context import RunError
+    from diloco.run.fragments import read_run_version
+
+    ctx = _run(tmp_path)
+    learner = FragmentLearner(ctx, ctx.learners[0], make_spec(ctx.cfg, corpus))
+    learner.join()
+    learner.run_phase(num_steps=H)
+    learner.publisher.drain()
+    shard, merged, deadline = ShardMerger(ctx, 0), [], time.time() + 30
+    while len(merged) < COUNT and time.time() < deadline:
+        merged += shard.poll_once()
+    learner.close()
+    version, params = version_params(ctx)
+    assert version == 1
+    expected, start = read_run_version(ctx, 1)[0], version_params(ctx, 0)[1]
+    assert params.keys() == expected.keys() == start.keys()
+    assert all(torch.equal(params[k], expected[k]) for k in params)
+    assert any(not torch.equal(params[k], start[k]) for k in params)  # trained: not version 0
+    with pytest.raises(RunError, match="no committed run version 2"):
+        version_params(ctx, 2)
