@@ -16,6 +16,7 @@ from diloco.inspect.model_out import version_params
 from diloco.run.context import RunContext
 from diloco.run.controls import membership, write_op
 from diloco.run.objects import encode_tensors
+from diloco.storage import latest_version
 from diloco.storage.keys import parse_delta_key
 from diloco.training.tensors import Tensors, clone
 
@@ -64,7 +65,10 @@ class Injector:
     def bad_delta(self, variant: str, learner: str, version: int) -> tuple[str, str] | None:
         """Write one hostile delta; (key, expected rejection) or None when it cannot be made yet."""
         seq = self._seq(learner)
-        data, why = self._make(variant, learner, seq, version)
+        # based on the newest version when written, not the one the agent saw: under load the agent's view lags,
+        # and a delta made stale by that lag would be rejected as stale before its own defect is looked at
+        newest = latest_version(self.ctx.store, self.ctx.keys)
+        data, why = self._make(variant, learner, seq, max(version, newest or 0))
         if data is None:
             return None
         return self.write(learner, seq, data), why
