@@ -230,22 +230,27 @@ def _losses(jobs: list[tuple[str, str | None]]) -> list[float]:
     return out
 
 
+def _in_evaluators(ctx, held: HeldOut, fn, items: list) -> list:
+    """fn over shares of `items` in EVAL_PROCS forked evaluators (ctx and held inherited, not pickled); one
+    result per item, in order."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(EVAL_PROCS, mp_context=mp.get_context("fork"), initializer=_start_evaluator,
+                             initargs=(ctx, held)) as pool:
+        parts = list(pool.map(fn, [items[i::EVAL_PROCS] for i in range(EVAL_PROCS)]))
+    return [parts[i % EVAL_PROCS][i // EVAL_PROCS] for i in range(len(items))]
+
+
 def _curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
     """Every version's held-out loss, evaluated after the run (its learners are gone) by EVAL_PROCS forked
     processes, each a share of the versions (the same model, batches and bits as one process would use)."""
-    from concurrent.futures import ProcessPoolExecutor
-
     from diloco.inspect.report import manifests
 
     if ctx.fragments:
         return _run_version_curve(ctx, held, t0)
     found = manifests(ctx)
-    jobs = [(m.params_key, m.params_checksum) for m in found]
-    with ProcessPoolExecutor(EVAL_PROCS, mp_context=mp.get_context("fork"), initializer=_start_evaluator,
-                             initargs=(ctx, held)) as pool:  # forked: ctx and held are inherited, not pickled
-        parts = list(pool.map(_losses, [jobs[i::EVAL_PROCS] for i in range(EVAL_PROCS)]))
-    return [(max(0.0, m.created_at - t0), parts[i % EVAL_PROCS][i // EVAL_PROCS], m.version)
-            for i, m in enumerate(found)]
+    losses = _in_evaluators(ctx, held, _losses, [(m.params_key, m.params_checksum) for m in found])
+    return [(max(0.0, m.created_at - t0), loss, m.version) for m, loss in zip(found, losses, strict=True)]
 
 
 def _run_version_losses(versions: list[int]) -> list[tuple[float, float]]:
@@ -263,15 +268,10 @@ def _run_version_losses(versions: list[int]) -> list[tuple[float, float]]:
 def _run_version_curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
     """_curve of a fragmented run: every run version (each fragment's version v put together), at the time its
     last fragment committed it."""
-    from concurrent.futures import ProcessPoolExecutor
-
     from diloco.run.fragments import run_version
 
     versions = list(range(run_version(ctx) + 1))
-    with ProcessPoolExecutor(EVAL_PROCS, mp_context=mp.get_context("fork"), initializer=_start_evaluator,
-                             initargs=(ctx, held)) as pool:
-        parts = list(pool.map(_run_version_losses, [versions[i::EVAL_PROCS] for i in range(EVAL_PROCS)]))
-    points = [parts[i % EVAL_PROCS][i // EVAL_PROCS] for i in range(len(versions))]
+    points = _in_evaluators(ctx, held, _run_version_losses, versions)
     return [(max(0.0, at - t0), loss, v) for v, (at, loss) in zip(versions, points, strict=True)]
 
 
