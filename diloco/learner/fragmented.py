@@ -213,11 +213,7 @@ class FragmentLearner(Learner):
                 fetched = prefetcher.take()
                 if fetched is not None and fetched[0] > lane.base:
                     theta = theta if theta is not None else self._live()
-                    previous = lane.base
-                    self.lanes.install(lane.index, fetched[0], fetched[1], theta)
-                    self.run_clock(prefetcher.taken_tokens_total)
-                    self.events.emit("install", learner=self.name, fragment=lane.index, version=fetched[0],
-                                     previous=previous)
+                    self._put_lane(lane.index, *fetched, theta, prefetcher.taken_tokens_total)
                     moved.append(lane.index)
                 continue
             keys = self.ctx.keys.for_fragment(lane.index)
@@ -241,11 +237,15 @@ class FragmentLearner(Learner):
             return
         glob, manifest = fetch_global(fragment_context(self.ctx, index), self.ctx.store, lane.base, lane.glob,
                                       version, self.cfg.learner.max_updates_behind)
-        previous = lane.base
-        self.lanes.install(index, version, glob, theta)
+        self._put_lane(index, version, glob, theta, manifest.tokens_total)
         if index in self.lane_prefetch:  # installed another way (a sync wait): its prefetcher fetches from here
             self.lane_prefetch[index].rebase(version, glob)
-        self.run_clock(manifest.tokens_total)  # every fragment's chain merges every step's tokens once
+
+    def _put_lane(self, index: int, version: int, glob, theta, tokens_total: int) -> None:
+        """Lane `index` to `version` (its global `glob`, fetched) in theta; the run's clock from its tokens."""
+        previous = self.lanes.lanes[index].base
+        self.lanes.install(index, version, glob, theta)
+        self.run_clock(tokens_total)  # every fragment's chain merges every step's tokens once
         self.events.emit("install", learner=self.name, fragment=index, version=version, previous=previous)
 
     def _wait_for_decisions(self, timeout_s: float | None = None) -> None:

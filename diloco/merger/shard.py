@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import re
 import time
 from collections.abc import Callable
@@ -113,8 +112,7 @@ class ShardMerger:
 
     def merge_fragment(self, index: int, should_stop: Callable[[], bool]) -> Manifest | None:
         """Load the fragment, merge it once, release it; None when another merger won or nothing was taken."""
-        fctx = fragment_context(self.ctx, index)
-        merger = FragmentMerger(fctx, self.merger_id, events=self.events,
+        merger = FragmentMerger(fragment_context(self.ctx, index), self.merger_id, events=self.events,
                                 stage_hook=self.stage_hook, keyring=self.keyring)
         merger.gap_seen = self.gap_seen[index]
         merger.waited_s = time.time() - self.first_ready.get(index, time.time())
@@ -127,7 +125,8 @@ class ShardMerger:
         # a merge leaves reference cycles holding its tensors: free them before the next fragment's. A full
         # collection costs ~80 ms in a busy process (4/5 of a 30k-parameter fragment's merge in bench wan), so a
         # small fragment's cycles are left to Python's own collections: they hold a few MB at most
-        if 4 * sum(math.prod(e["shape"]) for e in fctx.layout) >= COLLECT_ABOVE_BYTES:
+        numel = self.ctx.fragments[index].get("numel") if self.ctx.fragments else None  # run.json's plan
+        if numel is None or 4 * numel >= COLLECT_ABOVE_BYTES:
             gc.collect()
         return manifest
 
