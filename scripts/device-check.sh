@@ -1,36 +1,87 @@
 #!/usr/bin/env bash
-# The GPU check (issue #16), for a machine with CUDA: (1) the demo recipe trained on one GPU (learners and
-# evaluator on the device, bf16 autocast; merger on the CPU), audited; (2) one learner's tokens/s at 1 and
-# 2 ranks (`diloco bench ranks`: a 2-rank NCCL world when there are >= 2 GPUs, else 1 vs 2 ranks sharing the
-# GPU is skipped). Prints the figures and exits non-zero on any failure. About 3-5 minutes.
-# Run from the repository root after `make setup` (a CUDA build of torch is needed: see README).
+# The GPU check, for a machine with CUDA (docs/RANKS.md, "The GPU path"; figures in docs/BENCHMARKS.md):
+#  1. the demo recipe trained on one GPU (learners and evaluator on the device, bf16 autocast; merger on the
+#     CPU), audited, the held-out loss must fall;
+#  2. a GPT-2-small-shaped model (124M parameters: 12 layers, d_model 768, vocabulary 50257) trained by two GPU
+#     learners sharing the device, in 4 fragments merged by 2 merger shards (int4 deltas), audited bit for bit;
+#     its tokens/s and the GPU's memory and utilisation (nvidia-smi, when present) are printed;
+#  3. with >= 2 GPUs, `diloco bench ranks` with a 2-rank NCCL learner (skipped on one GPU).
+# Prints the figures and exits non-zero on any failure. About 6 minutes on one H200.
+# Run from the repository root after `make setup` with a CUDA build of torch, or with PY=python3 where torch,
+# the project's other dependencies and the repo (PYTHONPATH) are importable: prefect and s3fs are not needed.
+# Knobs: DEVICE_CHECK_DIR (where the bucket and the figures go), DEMO_S, BIG_S (each run's time limit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-OUT=${OUT:-out/device-check}
-mkdir -p "$OUT"
+DIR=${DEVICE_CHECK_DIR:-out/device-check}
+DEMO_S=${DEMO_S:-150}
+BIG_S=${BIG_S:-180}
+mkdir -p "$DIR"
+STORE="file://$(cd "$DIR" && pwd)/runs"
 "$PY" - <<'PYEOF'
-import torch, sys
+import sys, torch
 if not torch.cuda.is_available():
     sys.exit("device check: torch sees no CUDA device (torch %s)" % torch.__version__)
 print("device check:", torch.cuda.device_count(), "x", torch.cuda.get_device_name(0), "torch", torch.__version__)
 PYEOF
-STORE="file://$PWD/$OUT/runs"
-RUN="device-$(date +%Y%m%d-%H%M%S)"
-"$PY" -m diloco.cli run --config demo --no-prefect --no-live --json --storage "$STORE" --run-id "$RUN" \
-    -o learner.device=cuda --versions 20 --time-limit-s 240 | tail -n 1 | tee "$OUT/demo.json"
-"$PY" -m diloco.cli audit --storage "$STORE" --run-id "$RUN"
-"$PY" - "$OUT/demo.json" <<'PYEOF'
+
+SMI_PID=
+if command -v nvidia-smi >/dev/null; then  # the GPU's load over both runs, every 2 s
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 2 > "$DIR/gpu.csv" &
+    SMI_PID=$!
+fi
+trap '[ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null || true' EXIT
+
+summarise() {  # $1: the run's JSON summary, $2: what it was, $3: its wall seconds
+    "$PY" - "$1" "$2" "$3" <<'PYEOF'
 import json, sys
-s = json.load(open(sys.argv[1]))
+s, what, wall = json.load(open(sys.argv[1])), sys.argv[2], float(sys.argv[3])
+e = s["extra"]
 assert s["final_eval_loss"] is not None and s["final_eval_loss"] < s["initial_eval_loss"], s
-print(f"demo on GPU: held-out {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f} nats/byte, "
-      f"{s['num_versions']} versions, {s['deltas_merged']} deltas merged")
+print(f"{what}: {e['num_params']:,} parameters, held-out {s['initial_eval_loss']:.3f} -> {s['final_eval_loss']:.3f} "
+      f"nats/byte at version {e['final_eval_version']}, {s['num_versions']} versions, {s['deltas_merged']} deltas "
+      f"merged, {e['tokens_merged']:,} tokens merged in {wall:.0f} s ({e['tokens_merged'] / wall:,.0f} tokens/s "
+      f"merged), traffic vs data-parallel {e['traffic_ratio_vs_dp']:.0f}x")
 PYEOF
+}
+
+run_and_audit() {  # $1: run id, $2: time limit, $3: label, then the run's own options
+    local run=$1 limit=$2 label=$3 start end
+    shift 3
+    start=$(date +%s)
+    if ! "$PY" -m diloco.cli run --no-prefect --no-live --json --storage "$STORE" --run-id "$run" \
+        -o learner.device=cuda -o run.max_restarts=2 --time-limit-s "$limit" "$@" > "$DIR/$run.out"; then
+        tail -n 30 "$DIR/$run.out"
+        for log in .diloco/logs/"$run"/*.log; do echo "== $log"; tail -n 25 "$log"; done
+        echo "device check: $label failed"
+        exit 1
+    fi
+    end=$(date +%s)
+    tail -n 1 "$DIR/$run.out" > "$DIR/$run.json"
+    "$PY" -m diloco.cli audit --storage "$STORE" --run-id "$run"
+    summarise "$DIR/$run.json" "$label" $((end - start))
+}
+
+STAMP=$(date +%Y%m%d-%H%M%S)
+run_and_audit "demo-$STAMP" "$DEMO_S" "demo on GPU" --config demo --versions 20
+run_and_audit "gpt124m-$STAMP" "$BIG_S" "124M, 4 fragments, 2 merger shards, on GPU" --config demo --versions 8 \
+    -o model.n_layer=12 -o model.n_head=12 -o model.d_model=768 -o model.ctx_len=512 -o model.vocab_size=50257 \
+    -o inner.lr=0.0006 -o fragments.count=4 -o merger.shards=2 -o learner.codec=int4 -o eval.num_batches=4
+
+if [ -s "$DIR/gpu.csv" ]; then
+    "$PY" - "$DIR/gpu.csv" <<'PYEOF'
+import sys
+rows = [line.split(", ") for line in open(sys.argv[1]) if line.count(",") == 2]
+util = [float(r[1].split()[0]) for r in rows]
+mem = [float(r[2].split()[0]) for r in rows]
+print(f"GPU over both runs ({len(rows)} samples, 2 s apart): utilisation mean {sum(util) / len(util):.0f}%, "
+      f"max {max(util):.0f}%; memory used max {max(mem):,.0f} MiB")
+PYEOF
+fi
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -ge 2 ]; then
-    "$PY" -m diloco.cli bench ranks --config demo --phases 6 --json "$OUT/ranks.json"
+    "$PY" -m diloco.cli bench ranks --config demo --phases 6 --json "$DIR/ranks.json"
 else
     echo "one GPU: the 2-rank NCCL learner needs two; skipped"
 fi
-echo "device check: ok ($OUT)"
+echo "device check: ok ($DIR)"

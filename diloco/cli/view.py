@@ -127,6 +127,7 @@ def execute_run(*, config: str, storage: str | None, learners: int | None, versi
     from diloco.configs.effects import knob_warnings
     from diloco.run.state import refuse_to_start
     from diloco.specs.loader import absolute, parse_spec_args
+    from diloco.supervise.core import LEARNERS_CRASHED
     from diloco.supervise.interrupt import catch_signals, reason_of
 
     flags = {"run.num_learners": learners, "run.num_versions": versions, "run.num_tokens": tokens,
@@ -149,6 +150,8 @@ def execute_run(*, config: str, storage: str | None, learners: int | None, versi
         with LiveView(ctx, console, live and console.is_terminal):
             reason = api.supervise(ctx, prefect=prefect, chaos=chaos, announce=console.print)
         final_report(ctx, console, json_out, reason=reason, local_ui=local_ui)
+    if reason == LEARNERS_CRASHED:
+        raise typer.Exit(1)
     caught = reason_of(reason)
     if caught is not None:
         raise typer.Exit(caught.exit_code)
@@ -159,8 +162,10 @@ def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: s
     """What happened (an interrupt, a stop), the summary table, traffic per learner, a sample, the next step."""
     import torch
 
+    from diloco.api import STATE_DIR
     from diloco.inspect.summary import LEARNER_COLUMNS, build_summary, learner_table_rows, summary_rows
     from diloco.run.evaluator import evaluate_missing
+    from diloco.supervise.core import LEARNERS_CRASHED
     from diloco.supervise.interrupt import reason_of
 
     # One thread for the final evaluations and the sample: on 2 cores shared with other work, torch's default
@@ -172,6 +177,11 @@ def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: s
         console.print(f"evaluated version {' and '.join(map(str, done))} now (the evaluator did not reach it)")
     summary = build_summary(ctx)
     caught = reason_of(reason or "")
+    if reason == LEARNERS_CRASHED:
+        console.print(f"[bold red]every learner crashed[/bold red] {ctx.cfg.run.max_restarts + 1} times in a row "
+                      f"(run.max_restarts = {ctx.cfg.run.max_restarts}), so the run ended at version "
+                      f"{summary['num_versions']}: their logs say why ({STATE_DIR / 'logs' / ctx.run_id}/)",
+                      soft_wrap=True)
     if caught is not None:
         console.print(f"[bold]{caught.reason}[/bold] (signal {caught.signal}) at version {summary['num_versions']} "
                       f"of {run_target(ctx).describe()}: every process of the run has ended; the summary so far:",

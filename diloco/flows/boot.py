@@ -13,10 +13,10 @@ from diloco.run.context import RunContext
 
 
 def boot_local_run(ctx: RunContext, log_dir: str | None) -> None:
-    """Start the run's zygote (start_method fork) and import prefect and the train flow here."""
-    if ctx.cfg.run.start_method == "fork":
-        from diloco.supervise.zygote import start_early
+    """Start the run's zygote (start_method fork, not on CUDA) and import prefect and the train flow here."""
+    from diloco.supervise.zygote import forks_roles, start_early
 
+    if forks_roles(ctx.cfg):
         log_path = None
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)

@@ -35,7 +35,9 @@ class Evaluator:
         self.spec = spec or load_run_spec(ctx)
         if self.spec.eval_batches is None:
             raise SpecError("the spec has no eval_batches: there is no held-out metric to evaluate")
-        self.device = pick_device(self.cfg.learner.device)  # on the device too (bf16 autocast on CUDA)
+        # on the learners' device too (bf16 autocast on CUDA); a host without CUDA (the supervisor's, scoring what
+        # the evaluator did not reach) scores on its CPU rather than fail a run whose learners have GPUs
+        self.device = pick_device(self.cfg.learner.device if torch.cuda.is_available() else "cpu")
         self.model = build_model(self.spec, self.cfg.data.seed).to(self.device)
         check_layout(ctx, self.model, "the evaluator")
         self.batches = list(self.spec.eval_batches())

@@ -16,8 +16,13 @@ from typing import Any, TypeVar
 
 try:  # botocore comes with s3fs; the store still works for file:// and memory:// without it
     from botocore.exceptions import BotoCoreError, ClientError
-except ImportError:  # pragma: no cover - s3fs is a hard dependency of the project
-    BotoCoreError = ClientError = OSError  # type: ignore[assignment,misc]
+except ImportError:  # a file:// or memory:// store on a machine without s3fs: no botocore error can occur,
+    # so the names are classes nothing raises (OSError here would turn every missing file into a StorageError)
+    class BotoCoreError(Exception):  # type: ignore[no-redef]
+        """Stands in for botocore's: never raised."""
+
+    class ClientError(Exception):  # type: ignore[no-redef]
+        """Stands in for botocore's: never raised."""
 
 T = TypeVar("T")
 log = logging.getLogger("diloco.storage")

@@ -7,10 +7,10 @@ operator removed (`control/removed-<name>`) ends itself, is never started again,
 ended REMOVE_GRACE_S (or run.heartbeat_timeout_s, if longer) after its removal was seen; a planned restart
 (chaos, operator) is not a crash, and a paused role is left alone; the run ends at the target version, on a
 stop request, at the time limit, on SIGINT or SIGTERM (supervise/interrupt.py: reason "interrupted" /
-"terminated"), when its lease is lost, or when `until` holds; shutdown asks everyone to stop (control/stop with
-that reason), waits (a second signal: not at all), then kills what is left, so no role of the run keeps
-running. run_to_end holds the run's lease (run/lease.py) for its whole span: a second supervisor of a live run
-is refused, and roles whose supervisor vanished stop.
+"terminated"), when its lease is lost, when every learner was given up (LEARNERS_CRASHED), or when `until`
+holds; shutdown asks everyone to stop (control/stop with that reason), waits (a second signal: not at all),
+then kills what is left, so no role of the run keeps running. run_to_end holds the run's lease (run/lease.py)
+for its whole span: a second supervisor of a live run is refused, and roles whose supervisor vanished stop.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ JOIN_WAIT_S = 30.0  # a deferred first start (the evaluator) waits for the learn
 REMOVE_GRACE_S = 30.0  # a removed learner ends itself after its phase; one still running after this (or the
 # heartbeat timeout, if longer: a phase may be that slow) is killed
 MEMBERS_EVERY_S = 5.0  # admitted learners (control ops) are looked for this often
+LEARNERS_CRASHED = "every learner crashed"  # the run's end when every learner was given up (their logs say why)
 MAX_REFUSALS = 6  # a role whose start is refused this many times in a row ends the run with the reason
 
 
@@ -65,6 +66,7 @@ class Job:
     restarts: int = 0  # restarts in a row without a healthy stretch
     next_start: float = 0.0  # back-off: not before this time
     removed: bool = False  # an operator removed it, or it was given up
+    given_up: bool = False  # crashed run.max_restarts times in a row: left down
     removed_at: float | None = None
     paused: bool = False
     resumed_at: float = 0.0  # the silence check counts from here after a pause
@@ -280,7 +282,7 @@ class Supervisor:
         if job.restarts >= self.cfg.run.max_restarts:
             log.error("%s exceeded max_restarts=%d; leaving it down", job.name, self.cfg.run.max_restarts)
             self.events.emit("give_up", role=job.role, learner=job.name)
-            job.removed = True
+            job.removed = job.given_up = True
             return
         job.restarts += 1
         if self.start(job):
@@ -352,12 +354,23 @@ class Supervisor:
             for hook in self.hooks:
                 hook(self)
             self.heal()
+            if self._every_learner_crashed():
+                reason = LEARNERS_CRASHED
+                log.error("run %s: every learner crashed run.max_restarts=%d times in a row; the run ends",
+                          self.ctx.run_id, self.cfg.run.max_restarts)
+                break
             if on_tick:
                 on_tick(self)
             self.events.flush()
             time.sleep(tick_s)
         self.events.emit("end", reason=reason, version=self.latest())
         return reason
+
+    def _every_learner_crashed(self) -> bool:
+        """Every learner is down for good and at least one was given up (not all removed by an operator): no
+        one will train again, so waiting for the time limit would only hide the crash."""
+        learners = [j for j in self.jobs.values() if j.role == "learner"]
+        return bool(learners) and all(j.removed for j in learners) and any(j.given_up for j in learners)
 
     def shutdown(self, reason: str, grace_s: float = 60.0) -> None:
         """Ask everyone to stop (control/stop), wait for them (the final evaluation), then end what is left."""

@@ -1,7 +1,7 @@
 """The local backend of the supervisor: every role of a run as an OS process of this machine.
 
 Contract: a role's process runs `python -m diloco.launch <role> ...` (or `python -m diloco.flows <role> ...`
-as a Prefect flow run): with `run.start_method: fork` (the default, with or without Prefect) it is forked
+as a Prefect flow run): with `run.start_method: fork` (the default, with or without Prefect; not on CUDA) it is forked
 from a zygote (diloco.zygote), one process that paid the imports once (prefect's and the flows' too when
 the roles are flow runs), so a (re)start is a fork and a join; otherwise it is exec'd, with a warm standby
 per learner when `run.warm_standby` is on. Each process has its own session
@@ -26,7 +26,7 @@ import time
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.supervise.core import ENDED, JOIN_WAIT_S, RUNNING, Job, Supervisor
-from diloco.supervise.zygote import Forked, Zygote, ZygoteError, take_early
+from diloco.supervise.zygote import Forked, Zygote, ZygoteError, forks_roles, take_early
 
 log = logging.getLogger("diloco.supervisor")
 
@@ -50,7 +50,7 @@ class ProcessBackend:
         self.env = {**os.environ, **(env or {})}
         self.log_dir = log_dir
         self.kind = "prefect" if prefect else "local"  # recorded in the run's lease
-        self.forking = self.cfg.run.start_method == "fork"  # with Prefect too: the zygote imports the flows
+        self.forking = forks_roles(self.cfg)  # with Prefect too: the zygote imports the flows
         self.standbys_on = self.cfg.run.warm_standby and not self.forking
         self.zygote: Zygote | None = None
         self.standbys: dict[str, subprocess.Popen] = {}  # learner -> its warm spare, blocked on its stdin

@@ -21,9 +21,27 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from diloco.configs import Config
 
 log = logging.getLogger("diloco.zygote")
 READY_TIMEOUT_S = 120.0  # imports on a loaded machine; the supervisor falls back to exec after this
+
+
+def forks_roles(cfg: Config) -> bool:
+    """Whether a local run's roles are forked from a zygote: `run.start_method: fork`, unless they train or score
+    on CUDA (a process forked after torch looked for a GPU cannot use it: "Cannot re-initialize CUDA in forked
+    subprocess", seen on an H200), where each role is exec'd instead."""
+    if cfg.run.start_method != "fork":
+        return False
+    from diloco.training.inner import uses_cuda
+
+    if uses_cuda(cfg.learner.device):
+        log.info("roles on CUDA: each is started as a fresh process (CUDA cannot be used in a forked child)")
+        return False
+    return True
 
 
 class ZygoteError(RuntimeError):

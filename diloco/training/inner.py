@@ -44,6 +44,11 @@ def pick_device(name: str) -> str:
     return name
 
 
+def uses_cuda(name: str) -> bool:
+    """Whether learner.device `name` trains on CUDA on this host ('cuda', or 'auto' with a GPU present)."""
+    return name == "cuda" or (name == "auto" and torch.cuda.is_available())
+
+
 def _autocast(device: str) -> contextlib.AbstractContextManager:
     if device.startswith("cuda"):
         return torch.autocast("cuda", dtype=torch.bfloat16)

@@ -200,3 +200,33 @@ def test_the_retry_window_comes_from_the_environment(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(RETRY_WINDOW_ENV, "soon")
     with pytest.raises(BadRequest, match=RETRY_WINDOW_ENV):
         open_store("memory://w")
+
+
+def test_a_file_store_without_botocore_still_tells_missing_from_broken(tmp_path) -> None:
+    """On a machine without s3fs (a GPU box training into file://), a missing file is NotFound, not a storage
+    failure: before the fix, the stand-in for botocore's error class was OSError, so `exists()` raised and a run
+    could not even be created. Run in a fresh interpreter where importing botocore fails."""
+    import os
+    import subprocess
+    import sys
+
+    block = tmp_path / "block"
+    for name in ("botocore", "s3fs"):
+        (block / name).mkdir(parents=True)
+        (block / name / "__init__.py").write_text(f"raise ImportError('no {name} on this machine')\n")
+    probe = (
+        "import sys\n"
+        "from diloco.storage.store import open_store\n"
+        "from diloco.storage import NotFound\n"
+        "assert 'botocore.exceptions' not in sys.modules\n"
+        f"store = open_store('file://{tmp_path / 'bucket'}')\n"
+        "assert store.exists('run/versions/0.json') is False\n"
+        "try:\n"
+        "    store.get('run/missing')\n"
+        "except NotFound:\n"
+        "    print('not found, as it should be')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(block)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "not found, as it should be" in done.stdout

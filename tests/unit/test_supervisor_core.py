@@ -209,3 +209,53 @@ def test_an_admitted_learner_is_started_and_a_removed_one_is_not_a_job(ctx: RunC
     fresh = Supervisor(ctx, ScriptedBackend())
     fresh.start_all()  # a new session (`diloco resume`) starts the members: not the removed one
     assert sorted(fresh.backend.started) == ["a", "c", "evaluator", "merger"]
+
+
+class CrashingBackend(ScriptedBackend):
+    """Every learner process ends at once with exit code 1 (a learner that cannot start on this machine)."""
+
+    def state(self, job: Job) -> tuple[str, object]:
+        return (ENDED, 1) if job.role == "learner" else super().state(job)
+
+
+def test_a_run_whose_learners_all_crash_ends_with_that_reason(ctx: RunContext) -> None:
+    """Before, it waited for the time limit with no one training and ended as "time limit"."""
+    sup = Supervisor(ctx, CrashingBackend())
+    sup.start_all()
+    started = time.time()
+    assert sup.run(tick_s=0.0) == core.LEARNERS_CRASHED
+    assert time.time() - started < 30 and all(sup.jobs[n].given_up for n in ("a", "b"))
+    assert sup.backend.started.count("a") == 1 + ctx.cfg.run.max_restarts
+
+
+def test_one_learner_given_up_while_another_trains_keeps_the_run(ctx: RunContext) -> None:
+    for other_removed in (False, True):  # then an operator removed the other: every learner down, one crashed
+        sup = Supervisor(ctx, ScriptedBackend())
+        sup.start_all()
+        if other_removed:
+            request_remove(ctx, "b")
+        for _ in range(1 + ctx.cfg.run.max_restarts):
+            sup.backend.ended["a"] = 1
+            sup.heal()
+        assert sup.jobs["a"].given_up and sup.jobs["b"].removed is other_removed
+        assert sup._every_learner_crashed() is other_removed
+
+
+def test_learners_all_removed_by_an_operator_are_not_a_crash(ctx: RunContext) -> None:
+    sup = Supervisor(ctx, ScriptedBackend())
+    sup.start_all()
+    for name in ("a", "b"):
+        request_remove(ctx, name)
+    sup.heal()
+    assert all(sup.jobs[n].removed for n in ("a", "b")) and not sup._every_learner_crashed()
+
+
+def test_roles_on_cuda_are_never_forked() -> None:
+    """A child forked from the zygote cannot initialise CUDA (seen on an H200: every learner crashed with
+    "Cannot re-initialize CUDA in forked subprocess"), so CUDA runs exec their roles."""
+    from diloco.supervise.zygote import forks_roles
+
+    tiny = load_config("tiny")
+    assert forks_roles(tiny.with_overrides({"learner.device": "cpu"}))
+    assert not forks_roles(tiny.with_overrides({"learner.device": "cuda"}))
+    assert not forks_roles(tiny.with_overrides({"learner.device": "cpu", "run.start_method": "exec"}))
