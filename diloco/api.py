@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from diloco.configs import Config, load_config
+from diloco.configs import Config, ConfigError, load_config
 from diloco.run.context import RunContext
 from diloco.run.create import create_run
 from diloco.storage import open_store
@@ -37,11 +37,22 @@ def create(cfg: Config, run_id: str | None = None, chaos: str | Path | None = No
     from diloco.storage.keys import validate_run_id
 
     run_id = validate_run_id(run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_local_device(cfg)
     if chaos is not None:
         from diloco.flows.local import check_chaos_plan
 
         check_chaos_plan(chaos)  # validate before anything is created
     return create_run(open_store(cfg.run.storage), run_id, cfg)
+
+
+def check_local_device(cfg: Config) -> None:
+    """ConfigError when the run's roles, started on this machine, could not use its learner.device (every learner
+    would crash at start, and the run end with nothing trained)."""
+    import torch
+
+    if cfg.learner.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"learner.device is 'cuda', but this machine has no CUDA device (torch {torch.__version__}) "
+                          "and a run started here trains here; use learner.device 'auto' or 'cpu'")
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from diloco.configs import load_config
 from diloco.run.create import create_run
@@ -57,6 +58,15 @@ def test_unsupported_protocol_missing_config_and_unknown_learner(tmp_path: Path)
     _one_line_error(_diloco("remove-learner", "--storage", url, "--run-id", "r1", "--learner", "local-7"),
                     "'local-7' is not in run 'r1' (its learners: local-0, local-1)")
     assert not (tmp_path / "bucket" / "r1" / "control").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_cuda_learners_on_a_machine_without_cuda_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """Before, the run was created and every learner crashed max_restarts times, found on no GPU at all."""
+    url = f"file://{tmp_path}/bucket"
+    _one_line_error(_diloco("run", "--config", "tiny", "--storage", url, "--no-prefect", "-o", "learner.device=cuda"),
+                    "learner.device is 'cuda', but this machine has no CUDA device")
+    assert not (tmp_path / "bucket").exists()
 
 
 @pytest.mark.parametrize("command", ["status", "audit", "plot", "stop", "summary", "runs"])
