@@ -55,6 +55,8 @@ METHODS = (
            "Streaming: decoupled int4, 4 fragments staggered over the phase, tau 2, sharded merger", fragments=4),
     Method("streaming-alt-int4", "streaming", "int4", "carry", "alternate",
            "streaming-int4 on the decoupled rows' schedule: two cohorts half a phase apart, quorum M/2", fragments=4),
+    Method("streaming-hetero-int4", "streaming", "int4", "carry", "hetero",
+           "streaming-int4 with half the learners 2x slower (hetero-int4's schedule, quorum M/2)", fragments=4),
     Method("torchft-diloco", "peer", "fp32", "sync", "all", "torchft 0.2.0 DiLoCo (Manager + gloo, its outer Nesterov)"),
     Method("torchft-streaming", "peer", "fp32", "sync", "all",
            "torchft 0.2.0 Streaming DiLoCo: 2 fragments, sync delay 1, alpha 0.5", fragments=2),

@@ -1,6 +1,7 @@
-"""`diloco bench quality --quick --methods dp,streaming-int4,streaming-alt-int4`: the streaming rows (4 fragments,
-tau 2, the sharded merger; every learner in step, or two cohorts half a phase apart) train at equal tokens with
-data-parallel, lower the held-out loss and ship int4 fragments; the cohorts merge each fragment twice as often.
+"""`diloco bench quality --quick --methods dp,streaming-int4,streaming-alt-int4,streaming-hetero-int4`: the streaming
+rows (4 fragments, tau 2, the sharded merger; every learner in step, two cohorts half a phase apart, or half the
+learners 2x slower) train at equal tokens with data-parallel, lower the held-out loss and ship int4 fragments; the
+cohorts merge each fragment twice as often; the slow half ships half as many fragments as the fast half.
 
 Run: .venv/bin/pytest tests/integration/test_bench_streaming.py -q
 """
@@ -17,11 +18,12 @@ from diloco.cli import app
 def test_streaming_row_at_equal_tokens(tmp_path):
     out = tmp_path / "q.json"
     result = CliRunner().invoke(app, ["bench", "quality", "--quick", "--methods",
-                                      "dp,streaming-int4,streaming-alt-int4", "--json", str(out)])
+                                      "dp,streaming-int4,streaming-alt-int4,streaming-hetero-int4", "--json", str(out)])
     assert result.exit_code == 0, result.output
     methods = json.loads(out.read_text())["methods"]
-    assert set(methods) == {"dp", "streaming-int4", "streaming-alt-int4"}
-    for name in ("streaming-int4", "streaming-alt-int4"):
+    streaming = ("streaming-int4", "streaming-alt-int4", "streaming-hetero-int4")
+    assert set(methods) == {"dp", *streaming}
+    for name in streaming:
         row = methods[name]
         assert methods["dp"]["tokens"] == row["tokens"], name
         curve = row["seeds"][0]["curve"]
@@ -29,3 +31,5 @@ def test_streaming_row_at_equal_tokens(tmp_path):
         assert 0 < row["bytes_sent_per_learner"] < methods["dp"]["bytes_sent_per_learner"], name
     in_step, cohorts = (methods[n]["seeds"][0] for n in ("streaming-int4", "streaming-alt-int4"))
     assert cohorts["fragment_merges"] == 2 * in_step["fragment_merges"] > 0  # half the learners per merge
+    fast_a, fast_b, slow_a, slow_b = methods["streaming-hetero-int4"]["seeds"][0]["sent_per_learner"]
+    assert max(slow_a, slow_b) < 0.7 * min(fast_a, fast_b)  # the slow half phases every other round
