@@ -222,11 +222,12 @@ def run_world(storage: str, run_id: str, name: str, phases: int | None) -> None:
     from diloco.learner.ranks import ranks_of
     from diloco.learner.world import launch_world
     from diloco.run.context import open_run
+    from diloco.training.inner import uses_cuda
     from diloco.training.spec import SpecError
 
     ctx = open_run(storage, run_id)
     cfg, ranks = ctx.cfg.learner, ranks_of(ctx, name)
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    cuda = uses_cuda(cfg.device)
     if cuda and ranks > torch.cuda.device_count():
         raise SpecError(f"learner {name}: learner.ranks = {ranks}, but there are {torch.cuda.device_count()} GPUs")
     log.info("learner %s: a world of %d ranks (%s)", name, ranks, "nccl" if cuda else "gloo")

@@ -1,10 +1,10 @@
 """The local backend of the supervisor: every role of a run as an OS process of this machine.
 
 Contract: a role's process runs `python -m diloco.launch <role> ...` (or `python -m diloco.flows <role> ...`
-as a Prefect flow run): with `run.start_method: fork` (the default, with or without Prefect; not on CUDA) it is forked
-from a zygote (diloco.zygote), one process that paid the imports once (prefect's and the flows' too when
-the roles are flow runs), so a (re)start is a fork and a join; otherwise it is exec'd, with a warm standby
-per learner when `run.warm_standby` is on. Each process has its own session
+as a Prefect flow run): with `run.start_method: fork` (the default, with or without Prefect; not on CUDA:
+zygote.forks_roles) it is forked from a zygote (diloco.zygote), one process that paid the imports once
+(prefect's and the flows' too when the roles are flow runs), so a (re)start is a fork and a join; otherwise it
+is exec'd, with a warm standby per learner when `run.warm_standby` is on. Each process has its own session
 (kill, SIGSTOP and SIGCONT reach its process group). A process's `start` event is stamped when the start was
 asked for, so the zygote's imports at the first start count in the roles' start-up, as an exec's do.
 
