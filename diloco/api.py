@@ -48,11 +48,12 @@ def create(cfg: Config, run_id: str | None = None, chaos: str | Path | None = No
 def check_local_device(cfg: Config) -> None:
     """ConfigError when the run's roles, started on this machine, could not use its learner.device (every learner
     would crash at start, and the run end with nothing trained)."""
-    import torch
+    from diloco.training.inner import pick_device
 
-    if cfg.learner.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"learner.device is 'cuda', but this machine has no CUDA device (torch {torch.__version__}) "
-                          "and a run started here trains here; use learner.device 'auto' or 'cpu'")
+    try:
+        pick_device(cfg.learner.device)  # the learners' own refusal, before anything is written
+    except ValueError as err:
+        raise ConfigError(f"{err}, and a run started here trains here; use learner.device 'auto' or 'cpu'") from None
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ def pick_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("learner.device is 'cuda' but no CUDA device is available")
+        raise ValueError(f"learner.device is 'cuda', but this machine has no CUDA device (torch {torch.__version__})")
     return name
 
 
