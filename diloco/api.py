@@ -99,9 +99,13 @@ def _supervise(ctx: RunContext, *, prefect: bool, chaos: str | Path | None, anno
                 from prefect import tags
 
                 from diloco.flows.train import train_flow
+                from diloco.supervise.core import LEARNERS_CRASHED, LearnersCrashed
 
                 with tags(f"run:{ctx.run_id}", "role:train"):
-                    return train_flow(ctx.store.url, ctx.run_id, log_dir=log_dir, chaos_plan=plan)["reason"]
+                    try:
+                        return train_flow(ctx.store.url, ctx.run_id, log_dir=log_dir, chaos_plan=plan)["reason"]
+                    except LearnersCrashed:  # the flow run is Failed; the CLI prints why and exits 1
+                        return LEARNERS_CRASHED
         finally:
             close_early(ctx.run_id)  # an early zygote the supervisor did not take (it failed first)
     from diloco.flows.local import supervise_local

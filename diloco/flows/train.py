@@ -23,7 +23,7 @@ from diloco.flows.credentials import export_aws_credentials
 from diloco.run.context import RunContext, open_run
 from diloco.run.create import create_run
 from diloco.storage import StorageError
-from diloco.supervise.core import RoleUnstartable
+from diloco.supervise.core import LEARNERS_CRASHED, LearnersCrashed, RoleUnstartable
 from diloco.supervise.deployments import (
     EVALUATOR_DEPLOYMENT,
     MERGER_DEPLOYMENT,
@@ -74,6 +74,9 @@ def train_flow(
             get_run_logger().error("run %s cannot go on: %s", run_id, err)
             raise
         _report_summary(ctx)
+    if result["reason"] == LEARNERS_CRASHED:  # the flow run ends Failed, with the reason, after the summary
+        raise LearnersCrashed(f"run {run_id}: {LEARNERS_CRASHED} run.max_restarts + 1 = "
+                              f"{ctx.cfg.run.max_restarts + 1} times in a row; their logs (and flow runs) say why")
     return result
 
 

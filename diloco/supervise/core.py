@@ -53,6 +53,11 @@ class RoleUnstartable(RuntimeError):
     """A role could not be started at all (e.g. its deployment does not exist): the run cannot go on."""
 
 
+class LearnersCrashed(RuntimeError):
+    """The run ended because every learner was given up (LEARNERS_CRASHED): raised by the `train` flow after
+    its summary, so that its flow run ends Failed, not Completed; `diloco run` reads it as that reason."""
+
+
 @dataclass
 class Job:
     """One role of the run (a learner, a merger, the evaluator) over its successive processes or flow runs."""

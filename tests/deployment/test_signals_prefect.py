@@ -6,6 +6,8 @@
 - SIGINT to `diloco run` reporting to the session's shared server: exit 130, every flow run of the run ends.
 - A learner deployment that does not exist fails the `train` flow (deployment mode) with the reason in the
   flow run's own logs, after the supervisor's bounded retries (MAX_REFUSALS).
+- A run whose every learner crashes (run.max_restarts times in a row) ends its `train` flow run Failed, not
+  Completed, with the reason.
 
 Run: .venv/bin/pytest tests/deployment/test_signals_prefect.py   (~20 s for SIGTERM, which starts its own server;
 the other two start the shared stack first)
@@ -23,7 +25,7 @@ import pytest
 from prefect_stack import DeployedRun, wait_for
 from run_signals import check_signal_ends_the_run, start_run, training, write_config  # tests/chaos (conftest)
 
-from diloco.supervise.core import MAX_REFUSALS
+from diloco.supervise.core import LEARNERS_CRASHED, MAX_REFUSALS
 
 pytestmark = [pytest.mark.deployment, pytest.mark.timeout(1200)]
 
@@ -126,3 +128,31 @@ def test_a_missing_deployment_fails_the_train_flow_with_its_reason(deployed_run:
     assert "learner/learner-nope" in text and "could not start us-east-0" in text, text  # each refusal, here
     assert bound in text, text  # the bound, then the end
     assert read_stop_reason(open_run(storage, run_id)).startswith("error: RoleUnstartable")
+
+
+def test_a_run_whose_learners_all_crash_fails_the_train_flow(deployed_run: DeployedRun, tmp_path: Path) -> None:
+    """Its learners' flow runs fail at once (learner.device cuda on a worker without CUDA, which only `diloco
+    run` refuses up front); the supervisor gives each up after run.max_restarts and the run ends. Before, the
+    `train` flow run ended Completed, the reason only in its logs."""
+    from prefect.client.orchestration import SyncPrefectClient
+
+    from diloco.run.context import open_run
+    from diloco.run.signals import read_stop_reason
+
+    stack, storage, run_id = deployed_run.stack, f"file://{tmp_path}/bucket", "learners-crash"
+    done = stack.cli("deployment", "run", "train/train", "-p", f"storage={storage}", "-p", f"run_id={run_id}",
+                     "-p", "mode=deployments", "-p", "config=tiny",
+                     "-p", 'learners={"us-east-0": "learner-us-east"}',
+                     "-p", 'overrides={"run.num_learners": 1, "learner.device": "cuda", "run.max_restarts": 0, '
+                           '"run.num_versions": 1000, "run.time_limit_s": 600, "run.restart_backoff_s": 0.5}')
+    flow_run_id = next(line.split("UUID:")[1].strip() for line in done.stdout.splitlines() if "UUID:" in line)
+
+    def final_state():
+        with SyncPrefectClient(stack.api_url) as client:
+            state = client.read_flow_run(flow_run_id).state
+        return state if state and state.is_final() else None
+
+    wait_for(final_state, 600, "the train flow run to end")
+    state = final_state()
+    assert state.type.value == "FAILED" and LEARNERS_CRASHED in (state.message or ""), state
+    assert read_stop_reason(open_run(storage, run_id)) == LEARNERS_CRASHED
