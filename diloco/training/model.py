@@ -27,14 +27,21 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # residual projection
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """`cache` (generation): this layer's keys and values of the positions before x, extended in place; x's
+        positions attend to all of them."""
         B, T, C = x.shape  # (B, T, C)
         q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if cache is not None:
+            if cache:
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # (B, nh, past+T, hs)
+            cache[:] = [k, v]
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
+        # causal when x is the whole sequence; one new position with a cache sees every key
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=T > 1)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.proj(y)  # (B, T, C)
 
@@ -58,8 +65,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))  # (B, T, C)
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), cache))  # (B, T, C)
         return x + self.drop(self.mlp(self.ln2(x)))  # (B, T, C)
 
 
@@ -90,18 +97,37 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
         return logits, loss
 
+    def next_logits(self, idx: torch.Tensor, caches: list[list[torch.Tensor]] | None = None) -> torch.Tensor:
+        """The logits (B, V) after idx (B, T): only the last position through the head. `caches` (one list per
+        block, empty at first): idx holds only the positions after the cached ones, whose keys and values are
+        kept, so each new byte costs one position, not the whole context."""
+        past = caches[0][0].size(2) if caches and caches[0] else 0
+        T = idx.size(1)
+        if self.cfg.ctx_len < past + T:
+            raise ValueError(f"sequence length {past + T} exceeds model.ctx_len {self.cfg.ctx_len}")
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(past, past + T, device=idx.device)))  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if caches is None else caches[i])  # (B, T, C)
+        return self.lm_head(self.ln_f(x[:, -1, :]))  # (B, V)
+
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
                  top_k: int | None = 40, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append max_new_tokens sampled bytes to idx (B, T); the context is cropped to ctx_len."""
+        """Append max_new_tokens sampled bytes to idx (B, T); the context is cropped to ctx_len. Keys and values
+        are cached while the whole sequence fits the context (positions are absolute: a cropped window starts
+        again at position 0, so it is recomputed whole)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         was_training = self.training
         self.eval()
+        caches: list[list[torch.Tensor]] = [[] for _ in self.blocks]
         try:
             for _ in range(max_new_tokens):
-                logits, _ = self(idx[:, -self.cfg.ctx_len:])  # (B, T, V)
-                logits = logits[:, -1, :].float() / temperature  # (B, V)
+                if idx.size(1) <= self.cfg.ctx_len:
+                    logits = self.next_logits(idx[:, -1:] if caches[0] else idx, caches)  # (B, V)
+                else:
+                    logits = self.next_logits(idx[:, -self.cfg.ctx_len:])  # (B, V)
+                logits = logits.float() / temperature  # (B, V)
                 if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
                     logits = logits.masked_fill(logits < kth, float("-inf"))

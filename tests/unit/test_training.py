@@ -99,6 +99,21 @@ def test_generate_extends_context():
     assert out.shape == (2, 45) and model.training
 
 
+def test_generation_with_cached_keys_and_values_gives_the_whole_contexts_logits():
+    """generate() feeds one new byte a step through the blocks' key/value caches; its logits are those of the
+    whole sequence run again (what generation did before the cache), at every length up to the context."""
+    model = build_model(TINY, 3).eval()
+    idx = torch.randint(0, TINY.vocab_size, (2, TINY.ctx_len), generator=torch.Generator().manual_seed(1))
+    caches = [[] for _ in model.blocks]
+    with torch.no_grad():
+        for t in range(3, TINY.ctx_len + 1):
+            cached = model.next_logits(idx[:, :3] if t == 3 else idx[:, t - 1:t], caches)
+            whole, _ = model(idx[:, :t])
+            assert torch.allclose(cached, whole[:, -1, :], atol=1e-5), t
+        with pytest.raises(ValueError, match="exceeds model.ctx_len"):
+            model.next_logits(idx[:, :1], caches)
+
+
 # --- data --------------------------------------------------------------------------------------
 
 
