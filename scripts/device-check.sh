@@ -4,12 +4,15 @@
 #     CPU), audited, the held-out loss must fall;
 #  2. a GPT-2-small-shaped model (124M parameters: 12 layers, d_model 768, vocabulary 50257) trained by two GPU
 #     learners sharing the device, in 4 fragments merged by 2 merger shards (int4 deltas), audited bit for bit;
-#     its tokens/s and the GPU's memory and utilisation (nvidia-smi, when present) are printed;
-#  3. with >= 2 GPUs, `diloco bench ranks` with a 2-rank NCCL learner (skipped on one GPU).
-# Prints the figures and exits non-zero on any failure. About 6 minutes on one H200.
+#     its tokens/s, each learner's busy share and the GPU's memory and utilisation (nvidia-smi, when present) are
+#     printed;
+#  3. the same model as whole-model deltas (fragments.count 1, the engine's default, with its local state;
+#     WHOLE=0 skips it: it has never run on a GPU);
+#  4. with >= 2 GPUs, `diloco bench ranks` with a 2-rank NCCL learner (skipped on one GPU).
+# Prints the figures and exits non-zero on any failure. About 6 minutes on one H200 (before step 3 existed).
 # Run from the repository root after `make setup` with a CUDA build of torch, or with PY=python3 where torch,
 # the project's other dependencies and the repo (PYTHONPATH) are importable: prefect and s3fs are not needed.
-# Knobs: DEVICE_CHECK_DIR (where the bucket and the figures go), DEMO_S, BIG_S (each run's time limit).
+# Knobs: DEVICE_CHECK_DIR (where the bucket and the figures go), DEMO_S, BIG_S (each run's time limit), WHOLE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -42,6 +45,8 @@ print(f"{what}: {e['num_params']:,} parameters, held-out {s['initial_eval_loss']
       f"nats/byte at version {e['final_eval_version']}, {s['num_versions']} versions, {s['deltas_merged']} deltas "
       f"merged, {e['tokens_merged']:,} tokens merged in {wall:.0f} s ({e['tokens_merged'] / wall:,.0f} tokens/s "
       f"merged), traffic vs data-parallel {e['traffic_ratio_vs_dp']:.0f}x")
+busy = [f"{r['learner']} {r['busy']:.2f}" for r in e.get("learners", []) if r.get("busy") is not None]
+print(f"{what}: learners busy (inner steps / wall time): {', '.join(busy) or 'not recorded'}")
 PYEOF
 }
 
@@ -64,9 +69,15 @@ run_and_audit() {  # $1: run id, $2: time limit, $3: label, then the run's own o
 
 STAMP=$(date +%Y%m%d-%H%M%S)
 run_and_audit "demo-$STAMP" "$DEMO_S" "demo on GPU" --config demo --versions 20
+GPT124M="-o model.n_layer=12 -o model.n_head=12 -o model.d_model=768 -o model.ctx_len=512 -o model.vocab_size=50257
+    -o inner.lr=0.0006 -o learner.codec=int4 -o eval.num_batches=4"
+# shellcheck disable=SC2086  # the overrides split on purpose
 run_and_audit "gpt124m-$STAMP" "$BIG_S" "124M, 4 fragments, 2 merger shards, on GPU" --config demo --versions 8 \
-    -o model.n_layer=12 -o model.n_head=12 -o model.d_model=768 -o model.ctx_len=512 -o model.vocab_size=50257 \
-    -o inner.lr=0.0006 -o fragments.count=4 -o merger.shards=2 -o learner.codec=int4 -o eval.num_batches=4
+    $GPT124M -o fragments.count=4 -o merger.shards=2
+if [ "${WHOLE:-1}" = 1 ]; then  # the engine's default shape at 124M: whole-model deltas, local state every 10 steps
+    # shellcheck disable=SC2086
+    run_and_audit "gpt124m-whole-$STAMP" "$BIG_S" "124M, whole-model deltas, on GPU" --config demo --versions 8 $GPT124M
+fi
 
 if [ -s "$DIR/gpu.csv" ]; then
     "$PY" - "$DIR/gpu.csv" <<'PYEOF'

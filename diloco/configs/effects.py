@@ -28,6 +28,8 @@ _RULES: dict[str, tuple[Callable[[Config, str], bool], str]] = {
                                   "a sync learner waits for the version that decides its delta instead of probing"),
     "learner.prefetch": (lambda cfg, path: cfg.learner.mode != "sync",
                          "a sync learner installs the version that decides its delta itself, it never prefetches"),
+    "learner.encode_in_background": (lambda cfg, path: cfg.fragments.count > 1,
+                                     "a whole-model learner (fragments.count 1) encodes its delta between phases"),
     "fragments.cohorts": (lambda cfg, path: cfg.fragments.count > 1,
                           "cohorts offset the fragments' schedules: with fragments.count 1 there is one delta a phase"),
 }

@@ -136,6 +136,10 @@ class LearnerConfig(_Strict):
     prefetch_poll_s: float = Field(0.25, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int = Field(1, ge=1)  # torch threads per learner process (per rank)
+    # a fragmented learner encodes each fragment's delta on a thread of its own while the next steps run, instead
+    # of on the training thread; "auto": when it trains on CUDA (its host's cores are otherwise idle), not on CPU
+    # (where the learners already use the cores). Whole-model learners encode between phases either way.
+    encode_in_background: bool | Literal["auto"] = "auto"
     # A learner as a torch.distributed world of this many processes (DDP; gloo on CPU, nccl on CUDA): the
     # learner's batch is split across them, so its global batch and tokens per step do not depend on it
     ranks: int = Field(1, ge=1, le=MAX_RANKS)

@@ -1,5 +1,6 @@
 """A run's complete summary: held-out loss of version 0 and of the final version, where the run stands, and
-the traffic of every learner — deltas sent (merged, rejected, pending), bytes received — against data-parallel.
+the traffic of every learner — deltas sent (merged, rejected, pending), bytes received — against data-parallel,
+and how busy each learner was (its inner steps over its wall time).
 
 Contract: every figure comes from the bucket (manifests, deltas listed, evals, the learners' `traffic`
 events); the version 0 and final version the evaluator did not reach are scored first (run/evaluator.py
@@ -46,11 +47,11 @@ def _chains_decided(ctx: RunContext, chain: list[Manifest]):
             for p, c in enumerate(fragment_chains(ctx))]
 
 
-def learner_traffic(ctx: RunContext) -> dict[str, dict[str, int]]:
+def learner_traffic(ctx: RunContext, events: list[dict[str, Any]] | None = None) -> dict[str, dict[str, int]]:
     """learner -> {"sent", "received"}: all bytes each of its processes put and got (the last `traffic`
     event of each process: counters are per process), summed over its processes."""
     last: dict[tuple[str, int], dict[str, Any]] = {}
-    for event in read_events(ctx.store, ctx.keys):
+    for event in read_events(ctx.store, ctx.keys) if events is None else events:
         if event.get("kind") == "traffic" and event.get("learner"):
             last[(event["learner"], int(event.get("pid", 0)))] = event
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"sent": 0, "received": 0})
@@ -60,9 +61,32 @@ def learner_traffic(ctx: RunContext) -> dict[str, dict[str, int]]:
     return dict(out)
 
 
+def learner_busy(events: list[dict[str, Any]]) -> dict[str, float]:
+    """learner -> how busy it was: its time in inner steps (the phase events' compute_s) over the wall time
+    from each of its processes' first phase start to its last phase end. Learners whose events carry no
+    compute_s (older runs) are left out."""
+    compute: dict[str, float] = defaultdict(float)
+    spans: dict[tuple[str, int], list[float]] = {}
+    for event in events:
+        if event.get("kind") != "phase" or not event.get("learner") or "compute_s" not in event:
+            continue
+        try:
+            start, end = float(event["t_start"]), float(event["t_start"]) + float(event["duration_s"])
+            compute[event["learner"]] += float(event["compute_s"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        span = spans.setdefault((event["learner"], int(event.get("pid", 0))), [start, end])
+        span[0], span[1] = min(span[0], start), max(span[1], end)
+    wall: dict[str, float] = defaultdict(float)
+    for (name, _pid), (start, end) in spans.items():
+        wall[name] += end - start
+    return {name: compute[name] / wall[name] for name in compute if wall[name] > 0}
+
+
 def _learner_rows(ctx: RunContext, chain: list[Manifest], pending: dict[str, list[tuple[int, int]]],
                   num_params: int) -> list[dict[str, Any]]:
-    traffic = learner_traffic(ctx)
+    events = read_events(ctx.store, ctx.keys)
+    traffic, busy = learner_traffic(ctx, events), learner_busy(events)
     names = sorted({*ctx.learners, *pending, *traffic})
     m = max(1, len(ctx.learners))
     rows = []
@@ -77,6 +101,7 @@ def _learner_rows(ctx: RunContext, chain: list[Manifest], pending: dict[str, lis
             "delta_bytes": sum(d.bytes for d in mine if d.status != "lost") + sum(b for _, b in pending.get(name, [])),
             "bytes_sent": traffic.get(name, {}).get("sent"), "bytes_received": traffic.get(name, {}).get("received"),
             "steps_merged": steps, "dp_bytes_each_way": int(dp_bytes(num_params, steps, m)),
+            "busy": None if name not in busy else round(busy[name], 4),
         })
     return rows
 

@@ -2,7 +2,7 @@
 
 Contract: one daemon thread; `post(key, job)` replaces a job of the same key not started yet (the
 latest status wins, many flush requests are one flush), jobs run in the order their keys were first
-posted; a job that raises is logged and dropped (statuses and events are best effort, and EventLog
+posted; `cancel(key)` drops one not started; a job that raises is logged and dropped (statuses and events are best effort, and EventLog
 keeps events whose flush failed); `close` runs what is queued, then stops.
 """
 
@@ -33,6 +33,13 @@ class Courier:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def cancel(self, key: str) -> bool:
+        """Drop the job of `key` if it has not started; whether it was dropped."""
+        with self._cond:
+            dropped = self._jobs.pop(key, None) is not None
+            self._cond.notify_all()
+            return dropped
 
     def _run(self) -> None:
         while True:

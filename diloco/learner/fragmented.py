@@ -5,21 +5,28 @@ Contract: per fragment, shipped + carried = all local progress (diloco.learner.l
 every lane at its fragment's newest version with the next unused seq of that chain, and the data cursor and
 inner step (the lr schedule) of the learner's last status; `sync` mode waits tau steps after a ship for the
 version deciding it. With `learner.prefetch` each lane has its own Prefetcher (a thread on its fragment's chain):
-the training thread installs what it fetched at the next step a lane may install, without a request. Not
-supported yet with fragments (refused or off): learner.ranks > 1, local state, bucket checkpoints.
+the training thread installs what it fetched at the next step a lane may install, without a request. With
+`learner.encode_in_background` (auto: on CUDA) a ship takes the delta and its seq at its step and the encoder's
+thread encodes it; the training thread completes it (error feedback, upload, event) at a later step, and before
+that lane's next ship or install: the same bits as encoding inline. Not supported yet with fragments (refused or
+off): learner.ranks > 1, local state, bucket checkpoints.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from diloco.learner.lanes import Lanes
 from diloco.learner.learner import Learner, PhaseStats
 from diloco.learner.prefetch import Prefetcher, fetch_global
 from diloco.learner.publisher import Publisher
 from diloco.run.fragments import fragment_context
-from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
+from diloco.run.objects import encode_shipped, read_tensors
 from diloco.run.signing import sign
 from diloco.storage import NotFound, StorageError, latest_version, manifest_exists, read_latest
 from diloco.storage.codec import CodecError
@@ -29,6 +36,18 @@ from diloco.training.fragments import take
 from diloco.training.tensors import Tensors
 
 log = logging.getLogger("diloco.learner")
+
+
+@dataclass
+class _Shipping:
+    """A delta taken from lane `index` as `seq` (steps, tokens, on version `base`), its encode maybe running."""
+    index: int
+    seq: int
+    steps: int
+    tokens: int
+    base: int
+    stats: PhaseStats | None
+    future: Future | None = None
 
 
 class FragmentLearner(Learner):
@@ -49,6 +68,12 @@ class FragmentLearner(Learner):
         self.lanes = Lanes(ctx.fragments, cfg.inner.steps_per_phase, cfg.fragments.overlap_steps, cfg.learner.mode)
         self.steps_done = 0  # since join, plus the cohort's offset (stagger): the ship schedule counts from here
         self.awaiting: dict[int, int] = {}  # sync mode: lane -> seq waiting for its decision
+        # learner.encode_in_background: deltas taken, being encoded on the encoder's thread (FIFO); each completes
+        # (error feedback, upload queued, event) on the training thread, before its lane is read again
+        background = cfg.learner.encode_in_background
+        self.encoder = ThreadPoolExecutor(1, thread_name_prefix=f"encode-{name}") \
+            if background is True or (background == "auto" and self.device.startswith("cuda")) else None
+        self.shipping: deque[_Shipping] = deque()
 
     # ---- join ------------------------------------------------------------------------------
     def _live(self) -> Tensors:
@@ -56,6 +81,7 @@ class FragmentLearner(Learner):
         return {name: p.detach() for name, p in self.model.named_parameters()}
 
     def join(self) -> int:
+        self.settle()  # a rejoin after a failed phase: what was shipped before it still goes out
         theta, tokens_total = self._live(), 0
         for lane in self.lanes.lanes:
             keys = self.ctx.keys.for_fragment(lane.index)
@@ -101,7 +127,17 @@ class FragmentLearner(Learner):
 
     def close(self, timeout_s: float = 60.0) -> None:
         self._close_prefetch()
-        super().close(timeout_s)
+        try:
+            self.settle()  # every delta taken is uploaded, as when it was encoded on the training thread
+        finally:
+            if self.encoder is not None:
+                self.encoder.shutdown(wait=False, cancel_futures=True)
+            super().close(timeout_s)
+
+    def drain(self) -> None:
+        """Every delta taken encoded and uploaded (tests and tools: the publisher's drain, after the encoder)."""
+        self.settle()
+        self.publisher.drain()
 
     def _next_seq(self, keys, manifest) -> int:
         """One past every seq this learner used in the chain: decided (the cursor) or listed (published)."""
@@ -135,6 +171,7 @@ class FragmentLearner(Learner):
             ts = time.time()
             try:
                 losses.append(self.trainer.train_step(self._next_batch()))
+                stats.compute_s += time.time() - ts
             except FloatingPointError as err:
                 log.warning("learner %s: %s; rejoining every fragment's newest version", self.name, err)
                 self.events.emit("phase_failed", learner=self.name, version=self.state.base, reason=str(err)[:300])
@@ -142,11 +179,17 @@ class FragmentLearner(Learner):
                 self.join()
                 break
             if self.slowdown > 1.0:  # a chaos plan's slow learner: steps take this x longer
-                time.sleep((time.time() - ts) * (self.slowdown - 1.0))
+                slept = time.time()
+                time.sleep((slept - ts) * (self.slowdown - 1.0))
+                stats.compute_s += time.time() - slept  # slower hardware: its steps take longer
             if self._clock_pending is not None:
                 self.run_clock(*self._clock_pending)
             self.lanes.stepped(self.trainer.last_tokens)
             self.steps_done += 1
+            if self.shipping:
+                tship = time.time()
+                self.settle(block=False)  # the encodes finished by now: their uploads queued
+                stats.ship_s += time.time() - tship
             stats.tokens += self.trainer.last_tokens
             stats.steps += 1
             for index in self.lanes.due(self.steps_done):
@@ -155,19 +198,24 @@ class FragmentLearner(Learner):
                     self.events.emit("publish_deferred", learner=self.name, fragment=index,
                                      seq=self.lanes.lanes[index].seq)
                     continue
+                tship = time.time()
                 self.ship(index, stats)
+                stats.ship_s += time.time() - tship
             if self.run_ended_at(i + 1):
                 break  # what the lanes have not shipped yet stays unshipped: the run is over
             if cfg.learner.mode == "sync":
                 self._wait_for_decisions()
             elif self.lane_prefetch or (i + 1) % cfg.learner.probe_every_steps == 0:  # taking a prefetch is free
+                ti = time.time()
                 stats.installs.extend(self.maybe_install())
+                stats.install_s += time.time() - ti
             self.heartbeat()
         stats.loss = sum(losses) / len(losses) if losses else float("nan")
         stats.phase_time_s = time.time() - t0
         self.loss_ema = stats.loss
         self.events.emit("phase", learner=self.name, version=self.state.base, steps=stats.steps,
-                         tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss)
+                         tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss,
+                         **stats.times())
         return stats
 
     def publish(self, stats: PhaseStats | None = None) -> int | None:
@@ -175,31 +223,55 @@ class FragmentLearner(Learner):
         return None
 
     def ship(self, index: int, stats: PhaseStats | None = None) -> int:
-        """Ship lane `index`: r_p - theta_p into fragment p's chain; keep the quantization error in r_p."""
+        """Ship lane `index`: r_p - theta_p into fragment p's chain; keep the quantization error in r_p. The
+        delta is taken now; it is encoded here, or on the encoder's thread (learner.encode_in_background) and
+        completed at a later step (settle)."""
         cfg, lane = self.cfg, self.lanes.lanes[index]
+        self.settle(index)  # the lane's previous delta's error feedback is in r_p before r_p is read
         delta = self.lanes.delta(index, self._live())
         meta = {"learner": self.name, "seq": lane.seq, "base_version": lane.base, "tokens": lane.tokens,
                 "steps": lane.steps, "phase_time_s": time.time() - self.phase_t0, "train_loss": self.loss_ema,
                 "created_at": time.time(), "fragment": index}
-        data = encode_tensors(delta, codec_name=cfg.learner.codec, kind="delta", fingerprint=self.ctx.fingerprint,
-                              meta=meta, shuffle=cfg.learner.shuffle)
-        _, shipped = decode_tensors(data)
-        seq, steps, tokens = self.lanes.shipped(index, shipped, self.steps_done)
-        keys = self.ctx.keys.for_fragment(index)
-        sidecar = None
-        if self.signing_key is not None:
-            sidecar = keys.signature(self.name, seq), sign(self.signing_key, self.ctx.run_id, self.name, seq, data)
-        stall = self.publisher.submit(keys.delta(self.name, seq), data, seq=seq, sidecar=sidecar)
+        seq, steps, tokens = self.lanes.take(index, self.steps_done)
+        encode = functools.partial(encode_shipped, delta, codec_name=cfg.learner.codec, kind="delta",
+                                   fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
+        job = _Shipping(index, seq, steps, tokens, lane.base, stats)
+        if self.encoder is None:
+            self._complete(job, *encode())
+        else:
+            job.future = self.encoder.submit(encode)
+            self.shipping.append(job)
         if cfg.learner.mode == "sync":
             self.awaiting[index] = seq
         if index == len(self.lanes) - 1:
             self.phase_t0 = time.time()
-        if stats is not None:
-            stats.seq, stats.stall_s, stats.delta_bytes = seq, stats.stall_s + stall, stats.delta_bytes + len(data)
         self._sync_state()
-        self.events.emit("publish", learner=self.name, seq=seq, fragment=index, version=lane.base, bytes=len(data),
-                         tokens=tokens, steps=steps, stall_s=stall)
         return seq
+
+    def settle(self, index: int | None = None, block: bool = True) -> None:
+        """Complete the deltas being encoded, in the order they were taken: all of them, or up to lane `index`'s
+        last (waiting for its encode), or (block=False) those already encoded."""
+        while self.shipping and (index is None or any(job.index == index for job in self.shipping)):
+            job = self.shipping[0]
+            if not block and not job.future.done():
+                return
+            self.shipping.popleft()
+            self._complete(job, *job.future.result())
+
+    def _complete(self, job: _Shipping, data: bytes, shipped) -> None:
+        """An encoded delta: its error feedback into r_p, its upload queued, its `publish` event."""
+        self.lanes.feedback(job.index, shipped)
+        keys = self.ctx.keys.for_fragment(job.index)
+        sidecar = None
+        if self.signing_key is not None:
+            sidecar = (keys.signature(self.name, job.seq),
+                       sign(self.signing_key, self.ctx.run_id, self.name, job.seq, data))
+        stall = self.publisher.submit(keys.delta(self.name, job.seq), data, seq=job.seq, sidecar=sidecar)
+        if job.stats is not None:
+            stats = job.stats
+            stats.seq, stats.stall_s, stats.delta_bytes = job.seq, stats.stall_s + stall, stats.delta_bytes + len(data)
+        self.events.emit("publish", learner=self.name, seq=job.seq, fragment=job.index, version=job.base,
+                         bytes=len(data), tokens=job.tokens, steps=job.steps, stall_s=stall)
 
     # ---- install ---------------------------------------------------------------------------
     def maybe_install(self) -> list[int]:
@@ -243,6 +315,7 @@ class FragmentLearner(Learner):
 
     def _put_lane(self, index: int, version: int, glob, theta, tokens_total: int) -> None:
         """Lane `index` to `version` (its global `glob`, fetched) in theta; the run's clock from its tokens."""
+        self.settle(index)  # the lane's shipped deltas' error feedback is in r_p before the carry reads it
         previous = self.lanes.lanes[index].base
         self.lanes.install(index, version, glob, theta)
         self.run_clock(tokens_total)  # every fragment's chain merges every step's tokens once
@@ -254,6 +327,7 @@ class FragmentLearner(Learner):
         for index, seq in sorted(self.awaiting.items()):
             if not self.lanes.may_install(index, self.steps_done):
                 continue
+            self.settle()
             self.publisher.drain()
             keys, deadline = self.ctx.keys.for_fragment(index), time.time() + timeout_s
             while time.time() < deadline:

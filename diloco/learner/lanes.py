@@ -4,6 +4,9 @@ seq and unshipped steps/tokens, and ships on its own staggered schedule (fragmen
 Contract (DESIGN §5, per fragment): for every fragment, shipped + carried = all local progress on its
 tensors. Shipping p: delta = r_p - theta_p, r_p -= dequantize(delta). Installing p at G_p:
 theta_p = G_p + (theta_p - r_p) (carry) or G_p (overwrite), r_p = G_p. Pure tensors: no I/O here.
+r_p lives on theta's device in fp32 (a GPU learner's ship and carry arithmetic runs there: one transfer of the
+delta out, one of G_p in); G_p and every delta are fp32 CPU tensors. Each step is one elementwise fp32
+operation, so the bits are the same on any device.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.training.fragments import due_offset, put_, take
-from diloco.training.tensors import Tensors, add_, clone
+from diloco.training.tensors import Tensors, add_
 
 
 @dataclass
@@ -42,7 +45,7 @@ class Lanes:
     def join(self, index: int, version: int, glob: Tensors, next_seq: int, theta: Tensors) -> None:
         """Lane `index` starts at `version`: theta_p = r_p = G_p, nothing unshipped."""
         lane = self.lanes[index]
-        lane.base, lane.seq, lane.glob, lane.ref = version, next_seq, glob, clone(glob)
+        lane.base, lane.seq, lane.glob, lane.ref = version, next_seq, glob, _on(glob, _device(theta))
         lane.steps = lane.tokens = 0
         put_(theta, lane.fragment, glob)
 
@@ -62,17 +65,28 @@ class Lanes:
         """r_p - theta_p: what lane `index` ships now."""
         lane = self.lanes[index]
         part = take(theta, lane.fragment, copy=False)
-        return {k: lane.ref[k] - part[k].to("cpu", torch.float32) for k in lane.ref}
+        return {k: (lane.ref[k] - part[k].float()).cpu() for k in lane.ref}
 
     def shipped(self, index: int, dequantized: Tensors, step: int) -> tuple[int, int, int]:
         """The delta went out as `dequantized`: r_p -= it (error feedback); returns (seq, steps, tokens) shipped."""
+        out = self.take(index, step)
+        self.feedback(index, dequantized)
+        return out
+
+    def take(self, index: int, step: int) -> tuple[int, int, int]:
+        """The delta r_p - theta_p just read ships as the next seq: (seq, steps, tokens) it holds; nothing is
+        unshipped from here. Its error feedback must follow (feedback) before r_p is read again."""
         lane = self.lanes[index]
-        add_(lane.ref, dequantized, alpha=-1.0)
         out = (lane.seq, lane.steps, lane.tokens)
         lane.seq += 1
         lane.steps = lane.tokens = 0
         lane.shipped_at = step
         return out
+
+    def feedback(self, index: int, dequantized: Tensors) -> None:
+        """The delta taken went out as `dequantized`: r_p -= it (error feedback)."""
+        lane = self.lanes[index]
+        add_(lane.ref, _on(dequantized, _device(lane.ref), copy=False), alpha=-1.0)
 
     def may_install(self, index: int, step: int) -> bool:
         """tau steps after a ship, not before: the overlap a fragment's merge has to arrive in."""
@@ -82,13 +96,14 @@ class Lanes:
         """Move lane `index` to `version` in `theta` (whole-model tensors, e.g. the model's own parameters,
         on any device; written in place): carry the unshipped."""
         lane = self.lanes[index]
+        ref = _on(glob, _device(theta))  # r_p = G_p: on the device, and a copy of `glob` (kept as the lane's G_p)
         if self.mode == "overwrite":
-            new = clone(glob)
+            new = ref
         else:
             part = take(theta, lane.fragment, copy=False)
-            new = {k: glob[k] + (part[k].to("cpu", torch.float32) - lane.ref[k]) for k in glob}
+            new = {k: ref[k] + (part[k].float() - lane.ref[k]) for k in ref}
         put_(theta, lane.fragment, new)
-        lane.base, lane.glob, lane.ref = version, glob, clone(glob)
+        lane.base, lane.glob, lane.ref = version, glob, ref
 
     def version(self) -> int:
         """The learner's version: the oldest fragment it holds."""
@@ -96,3 +111,12 @@ class Lanes:
 
     def meta(self) -> dict:
         return {"bases": [lane.base for lane in self.lanes], "seqs": [lane.seq for lane in self.lanes]}
+
+
+def _device(tensors: Tensors) -> torch.device:
+    return next(iter(tensors.values())).device if tensors else torch.device("cpu")
+
+
+def _on(tensors: Tensors, device: torch.device, copy: bool = True) -> Tensors:
+    """fp32 tensors on `device` (a copy unless `copy=False` and they are there already)."""
+    return {k: v.detach().to(device=device, dtype=torch.float32, copy=copy) for k, v in tensors.items()}

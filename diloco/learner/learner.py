@@ -25,7 +25,7 @@ from diloco.learner.state import QUICK_RETRIES, LearnerState
 from diloco.learner.world import CLOCK, FULL, PARAMS, RESET, STOP, World, slice_batch
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
-from diloco.run.objects import decode_tensors, encode_tensors, read_tensors
+from diloco.run.objects import encode_shipped, encode_tensors, read_tensors
 from diloco.run.signing import learner_key, sign
 from diloco.run.spec import load_run_spec
 from diloco.storage import (
@@ -56,6 +56,15 @@ class PhaseStats:
     stall_s: float = 0.0
     installs: list[int] = field(default_factory=list)
     delta_bytes: int = 0
+    compute_s: float = 0.0  # of phase_time_s: in inner steps (train_step), ...
+    install_s: float = 0.0  # ... installing merged versions (carry, and a fetch without a prefetcher) ...
+    ship_s: float = 0.0  # ... shipping fragments (delta, encode, error feedback) ...
+    save_s: float = 0.0  # ... and taking the local state's snapshots; the rest is the loop's own
+
+    def times(self) -> dict[str, float]:
+        """The phase event's breakdown of its duration_s (the summary's `busy` is compute_s over it)."""
+        return {"compute_s": round(self.compute_s, 4), "install_s": round(self.install_s, 4),
+                "ship_s": round(self.ship_s, 4), "save_s": round(self.save_s, 4)}
 
 
 class Learner:
@@ -202,17 +211,21 @@ class Learner:
             if self.world is not None:
                 lead_step(self)
             batch = self._next_batch()
+            tc = time.time()
             try:
                 losses.append(self.trainer.train_step(batch))
             except FloatingPointError as err:
                 return self.abandon_phase(stats, t0, str(err))
+            stats.compute_s += time.time() - tc
             if self._clock_pending is not None:
                 self.run_clock(*self._clock_pending)
             self.state.steps_since_publish += 1
             self.state.tokens_since_publish += self.trainer.last_tokens
             stats.tokens += self.trainer.last_tokens
             if self.slowdown > 1.0:
-                time.sleep((time.time() - ts) * (self.slowdown - 1.0))
+                slept = time.time()
+                time.sleep((slept - ts) * (self.slowdown - 1.0))
+                stats.compute_s += time.time() - slept  # slower hardware: its steps take longer
             self.heartbeat()
             done = i + 1
             if self.run_ended_at(done):
@@ -221,17 +234,24 @@ class Learner:
             # first step after it arrived, not up to probe_every_steps later (measured: docs/BENCHMARKS.md, WAN)
             probe = self.prefetcher is not None or done % cfg.learner.probe_every_steps == 0
             if probe and cfg.learner.mode != "sync":
+                ti = time.time()
                 installed = self.maybe_install()
+                stats.install_s += time.time() - ti
                 if installed is not None:
                     stats.installs.append(installed)
-            if every and done % every == 0 and done < num_steps:
-                self.save_local()  # the phase's end is saved by publish()
+            if every and done % every == 0 and done < num_steps and not self.local.writing():
+                # the phase's end is saved by publish(); skipped while the last save is still being written
+                # (at 124M parameters a save is ~2.5 GB: a GPU learner's 10 steps take far less than writing it)
+                tl = time.time()
+                self.save_local()
+                stats.save_s += time.time() - tl
         stats.steps = done
         stats.loss = sum(losses) / len(losses)
         stats.phase_time_s = time.time() - t0
         self.loss_ema = stats.loss
         self.events.emit("phase", learner=self.name, version=self.state.base, steps=stats.steps,
-                         tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss)
+                         tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss,
+                         **stats.times())
         return stats
 
     def run_ended_at(self, step_in_phase: int) -> bool:
@@ -287,6 +307,7 @@ class Learner:
             self.events.emit("publish_deferred", learner=self.name, seq=state.seq, steps=state.steps_since_publish)
             self.save_local()
             return None
+        started = time.time()
         delta = sub(state.ref, self.theta())
         seq = state.seq
         meta = {
@@ -295,9 +316,8 @@ class Learner:
             "phase_time_s": time.time() - self.phase_t0, "train_loss": self.loss_ema,
             "created_at": time.time(),
         }
-        data = encode_tensors(delta, codec_name=cfg.learner.codec, kind="delta",
-                                fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
-        _, shipped = decode_tensors(data)
+        data, shipped = encode_shipped(delta, codec_name=cfg.learner.codec, kind="delta",
+                                       fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
         add_(state.ref, shipped, alpha=-1.0)
         # one copy of the optimizer state for both snapshots (encoders only read it)
         exported = self.trainer.export_state() if cfg.learner.checkpoint or self.local is not None else None
@@ -313,7 +333,8 @@ class Learner:
         if stats is not None:
             stats.seq, stats.stall_s, stats.delta_bytes = seq, stall, len(data)
         self.events.emit("publish", learner=self.name, seq=seq, version=state.base, bytes=len(data),
-                         tokens=meta["tokens"], steps=meta["steps"], stall_s=stall)
+                         tokens=meta["tokens"], steps=meta["steps"], stall_s=stall,
+                         duration_s=round(time.time() - started, 4))
         return seq
 
     def _checkpoint(self, seq: int, exported: tuple[Tensors, dict]) -> Callable[[], bytes]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from diloco.run.heap import release_freed_memory
 from diloco.storage import codec
 from diloco.storage.store import Store
@@ -42,6 +44,22 @@ def encode_tensors(
             freed = 0
     release_freed_memory()
     return encoder.finish()
+
+
+def encode_shipped(
+    tensors: Tensors, *, codec_name: str, kind: str, fingerprint: str, meta: dict[str, Any] | None = None,
+    shuffle: bool = True,
+) -> tuple[bytes, Tensors]:
+    """encode_tensors' bytes and what decode_tensors gives back from them, bit for bit (the codec's decode of
+    each stream just made, without the lz4/zstd round trip): a learner's delta and the values it ships, which
+    its error feedback keeps. `tensors` must not change until this returns."""
+    encoder = codec.Encoder(codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {}, shuffle=shuffle)
+    shipped: Tensors = {}
+    for name, array in to_numpy(tensors).items():
+        stream = encoder.add(name, array)
+        shipped[name] = torch.from_numpy(encoder.shipped(name, array.shape, stream))
+        del stream
+    return encoder.finish(), shipped
 
 
 def decode_tensors(

@@ -2,8 +2,9 @@
 fragments ship on their staggered schedule at random points between merges), shard merges and installs.
 
 Invariant (DESIGN §5, per fragment): shipped + carried = all local progress; with one learner, outer lr 1,
-no momentum, the assembled global is exactly the start minus everything shipped. Also: a learner rejoins
-at every fragment's newest version, with fresh seqs per fragment chain.
+no momentum, the assembled global is exactly the start minus everything shipped; the same with every delta
+encoded on the learner's encoder thread (learner.encode_in_background) and completed steps later. Also: a
+learner rejoins at every fragment's newest version, with fresh seqs per fragment chain.
 Run: .venv/bin/pytest tests/integration/test_fragment_lanes.py -q
 """
 
@@ -36,8 +37,8 @@ def corpus():
     return load_corpus(load_config("tiny").data)
 
 
-def _cfg(count: int, codec: str, tau: int):
-    return load_config("tiny").with_overrides({
+def _cfg(count: int, codec: str, tau: int, background: bool | str = "auto"):
+    return load_config("tiny").with_overrides({"learner.encode_in_background": background,
         "run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0, "learner.codec": codec,
         "outer.lr": 1.0, "outer.momentum": 0.0, "outer.partial_scaling": False, "inner.steps_per_phase": 4,
         "learner.probe_every_steps": 1000, "outer.max_staleness": 1000, "learner.local_state_every_steps": 0,
@@ -66,7 +67,7 @@ class Meter:
         theta = learner.theta()
         self.total = {k: torch.zeros_like(v) for k, v in theta.items()}
         self.shipped = {k: torch.zeros_like(v) for k, v in theta.items()}
-        step, ship = learner.trainer.train_step, learner.lanes.shipped
+        step, feedback = learner.trainer.train_step, learner.lanes.feedback
 
         def counted(*batch):
             before = get_flat_params(learner.model)
@@ -75,14 +76,14 @@ class Meter:
                 self.total[k] += v - before[k]
             return loss
 
-        def shipped(index, dequantized, at):
+        def shipped(index, dequantized):
             put_(delta := {k: torch.zeros_like(v) for k, v in self.total.items()}, learner.lanes.lanes[index].fragment,
                  dequantized)
             for k in self.shipped:
                 self.shipped[k] += delta[k]
-            return ship(index, dequantized, at)
+            return feedback(index, dequantized)
 
-        learner.trainer.train_step, learner.lanes.shipped = counted, shipped
+        learner.trainer.train_step, learner.lanes.feedback = counted, shipped
 
 
 def _merge_all(ctx) -> int:
@@ -91,17 +92,19 @@ def _merge_all(ctx) -> int:
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS, count=st.sampled_from([2, 3, 4]), codec=st.sampled_from(["fp32", "int8", "int4"]),
-       tau=st.sampled_from([0, 1, 2]))
-def test_shipped_plus_carried_is_all_progress_per_fragment(corpus, ops, count, codec, tau):
-    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(count, codec, tau))
+       tau=st.sampled_from([0, 1, 2]), background=st.sampled_from([False, True]))
+def test_shipped_plus_carried_is_all_progress_per_fragment(corpus, ops, count, codec, tau, background):
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes",
+                     _cfg(count, codec, tau, background))
     learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    assert (learner.encoder is not None) == background
     learner.join()
     theta0 = learner.theta()
     meter = Meter(learner)
     for op in [*ops, 4, "merge", "install"]:
         if isinstance(op, int):
             learner.run_phase(num_steps=op)
-            learner.publisher.drain()
+            learner.drain()
         elif op == "merge":
             _merge_all(ctx)
         else:
@@ -183,3 +186,35 @@ def test_a_full_publisher_defers_a_lane_which_ships_everything_next_time(corpus)
         data = ctx.store.get(ctx.keys.for_fragment(index).delta("local-0", 0))
         assert decode_tensors(data)[0].meta["steps"] == steps  # nothing lost: the deferred steps ship with it
     learner.close()
+
+
+def _train_ship_merge_install(corpus, background: bool) -> tuple[dict, dict, list]:
+    """One learner, 4 fragments, tau 0 (a lane may install at the step it ships, its encode still running):
+    phases with merges between them, installs within them; (every delta's tensors by key, the learner's final
+    theta, the publish events in order)."""
+    cfg = _cfg(4, "int4", 0, background).with_overrides({"learner.probe_every_steps": 1})
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", cfg)
+    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.join()
+    for steps in (5, 3, 6, 2, 7):
+        learner.run_phase(num_steps=steps)  # installs (probing every step) within phases, encodes in flight
+        learner.drain()  # every delta taken is in the bucket before the merge, in both modes
+        _merge_all(ctx)
+    learner.drain()
+    deltas = {key: decode_tensors(ctx.store.get(key))[1] for index in range(4)
+              for key in ctx.store.list(ctx.keys.for_fragment(index).deltas_prefix())}
+    events = [(e["fragment"], e["seq"], e["steps"], e["version"]) for e in learner.events._buf if e["kind"] == "publish"]
+    theta = learner.theta()
+    learner.close()
+    return deltas, theta, events
+
+
+def test_encoding_in_the_background_ships_the_same_bits(corpus):
+    """learner.encode_in_background (a GPU learner's default) only moves the encode off the training thread:
+    the same deltas, bit for bit, the same installs and the same final parameters as encoding inline."""
+    inline, theta_inline, events_inline = _train_ship_merge_install(corpus, False)
+    background, theta_background, events_background = _train_ship_merge_install(corpus, True)
+    assert len(inline) == len(events_inline) >= 20 and list(inline) == list(background)
+    assert events_inline == events_background
+    assert all(torch.equal(inline[key][k], background[key][k]) for key in inline for k in inline[key])
+    assert all(torch.equal(theta_inline[k], theta_background[k]) for k in theta_inline)

@@ -1,6 +1,8 @@
 """Local learner state: a learner process restarted on the same host resumes from its own disk —
 mid-phase, without the bucket, with the deltas an outage kept from landing — and never trusts a
-state that the bucket has moved past, that belongs to another run, or that is unreadable.
+state that the bucket has moved past, that belongs to another run, or that is unreadable. However slow
+its disk, a learner holds at most two states (one being written, one waiting: a newer one replaces it,
+after the spool writes before it) and skips its periodic saves while one is being written.
 Run: .venv/bin/pytest tests/integration/test_local_state.py -q
 """
 
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import threading
 import time
 
 import pytest
@@ -71,6 +74,7 @@ def joins(ctx, worker: Learner | None = None) -> list[dict]:
 
 def test_restart_resumes_mid_phase_from_local_state(tmp_path, corpus):
     ctx, merger, first = started(tmp_path, corpus, 2)
+    first.local.flush()  # the last publish's state is written: the periodic save is not skipped for it
     first.run_phase()  # saved after 5 of its 10 steps; the last 5 die with the process
     first.local.flush()  # the save is written off the training thread: let it land before the "crash"
     saved = first.local.load()
@@ -200,3 +204,63 @@ def test_an_outage_defers_shipping_not_training(tmp_path, corpus):
     deferred = [e for e in read_events(ctx.store, ctx.keys) if e["kind"] == "publish_deferred"]
     assert [e["steps"] for e in deferred] == [h, 2 * h]
     assert audit_run(ctx).ok
+
+
+def _blocked_writer(local, monkeypatch):
+    """Hold local's writer in its next state write until the returned event is set; the states it wrote."""
+    release, written = threading.Event(), []
+    save_now = local._save_now
+
+    def slow(parts, meta):
+        release.wait(30)
+        written.append(meta["tag"])
+        save_now(parts, meta)
+
+    monkeypatch.setattr(local, "_save_now", slow)
+    return release, written
+
+
+def test_a_newer_state_replaces_one_still_waiting_after_the_spool_writes(tmp_path, corpus, monkeypatch):
+    ctx = new_run(tmp_path)
+    worker = learner(ctx, corpus)
+    worker.join()
+    local = worker.local
+    local.flush()
+    release, written = _blocked_writer(local, monkeypatch)
+    parts = {"theta": worker.theta(), "ref": worker.state.ref, "glob": worker.state.glob, "opt": {}}
+    meta = {**worker.state.meta(), "learner": "local-0", "step": 0, "cursor": 0, "optimizer": {}}
+    local.save(parts, {**meta, "tag": "a"})  # being written (blocked)
+    wait_for_writer = time.time() + 10
+    while local._queued is not None and time.time() < wait_for_writer:
+        time.sleep(0.01)
+    local.save(parts, {**meta, "tag": "b"})  # waits ...
+    local.spool(7, b"delta seven")
+    local.save(parts, {**meta, "tag": "c"})  # ... and is replaced by this one, queued after the spool write
+    assert local.writing() and local._saving == 2
+    order = list(local._writer._jobs)
+    assert len(order) == 2 and order[-1] == local._queued  # the spool write, then state c
+    release.set()
+    local.flush()
+    assert written == ["a", "c"] and not local.writing()
+    assert local.load().meta["tag"] == "c" and local.spooled() == [(7, b"delta seven")]
+    worker.close()
+
+
+def test_periodic_saves_are_skipped_while_one_is_being_written(tmp_path, corpus, monkeypatch):
+    ctx = new_run(tmp_path, **{"learner.local_state_every_steps": 1})
+    worker = learner(ctx, corpus)
+    worker.join()
+    worker.local.flush()
+    release, written = _blocked_writer(worker.local, monkeypatch)
+    saves = []
+    save_local = worker.save_local
+    monkeypatch.setattr(worker, "save_local", lambda *a: saves.append(worker.trainer.step) or save_local(*a))
+    monkeypatch.setattr(worker.local, "save", lambda parts, meta, save=worker.local.save: save(
+        parts, {**meta, "tag": len(saves)}))
+    stats = worker.run_phase(num_steps=6)  # a save due after every step: the first is still being written
+    assert saves == [1] and stats.save_s > 0
+    release.set()
+    worker.local.flush()
+    worker.run_phase(num_steps=3)  # written: the next due step saves again
+    assert saves[:2] == [1, 7] and written[0] == 1
+    worker.close()

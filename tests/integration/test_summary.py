@@ -16,7 +16,7 @@ from pathlib import Path
 
 from diloco.configs import load_config
 from diloco.inspect.runs import list_runs
-from diloco.inspect.summary import build_summary, summary_markdown, summary_rows
+from diloco.inspect.summary import build_summary, learner_busy, summary_markdown, summary_rows
 from diloco.launch import run_role
 from diloco.run.create import create_run
 from diloco.run.evaluator import evaluate_missing as complete_evals
@@ -55,6 +55,7 @@ def test_a_run_the_evaluator_never_saw_gets_a_complete_summary(tmp_path: Path) -
     assert mine["bytes_sent"] >= mine["delta_bytes"] and mine["bytes_received"] > 0  # joins read the params
     assert mine["dp_bytes_each_way"] > 0
     assert rows["local-1"]["bytes_sent"] is None  # never ran: nothing counted, nothing invented
+    assert 0.0 < mine["busy"] <= 1.0 and rows["local-1"]["busy"] is None
     text = "\n".join(f"{k} {v}" for k, v in summary_rows(s)) + summary_markdown(s)
     assert "None" not in text and "version 1" in text and "stopped at version 1 of 50 (operator)" in text
 
@@ -67,6 +68,19 @@ def test_a_run_the_evaluator_never_saw_gets_a_complete_summary(tmp_path: Path) -
     table = _diloco("runs", cwd=tmp_path)  # --storage defaults to file://runs in the current folder
     assert table.returncode == 0 and "short" in table.stdout and "stopped" in table.stdout, table.stderr
     assert max(len(line) for line in table.stdout.splitlines()) <= 80
+
+
+def test_busy_is_time_in_inner_steps_over_each_processs_wall_time() -> None:
+    def phase(learner, pid, start, duration, compute=None):
+        extra = {} if compute is None else {"compute_s": compute}
+        return {"kind": "phase", "learner": learner, "pid": pid, "t_start": start, "duration_s": duration, **extra}
+
+    events = [phase("a", 1, 100.0, 10.0, 9.0), phase("a", 1, 111.0, 9.0, 8.0),  # process 1: 20 s, 17 in steps
+              phase("a", 2, 500.0, 10.0, 3.0),  # a restart: its own 10 s (the gap between is not its wall time)
+              phase("b", 3, 100.0, 10.0),  # a run from before compute_s was recorded: not guessed
+              {"kind": "phase", "learner": "a", "pid": 1, "t_start": "soon", "duration_s": 1, "compute_s": 1},
+              {"kind": "publish", "learner": "a", "duration_s": 99.0}]
+    assert learner_busy(events) == {"a": (17.0 + 3.0) / (20.0 + 10.0)}
 
 
 def test_status_at_80_columns_keeps_every_name_whole(tmp_path: Path) -> None:

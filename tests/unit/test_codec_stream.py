@@ -1,6 +1,6 @@
 """The codec's streaming encoder: consuming a dict tensor by tensor into a bytearray writes the bytes of
-`encode`, and `Encoder.shipped` is what `decode` gives back, for every codec; fp32's plane-wise unshuffle
-round-trips NaN, Inf and -0.0 bit for bit.
+`encode`, and `Encoder.shipped` is what `decode` gives back, for every codec (so is `encode_shipped`'s, the
+learners' ship); fp32's plane-wise unshuffle round-trips NaN, Inf and -0.0 bit for bit.
 Run: .venv/bin/pytest tests/unit/test_codec_stream.py -q
 """
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.run.objects import decode_tensors, encode_tensors
+from diloco.run.objects import decode_tensors, encode_shipped, encode_tensors
 from diloco.storage.codec import Encoder
 
 SHAPES = {"a": (40, 64), "b": (33, 7), "c": (5,), "d": (1 << 17,)}
@@ -34,6 +34,19 @@ def test_the_encoders_shipped_tensor_is_what_decode_gives_back(codec):
     shipped = {k: encoder.shipped(k, tuple(v.shape), encoder.add(k, v.numpy())) for k, v in tensors.items()}
     _, decoded = decode_tensors(encoder.finish())
     assert all(np.array_equal(shipped[k], decoded[k].numpy()) for k in tensors)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "int2", "nf2"])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_encode_shipped_is_the_encoded_bytes_and_their_decode(codec, shuffle):
+    gen = torch.Generator().manual_seed(9)
+    tensors = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    kwargs = {"codec_name": codec, "kind": "delta", "fingerprint": "fp", "meta": {"seq": 3}, "shuffle": shuffle}
+    data, shipped = encode_shipped(tensors, **kwargs)
+    assert bytes(data) == bytes(encode_tensors(tensors, **kwargs))
+    _, decoded = decode_tensors(data)
+    assert list(shipped) == list(decoded)
+    assert all(shipped[k].shape == decoded[k].shape and torch.equal(shipped[k], decoded[k]) for k in decoded)
 
 
 def test_fp32_round_trips_special_values_bit_for_bit():
