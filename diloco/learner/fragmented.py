@@ -170,8 +170,10 @@ class FragmentLearner(Learner):
         for i in range(num_steps):
             ts = time.time()
             try:
-                losses.append(self.trainer.train_step(self._next_batch()))
-                stats.compute_s += time.time() - ts
+                batch = self._next_batch()
+                tc = time.time()
+                losses.append(self.trainer.train_step(batch))
+                stats.compute_s += time.time() - tc
             except FloatingPointError as err:
                 log.warning("learner %s: %s; rejoining every fragment's newest version", self.name, err)
                 self.events.emit("phase_failed", learner=self.name, version=self.state.base, reason=str(err)[:300])
@@ -188,13 +190,14 @@ class FragmentLearner(Learner):
             self.steps_done += 1
             if self.shipping:
                 tship = time.time()
-                self.settle(block=False)  # the encodes finished by now: their uploads queued
+                self.settle(block=False, stats=stats)  # the encodes finished by now: their uploads queued
                 stats.ship_s += time.time() - tship
             stats.tokens += self.trainer.last_tokens
             stats.steps += 1
             for index in self.lanes.due(self.steps_done):
                 # storage slow or down: train on; the lane keeps its progress and ships it at its next due step
-                if cfg.learner.mode != "sync" and self.publisher.full():
+                # (the deltas still being encoded count: each will be submitted)
+                if cfg.learner.mode != "sync" and self.publisher.full(len(self.shipping)):
                     self.events.emit("publish_deferred", learner=self.name, fragment=index,
                                      seq=self.lanes.lanes[index].seq)
                     continue
@@ -227,17 +230,18 @@ class FragmentLearner(Learner):
         delta is taken now; it is encoded here, or on the encoder's thread (learner.encode_in_background) and
         completed at a later step (settle)."""
         cfg, lane = self.cfg, self.lanes.lanes[index]
-        self.settle(index)  # the lane's previous delta's error feedback is in r_p before r_p is read
+        self.settle(index, stats=stats)  # the lane's previous delta's error feedback is in r_p before r_p is read
         delta = self.lanes.delta(index, self._live())
         meta = {"learner": self.name, "seq": lane.seq, "base_version": lane.base, "tokens": lane.tokens,
                 "steps": lane.steps, "phase_time_s": time.time() - self.phase_t0, "train_loss": self.loss_ema,
                 "created_at": time.time(), "fragment": index}
-        seq, steps, tokens = self.lanes.take(index, self.steps_done)
         encode = functools.partial(encode_shipped, delta, codec_name=cfg.learner.codec, kind="delta",
                                    fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
+        encoded = encode() if self.encoder is None else None  # inline: a failure leaves the lane as it was
+        seq, steps, tokens = self.lanes.take(index, self.steps_done)
         job = _Shipping(index, seq, steps, tokens, lane.base, stats)
-        if self.encoder is None:
-            self._complete(job, *encode())
+        if encoded is not None:
+            self._complete(job, *encoded, stats)
         else:
             job.future = self.encoder.submit(encode)
             self.shipping.append(job)
@@ -248,17 +252,24 @@ class FragmentLearner(Learner):
         self._sync_state()
         return seq
 
-    def settle(self, index: int | None = None, block: bool = True) -> None:
+    def settle(self, index: int | None = None, block: bool = True, stats: PhaseStats | None = None) -> None:
         """Complete the deltas being encoded, in the order they were taken: all of them, or up to lane `index`'s
-        last (waiting for its encode), or (block=False) those already encoded."""
+        last (waiting for its encode), or (block=False) those already encoded; a stall waiting for the
+        publisher counts in `stats` (the phase completing it), else in the phase that took the delta. An encode
+        that failed ends the learner (RuntimeError), as it did on the training thread: its seq is taken."""
         while self.shipping and (index is None or any(job.index == index for job in self.shipping)):
             job = self.shipping[0]
             if not block and not job.future.done():
                 return
+            try:
+                encoded = job.future.result()
+            except Exception as err:
+                raise RuntimeError(f"learner {self.name}: encoding fragment {job.index}'s delta seq {job.seq} "
+                                   f"failed: {type(err).__name__}: {err}") from err
             self.shipping.popleft()
-            self._complete(job, *job.future.result())
+            self._complete(job, *encoded, stats or job.stats)
 
-    def _complete(self, job: _Shipping, data: bytes, shipped) -> None:
+    def _complete(self, job: _Shipping, data: bytes, shipped, stats: PhaseStats | None) -> None:
         """An encoded delta: its error feedback into r_p, its upload queued, its `publish` event."""
         self.lanes.feedback(job.index, shipped)
         keys = self.ctx.keys.for_fragment(job.index)
@@ -267,8 +278,7 @@ class FragmentLearner(Learner):
             sidecar = (keys.signature(self.name, job.seq),
                        sign(self.signing_key, self.ctx.run_id, self.name, job.seq, data))
         stall = self.publisher.submit(keys.delta(self.name, job.seq), data, seq=job.seq, sidecar=sidecar)
-        if job.stats is not None:
-            stats = job.stats
+        if stats is not None:
             stats.seq, stats.stall_s, stats.delta_bytes = job.seq, stats.stall_s + stall, stats.delta_bytes + len(data)
         self.events.emit("publish", learner=self.name, seq=job.seq, fragment=job.index, version=job.base,
                          bytes=len(data), tokens=job.tokens, steps=job.steps, stall_s=stall)

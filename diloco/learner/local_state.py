@@ -12,7 +12,7 @@ Writes run on a background thread, in order (a spool file is always written befo
 counts its delta as shipped); the caller hands over tensors it will not change. A crash can lose the
 writes still queued: the state on disk is then the one before, never a torn one. A state saved while an
 older one still waits in the queue replaces it (at the end of the queue, after every spool write before
-it), so at most two states are held, one being written and one waiting, however slow the disk: at 124M
+it; a landed delta's spool file goes only once a state on disk counts it as shipped), so at most two states are held, one being written and one waiting, however slow the disk: at 124M
 parameters a state is ~2.5 GB, and a GPU learner's 10 steps take about a second, far less than writing it.
 The learner also skips its periodic saves while one is still being written (`writing()`).
 
@@ -70,6 +70,8 @@ class LocalState:
         self._lock = threading.Lock()  # guards the three counters and keys here
         self._queued: str | None = None  # the key of a state save not started yet (a newer one replaces it)
         self._saving = 0  # state saves queued or being written
+        self._on_disk_next_seq = 0  # next seq of the newest state on disk (read or written): seqs below are shipped
+        self._landed: set[int] = set()  # spooled deltas that landed, their files kept until a state counts them
 
     # ---- the writer thread -------------------------------------------------------------------
     def _submit(self, op: Callable[[], None]) -> None:
@@ -116,6 +118,7 @@ class LocalState:
         data = encode_tensors(tensors, codec_name="fp32", kind="state", fingerprint=self.fingerprint,
                                 meta={**meta, "identity": self.identity}, shuffle=False)
         self._write(STATE_FILE, data)
+        self._state_written(int(meta.get("next_seq", 0)))
 
     def load(self) -> Saved | None:
         """The saved state, or None (nothing saved, another run's, unreadable: each logged)."""
@@ -135,6 +138,10 @@ class LocalState:
         if header.meta.get("identity") != self.identity:
             log.info("local state %s belongs to another run; ignored", path)
             return None
+        next_seq = header.meta.get("next_seq")
+        if isinstance(next_seq, int) and not isinstance(next_seq, bool):
+            with self._lock:  # the state on disk counts the seqs below its next seq as shipped
+                self._on_disk_next_seq = max(self._on_disk_next_seq, next_seq)
         parts: dict[str, Tensors] = {p: {} for p in PARTS}
         for key, value in tensors.items():
             part, _, name = key.partition("/")
@@ -150,14 +157,42 @@ class LocalState:
         for path in self._files():
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        with self._lock:
+            self._on_disk_next_seq = 0
 
     # ---- spool of deltas not landed yet --------------------------------------------------------
     def spool(self, seq: int, data: bytes) -> None:
-        self._submit(lambda: self._write(f"delta-{seq:012d}.bin", data))
+        self._submit(lambda: self._spool_now(seq, data))
 
     def unspool(self, seq: int) -> None:
-        """Queued too: after the spool write of the same seq, whichever thread calls it."""
+        """Delta `seq` landed: its spool file goes once a state on disk counts it as shipped (a state saved
+        before it may have been replaced by a newer one still to be written). Queued after the spool write of
+        the same seq, whichever thread calls it."""
+        self._submit(lambda: self._landed_now(seq))
+
+    def discard(self, seq: int) -> None:
+        """Drop spool file `seq` now (in queue order): a resume found it redone or already in the bucket."""
         self._submit(lambda: self._unlink(f"delta-{seq:012d}.bin"))
+
+    # the writer thread's bookkeeping (_landed is its own; _on_disk_next_seq also set by a load)
+    def _spool_now(self, seq: int, data: bytes) -> None:
+        self._landed.discard(seq)  # a redone delta of a seq that landed before a crash is a new one
+        self._write(f"delta-{seq:012d}.bin", data)
+
+    def _landed_now(self, seq: int) -> None:
+        with self._lock:
+            counted = seq < self._on_disk_next_seq
+        if counted:
+            self._unlink(f"delta-{seq:012d}.bin")
+        else:
+            self._landed.add(seq)
+
+    def _state_written(self, next_seq: int) -> None:
+        with self._lock:
+            self._on_disk_next_seq = next_seq
+        for seq in sorted(s for s in self._landed if s < next_seq):
+            self._unlink(f"delta-{seq:012d}.bin")
+            self._landed.discard(seq)
 
     def _unlink(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):

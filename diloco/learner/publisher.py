@@ -38,10 +38,11 @@ class Publisher:
         self.bytes_published = 0
         self.fenced = threading.Event()  # another process published one of our seqs: we must stop
 
-    def full(self) -> bool:
-        """MAX_PENDING deltas are waiting (storage down or slow): a new one would stall the caller."""
+    def full(self, coming: int = 0) -> bool:
+        """MAX_PENDING deltas are waiting (storage down or slow), counting `coming` more the caller will submit
+        (a fragmented learner's deltas still being encoded): a new one would stall the caller."""
         with self._room:
-            return self._in_flight >= MAX_PENDING
+            return self._in_flight + coming >= MAX_PENDING
 
     def submit(self, key: str, data: bytes, *, seq: int,
                checkpoint: tuple[str, Callable[[], bytes]] | None = None,

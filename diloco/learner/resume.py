@@ -94,12 +94,12 @@ def _from_local(ctx: RunContext, name: str, saved: Saved, local: LocalState, set
     requeued = []
     for seq, data in local.spooled():
         if seq >= state.seq:  # written just before a crash that the state does not include: redone
-            local.unspool(seq)
+            local.discard(seq)
         elif bucket_next is None or seq >= bucket_next:
             requeue(seq, data)
             requeued.append(seq)
         else:
-            local.unspool(seq)  # listed or decided already
+            local.discard(seq)  # listed or decided already
     return Resumed(state, cursor, step, {"local": True, "requeued": requeued,
                                          "unshipped_steps": state.steps_since_publish},
                    tokens_total=latest.tokens_total if latest is not None else None)

@@ -103,6 +103,8 @@ class GPT(nn.Module):
         kept, so each new byte costs one position, not the whole context."""
         past = caches[0][0].size(2) if caches and caches[0] else 0
         T = idx.size(1)
+        if past and T > 1:  # the attention's causal mask would not be offset by the cached positions
+            raise ValueError(f"next_logits takes one position at a time once keys and values are cached, got {T}")
         if self.cfg.ctx_len < past + T:
             raise ValueError(f"sequence length {past + T} exceeds model.ctx_len {self.cfg.ctx_len}")
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(past, past + T, device=idx.device)))  # (B, T, C)

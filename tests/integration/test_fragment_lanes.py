@@ -10,7 +10,9 @@ Run: .venv/bin/pytest tests/integration/test_fragment_lanes.py -q
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 import uuid
 
 import pytest
@@ -176,10 +178,10 @@ def test_a_full_publisher_defers_a_lane_which_ships_everything_next_time(corpus)
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(2, "fp32", 0))
     learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.join()
-    learner.publisher.full = lambda: True  # two deltas still uploading: storage slow or down
+    learner.publisher.full = lambda *_: True  # two deltas still uploading: storage slow or down
     learner.run_phase(num_steps=4)
     assert [lane.seq for lane in learner.lanes.lanes] == [0, 0] and [lane.steps for lane in learner.lanes.lanes] == [4, 4]
-    learner.publisher.full = lambda: False
+    learner.publisher.full = lambda *_: False
     learner.run_phase(num_steps=4)  # H = 4: fragment 1 due at step 6, fragment 0 at step 8
     learner.publisher.drain()
     for index, steps in ((0, 8), (1, 6)):
@@ -195,6 +197,7 @@ def _train_ship_merge_install(corpus, background: bool) -> tuple[dict, dict, lis
     cfg = _cfg(4, "int4", 0, background).with_overrides({"learner.probe_every_steps": 1})
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", cfg)
     learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.publisher.full = lambda *_: False  # no deferral (it depends on upload timing): every due ship ships
     learner.join()
     for steps in (5, 3, 6, 2, 7):
         learner.run_phase(num_steps=steps)  # installs (probing every step) within phases, encodes in flight
@@ -218,3 +221,88 @@ def test_encoding_in_the_background_ships_the_same_bits(corpus):
     assert events_inline == events_background
     assert all(torch.equal(inline[key][k], background[key][k]) for key in inline for k in inline[key])
     assert all(torch.equal(theta_inline[k], theta_background[k]) for k in theta_inline)
+
+
+def _slow_encodes(monkeypatch, seconds: float, fail_seq: int | None = None, fragment: int | None = None) -> None:
+    """Fragment deltas (every fragment's, or `fragment`'s) take `seconds` longer to encode (a 125 MB fragment on
+    one core); the one of `fail_seq` fails as the codec does on a non-finite value."""
+    from diloco.learner import fragmented
+    from diloco.storage.codec import CodecError
+
+    encode = fragmented.encode_shipped
+
+    def slow(delta, **kwargs):
+        if fragment is None or kwargs["meta"]["fragment"] == fragment:
+            time.sleep(seconds)
+        if kwargs["meta"]["seq"] == fail_seq:
+            raise CodecError("int4 cannot encode a non-finite value")
+        return encode(delta, **kwargs)
+
+    monkeypatch.setattr(fragmented, "encode_shipped", slow)
+
+
+def test_a_lane_ships_again_only_after_its_last_encode_completed(corpus, monkeypatch):
+    """H = 2, P = 2: lane 0 ships every 2 steps, sooner than its encode ends; r_p - theta_p is read only once
+    the last delta's error feedback is in r_p."""
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes",
+                     _cfg(2, "int8", 0, True).with_overrides({"inner.steps_per_phase": 2}))
+    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.join()
+    _slow_encodes(monkeypatch, 0.2)
+    learner.publisher.full = lambda *_: False  # no deferral: every due ship happens, encodes or not
+    delta, reads = learner.lanes.delta, []
+
+    def checked(index, theta):
+        reads.append(any(job.index == index for job in learner.shipping))
+        return delta(index, theta)
+
+    learner.lanes.delta = checked
+    learner.run_phase(num_steps=8)
+    learner.drain()
+    assert len(reads) == 8 and not any(reads)  # no lane read with its own encode still pending
+    assert [lane.seq for lane in learner.lanes.lanes] == [4, 4]
+    learner.close()
+
+
+def test_an_outage_defers_ships_while_deltas_are_still_encoding(corpus, monkeypatch):
+    """Storage down and encodes slower than a step: the deltas being encoded count against the publisher's
+    room, so the learner defers the next ships and trains on instead of blocking on a full queue."""
+    from diloco.chaos.control import StorageWindow
+    from diloco.chaos.faulty_store import FaultyStore
+
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(2, "fp32", 0, True))
+    faulty = FaultyStore(ctx.store, [])
+    learner = FragmentLearner(dataclasses.replace(ctx, store=faulty), "local-0", make_spec(ctx.cfg, corpus))
+    learner.join()
+    _slow_encodes(monkeypatch, 0.3)
+    faulty.windows[:] = [StorageWindow(t0=time.time(), outage=True)]
+    done = threading.Event()
+    trainer = threading.Thread(target=lambda: [learner.run_phase(num_steps=4) for _ in range(3)] and done.set(),
+                               daemon=True)
+    trainer.start()
+    trainer.join(timeout=60)
+    training_went_on = done.is_set()
+    faulty.windows.clear()  # let a stuck learner go before asserting
+    trainer.join(timeout=60)
+    assert training_went_on, "the learner blocked on the full publisher"
+    assert learner.trainer.step == 12 and sum(lane.seq for lane in learner.lanes.lanes) == 2
+    learner.drain()
+    for index in range(2):  # what was deferred ships with the lane's next delta: nothing lost
+        learner.ship(index)
+    learner.drain()
+    steps = {i: [decode_tensors(ctx.store.get(k))[0].meta["steps"]
+                 for k in sorted(ctx.store.list(ctx.keys.for_fragment(i).deltas_prefix()))] for i in range(2)}
+    assert sum(steps[0]) == sum(steps[1]) == 12, steps
+    learner.close()
+
+
+def test_a_failed_background_encode_ends_the_learner(corpus, monkeypatch):
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(2, "int4", 0, True))
+    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.publisher.full = lambda *_: False  # every due ship ships: seq 1 is taken in every lane
+    learner.join()
+    _slow_encodes(monkeypatch, 0.0, fail_seq=1)
+    with pytest.raises(RuntimeError, match="encoding fragment [01]'s delta seq 1 failed: CodecError"):
+        learner.run_phase(num_steps=12)
+        learner.drain()
+    learner.encoder.shutdown(wait=False)

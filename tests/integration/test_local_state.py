@@ -264,3 +264,41 @@ def test_periodic_saves_are_skipped_while_one_is_being_written(tmp_path, corpus,
     worker.run_phase(num_steps=3)  # written: the next due step saves again
     assert saves[:2] == [1, 7] and written[0] == 1
     worker.close()
+
+
+def test_a_landed_deltas_spool_file_stays_until_a_state_on_disk_counts_it(tmp_path, corpus, monkeypatch):
+    """A state replaced while it waited is written after the landing of a delta it counted as shipped: the
+    spool file must outlive the older state on disk (a crash then, bucket away, must not lose the delta)."""
+    ctx = new_run(tmp_path)
+    worker = learner(ctx, corpus)
+    worker.join()
+    local = worker.local
+    local.flush()
+    gates, save_now = [threading.Event(), threading.Event()], local._save_now
+
+    def gated(parts, meta):
+        gates[meta["next_seq"] - 7].wait(30)
+        save_now(parts, meta)
+
+    monkeypatch.setattr(local, "_save_now", gated)
+    parts = {"theta": worker.theta(), "ref": worker.state.ref, "glob": worker.state.glob, "opt": {}}
+    meta = {**worker.state.meta(), "learner": "local-0", "step": 0, "cursor": 0, "optimizer": {}}
+    spool = local.dir / f"delta-{7:012d}.bin"
+    local.save(parts, {**meta, "next_seq": 7})  # being written (gate 0)
+    deadline = time.time() + 10
+    while local._queued is not None and time.time() < deadline:
+        time.sleep(0.01)
+    local.spool(7, b"delta seven")
+    local.save(parts, {**meta, "next_seq": 8})  # counts delta 7 as shipped: waits ...
+    local.unspool(7)  # delta 7 landed
+    local.save(parts, {**meta, "next_seq": 8})  # ... replaced by this one, after the landing
+    gates[0].set()  # state 7, the spool write and the landing run; the newer state waits at gate 1
+    deadline = time.time() + 10
+    while local._on_disk_next_seq != 7 and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the landing's job, queued before the newer state, has run by now
+    assert local.load().meta["next_seq"] == 7 and spool.exists()  # the state on disk does not count it yet
+    gates[1].set()
+    local.flush()
+    assert local.load().meta["next_seq"] == 8 and not spool.exists()
+    worker.close()

@@ -112,6 +112,10 @@ def test_generation_with_cached_keys_and_values_gives_the_whole_contexts_logits(
             assert torch.allclose(cached, whole[:, -1, :], atol=1e-5), t
         with pytest.raises(ValueError, match="exceeds model.ctx_len"):
             model.next_logits(idx[:, :1], caches)
+        fresh = [[] for _ in model.blocks]
+        model.next_logits(idx[:, :3], fresh)
+        with pytest.raises(ValueError, match="one position at a time"):  # its causal mask would be misplaced
+            model.next_logits(idx[:, 3:5], fresh)
 
 
 # --- data --------------------------------------------------------------------------------------
