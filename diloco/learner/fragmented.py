@@ -261,12 +261,12 @@ class FragmentLearner(Learner):
             job = self.shipping[0]
             if not block and not job.future.done():
                 return
+            self.shipping.popleft()
             try:
                 encoded = job.future.result()
-            except Exception as err:
+            except Exception as err:  # dropped from the queue first: close() settles the others, then ends
                 raise RuntimeError(f"learner {self.name}: encoding fragment {job.index}'s delta seq {job.seq} "
                                    f"failed: {type(err).__name__}: {err}") from err
-            self.shipping.popleft()
             self._complete(job, *encoded, stats or job.stats)
 
     def _complete(self, job: _Shipping, data: bytes, shipped, stats: PhaseStats | None) -> None:

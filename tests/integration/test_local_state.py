@@ -206,12 +206,15 @@ def test_an_outage_defers_shipping_not_training(tmp_path, corpus):
     assert audit_run(ctx).ok
 
 
-def _blocked_writer(local, monkeypatch):
-    """Hold local's writer in its next state write until the returned event is set; the states it wrote."""
+def _blocked_writer(local, monkeypatch, entered: threading.Event | None = None):
+    """Hold local's writer in its next state write (setting `entered`) until the returned event is set; the
+    states it wrote."""
     release, written = threading.Event(), []
     save_now = local._save_now
 
     def slow(parts, meta):
+        if entered is not None:
+            entered.set()
         release.wait(30)
         written.append(meta["tag"])
         save_now(parts, meta)
@@ -226,13 +229,12 @@ def test_a_newer_state_replaces_one_still_waiting_after_the_spool_writes(tmp_pat
     worker.join()
     local = worker.local
     local.flush()
-    release, written = _blocked_writer(local, monkeypatch)
+    entered = threading.Event()
+    release, written = _blocked_writer(local, monkeypatch, entered)
     parts = {"theta": worker.theta(), "ref": worker.state.ref, "glob": worker.state.glob, "opt": {}}
     meta = {**worker.state.meta(), "learner": "local-0", "step": 0, "cursor": 0, "optimizer": {}}
     local.save(parts, {**meta, "tag": "a"})  # being written (blocked)
-    wait_for_writer = time.time() + 10
-    while local._queued is not None and time.time() < wait_for_writer:
-        time.sleep(0.01)
+    assert entered.wait(30)
     local.save(parts, {**meta, "tag": "b"})  # waits ...
     local.spool(7, b"delta seven")
     local.save(parts, {**meta, "tag": "c"})  # ... and is replaced by this one, queued after the spool write
@@ -274,9 +276,11 @@ def test_a_landed_deltas_spool_file_stays_until_a_state_on_disk_counts_it(tmp_pa
     worker.join()
     local = worker.local
     local.flush()
-    gates, save_now = [threading.Event(), threading.Event()], local._save_now
+    gates, entered, save_now = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()], \
+        local._save_now
 
     def gated(parts, meta):
+        entered[meta["next_seq"] - 7].set()
         gates[meta["next_seq"] - 7].wait(30)
         save_now(parts, meta)
 
@@ -285,18 +289,13 @@ def test_a_landed_deltas_spool_file_stays_until_a_state_on_disk_counts_it(tmp_pa
     meta = {**worker.state.meta(), "learner": "local-0", "step": 0, "cursor": 0, "optimizer": {}}
     spool = local.dir / f"delta-{7:012d}.bin"
     local.save(parts, {**meta, "next_seq": 7})  # being written (gate 0)
-    deadline = time.time() + 10
-    while local._queued is not None and time.time() < deadline:
-        time.sleep(0.01)
+    assert entered[0].wait(30)
     local.spool(7, b"delta seven")
     local.save(parts, {**meta, "next_seq": 8})  # counts delta 7 as shipped: waits ...
     local.unspool(7)  # delta 7 landed
     local.save(parts, {**meta, "next_seq": 8})  # ... replaced by this one, after the landing
     gates[0].set()  # state 7, the spool write and the landing run; the newer state waits at gate 1
-    deadline = time.time() + 10
-    while local._on_disk_next_seq != 7 and time.time() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # the landing's job, queued before the newer state, has run by now
+    assert entered[1].wait(30)  # so the spool write and the landing, queued before it, have run
     assert local.load().meta["next_seq"] == 7 and spool.exists()  # the state on disk does not count it yet
     gates[1].set()
     local.flush()
