@@ -67,12 +67,6 @@ class Lanes:
         part = take(theta, lane.fragment, copy=False)
         return {k: (lane.ref[k] - part[k].float()).cpu() for k in lane.ref}
 
-    def shipped(self, index: int, dequantized: Tensors, step: int) -> tuple[int, int, int]:
-        """The delta went out as `dequantized`: r_p -= it (error feedback); returns (seq, steps, tokens) shipped."""
-        out = self.take(index, step)
-        self.feedback(index, dequantized)
-        return out
-
     def take(self, index: int, step: int) -> tuple[int, int, int]:
         """The delta r_p - theta_p just read ships as the next seq: (seq, steps, tokens) it holds; nothing is
         unshipped from here. Its error feedback must follow (feedback) before r_p is read again."""
