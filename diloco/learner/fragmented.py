@@ -171,9 +171,8 @@ class FragmentLearner(Learner):
             ts = time.time()
             try:
                 batch = self._next_batch()
-                tc = time.time()
-                losses.append(self.trainer.train_step(batch))
-                stats.compute_s += time.time() - tc
+                with stats.timed("compute_s"):
+                    losses.append(self.trainer.train_step(batch))
             except FloatingPointError as err:
                 log.warning("learner %s: %s; rejoining every fragment's newest version", self.name, err)
                 self.events.emit("phase_failed", learner=self.name, version=self.state.base, reason=str(err)[:300])
@@ -181,17 +180,15 @@ class FragmentLearner(Learner):
                 self.join()
                 break
             if self.slowdown > 1.0:  # a chaos plan's slow learner: steps take this x longer
-                slept = time.time()
-                time.sleep((slept - ts) * (self.slowdown - 1.0))
-                stats.compute_s += time.time() - slept  # slower hardware: its steps take longer
+                with stats.timed("compute_s"):  # slower hardware: its steps take longer
+                    time.sleep((time.time() - ts) * (self.slowdown - 1.0))
             if self._clock_pending is not None:
                 self.run_clock(*self._clock_pending)
             self.lanes.stepped(self.trainer.last_tokens)
             self.steps_done += 1
             if self.shipping:
-                tship = time.time()
-                self.settle(block=False, stats=stats)  # the encodes finished by now: their uploads queued
-                stats.ship_s += time.time() - tship
+                with stats.timed("ship_s"):
+                    self.settle(block=False, stats=stats)  # the encodes finished by now: their uploads queued
             stats.tokens += self.trainer.last_tokens
             stats.steps += 1
             for index in self.lanes.due(self.steps_done):
@@ -201,17 +198,15 @@ class FragmentLearner(Learner):
                     self.events.emit("publish_deferred", learner=self.name, fragment=index,
                                      seq=self.lanes.lanes[index].seq)
                     continue
-                tship = time.time()
-                self.ship(index, stats)
-                stats.ship_s += time.time() - tship
+                with stats.timed("ship_s"):
+                    self.ship(index, stats)
             if self.run_ended_at(i + 1):
                 break  # what the lanes have not shipped yet stays unshipped: the run is over
             if cfg.learner.mode == "sync":
                 self._wait_for_decisions()
             elif self.lane_prefetch or (i + 1) % cfg.learner.probe_every_steps == 0:  # taking a prefetch is free
-                ti = time.time()
-                stats.installs.extend(self.maybe_install())
-                stats.install_s += time.time() - ti
+                with stats.timed("install_s"):
+                    stats.installs.extend(self.maybe_install())
             self.heartbeat()
         stats.loss = sum(losses) / len(losses) if losses else float("nan")
         stats.phase_time_s = time.time() - t0

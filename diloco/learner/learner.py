@@ -7,6 +7,7 @@ and `r = G`. The learner never waits for anyone, except in `sync` mode, the sync
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -60,6 +61,15 @@ class PhaseStats:
     install_s: float = 0.0  # ... installing merged versions (carry, and a fetch without a prefetcher) ...
     ship_s: float = 0.0  # ... shipping fragments (delta, encode, error feedback) ...
     save_s: float = 0.0  # ... and taking the local state's snapshots; the rest is the loop's own
+
+    @contextlib.contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        """Add the time the block takes to `part` (compute_s, install_s, ship_s or save_s)."""
+        start = time.time()
+        try:
+            yield
+        finally:
+            setattr(self, part, getattr(self, part) + time.time() - start)
 
     def times(self) -> dict[str, float]:
         """The phase event's breakdown of its duration_s (the summary's `busy` is compute_s over it)."""
@@ -211,21 +221,19 @@ class Learner:
             if self.world is not None:
                 lead_step(self)
             batch = self._next_batch()
-            tc = time.time()
             try:
-                losses.append(self.trainer.train_step(batch))
+                with stats.timed("compute_s"):
+                    losses.append(self.trainer.train_step(batch))
             except FloatingPointError as err:
                 return self.abandon_phase(stats, t0, str(err))
-            stats.compute_s += time.time() - tc
             if self._clock_pending is not None:
                 self.run_clock(*self._clock_pending)
             self.state.steps_since_publish += 1
             self.state.tokens_since_publish += self.trainer.last_tokens
             stats.tokens += self.trainer.last_tokens
             if self.slowdown > 1.0:
-                slept = time.time()
-                time.sleep((slept - ts) * (self.slowdown - 1.0))
-                stats.compute_s += time.time() - slept  # slower hardware: its steps take longer
+                with stats.timed("compute_s"):  # slower hardware: its steps take longer
+                    time.sleep((time.time() - ts) * (self.slowdown - 1.0))
             self.heartbeat()
             done = i + 1
             if self.run_ended_at(done):
@@ -234,17 +242,15 @@ class Learner:
             # first step after it arrived, not up to probe_every_steps later (measured: docs/BENCHMARKS.md, WAN)
             probe = self.prefetcher is not None or done % cfg.learner.probe_every_steps == 0
             if probe and cfg.learner.mode != "sync":
-                ti = time.time()
-                installed = self.maybe_install()
-                stats.install_s += time.time() - ti
+                with stats.timed("install_s"):
+                    installed = self.maybe_install()
                 if installed is not None:
                     stats.installs.append(installed)
             if every and done % every == 0 and done < num_steps and not self.local.writing():
                 # the phase's end is saved by publish(); skipped while the last save is still being written
                 # (at 124M parameters a save is ~2.5 GB: a GPU learner's 10 steps take far less than writing it)
-                tl = time.time()
-                self.save_local()
-                stats.save_s += time.time() - tl
+                with stats.timed("save_s"):
+                    self.save_local()
         stats.steps = done
         stats.loss = sum(losses) / len(losses)
         stats.phase_time_s = time.time() - t0

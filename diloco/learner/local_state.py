@@ -67,17 +67,20 @@ class LocalState:
         self.fingerprint = fingerprint
         self._writer = Courier(f"local-state-{name}")
         self._ops = 0  # each write its own courier key: run in order, none replaced by a later one
-        self._lock = threading.Lock()  # guards the three counters and keys here
+        self._lock = threading.RLock()  # guards the counters and keys here (save() holds it around _submit)
         self._queued: str | None = None  # the key of a state save not started yet (a newer one replaces it)
         self._saving = 0  # state saves queued or being written
         self._on_disk_next_seq = 0  # next seq of the newest state on disk (read or written): seqs below are shipped
         self._landed: set[int] = set()  # spooled deltas that landed, their files kept until a state counts them
 
     # ---- the writer thread -------------------------------------------------------------------
-    def _submit(self, op: Callable[[], None]) -> None:
+    def _submit(self, op: Callable[[str], None]) -> str:
+        """Queue op(key) under a new key; returns the key."""
         with self._lock:  # the publisher's thread unspools while the training thread spools and saves
             self._ops += 1
-            self._writer.post(f"{self._ops:012d}", op)
+            key = f"{self._ops:012d}"
+            self._writer.post(key, lambda: op(key))
+            return key
 
     def flush(self) -> None:
         """Wait until every queued write is on disk."""
@@ -94,9 +97,7 @@ class LocalState:
             if self._queued is not None and self._writer.cancel(self._queued):
                 self._saving -= 1
             self._saving += 1
-            self._ops += 1
-            self._queued = key = f"{self._ops:012d}"
-            self._writer.post(key, lambda: self._save_job(key, parts, meta))
+            self._queued = self._submit(lambda key: self._save_job(key, parts, meta))
 
     def writing(self) -> bool:
         """Whether a state save is still queued or being written."""
@@ -162,17 +163,17 @@ class LocalState:
 
     # ---- spool of deltas not landed yet --------------------------------------------------------
     def spool(self, seq: int, data: bytes) -> None:
-        self._submit(lambda: self._spool_now(seq, data))
+        self._submit(lambda _: self._spool_now(seq, data))
 
     def unspool(self, seq: int) -> None:
         """Delta `seq` landed: its spool file goes once a state on disk counts it as shipped (a state saved
         before it may have been replaced by a newer one still to be written). Queued after the spool write of
         the same seq, whichever thread calls it."""
-        self._submit(lambda: self._landed_now(seq))
+        self._submit(lambda _: self._landed_now(seq))
 
     def discard(self, seq: int) -> None:
         """Drop spool file `seq` now (in queue order): a resume found it redone or already in the bucket."""
-        self._submit(lambda: self._unlink(f"delta-{seq:012d}.bin"))
+        self._submit(lambda _: self._unlink(f"delta-{seq:012d}.bin"))
 
     # the writer thread's bookkeeping (_landed is its own; _on_disk_next_seq also set by a load)
     def _spool_now(self, seq: int, data: bytes) -> None:
