@@ -85,13 +85,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx (B, T) int64 -> logits (B, T, V); with targets also the mean cross-entropy (nats/token)."""
         B, T = idx.shape
-        if self.cfg.ctx_len < T:
-            raise ValueError(f"sequence length {T} exceeds model.ctx_len {self.cfg.ctx_len}")
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)  # (B, T, C)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+        logits = self.lm_head(self.ln_f(self._trunk(idx)))  # (B, T, V)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.float().view(B * T, -1), targets.reshape(B * T))
@@ -101,6 +95,10 @@ class GPT(nn.Module):
         """The logits (B, V) after idx (B, T): only the last position through the head. `caches` (one list per
         block, empty at first): idx holds only the positions after the cached ones, whose keys and values are
         kept, so each new byte costs one position, not the whole context."""
+        return self.lm_head(self.ln_f(self._trunk(idx, caches)[:, -1, :]))  # (B, V)
+
+    def _trunk(self, idx: torch.Tensor, caches: list[list[torch.Tensor]] | None = None) -> torch.Tensor:
+        """idx (B, T) -> the last block's output (B, T, C), at positions after the cached ones (see next_logits)."""
         past = caches[0][0].size(2) if caches and caches[0] else 0
         T = idx.size(1)
         if past and T > 1:  # the attention's causal mask would not be offset by the cached positions
@@ -110,7 +108,7 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(past, past + T, device=idx.device)))  # (B, T, C)
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i])  # (B, T, C)
-        return self.lm_head(self.ln_f(x[:, -1, :]))  # (B, V)
+        return x
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
