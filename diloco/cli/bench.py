@@ -152,7 +152,7 @@ def _bandwidth(
     step_time_s: float = typer.Option(..., "--step-time-s", min=1e-6, help="Seconds per inner step."),
     num_learners: int = typer.Option(..., "--learners", min=1, help="Learners (sites) M."),
     inner_steps: int = typer.Option(..., "--inner-steps", min=1, help="H: inner steps per phase."),
-    codec: str = typer.Option("int4", "--codec", help="Delta codec: fp32, bf16, int8, int4, int2, nf2."),
+    codec: str = typer.Option("int4", "--codec", help="Delta codec: fp32, bf16, int8, int4, int3, int2, nf2."),
     update_codec: str = typer.Option("fp32", "--update-codec", help="Codec of the compact update sent back."),
     busy: float = typer.Option(0.95, "--busy", min=0.01, max=0.99, help="Fraction of time learners compute."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the row as JSON here."),

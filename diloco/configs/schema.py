@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 RECIPE_DIR = Path(__file__).parent
 LEARNER_NAME_RE = re.compile(r"^[a-z0-9-]{1,48}$")
-Codec = Literal["fp32", "bf16", "int8", "int4", "int2", "nf2"]
+Codec = Literal["fp32", "bf16", "int8", "int4", "int3", "int2", "nf2"]
 MAX_RANKS = 64  # processes per learner: a node of accelerators, or a few
 
 

@@ -49,7 +49,7 @@ def test_codec_sizes_ordered() -> None:
     assert 3.0 < sizes[0] <= 4.01  # fp32 + byte-shuffle + lz4 squeezes the exponent bytes a little
     assert 0.38 < sizes[3] < 0.5  # 4 bits + block scales (0.516 raw), less zstd's entropy stage (~3.3 bits)
     with pytest.raises(ValueError):
-        codec_bytes_per_param("int3")
+        codec_bytes_per_param("int5")
 
 
 def test_bandwidth_model_closed_form() -> None:
@@ -78,7 +78,7 @@ def test_bandwidth_cli_json(tmp_path) -> None:
     row = json.loads(out.read_text())
     assert row["num_params"] == 12_000_000_000 and row["reduction_overlapped"] > 1
     bad = runner.invoke(app, ["bandwidth", "--params", "1e6", "--step-time-s", "1", "--learners", "4",
-                              "--inner-steps", "5", "--codec", "int3"])
+                              "--inner-steps", "5", "--codec", "int5"])
     assert bad.exit_code == 2
 
 

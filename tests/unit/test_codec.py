@@ -35,7 +35,7 @@ from diloco.storage.codec import (
     read_header,
 )
 
-LEVELS = {"int8": 127, "int4": 7, "int2": 1}  # nf2 has no zero level: its own test below
+LEVELS = {"int8": 127, "int4": 7, "int3": 3, "int2": 1}  # nf2 has no zero level: its own test below
 shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
 
 
@@ -120,7 +120,7 @@ def encode_tensors_raw(tensors: dict[str, np.ndarray]) -> bytes:
 @settings(max_examples=80, deadline=None)
 @given(
     tensors=tensor_sets(),
-    codec=st.sampled_from(["int8", "int4"]),  # int2 clips: its own test below
+    codec=st.sampled_from(["int8", "int4", "int3"]),  # int2 clips: its own test below
     block_size=st.sampled_from([2, 16, 64, 256]),
 )
 def test_quantized_error_is_within_half_a_step_per_block(
@@ -156,7 +156,7 @@ def test_bf16_rounds_to_nearest_even() -> None:
     assert out["x"].view(np.uint32).tolist() == [0x3F800000, 0x3F820000, 0x3F810000, 0x3F800000]
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3"])
 def test_quantized_zero_blocks_and_exact_levels(codec: str) -> None:
     x = np.zeros(300, np.float32)
     x[256:] = np.arange(44, dtype=np.float32) % (LEVELS[codec] + 1)  # integers up to the level count
@@ -181,6 +181,25 @@ def test_int2_is_ternary_in_two_bits_and_needs_blocks_of_four() -> None:
     assert np.linalg.norm(shipped - normal) / np.linalg.norm(normal) < 0.5  # absmax scaling: ~0.8
     with pytest.raises(CodecError, match="multiple of 4"):
         encode({"x": x}, codec="int2", kind="update", fingerprint="f", block_size=6)
+
+
+def test_int3_has_seven_levels_in_blocks_of_512_and_fewer_bytes_than_int4() -> None:
+    x = np.zeros(1024, np.float32)
+    x[:8] = [3.0, 0.49, 0.51, -0.51, 1.49, 1.51, -2.9, 2.2]  # absmax 3: a step of exactly 1
+    x[512] = 6.0  # the second block of 512 has its own scale: a step of 2
+    x[513:516] = [0.9, 1.1, -3.1]
+    data = encode({"x": x}, codec="int3", kind="update", fingerprint="f")
+    header, out = decode(data)
+    assert header.block_size == 512 and out["x"][:8].tolist() == [3.0, 0.0, 1.0, -1.0, 1.0, 2.0, -3.0, 2.0]
+    assert out["x"][512:516].tolist() == [6.0, 0.0, 2.0, -4.0]  # rint(x / 2) x 2
+    assert decode(encode({"x": x}, codec="int3", kind="update", fingerprint="f", block_size=256))[0].block_size == 256
+    gauss = np.random.default_rng(2).normal(size=1 << 16).astype(np.float32)
+    sizes = {c: len(encode({"g": gauss}, codec=c, kind="update", fingerprint="f")) for c in ("int4", "int3")}
+    assert sizes["int3"] < 0.7 * sizes["int4"]  # the same nibbles, but zstd takes back the unused codes
+    shipped = decode(encode({"g": gauss}, codec="int3", kind="update", fingerprint="f"))[1]["g"]
+    steps = np.abs(gauss.reshape(-1, 512)).max(1, keepdims=True) / 3
+    assert set(np.unique(np.round(shipped.reshape(-1, 512) / steps, 4))) <= {-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0}
+    assert 0.25 < np.linalg.norm(shipped - gauss) / np.linalg.norm(gauss) < 0.35
 
 
 def test_nf2_spends_all_four_codes_on_a_mid_rise_grid() -> None:
@@ -230,7 +249,7 @@ def test_lossless_codecs_carry_non_finite_values(codec: str) -> None:
     assert np.isnan(out["x"][0]) and out["x"][1] == np.inf and out["x"][2] == -np.inf
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "nf2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3", "int2", "nf2"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_quantized_codecs_refuse_non_finite_input(codec: str, bad: float) -> None:
     x = np.ones(1000, np.float32)
@@ -241,7 +260,7 @@ def test_quantized_codecs_refuse_non_finite_input(codec: str, bad: float) -> Non
 
 def test_encode_refuses_bad_arguments() -> None:
     ok = {"x": np.ones(4, np.float32)}
-    for kwargs in ({"codec": "int3"}, {"block_size": 7}, {"block_size": 0}, {"kind": "Bad Kind"}):
+    for kwargs in ({"codec": "int5"}, {"block_size": 7}, {"block_size": 0}, {"kind": "Bad Kind"}):
         args = {"codec": "int8", "kind": "delta", "fingerprint": "f", **kwargs}
         with pytest.raises(CodecError):
             encode(ok, **args)
@@ -372,7 +391,7 @@ def test_non_bytes_input_is_refused() -> None:
         decode("DLCO")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "nf2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3", "int2", "nf2"])
 @pytest.mark.parametrize("scale", [np.nan, np.inf, -1.0])
 def test_bad_block_scales_are_refused(codec: str, scale: float) -> None:
     x = np.linspace(-1, 1, 32, dtype=np.float32)
@@ -418,12 +437,12 @@ def _skewed(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).laplace(size=n).astype(np.float32)
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "nf2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3", "int2", "nf2"])
 def test_quantized_frames_are_zstd_and_smaller_than_raw(codec: str) -> None:
     x = {"w": _skewed(1 << 16)}
     data = encode(x, codec=codec, kind="delta", fingerprint="f")
     obj, payload = _split(data)
-    raw = 4 * (len(x["w"]) // 256) + len(x["w"]) * {"int8": 1, "int4": 1 / 2, "int2": 1 / 4, "nf2": 1 / 4}[codec]
+    raw = 4 * (len(x["w"]) // 256) + len(x["w"]) * {"int8": 1, "int4": 1 / 2, "int3": 1 / 2, "int2": 1 / 4, "nf2": 1 / 4}[codec]
     assert obj["compression"] == "zstd" and read_header(data).compression == "zstd"
     assert len(payload) < 0.95 * raw  # the entropy stage: lz4 stored these codes raw
     y = decode(data)[1]["w"]

@@ -26,7 +26,7 @@ def test_the_consuming_encoder_writes_the_codecs_bytes(codec):
     assert bytes(got) == expected and consumed == {}
 
 
-@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "int2", "nf2"])
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "int3", "int2", "nf2"])
 def test_the_encoders_shipped_tensor_is_what_decode_gives_back(codec):
     gen = torch.Generator().manual_seed(8)
     tensors = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
@@ -36,7 +36,7 @@ def test_the_encoders_shipped_tensor_is_what_decode_gives_back(codec):
     assert all(np.array_equal(shipped[k], decoded[k].numpy()) for k in tensors)
 
 
-@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "int2", "nf2"])
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "int3", "int2", "nf2"])
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_encode_shipped_is_the_encoded_bytes_and_their_decode(codec, shuffle):
     gen = torch.Generator().manual_seed(9)

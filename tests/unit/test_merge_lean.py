@@ -38,7 +38,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 CASES = [*itertools.product(("merge", "round", "delayed"), ("fp32", "int8", "int4")),
-         ("merge", "bf16"), ("merge", "int2"), ("merge", "nf2"),
+         ("merge", "bf16"), ("merge", "int3"), ("merge", "int2"), ("merge", "nf2"),
          ("rda", "int8"), ("whole", "int8"), ("no-partial", "int4"), ("no-nesterov", "int8")]
 VARIANTS = {"rda": {"outer.merge_rule": "rda"}, "whole": {"experimental.backlog_momentum": "whole"},
             "no-partial": {"outer.partial_scaling": False}, "no-nesterov": {"outer.nesterov": False}}

@@ -25,6 +25,7 @@ from diloco.storage.codec.header import (
     CodecError,
     Header,
     TensorSpec,
+    block_size_of,
     check_encode_args,
     elements_of,
     fingerprint_of,
@@ -70,8 +71,9 @@ class Encoder:
     skewed values: int4 ~3.2 bits of entropy in 4), recorded as the header's `compression`."""
 
     def __init__(self, *, codec: str, kind: str, fingerprint: str, meta: Mapping[str, Any] | None = None,
-                 shuffle: bool = True, block_size: int = 256, into_bytearray: bool = False,
+                 shuffle: bool = True, block_size: int | None = None, into_bytearray: bool = False,
                  compress: bool = True) -> None:
+        block_size = block_size_of(codec, block_size) if isinstance(codec, str) else block_size
         check_encode_args(codec, kind, fingerprint, block_size)
         if meta is not None and not isinstance(meta, Mapping):
             raise CodecError(f"meta must be a mapping, got {type(meta).__name__}")
@@ -135,13 +137,13 @@ def encode(
     fingerprint: str,
     meta: Mapping[str, Any] | None = None,
     shuffle: bool = True,
-    block_size: int = 256,
+    block_size: int | None = None,
     compress: bool = True,
 ) -> bytes:
     """float32 arrays (in the given order) -> bytes. meta must be JSON-serialisable.
 
-    shuffle applies to fp32/bf16 only (int8/int4/int2 bytes have no planes); the header records the
-    effective value. int8/int4/int2 raise CodecError on NaN/Inf; fp32/bf16 carry them. compress: see Encoder.
+    shuffle applies to fp32/bf16 only (int8/int4/int3/int2 bytes have no planes); the header records the
+    effective value. The quantized codecs raise CodecError on NaN/Inf; fp32/bf16 carry them. compress: see Encoder.
     """
     encoder = Encoder(codec=codec, kind=kind, fingerprint=fingerprint, meta=meta, shuffle=shuffle,
                       block_size=block_size, compress=compress)

@@ -1,7 +1,7 @@
-"""The codec's payload: per-tensor streams (fp32, bf16, block-quantized int8/int4/int2/nf2, byte-shuffled) and
+"""The codec's payload: per-tensor streams (fp32, bf16, block-quantized int8/int4/int3/int2/nf2, byte-shuffled) and
 their frames (lz4, zstd or raw).
 
-Contract: encode_stream / decode_stream are exact inverses for fp32 and bounded-error for int8/int4
+Contract: encode_stream / decode_stream are exact inverses for fp32 and bounded-error for int8/int4/int3
 (half a step per block); int2 and nf2 clip (compact updates: the merger's residual carries the rest);
 unframe_stream trusts only frame lengths the header has already validated.
 """
@@ -26,7 +26,7 @@ from diloco.storage.codec.header import (
     stream_bytes,
 )
 
-_LEVELS = {"int8": 127, "int4": 7, "int2": 1, "nf2": 1}
+_LEVELS = {"int8": 127, "int4": 7, "int3": 3, "int2": 1, "nf2": 1}
 # int2 (ternary) scales a block by 1.5 x its mean |x|, clipping beyond, not by its absmax: on Gaussian values that
 # ships 56% of a block's L2 norm instead of 19% (relative error 0.44 against 0.81); ~1.2 sigma is the L2-best
 # ternary scale for a Gaussian, and 1.5 x mean |x| is that
@@ -69,7 +69,7 @@ def _quantize_rows(x2: np.ndarray, scales: np.ndarray, out: np.ndarray, codec: s
             np.floor(ts, out=ts)
             np.clip(ts, -2.0, 1.0, out=ts)  # an all-zero block: q = 0, and its scale 0 decodes it to 0
         else:
-            np.rint(ts, out=ts)  # |ts| <= levels (int8, int4: the scale is the absmax)
+            np.rint(ts, out=ts)  # |ts| <= levels (int8, int4, int3: the scale is the absmax)
         if codec == "int2":
             np.clip(ts, -1.0, 1.0, out=ts)
         np.multiply(am, 1.0 / levels, out=scales[s:e])
