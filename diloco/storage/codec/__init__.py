@@ -73,7 +73,7 @@ class Encoder:
     def __init__(self, *, codec: str, kind: str, fingerprint: str, meta: Mapping[str, Any] | None = None,
                  shuffle: bool = True, block_size: int | None = None, into_bytearray: bool = False,
                  compress: bool = True) -> None:
-        block_size = block_size_of(codec, block_size) if isinstance(codec, str) else block_size
+        block_size = block_size_of(codec, block_size)
         check_encode_args(codec, kind, fingerprint, block_size)
         if meta is not None and not isinstance(meta, Mapping):
             raise CodecError(f"meta must be a mapping, got {type(meta).__name__}")

@@ -114,8 +114,11 @@ BLOCK_SIZES = {"int3": 512}
 
 
 def block_size_of(codec: str, block_size: int | None = None) -> int:
-    """The block size an object of `codec` is written with: `block_size` if given, else the codec's (256)."""
-    return BLOCK_SIZES.get(codec, 256) if block_size is None else block_size
+    """The block size an object of `codec` is written with: `block_size` if given, else the codec's (256; a codec
+    that is not a name gets 256 too, and check_encode_args refuses it)."""
+    if block_size is not None:
+        return block_size
+    return BLOCK_SIZES.get(codec, 256) if isinstance(codec, str) else 256
 
 
 def stream_bytes(codec: str, n: int, block_size: int) -> int:
