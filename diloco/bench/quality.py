@@ -1,7 +1,8 @@
 """`diloco bench quality`: held-out loss and bytes per learner at equal tokens, DP vs DiLoCo variants.
 
 Contract: in-process and deterministic (no subprocesses, no Prefect); prints a table, writes JSON
-{"methods": {...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp" (bytes sent), "received_ratio_vs_dp",
+{"methods": {...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp" (bytes sent), "received_ratio_vs_dp" (decoupled-int4:
+two cohorts taking turns), "concurrent" (the same three of streaming-clock-int4, the learners computing at once),
 "config"} and optionally a PNG. Steps per learner default to the recipe's `inner.total_steps`.
 """
 
@@ -28,6 +29,7 @@ NATS_PER_BIT = math.log(2)
 CLOSE_NATS = 0.03  # methods closer than this to DP get a second seed (if only one was asked for)
 TARGET_LOSS_RATIO = 1.02
 TARGET_TRAFFIC_RATIO = 400.0
+CONCURRENT_METHOD = "streaming-clock-int4"  # the row whose learners compute at once (the others take turns)
 QUICK = {"inner.steps_per_phase": 10, "inner.warmup_steps": 5, "eval.num_batches": 2,
          "eval.batch_size": 16}  # a smoke run: seconds, not minutes
 
@@ -89,15 +91,24 @@ def run_quality(cfg: Config, methods: tuple[Method, ...], steps: int, num_seeds:
 
 
 def _ratios(methods: dict[str, Any]) -> dict[str, Any]:
+    """The targets' ratios of decoupled-int4 (cohorts taking turns), and, when it ran, the same of the learners
+    computing at once (CONCURRENT_METHOD) under "concurrent"."""
     dp, dec = methods.get("dp"), methods.get("decoupled-int4")
-    if not dp or not dec:
-        return {"loss_ratio_vs_dp": None, "traffic_ratio_vs_dp": None}
-    loss_ratio = dec["eval_loss"] / dp["eval_loss"]
-    traffic = dp["bytes_sent_per_learner"] / dec["bytes_sent_per_learner"]
-    return {"loss_ratio_vs_dp": loss_ratio, "traffic_ratio_vs_dp": traffic,
-            "received_ratio_vs_dp": dp["bytes_received_per_learner"] / dec["bytes_received_per_learner"],
-            "targets": {"loss_ratio_max": TARGET_LOSS_RATIO, "traffic_ratio_min": TARGET_TRAFFIC_RATIO,
-                        "loss_met": loss_ratio <= TARGET_LOSS_RATIO, "traffic_met": traffic >= TARGET_TRAFFIC_RATIO}}
+    out: dict[str, Any] = {"loss_ratio_vs_dp": None, "traffic_ratio_vs_dp": None}
+    if dp and dec:
+        out = _ratio_of(dp, dec)
+        out["targets"] = {"loss_ratio_max": TARGET_LOSS_RATIO, "traffic_ratio_min": TARGET_TRAFFIC_RATIO,
+                          "loss_met": out["loss_ratio_vs_dp"] <= TARGET_LOSS_RATIO,
+                          "traffic_met": out["traffic_ratio_vs_dp"] >= TARGET_TRAFFIC_RATIO}
+    if dp and methods.get(CONCURRENT_METHOD):
+        out["concurrent"] = {"method": CONCURRENT_METHOD, **_ratio_of(dp, methods[CONCURRENT_METHOD])}
+    return out
+
+
+def _ratio_of(dp: dict[str, Any], row: dict[str, Any]) -> dict[str, float]:
+    return {"loss_ratio_vs_dp": row["eval_loss"] / dp["eval_loss"],
+            "traffic_ratio_vs_dp": dp["bytes_sent_per_learner"] / row["bytes_sent_per_learner"],
+            "received_ratio_vs_dp": dp["bytes_received_per_learner"] / row["bytes_received_per_learner"]}
 
 
 def _config_record(cfg: Config, steps: int, seeds: list[int], source: str) -> dict[str, Any]:
@@ -109,9 +120,14 @@ def _config_record(cfg: Config, steps: int, seeds: list[int], source: str) -> di
         "outer": cfg.outer.model_dump(), "inner": cfg.inner.model_dump(), "model": cfg.model.model_dump(),
         "eval": cfg.eval.model_dump(), "torch_threads": 1,
         "dp_traffic_model": "ring all-reduce of fp32 gradients: 2(M-1)/M * 4 bytes * params per step, each way",
-        "schedules": {"alternate": "even learners finish a phase on even rounds, odd on odd; quorum M/2",
+        "schedules": {"alternate": "even learners finish a phase on even rounds, odd on odd; quorum M/2 (the cohorts "
+                                   "take turns: one computes a phase while the other waits)",
                       "hetero": "first half every round, second half (2x slower) every other round; quorum M/2",
-                      "all": "every learner every round; quorum M"},
+                      "all": "every learner every round; quorum M",
+                      "concurrent": "every learner computes at once on a clock (a step a tick for streaming rows, "
+                                    "probe_every_steps for whole-model rows), two cohorts half a phase apart; quorum M/2",
+                      "concurrent-full": "the clock, every learner in step; quorum M",
+                      "concurrent-hetero": "the clock, two cohorts, the second half of the learners 2x slower"},
     }
 
 
@@ -132,9 +148,13 @@ def _print_table(result: dict[str, Any]) -> None:
                       _mb(r["bytes_sent_per_learner"]), _mb(r["bytes_received_per_learner"]), less, less_recv)
     Console().print(table)
     if result.get("loss_ratio_vs_dp") is not None:
-        Console().print(f"decoupled int4 / DP: loss ratio {result['loss_ratio_vs_dp']:.4f} (target <= "
-                        f"{TARGET_LOSS_RATIO}), traffic {result['traffic_ratio_vs_dp']:.0f}x less sent (target >= "
-                        f"{TARGET_TRAFFIC_RATIO:.0f}x), {result['received_ratio_vs_dp']:.0f}x less received")
+        Console().print(f"decoupled int4 / DP (cohorts taking turns): loss ratio {result['loss_ratio_vs_dp']:.4f} "
+                        f"(target <= {TARGET_LOSS_RATIO}), traffic {result['traffic_ratio_vs_dp']:.0f}x less sent "
+                        f"(target >= {TARGET_TRAFFIC_RATIO:.0f}x), {result['received_ratio_vs_dp']:.0f}x less received")
+    if result.get("concurrent"):
+        c = result["concurrent"]
+        Console().print(f"{c['method']} / DP (learners computing at once): loss ratio {c['loss_ratio_vs_dp']:.4f}, "
+                        f"{c['traffic_ratio_vs_dp']:.0f}x less sent, {c['received_ratio_vs_dp']:.0f}x less received")
 
 
 def _less(dp: dict[str, Any], r: dict[str, Any], key: str) -> str:

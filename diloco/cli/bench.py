@@ -14,7 +14,8 @@ from diloco.cli.errors import user_errors
 
 bench = typer.Typer(no_args_is_help=True, help="Benchmarks: each prints a table and can write JSON.")
 app = typer.Typer()
-ALL_METHODS = "dp,sync-fp32,decoupled-int8,decoupled-int4,hetero-int4"  # bench quality's methods, in order
+# bench quality's methods, in order; streaming-clock-int4: the learners computing at once (the others take turns)
+ALL_METHODS = "dp,sync-fp32,decoupled-int8,decoupled-int4,hetero-int4,streaming-clock-int4"
 
 @bench.command("codec")
 def _bench_codec(

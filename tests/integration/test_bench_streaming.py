@@ -1,7 +1,8 @@
-"""`diloco bench quality --quick --methods dp,streaming-int4,streaming-alt-int4,streaming-hetero-int4`: the streaming
-rows (4 fragments, tau 2, the sharded merger; every learner in step, two cohorts half a phase apart, or half the
-learners 2x slower) train at equal tokens with data-parallel, lower the held-out loss and ship int4 fragments; the
-cohorts merge each fragment twice as often; the slow half ships half as many fragments as the fast half.
+"""`diloco bench quality --quick --methods dp,streaming-int4,streaming-alt-int4,streaming-hetero-int4,
+streaming-clock-int4,streaming-clock-hetero-int4`: the streaming rows (4 fragments, tau 2, the sharded merger; every
+learner in step, two cohorts taking turns or computing at once on the clock, or half the learners 2x slower, in turns
+or on the clock) train at equal tokens with data-parallel, lower the held-out loss and ship int4 fragments; the
+cohorts merge each fragment twice as often; the slow half ships fewer fragments than the fast half.
 
 Run: .venv/bin/pytest tests/integration/test_bench_streaming.py -q
 """
@@ -18,10 +19,13 @@ from diloco.cli import app
 def test_streaming_row_at_equal_tokens(tmp_path):
     out = tmp_path / "q.json"
     result = CliRunner().invoke(app, ["bench", "quality", "--quick", "--methods",
-                                      "dp,streaming-int4,streaming-alt-int4,streaming-hetero-int4", "--json", str(out)])
+                                      "dp,streaming-int4,streaming-alt-int4,streaming-hetero-int4,streaming-clock-int4,"
+                                      "streaming-clock-hetero-int4",
+                                      "--json", str(out)])
     assert result.exit_code == 0, result.output
     methods = json.loads(out.read_text())["methods"]
-    streaming = ("streaming-int4", "streaming-alt-int4", "streaming-hetero-int4")
+    streaming = ("streaming-int4", "streaming-alt-int4", "streaming-hetero-int4", "streaming-clock-int4",
+                 "streaming-clock-hetero-int4")
     assert set(methods) == {"dp", *streaming}
     for name in streaming:
         row = methods[name]
@@ -31,5 +35,12 @@ def test_streaming_row_at_equal_tokens(tmp_path):
         assert 0 < row["bytes_sent_per_learner"] < methods["dp"]["bytes_sent_per_learner"], name
     in_step, cohorts = (methods[n]["seeds"][0] for n in ("streaming-int4", "streaming-alt-int4"))
     assert cohorts["fragment_merges"] == 2 * in_step["fragment_merges"] > 0  # half the learners per merge
+    # on the clock every learner computes every tick: each ships every fragment of each of its phases, the second
+    # cohort's schedule half a phase later (its last half phase ships at the end), a cohort's deltas per merge
+    clock = methods["streaming-clock-int4"]["seeds"][0]
+    assert clock["fragment_merges"] >= cohorts["fragment_merges"]
+    assert max(clock["sent_per_learner"]) < 1.6 * min(clock["sent_per_learner"])
+    fast_a, fast_b, slow_a, slow_b = methods["streaming-clock-hetero-int4"]["seeds"][0]["sent_per_learner"]
+    assert max(slow_a, slow_b) < 0.8 * min(fast_a, fast_b)  # on the clock the slow half steps every other tick
     fast_a, fast_b, slow_a, slow_b = methods["streaming-hetero-int4"]["seeds"][0]["sent_per_learner"]
     assert max(slow_a, slow_b) < 0.7 * min(fast_a, fast_b)  # the slow half phases every other round

@@ -130,7 +130,8 @@ def test_quality_quick_smoke(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert set(data) >= {"methods", "loss_ratio_vs_dp", "traffic_ratio_vs_dp", "config"}
-    assert set(data["methods"]) == {"dp", "sync-fp32", "decoupled-int8", "decoupled-int4", "hetero-int4"}
+    assert set(data["methods"]) == {"dp", "sync-fp32", "decoupled-int8", "decoupled-int4", "hetero-int4",
+                                    "streaming-clock-int4"}
     tokens = {m["tokens"] for m in data["methods"].values()}
     assert len(tokens) == 1  # equal tokens for every method
     for name, m in data["methods"].items():
@@ -145,6 +146,10 @@ def test_quality_quick_smoke(tmp_path) -> None:
         first, last = data["methods"][name]["seeds"][0]["curve"][0][1], data["methods"][name]["eval_loss"]
         assert last < first, name  # training lowers the held-out loss
     assert data["traffic_ratio_vs_dp"] > 1
+    concurrent, clock = data["concurrent"], data["methods"]["streaming-clock-int4"]
+    assert concurrent["method"] == "streaming-clock-int4"
+    assert concurrent["loss_ratio_vs_dp"] == pytest.approx(clock["eval_loss"] / data["methods"]["dp"]["eval_loss"])
+    assert concurrent["received_ratio_vs_dp"] > 1
     assert png.stat().st_size > 0
 
 
