@@ -54,7 +54,7 @@ METHODS = (
     Method("streaming-int4", "streaming", "int4", "carry", "all",
            "Streaming: decoupled int4, 4 fragments staggered over the phase, tau 2, sharded merger", fragments=4),
     Method("streaming-alt-int4", "streaming", "int4", "carry", "alternate",
-           "streaming-int4 on the decoupled rows' schedule: two cohorts half a phase apart, quorum M/2", fragments=4),
+           "streaming-int4 on the decoupled rows' schedule: two cohorts taking turns, quorum M/2", fragments=4),
     Method("streaming-hetero-int4", "streaming", "int4", "carry", "hetero",
            "streaming-int4 with half the learners 2x slower (hetero-int4's schedule, quorum M/2)", fragments=4),
     Method("streaming-clock-int4", "streaming", "int4", "carry", "concurrent",
@@ -115,8 +115,9 @@ def speeds_of(schedule: str, num_learners: int) -> list[float]:
 def active_learners(schedule: str, num_learners: int, round_idx: int) -> list[int]:
     """Which learners finish a phase in this round (the simulated arrival order).
 
-    all: everyone. alternate: even learners on even rounds, odd on odd rounds (two cohorts half a
-    phase apart). hetero: the first half every round, the slower second half every other round.
+    all: everyone. alternate: even learners on even rounds, odd on odd rounds (two cohorts taking turns:
+    one computes a phase while the other waits). hetero: the first half every round, the slower second half
+    every other round.
     """
     if schedule == "all" or num_learners == 1:
         return list(range(num_learners))

@@ -12,9 +12,9 @@ counting store. Two drives:
   after it shipped it; a learner whose cohort sat out installs the other cohort's merges at its first chunk.
 - the clock ("concurrent": two cohorts half a phase apart, fragments.cohorts 2, quorum M/2; "concurrent-full":
   every learner in step, quorum M; "concurrent-hetero": the cohorts, the second half of the learners 2x slower):
-  every learner computes at once, one step a tick (a 2x slower learner every other tick), as real learners do; after each tick the shard merges what has its quorum, and a learner's probe at the end of each step
-  installs what was merged at least tau steps after it shipped it (links without latency: the best case of a
-  real run).
+  every learner computes at once, one step a tick (a 2x slower learner every other tick), as real learners do;
+  after each tick the shard merges what has its quorum, and a learner's probe at the end of each step installs
+  what was merged at least tau steps after it shipped it (links without latency: the best case of a real run).
 """
 
 from __future__ import annotations
@@ -125,9 +125,11 @@ def _drive_clock(ctx, learners: list[FragmentLearner], shard: ShardMerger, held,
                 learner.ship(lane.index)
         learner.settle()
         learner.publisher.drain()
-    for index in shard.fragments:
+    for index in shard.fragments:  # each merge decides what it takes: a fragment's waiting deltas only go down
         while shard._waiting(index, shard.head(index), set()):
-            merges += shard.merge_fragment(index, lambda: False) is not None
+            if shard.merge_fragment(index, lambda: False) is None:
+                raise RuntimeError(f"fragment {index}: a merge of the last deltas committed nothing")
+            merges += 1
     point = (tokens, held.loss(read_run_version(ctx, run_version(ctx))[0]))
     curve[-1:] = [point] if curve[-1][0] == tokens else [curve[-1], point]
     return curve, tokens, merges

@@ -213,7 +213,7 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
     `cap_factors`: the rows, as multiples of the cap. The decoupled row is Decoupled DiLoCo as the paper runs it,
     streaming: `fragments` fragments (tau = fragments.overlap_steps, merged by one shard, each learner's lanes
     prefetched), and `cohorts`: the learners in two cohorts half a phase apart (fragments.cohorts 2, quorum M/2)
-    as bench quality's drive runs its decoupled rows. fragments 1: whole-model deltas (cohorts then: the odd
+    as bench quality's streaming-clock-int4 drives them. fragments 1: whole-model deltas (cohorts then: the odd
     learners start with half a phase, no grace window), cohorts False: every learner in step."""
     torch.set_num_threads(1)
     cfg = load_config(config)

@@ -62,7 +62,8 @@ def _bench_quality(
     quick: bool = typer.Option(False, "--quick", help="Smoke run: H=10, 20 steps per learner, 1 seed."),
     jobs: int = typer.Option(2, "--jobs", min=1, help="Run the methods of a seed in this many processes (2 = both cores)."),
 ) -> None:
-    """Held-out loss and traffic at equal tokens: DP, sync DiLoCo, decoupled int8/int4, heterogeneous."""
+    """Held-out loss and traffic at equal tokens: DP, sync DiLoCo, decoupled int8/int4 and heterogeneous (cohorts
+    taking turns), streaming fragments with every learner computing at once."""
     from diloco.bench.quality import bench_quality
 
     with user_errors():
@@ -90,8 +91,9 @@ def _bench_wan(
     caps: str = typer.Option("1,2,0.5", "--caps", help="The rows: caps as multiples of the paper-equivalent cap "
                                                        "(or of --link-mb-s), comma-separated; the first is the headline."),
     cohorts: bool = typer.Option(True, "--cohorts/--in-step", help="Decoupled learners in two cohorts half a phase "
-                                                                    "apart (quorum M/2), as bench quality's drive runs "
-                                                                    "them, or every learner in step."),
+                                                                    "apart (quorum M/2), as bench quality's "
+                                                                    "streaming-clock-int4 drives them, or every "
+                                                                    "learner in step."),
     fragments: int = typer.Option(8, "--fragments", help="Decoupled learners stream this many fragments (each shipped "
                                                          "every H steps, staggered, tau 2; one merger shard); 1: "
                                                          "whole-model deltas."),
