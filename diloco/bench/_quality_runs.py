@@ -41,7 +41,7 @@ class Method:
     # "concurrent-full" (in step, quorum M), "concurrent-hetero" (half the learners 2x slower)
     label: str = ""
     overrides: tuple[tuple[str, object], ...] = ()  # config overrides of this method (a lever under test)
-    dylu: bool = False  # concurrent-hetero: each learner's H from its speed, H_w = floor(v_w / v_max * H)
+    dylu: bool = False  # concurrent-hetero (engine or streaming): each learner's H from its speed, H_w = floor(v_w / v_max * H)
     fragments: int = 1  # peer: torchft's streaming fragments (1 = plain DiLoCo); streaming: fragments.count
 
 
@@ -64,6 +64,8 @@ METHODS = (
            "streaming-int4 with every learner computing at once, in step (quorum M, a step a tick)", fragments=4),
     Method("streaming-clock-hetero-int4", "streaming", "int4", "carry", "concurrent-hetero",
            "streaming-clock-int4 with half the learners 2x slower", fragments=4),
+    Method("streaming-clock-hetero-dylu", "streaming", "int4", "carry", "concurrent-hetero",
+           "streaming-clock-hetero-int4, each learner's H from its speed (DyLU)", dylu=True, fragments=4),
     Method("torchft-diloco", "peer", "fp32", "sync", "all", "torchft 0.2.0 DiLoCo (Manager + gloo, its outer Nesterov)"),
     Method("torchft-streaming", "peer", "fp32", "sync", "all",
            "torchft 0.2.0 Streaming DiLoCo: 2 fragments, sync delay 1, alpha 0.5", fragments=2),

@@ -67,7 +67,7 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
         shard = ShardMerger(ctx, 0)
         target = m * steps * cfg.data.batch_size * cfg.model.ctx_len
         if clock:
-            curve, tokens, merges = _drive_clock(ctx, learners, shard, held, target, method.schedule)
+            curve, tokens, merges = _drive_clock(ctx, learners, shard, held, target, method.schedule, method.dylu)
             return _result(ctx, method, learners, counters, curve, tokens, merges, t0)
         curve, tokens, merges, r, next_eval = [(0, held.loss(read_run_version(ctx, 0)[0]))], 0, 0, 0, 0
         h, count = cfg.inner.steps_per_phase, method.fragments
@@ -94,17 +94,27 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
         return _result(ctx, method, learners, counters, curve, tokens, merges, t0)
 
 
-def _drive_clock(ctx, learners: list[FragmentLearner], shard: ShardMerger, held, target: int, schedule: str):
+def _drive_clock(ctx, learners: list[FragmentLearner], shard: ShardMerger, held, target: int, schedule: str,
+                 dylu: bool = False):
     """Every learner computes at once, one step a tick (a learner of speed s < 1, the slow half under
     "concurrent-hetero", on a fraction s of the ticks): each steps (shipping what is due on its own staggered
     schedule, installing at its probe what was merged at least tau steps after its ship), then the shard merges
     every fragment whose quorum is there (visible from the next tick's probes). What the lanes hold when the
-    budget is spent ships too, and is merged whatever its quorum."""
+    budget is spent ships too, and is merged whatever its quorum. `dylu`: each learner's H from its speed,
+    H_w = floor(v_w / v_max * H), its cohort offset H_w / cohorts, so every learner ships each fragment at the
+    same wall rate and a cohort's deltas arrive together."""
     from diloco.bench._quality_runs import speeds_of, tokens_per_phase
 
     cfg, m = ctx.cfg, len(learners)
     curve, tokens, merges = [(0, held.loss(read_run_version(ctx, 0)[0]))], 0, 0
     every, speeds, credit = m * tokens_per_phase(cfg), speeds_of(schedule, m), [0.0] * m
+    if dylu:
+        for k, (learner, speed) in enumerate(zip(learners, speeds, strict=True)):
+            h = int(speed / max(speeds) * cfg.inner.steps_per_phase)
+            if h <= cfg.fragments.overlap_steps:
+                raise ValueError(f"DyLU: learner {k}'s H ({h}) must be > fragments.overlap_steps")
+            learner.lanes.steps_per_phase = h
+            learner.steps_done = (k % cfg.fragments.cohorts) * h // cfg.fragments.cohorts
     next_eval, per_step = every, cfg.data.batch_size * cfg.model.ctx_len
     while tokens + per_step <= target:
         for i, learner in enumerate(learners):

@@ -1,8 +1,9 @@
 """`diloco bench quality --quick --methods dp,streaming-int4,streaming-alt-int4,streaming-hetero-int4,
-streaming-clock-int4,streaming-clock-hetero-int4`: the streaming rows (4 fragments, tau 2, the sharded merger; every
-learner in step, two cohorts taking turns or computing at once on the clock, or half the learners 2x slower, in turns
-or on the clock) train at equal tokens with data-parallel, lower the held-out loss and ship int4 fragments; the
-cohorts merge each fragment twice as often; the slow half ships fewer fragments than the fast half.
+streaming-clock-int4,streaming-clock-hetero-int4,streaming-clock-hetero-dylu`: the streaming rows (4 fragments, tau 2,
+the sharded merger; every learner in step, two cohorts taking turns or computing at once on the clock, or half the
+learners 2x slower, in turns or on the clock, with one H or each learner's from its speed) train at equal tokens
+with data-parallel, lower the held-out loss and ship int4 fragments; the cohorts merge each fragment twice as often;
+the slow half ships fewer fragments than the fast half, unless its H is from its speed.
 
 Run: .venv/bin/pytest tests/integration/test_bench_streaming.py -q
 """
@@ -20,12 +21,12 @@ def test_streaming_row_at_equal_tokens(tmp_path):
     out = tmp_path / "q.json"
     result = CliRunner().invoke(app, ["bench", "quality", "--quick", "--methods",
                                       "dp,streaming-int4,streaming-alt-int4,streaming-hetero-int4,streaming-clock-int4,"
-                                      "streaming-clock-hetero-int4",
+                                      "streaming-clock-hetero-int4,streaming-clock-hetero-dylu",
                                       "--json", str(out)])
     assert result.exit_code == 0, result.output
     methods = json.loads(out.read_text())["methods"]
     streaming = ("streaming-int4", "streaming-alt-int4", "streaming-hetero-int4", "streaming-clock-int4",
-                 "streaming-clock-hetero-int4")
+                 "streaming-clock-hetero-int4", "streaming-clock-hetero-dylu")
     assert set(methods) == {"dp", *streaming}
     for name in streaming:
         row = methods[name]
@@ -42,5 +43,8 @@ def test_streaming_row_at_equal_tokens(tmp_path):
     assert max(clock["sent_per_learner"]) < 1.6 * min(clock["sent_per_learner"])
     fast_a, fast_b, slow_a, slow_b = methods["streaming-clock-hetero-int4"]["seeds"][0]["sent_per_learner"]
     assert max(slow_a, slow_b) < 0.8 * min(fast_a, fast_b)  # on the clock the slow half steps every other tick
+    # DyLU: the slow half's H is half the fast half's, so it ships each fragment as often (half the steps in each)
+    fast_a, fast_b, slow_a, slow_b = methods["streaming-clock-hetero-dylu"]["seeds"][0]["sent_per_learner"]
+    assert min(slow_a, slow_b) > 0.8 * min(fast_a, fast_b)
     fast_a, fast_b, slow_a, slow_b = methods["streaming-hetero-int4"]["seeds"][0]["sent_per_learner"]
     assert max(slow_a, slow_b) < 0.7 * min(fast_a, fast_b)  # the slow half phases every other round
