@@ -135,11 +135,7 @@ def _drive_clock(ctx, learners: list[FragmentLearner], shard: ShardMerger, held,
                 learner.ship(lane.index)
         learner.settle()
         learner.publisher.drain()
-    for index in shard.fragments:  # each merge decides what it takes: a fragment's waiting deltas only go down
-        while shard._waiting(index, shard.head(index), set()):
-            if shard.merge_fragment(index, lambda: False) is None:
-                raise RuntimeError(f"fragment {index}: a merge of the last deltas committed nothing")
-            merges += 1
+    merges += shard.merge_waiting()
     point = (tokens, held.loss(read_run_version(ctx, run_version(ctx))[0]))
     curve[-1:] = [point] if curve[-1][0] == tokens else [curve[-1], point]
     return curve, tokens, merges

@@ -201,12 +201,9 @@ def _merge_fragments_until_done(shard, procs, drain, deadline_s: float) -> None:
         if any(p.exitcode not in (None, 0) for p in procs):
             raise RuntimeError(f"a learner process died: {drain()}")
         if reported and not merged:
-            waiting = [p for p in shard.fragments if shard._waiting(p, shard.head(p), set())]
-            if not waiting:
-                return
-            for p in waiting:
-                shard.merge_fragment(p, lambda: False)
-        elif not merged:
+            shard.merge_waiting()
+            return
+        if not merged:
             time.sleep(shard.ctx.cfg.merger.poll_interval_s)
 
 

@@ -97,6 +97,18 @@ class ShardMerger:
                 names.add(parsed[0])
         return len(names)
 
+    def merge_waiting(self) -> int:
+        """Merge every fragment's waiting deltas now, whatever its quorum, until none waits (a run's end: a
+        cohort's last ships below the quorum); returns the merges. A merge that commits nothing is an error: its
+        deltas would wait for ever."""
+        merges = 0
+        for index in self.fragments:
+            while self._waiting(index, self.head(index), set()):
+                if self.merge_fragment(index, lambda: False) is None:
+                    raise RuntimeError(f"fragment {index}: a merge of its waiting deltas committed nothing")
+                merges += 1
+        return merges
+
     def due(self, index: int, head: Manifest, now: float) -> bool:
         """A quorum of learners waiting, or any waiting for quorum_timeout_s (the merger's own rule); `head`
         is the fragment's newest manifest (self.head)."""

@@ -34,6 +34,7 @@ from diloco.storage.codec import (
     object_checksum,
     read_header,
 )
+from diloco.storage.codec.header import stream_bytes
 
 LEVELS = {"int8": 127, "int4": 7, "int3": 3, "int2": 1}  # nf2 has no zero level: its own test below
 shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
@@ -442,8 +443,7 @@ def test_quantized_frames_are_zstd_and_smaller_than_raw(codec: str) -> None:
     x = {"w": _skewed(1 << 16)}
     data = encode(x, codec=codec, kind="delta", fingerprint="f")
     obj, payload = _split(data)
-    per_byte = {"int8": 1, "int4": 2, "int3": 2, "int2": 4, "nf2": 4}[codec]
-    raw = 4 * (len(x["w"]) // obj["block_size"]) + len(x["w"]) // per_byte  # scales + codes (int3: 512 a block)
+    raw = stream_bytes(codec, len(x["w"]), obj["block_size"])  # scales + codes (int3: 512 a block)
     assert obj["compression"] == "zstd" and read_header(data).compression == "zstd"
     assert len(payload) < 0.95 * raw  # the entropy stage: lz4 stored these codes raw
     y = decode(data)[1]["w"]
