@@ -47,7 +47,7 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
         "learner.codec": method.codec, "learner.mode": method.mode, "learner.checkpoint": False,
         "learner.local_state_every_steps": 0, "learner.prefetch": False, "learner.device": "cpu",
         "merger.grace_cap_s": 0.0, "merger.quorum": quorum_of(method.schedule, m), "fragments.count": method.fragments,
-        "fragments.overlap_steps": OVERLAP_STEPS, "merger.shards": 1,
+        "fragments.overlap_steps": OVERLAP_STEPS, "merger.shards": 1, "inner.dylu": method.dylu,
         # the round drive installs at its chunk boundaries, never inside a chunk; the clock probes every step
         "learner.probe_every_steps": 1 if clock else 1 << 20,
         # on the clock two cohorts half a phase apart (concurrent) or everyone in step (concurrent-full); a merge
@@ -100,21 +100,19 @@ def _drive_clock(ctx, learners: list[FragmentLearner], shard: ShardMerger, held,
     "concurrent-hetero", on a fraction s of the ticks): each steps (shipping what is due on its own staggered
     schedule, installing at its probe what was merged at least tau steps after its ship), then the shard merges
     every fragment whose quorum is there (visible from the next tick's probes). What the lanes hold when the
-    budget is spent ships too, and is merged whatever its quorum. `dylu`: each learner's H from its speed,
-    H_w = floor(v_w / v_max * H), its cohort offset H_w / cohorts, so every learner ships each fragment at the
-    same wall rate and a cohort's deltas arrive together."""
+    budget is spent ships too, and is merged whatever its quorum. `dylu`: each learner's H from its speed by the
+    engine's inner.dylu (diloco.learner.pace), H_w = floor(v_w / v_max * H), its place in the cycle kept (cohort
+    offset H_w / cohorts), so every learner ships each fragment at the same wall rate and a cohort's deltas arrive
+    together."""
     from diloco.bench._quality_runs import speeds_of, tokens_per_phase
 
     cfg, m = ctx.cfg, len(learners)
     curve, tokens, merges = [(0, held.loss(read_run_version(ctx, 0)[0]))], 0, 0
     every, speeds, credit = m * tokens_per_phase(cfg), speeds_of(schedule, m), [0.0] * m
-    if dylu:
-        for k, (learner, speed) in enumerate(zip(learners, speeds, strict=True)):
-            h = int(speed / max(speeds) * cfg.inner.steps_per_phase)
-            if h <= cfg.fragments.overlap_steps:
-                raise ValueError(f"DyLU: learner {k}'s H ({h}) must be > fragments.overlap_steps")
-            learner.lanes.steps_per_phase = h
-            learner.steps_done = (k % cfg.fragments.cohorts) * h // cfg.fragments.cohorts
+    if dylu:  # the engine's DyLU (inner.dylu), the clock's speeds as the speeds measured: the lanes retimed to H_w
+        for learner, speed in zip(learners, speeds, strict=True):
+            learner.pace.own_steps_per_s, learner.pace.peers_steps_per_s = speed, max(speeds)
+            learner.next_phase_steps()
     next_eval, per_step = every, cfg.data.batch_size * cfg.model.ctx_len
     while tokens + per_step <= target:
         for i, learner in enumerate(learners):

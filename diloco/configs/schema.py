@@ -68,6 +68,11 @@ class InnerConfig(_Strict):
     # tokens per step), plus the learner's steps since that install. With learners at different speeds every
     # learner then follows one schedule over the run's tokens, as data-parallel does (docs/ENGINE.md)
     schedule_clock: Literal["own", "run"] = "own"
+    # DyLU: each learner's H from its measured compute speed, H_w = floor(v_w / v_max * H) (v_max: the fastest live
+    # learner's, from the statuses), so slower hardware publishes at the fast learners' wall rate and its deltas
+    # are not twice as stale; H while within 10% of the fastest, so learners of one speed keep one H. On: it took
+    # half the learners at half the speed from 1.056x to 1.009x DP (docs/BENCHMARKS.md; pace.py, docs/ENGINE.md)
+    dylu: bool = True
 
 
 class OuterConfig(_Strict):

@@ -66,6 +66,8 @@ class FragmentLearner(Learner):
         self.lane_prefetch: dict[int, Prefetcher] = {}
         cfg = ctx.cfg
         self.lanes = Lanes(ctx.fragments, cfg.inner.steps_per_phase, cfg.fragments.overlap_steps, cfg.learner.mode)
+        # inner.dylu: H_w leaves every fragment its own ship and its overlap in a cycle
+        self.pace.min_steps = max(cfg.fragments.overlap_steps + 1, cfg.fragments.count, cfg.fragments.cohorts)
         self.steps_done = 0  # since join, plus the cohort's offset (stagger): the ship schedule counts from here
         self.awaiting: dict[int, int] = {}  # sync mode: lane -> seq waiting for its decision
         # learner.encode_in_background: deltas taken, being encoded on the encoder's thread (FIFO); each completes
@@ -93,6 +95,8 @@ class FragmentLearner(Learner):
         self.cursor, self.trainer.step = self._last_position()
         self.run_clock(tokens_total)  # inner.schedule_clock "run": the newest fragment's clock
         self._open_batches()
+        self.lanes.steps_per_phase, self.lanes.shift = self.cfg.inner.steps_per_phase, 0  # DyLU retimes from here
+        self.pace.last_steps = self.cfg.inner.steps_per_phase
         self.steps_done, self.awaiting = self.stagger(), {}
         self._start_prefetch()
         self._sync_state()
@@ -108,6 +112,13 @@ class FragmentLearner(Learner):
         cohorts, h = self.cfg.fragments.cohorts, self.cfg.inner.steps_per_phase
         k = self.ctx.learners.index(self.name) if self.name in self.ctx.learners else 0
         return (k % cohorts) * h // cohorts
+
+    def next_phase_steps(self) -> int:
+        """inner.dylu: the next phase's H_w, and the lanes retimed to it (their place in the cycle kept)."""
+        steps = super().next_phase_steps()
+        if steps != self.lanes.steps_per_phase:
+            self.lanes.retime(steps, self.steps_done)
+        return steps
 
     def _start_prefetch(self) -> None:
         """learner.prefetch (not in sync mode): one Prefetcher per lane, from the lane's version just joined."""

@@ -38,6 +38,7 @@ class Lanes:
     def __init__(self, fragments: list[dict], steps_per_phase: int, tau: int, mode: str = "carry") -> None:
         self.lanes = [Lane(i, f) for i, f in enumerate(fragments)]
         self.steps_per_phase, self.tau, self.mode = steps_per_phase, tau, mode
+        self.shift = 0  # the schedule's place: lane p ships when (step + shift) % H = p*H/P (retime moves it)
 
     def __len__(self) -> int:
         return len(self.lanes)
@@ -56,10 +57,20 @@ class Lanes:
             lane.tokens += tokens
 
     def due(self, step: int) -> list[int]:
-        """The lanes to ship after learner step `step` (1-based steps since join): p when step = offset(p) mod H."""
+        """The lanes to ship after learner step `step` (1-based steps since join): p when step + shift = offset(p)
+        mod H."""
         count, h = len(self.lanes), self.steps_per_phase
         return [lane.index for lane in self.lanes
-                if lane.steps > 0 and step % h == due_offset(lane.index, count, h) % h]
+                if lane.steps > 0 and (step + self.shift) % h == due_offset(lane.index, count, h) % h]
+
+    def retime(self, steps_per_phase: int, step: int) -> None:
+        """H = `steps_per_phase` from learner step `step` on (inner.dylu): the schedule keeps its place in the cycle,
+        scaled (a learner 40% into its cycle goes on 40% into the new one, so a cohort's ships stay together in
+        wall time). Only when lanes ship changes: every lane's unshipped progress ships at its next due step."""
+        old = self.steps_per_phase
+        place = (step + self.shift) % old * steps_per_phase // old
+        self.shift = (place - step) % steps_per_phase
+        self.steps_per_phase = steps_per_phase
 
     def delta(self, index: int, theta: Tensors) -> Tensors:
         """r_p - theta_p: what lane `index` ships now."""

@@ -18,6 +18,7 @@ import torch
 
 from diloco.learner.courier import Courier
 from diloco.learner.local_state import LocalState
+from diloco.learner.pace import Pace
 from diloco.learner.prefetch import Prefetcher, fetch_global
 from diloco.learner.publisher import Publisher
 from diloco.learner.ranks import build_trainer, lead_step
@@ -29,12 +30,7 @@ from diloco.run.events import EventLog
 from diloco.run.objects import encode_shipped, encode_tensors, read_tensors
 from diloco.run.signing import learner_key, sign
 from diloco.run.spec import load_run_spec
-from diloco.storage import (
-    StorageError,
-    latest_version,
-    manifest_exists,
-    read_latest,
-)
+from diloco.storage import StorageError, latest_version, manifest_exists, read_latest
 from diloco.storage.codec import CodecError
 from diloco.storage.records import LearnerStatus, write_record
 from diloco.training.data import shard_of
@@ -99,6 +95,9 @@ class Learner:
             self.local = LocalState(ctx.store.url, ctx.run_id, name, ctx.created_at, ctx.fingerprint)
         self.quick = ctx.store.with_retries(QUICK_RETRIES)
         self.courier = Courier(f"courier-{name}")  # statuses and event flushes, off the training thread
+        # its compute speed (every status reports it) and, with inner.dylu, its H from its peers' (diloco.learner.pace)
+        self.pace = Pace(self.quick, ctx.keys, name, list(ctx.learners), self.cfg.inner.steps_per_phase,
+                         enabled=self.cfg.inner.dylu, timeout_s=self.cfg.run.heartbeat_timeout_s)
         self.publisher = Publisher(ctx.store, self.events, on_landed=self.local.unspool if self.local else None)
         self.world = world  # a multi-rank learner's process group (this is rank 0); None: one process
         self.model, self.trainer = build_trainer(self, world)
@@ -180,6 +179,7 @@ class Learner:
             "learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.state.seq - 1,
             "base_version": self.state.base, "step": self.trainer.step, "cursor": self.cursor,
             "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published,
+            **self.pace.status(),
             **({"ranks": self.world.size, "rank_pids": self.world.pids} if self.world else {}), **phase})
         key = self.ctx.keys.status(self.name)
 
@@ -193,6 +193,10 @@ class Learner:
             write()
         else:
             self.courier.post("status", write)
+
+    def next_phase_steps(self) -> int:
+        """The next phase's length: H, or inner.dylu's H_w from this learner's speed and its peers' (Pace)."""
+        return self.pace.next_steps(self.events)
 
     def flush_events(self) -> None:
         """Write the buffered events from the courier thread (EventLog keeps them if the write fails)."""

@@ -22,6 +22,8 @@ log = logging.getLogger("diloco.learner")
 
 def write_status(learner: Learner, stats: PhaseStats, state: str) -> None:
     """The heartbeat after a phase, with the phase's own figures (and a traffic event)."""
+    if learner.pace.observe(stats.steps, stats.compute_s):  # its speed, reported below; inner.dylu: the peers'
+        learner.courier.post("pace", learner.pace.refresh)
     learner.heartbeat(state, force=True, loss=stats.loss, tokens_per_phase=stats.tokens, stall_s=stats.stall_s,
                       steps_per_s=stats.steps / stats.phase_time_s if stats.phase_time_s else 0.0)
     emit_traffic(learner)
@@ -40,7 +42,7 @@ def emit_traffic(learner: Learner) -> None:
 
 def learner_step(learner: Learner, should_stop: Callable[[], bool]) -> PhaseStats:
     """One phase + publish (+ wait in sync mode) + heartbeat: the unit a Prefect task wraps."""
-    stats = learner.run_phase()
+    stats = learner.run_phase(learner.next_phase_steps())
     seq = learner.publish(stats)
     if seq is not None and learner.cfg.learner.mode == "sync":
         learner.wait_for_decision(seq, timeout_s=learner.cfg.merger.quorum_timeout_s * 4, should_stop=should_stop)

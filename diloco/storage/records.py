@@ -102,6 +102,8 @@ class LearnerStatus(Record):
     tokens_per_phase: int | None = None  # the figures of the phase just ended, after a phase
     stall_s: float | None = None
     steps_per_s: float | None = None
+    # inner steps per second of compute, averaged over the last phases (inner.dylu: peers read it to set their H)
+    compute_steps_per_s: float | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 FINAL_STATES = ("finished", "stopped", "removed")  # a learner's state once its loop ended

@@ -1,5 +1,6 @@
 """Ship-and-carry per fragment under random interleavings (property-based): phases of random length (so
-fragments ship on their staggered schedule at random points between merges), shard merges and installs.
+fragments ship on their staggered schedule at random points between merges), shard merges, installs and
+retimes of the schedule to a new H (inner.dylu).
 
 Invariant (DESIGN §5, per fragment): shipped + carried = all local progress; with one learner, outer lr 1,
 no momentum, the assembled global is exactly the start minus everything shipped; the same with every delta
@@ -31,7 +32,8 @@ from diloco.storage import open_store, read_latest, read_manifest
 from diloco.training.fragments import put_
 from diloco.training.model import get_flat_params
 
-OPS = st.lists(st.one_of(st.integers(1, 7), st.sampled_from(["merge", "install"])), min_size=3, max_size=14)
+OPS = st.lists(st.one_of(st.integers(1, 7), st.sampled_from(["merge", "install"]),
+                         st.tuples(st.just("retime"), st.integers(1, 9))), min_size=3, max_size=14)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,8 @@ def test_shipped_plus_carried_is_all_progress_per_fragment(corpus, ops, count, c
             learner.drain()
         elif op == "merge":
             _merge_all(ctx)
+        elif isinstance(op, tuple):  # inner.dylu: a new H from here on, the schedule's place kept
+            learner.lanes.retime(max(op[1], count), learner.steps_done)
         else:
             learner.steps_done += tau  # past every overlap: an install op installs whatever is there
             learner.maybe_install()
