@@ -6,7 +6,7 @@ averaged over phases (SPEED_EMA the newest phase's weight); every status reports
 v_max the fastest of this learner and its live peers (their status.json's `compute_steps_per_s`, beaten within
 run.heartbeat_timeout_s, not in a final state; an unreadable or implausible status is skipped). H_w = H until both
 are known, while v_w >= DEAD_BAND * v_max (learners of one speed, measured with noise, keep one H), and with DyLU
-off; never below `min_steps`. Peers are read off the training thread (`refresh`, on the learner's courier, at most
+off; never below `min_steps` or H / MAX_SHRINK. Peers are read off the training thread (`refresh`, on the learner's courier, at most
 every REFRESH_S), so a phase never waits for them; a read that fails keeps the last figures.
 """
 
@@ -21,15 +21,19 @@ from diloco.storage.records import FINAL_STATES, LearnerStatus, RecordError, rea
 log = logging.getLogger("diloco.learner")
 DEAD_BAND = 0.9  # a learner at >= 90% of the fastest keeps H: one speed with noise is one H
 SPEED_EMA = 0.3  # one phase's speed varies by 10-20% on a shared machine: averaged, one speed is one H
+MAX_SHRINK = 8  # H_w >= H / 8: a learner far slower than the rest (or a peer's implausible speed) publishes at
+# most 8x as often as at H
 REFRESH_S = 30.0  # the peers' speeds read again at most this often: M learners read M-1 statuses each
 
 
 def phase_steps(steps_per_phase: int, own_steps_per_s: float | None, fastest_steps_per_s: float | None,
                 min_steps: int = 1) -> int:
-    """H_w = floor(v_w / v_max * H), at least `min_steps`; H when a speed is unknown or within the dead band."""
+    """H_w = floor(v_w / v_max * H), at least `min_steps` and H / MAX_SHRINK; H when a speed is unknown or within
+    the dead band."""
     if not own_steps_per_s or not fastest_steps_per_s or own_steps_per_s >= DEAD_BAND * fastest_steps_per_s:
         return steps_per_phase
-    return max(min_steps, min(steps_per_phase, int(own_steps_per_s / fastest_steps_per_s * steps_per_phase)))
+    floor = max(min_steps, steps_per_phase // MAX_SHRINK)
+    return max(floor, min(steps_per_phase, int(own_steps_per_s / fastest_steps_per_s * steps_per_phase)))
 
 
 class Pace:

@@ -1,5 +1,5 @@
 """DyLU's rule (inner.dylu, diloco.learner.pace) and the lanes' retime: H_w = floor(v_w / v_max * H) outside the
-dead band, never below the floor; a retimed schedule keeps its place in the cycle, and in every later cycle each
+dead band, never below its floor (min_steps, H / 8); a retimed schedule keeps its place in the cycle, and in every later cycle each
 fragment ships once. Run: .venv/bin/pytest tests/unit/test_pace.py -q
 """
 
@@ -15,7 +15,8 @@ from diloco.training.fragments import due_offset
 @pytest.mark.parametrize(("own", "fastest", "expected"), [
     (1.0, 2.0, 25),  # half the speed: half the steps, the same wall time
     (1.0, 3.0, 16),  # floor(50 / 3)
-    (0.5, 10.0, 3),  # floor(2.5) = 2, raised to the floor of 3
+    (0.5, 10.0, 6),  # floor(2.5) = 2, raised to H / 8 (a far slower learner publishes at most 8x as often)
+    (1.0, 1e300, 6),  # a peer's implausible speed: the same bound
     (DEAD_BAND * 2.0, 2.0, 50),  # within the dead band: one H for one speed measured with noise
     (1.7, 2.0, 42),  # just outside it
     (2.0, 2.0, 50),  # the fastest itself
@@ -24,6 +25,10 @@ from diloco.training.fragments import due_offset
 ])
 def test_each_learner_runs_its_share_of_h(own, fastest, expected):
     assert phase_steps(50, own, fastest, min_steps=3) == expected
+
+
+def test_the_floor_is_the_larger_of_min_steps_and_h_over_8():
+    assert phase_steps(16, 1.0, 100.0, min_steps=3) == 3 and phase_steps(16, 1.0, 100.0, min_steps=1) == 2
 
 
 def _lanes(count: int, h: int) -> Lanes:
