@@ -6,8 +6,9 @@ averaged over phases (SPEED_EMA the newest phase's weight); every status reports
 v_max the fastest of this learner and its live peers (their status.json's `compute_steps_per_s`, beaten within
 run.heartbeat_timeout_s, not in a final state; an unreadable or implausible status is skipped). H_w = H until both
 are known, while v_w >= DEAD_BAND * v_max (learners of one speed, measured with noise, keep one H), and with DyLU
-off; never below `min_steps` or H / MAX_SHRINK. Peers are read off the training thread (`refresh`, on the learner's courier, at most
-every REFRESH_S), so a phase never waits for them; a read that fails keeps the last figures.
+off; never below `min_steps` or H / MAX_SHRINK. Peers are read off the training thread (`refresh`, on the learner's
+courier, at most every REFRESH_S once a peer's speed is known; after every phase until then), so a phase never
+waits for them; a peer unreadable at a read is left out of it.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class Pace:
             if speed and status.state not in FINAL_STATES and now - status.t <= self.timeout_s:
                 fastest = speed if fastest is None else max(fastest, speed)
         self.peers_steps_per_s = fastest
+        if fastest is None:  # no peer has reported a speed yet: read again after the next phase
+            self.refreshed_at = 0.0
 
     def fastest(self) -> float | None:
         known = [s for s in (self.own_steps_per_s, self.peers_steps_per_s) if s]

@@ -53,6 +53,10 @@ def test_the_fastest_live_peer_is_read_from_the_statuses(store_url):
     ctx.store.delete(ctx.keys.status(live))  # gone: the next read forgets it
     pace.refresh()
     assert pace.peers_steps_per_s == 1.5 and pace.steps() == 8
+    assert not pace.observe(10, 10.0)  # read just now: the next read waits REFRESH_S
+    alone = Pace(ctx.store, ctx.keys, me, [me, "local-99"], H)
+    alone.refresh()  # no peer has reported a speed yet: read again after the next phase
+    assert alone.peers_steps_per_s is None and alone.observe(10, 10.0) and alone.steps() == H
 
 
 @pytest.mark.parametrize("fragments", [1, 2])
