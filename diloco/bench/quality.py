@@ -3,7 +3,7 @@
 Contract: in-process and deterministic (no subprocesses, no Prefect); prints a table, writes JSON
 {"methods": {...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp" (bytes sent), "received_ratio_vs_dp" (decoupled-int4:
 two cohorts taking turns), "concurrent" (the same three of streaming-clock-int4, the learners computing at once),
-"config"} and optionally a PNG. Steps per learner default to the recipe's `inner.total_steps`.
+"concurrent_hetero" (of streaming-clock-hetero-dylu: at once, half of them 2x slower, DyLU), "config"} and optionally a PNG. Steps per learner default to the recipe's `inner.total_steps`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ CLOSE_NATS = 0.03  # methods closer than this to DP get a second seed (if only o
 TARGET_LOSS_RATIO = 1.02
 TARGET_TRAFFIC_RATIO = 400.0
 CONCURRENT_METHOD = "streaming-clock-int4"  # the row whose learners compute at once (the others take turns)
+# the same with half the learners 2x slower, each learner's H from its speed (inner.dylu, the engine's default)
+CONCURRENT_HETERO_METHOD = "streaming-clock-hetero-dylu"
 QUICK = {"inner.steps_per_phase": 10, "inner.warmup_steps": 5, "eval.num_batches": 2,
          "eval.batch_size": 16}  # a smoke run: seconds, not minutes
 
@@ -92,7 +94,8 @@ def run_quality(cfg: Config, methods: tuple[Method, ...], steps: int, num_seeds:
 
 def _ratios(methods: dict[str, Any]) -> dict[str, Any]:
     """The targets' ratios of decoupled-int4 (cohorts taking turns), and, when it ran, the same of the learners
-    computing at once (CONCURRENT_METHOD) under "concurrent"."""
+    computing at once (CONCURRENT_METHOD) under "concurrent", and of those at two speeds (CONCURRENT_HETERO_METHOD)
+    under "concurrent_hetero"."""
     dp, dec = methods.get("dp"), methods.get("decoupled-int4")
     out: dict[str, Any] = {"loss_ratio_vs_dp": None, "traffic_ratio_vs_dp": None}
     if dp and dec:
@@ -100,8 +103,9 @@ def _ratios(methods: dict[str, Any]) -> dict[str, Any]:
         out["targets"] = {"loss_ratio_max": TARGET_LOSS_RATIO, "traffic_ratio_min": TARGET_TRAFFIC_RATIO,
                           "loss_met": out["loss_ratio_vs_dp"] <= TARGET_LOSS_RATIO,
                           "traffic_met": out["traffic_ratio_vs_dp"] >= TARGET_TRAFFIC_RATIO}
-    if dp and methods.get(CONCURRENT_METHOD):
-        out["concurrent"] = {"method": CONCURRENT_METHOD, **_ratio_of(dp, methods[CONCURRENT_METHOD])}
+    for key, name in (("concurrent", CONCURRENT_METHOD), ("concurrent_hetero", CONCURRENT_HETERO_METHOD)):
+        if dp and methods.get(name):
+            out[key] = {"method": name, **_ratio_of(dp, methods[name])}
     return out
 
 
@@ -151,10 +155,12 @@ def _print_table(result: dict[str, Any]) -> None:
         Console().print(f"decoupled int4 / DP (cohorts taking turns): loss ratio {result['loss_ratio_vs_dp']:.4f} "
                         f"(target <= {TARGET_LOSS_RATIO}), traffic {result['traffic_ratio_vs_dp']:.0f}x less sent "
                         f"(target >= {TARGET_TRAFFIC_RATIO:.0f}x), {result['received_ratio_vs_dp']:.0f}x less received")
-    if result.get("concurrent"):
-        c = result["concurrent"]
-        Console().print(f"{c['method']} / DP (learners computing at once): loss ratio {c['loss_ratio_vs_dp']:.4f}, "
-                        f"{c['traffic_ratio_vs_dp']:.0f}x less sent, {c['received_ratio_vs_dp']:.0f}x less received")
+    for key, what in (("concurrent", "learners computing at once"),
+                      ("concurrent_hetero", "computing at once, half of them 2x slower")):
+        if result.get(key):
+            c = result[key]
+            Console().print(f"{c['method']} / DP ({what}): loss ratio {c['loss_ratio_vs_dp']:.4f}, "
+                            f"{c['traffic_ratio_vs_dp']:.0f}x less sent, {c['received_ratio_vs_dp']:.0f}x less received")
 
 
 def _less(dp: dict[str, Any], r: dict[str, Any], key: str) -> str:

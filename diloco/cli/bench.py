@@ -14,8 +14,9 @@ from diloco.cli.errors import user_errors
 
 bench = typer.Typer(no_args_is_help=True, help="Benchmarks: each prints a table and can write JSON.")
 app = typer.Typer()
-# bench quality's methods, in order; streaming-clock-int4: the learners computing at once (the others take turns)
-ALL_METHODS = "dp,sync-fp32,decoupled-int8,decoupled-int4,hetero-int4,streaming-clock-int4"
+# bench quality's methods, in order; streaming-clock-*: the learners computing at once (the others take turns), at
+# one speed and with half of them 2x slower (each learner's H from its speed: inner.dylu, the engine's default)
+ALL_METHODS = "dp,sync-fp32,decoupled-int8,decoupled-int4,hetero-int4,streaming-clock-int4,streaming-clock-hetero-dylu"
 
 @bench.command("codec")
 def _bench_codec(

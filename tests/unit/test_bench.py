@@ -131,7 +131,7 @@ def test_quality_quick_smoke(tmp_path) -> None:
     data = json.loads(out.read_text())
     assert set(data) >= {"methods", "loss_ratio_vs_dp", "traffic_ratio_vs_dp", "config"}
     assert set(data["methods"]) == {"dp", "sync-fp32", "decoupled-int8", "decoupled-int4", "hetero-int4",
-                                    "streaming-clock-int4"}
+                                    "streaming-clock-int4", "streaming-clock-hetero-dylu"}
     tokens = {m["tokens"] for m in data["methods"].values()}
     assert len(tokens) == 1  # equal tokens for every method
     for name, m in data["methods"].items():
@@ -150,6 +150,10 @@ def test_quality_quick_smoke(tmp_path) -> None:
     assert concurrent["method"] == "streaming-clock-int4"
     assert concurrent["loss_ratio_vs_dp"] == pytest.approx(clock["eval_loss"] / data["methods"]["dp"]["eval_loss"])
     assert concurrent["received_ratio_vs_dp"] > 1
+    hetero, dylu = data["concurrent_hetero"], data["methods"]["streaming-clock-hetero-dylu"]
+    assert hetero["method"] == "streaming-clock-hetero-dylu"
+    assert hetero["traffic_ratio_vs_dp"] == pytest.approx(data["methods"]["dp"]["bytes_sent_per_learner"]
+                                                          / dylu["bytes_sent_per_learner"])
     assert png.stat().st_size > 0
 
 
