@@ -15,6 +15,7 @@ import torch
 from diloco.bench.bandwidth import allreduce_bytes_per_step
 from diloco.configs import Config
 from diloco.learner.learner import Learner
+from diloco.learner.pace import phase_steps
 from diloco.merger.merger import Merger
 from diloco.run.create import create_run
 from diloco.specs.gpt import make_spec
@@ -41,7 +42,8 @@ class Method:
     # "concurrent-full" (in step, quorum M), "concurrent-hetero" (half the learners 2x slower)
     label: str = ""
     overrides: tuple[tuple[str, object], ...] = ()  # config overrides of this method (a lever under test)
-    dylu: bool = False  # concurrent-hetero (engine or streaming): each learner's H from its speed, H_w = floor(v_w / v_max * H)
+    # concurrent-hetero (engine or streaming): each learner's H from its speed, H_w = floor(v_w / v_max * H)
+    dylu: bool = False
     fragments: int = 1  # peer: torchft's streaming fragments (1 = plain DiLoCo); streaming: fragments.count
 
 
@@ -199,7 +201,8 @@ def _drive_clock(cfg: Config, method: Method, learners: list[Learner], merger: M
 
     m, h, tick = len(learners), cfg.inner.steps_per_phase, cfg.learner.probe_every_steps
     speeds = speeds_of(method.schedule, m)
-    hs = [max(tick, int(s / max(speeds) * h) // tick * tick) if method.dylu else h for s in speeds]
+    # DyLU: the engine's rule (inner.dylu), rounded down to whole ticks
+    hs = [phase_steps(h, s, max(speeds), tick) // tick * tick if method.dylu else h for s in speeds]
     curve, every = [(0, held.loss(merger.params))], m * tokens_per_phase(cfg)
     state = {"next": every}
 

@@ -30,8 +30,8 @@ EVAL_PROCS = 2  # after a run its versions are evaluated on both cores
 class WanRun:
     """One method behind one link: `mode` sync (quorum M, learners wait) or carry (the recipe's quorum and
     grace window; learners never wait). `cohorts`: odd learners start with half a phase (two cohorts half a
-    phase apart, quorum M/2, no grace: the cohorts of bench quality's "alternate" schedule, computing at once). `fragments` > 1:
-    FragmentLearners ship fragment p at step p*H/P of every phase into its own chain and a merger shard merges each
+    phase apart, quorum M/2, no grace: the cohorts of bench quality's "alternate" schedule, computing at once).
+    `fragments` > 1: FragmentLearners ship fragment p at step p*H/P of every phase into its own chain and a merger shard merges each
     fragment once a quorum of its deltas is there (M in step; M/2 in cohorts: fragments.cohorts 2, the odd learners'
     schedule half a phase later); with the recipe's learner.prefetch each lane fetches its fragment's versions in
     the background."""

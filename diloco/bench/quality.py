@@ -3,7 +3,8 @@
 Contract: in-process and deterministic (no subprocesses, no Prefect); prints a table, writes JSON
 {"methods": {...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp" (bytes sent), "received_ratio_vs_dp" (decoupled-int4:
 two cohorts taking turns), "concurrent" (the same three of streaming-clock-int4, the learners computing at once),
-"concurrent_hetero" (of streaming-clock-hetero-dylu: at once, half of them 2x slower, DyLU), "config"} and optionally a PNG. Steps per learner default to the recipe's `inner.total_steps`.
+"concurrent_hetero" (of streaming-clock-hetero-dylu: at once, half of them 2x slower, DyLU), "config"} and
+optionally a PNG. Steps per learner default to the recipe's `inner.total_steps`.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def _config_record(cfg: Config, steps: int, seeds: list[int], source: str) -> di
                       "hetero": "first half every round, second half (2x slower) every other round; quorum M/2",
                       "all": "every learner every round; quorum M",
                       "concurrent": "every learner computes at once on a clock (a step a tick for streaming rows, "
-                                    "probe_every_steps for whole-model rows), two cohorts half a phase apart; quorum M/2",
+                                    "probe_every_steps for whole-model rows), two cohorts half a phase apart; "
+                                    "quorum M/2",
                       "concurrent-full": "the clock, every learner in step; quorum M",
                       "concurrent-hetero": "the clock, two cohorts, the second half of the learners 2x slower"},
     }
@@ -160,7 +162,8 @@ def _print_table(result: dict[str, Any]) -> None:
         if result.get(key):
             c = result[key]
             Console().print(f"{c['method']} / DP ({what}): loss ratio {c['loss_ratio_vs_dp']:.4f}, "
-                            f"{c['traffic_ratio_vs_dp']:.0f}x less sent, {c['received_ratio_vs_dp']:.0f}x less received")
+                            f"{c['traffic_ratio_vs_dp']:.0f}x less sent, "
+                            f"{c['received_ratio_vs_dp']:.0f}x less received")
 
 
 def _less(dp: dict[str, Any], r: dict[str, Any], key: str) -> str:

@@ -33,8 +33,8 @@ def phase_steps(steps_per_phase: int, own_steps_per_s: float | None, fastest_ste
     the dead band."""
     if not own_steps_per_s or not fastest_steps_per_s or own_steps_per_s >= DEAD_BAND * fastest_steps_per_s:
         return steps_per_phase
-    floor = max(min_steps, steps_per_phase // MAX_SHRINK)
-    return max(floor, min(steps_per_phase, int(own_steps_per_s / fastest_steps_per_s * steps_per_phase)))
+    floor = max(min_steps, steps_per_phase // MAX_SHRINK)  # below the dead band the share is < H already
+    return max(floor, int(own_steps_per_s / fastest_steps_per_s * steps_per_phase))
 
 
 class Pace:
