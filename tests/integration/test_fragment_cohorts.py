@@ -46,6 +46,14 @@ def _run(tmp_path, **overrides):
     return create_run(open_store(f"file://{tmp_path}/bucket"), f"c-{uuid.uuid4().hex[:6]}", cfg)
 
 
+def _learner(ctx, name: str, corpus) -> FragmentLearner:
+    """A learner that ships every fragment when due: slow storage would defer a ship (tested in
+    test_fragment_lanes) and these tests count the ships."""
+    learner = FragmentLearner(ctx, name, make_spec(ctx.cfg, corpus))
+    learner.publisher.full = lambda *_: False  # a ship waits for room instead
+    return learner
+
+
 def _shipped(ctx, name: str) -> set[int]:
     """The fragments `name` has a delta in."""
     out = set()
@@ -58,18 +66,18 @@ def _shipped(ctx, name: str) -> set[int]:
 
 def test_cohorts_offset_each_learners_schedule_by_half_a_phase(tmp_path, corpus) -> None:
     ctx = _run(tmp_path, **{"fragments.cohorts": 2})
-    learners = [FragmentLearner(ctx, name, make_spec(ctx.cfg, corpus)) for name in ctx.learners]
+    learners = [_learner(ctx, name, corpus) for name in ctx.learners]
     for learner in learners:
         learner.join()
     assert [learner.stagger() for learner in learners] == [0, H // 2]
     for learner in learners:
         learner.run_phase(num_steps=H // 2)
-        learner.publisher.drain()
+        learner.drain()
     # fragment p is due at step p * H / COUNT (+ H/2 for learner 1) of every phase; step 0 of a phase is step H
     assert _shipped(ctx, ctx.learners[0]) == {1, 2}  # due at steps 2 and 4
     assert _shipped(ctx, ctx.learners[1]) == {3, 0}  # due at its steps 6 and 8 (= 4 + 2, 4 + 4)
     learners[1].close()
-    again = FragmentLearner(ctx, ctx.learners[1], make_spec(ctx.cfg, corpus))
+    again = _learner(ctx, ctx.learners[1], corpus)
     again.join()
     assert again.steps_done == H // 2  # a rejoin keeps the learner's cohort
     again.close()
@@ -88,13 +96,13 @@ def test_a_bad_cohorts_value_is_refused_naming_the_key() -> None:
 def test_prefetched_lanes_install_the_merged_fragment_bit_for_bit(tmp_path, corpus, monkeypatch) -> None:
     ctx = _run(tmp_path, **{"learner.prefetch": True, "learner.prefetch_poll_s": 0.02,
                             "learner.probe_every_steps": 1000})  # installs only through the prefetchers
-    learners = [FragmentLearner(ctx, name, make_spec(ctx.cfg, corpus)) for name in ctx.learners]
+    learners = [_learner(ctx, name, corpus) for name in ctx.learners]
     for learner in learners:
         learner.join()
     assert all(len(learner.lane_prefetch) == COUNT for learner in learners)
     shard = ShardMerger(ctx, 0)
     learners[0].run_phase(num_steps=H)  # ships every fragment once
-    learners[0].publisher.drain()
+    learners[0].drain()
     merged, deadline = [], time.time() + 30
     while len(merged) < COUNT and time.time() < deadline:  # as run_shard polls (a pass may find one not due yet)
         merged += shard.poll_once()
@@ -131,10 +139,10 @@ def test_a_fragmented_runs_model_is_its_run_version(tmp_path, corpus) -> None:
     from diloco.run.fragments import read_run_version
 
     ctx = _run(tmp_path)
-    learner = FragmentLearner(ctx, ctx.learners[0], make_spec(ctx.cfg, corpus))
+    learner = _learner(ctx, ctx.learners[0], corpus)
     learner.join()
     learner.run_phase(num_steps=H)
-    learner.publisher.drain()
+    learner.drain()
     shard, merged, deadline = ShardMerger(ctx, 0), [], time.time() + 30
     while len(merged) < COUNT and time.time() < deadline:
         merged += shard.poll_once()
