@@ -1,5 +1,6 @@
 """The streaming row of `bench quality`: decoupled int4 with P fragments shipped on the staggered schedule
-(fragments.count = P, overlap tau = 2), merged by the sharded merger, driven in-process like the engine rows.
+(fragments.count = P, overlap tau = the recipe's fragments.overlap_steps, 2 by default, the paper's), merged by the
+sharded merger, driven in-process like the engine rows.
 
 Contract: deterministic (CPU, fixed seeds); exactly `num_learners * steps * batch_size * ctx_len` training tokens;
 the held-out loss of the run version (every fragment's version put together); bytes measured by each learner's
@@ -34,8 +35,6 @@ from diloco.storage import open_store
 from diloco.storage.traffic import CountingStore
 from diloco.training.fragments import due_offset
 
-OVERLAP_STEPS = 2  # the paper's tau
-
 
 def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
     """Learners (FragmentLearner) and one merger shard in this process on a file:// store."""
@@ -47,7 +46,7 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
         "learner.codec": method.codec, "learner.mode": method.mode, "learner.checkpoint": False,
         "learner.local_state_every_steps": 0, "learner.prefetch": False, "learner.device": "cpu",
         "merger.grace_cap_s": 0.0, "merger.quorum": quorum_of(method.schedule, m), "fragments.count": method.fragments,
-        "fragments.overlap_steps": OVERLAP_STEPS, "merger.shards": 1, "inner.dylu": method.dylu,
+        "merger.shards": 1, "inner.dylu": method.dylu,
         # the round drive installs at its chunk boundaries, never inside a chunk; the clock probes every step
         "learner.probe_every_steps": 1 if clock else 1 << 20,
         # on the clock two cohorts half a phase apart (concurrent) or everyone in step (concurrent-full); a merge
@@ -70,9 +69,9 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
             curve, tokens, merges = _drive_clock(ctx, learners, shard, held, target, method.schedule, method.dylu)
             return _result(ctx, method, learners, counters, curve, tokens, merges, t0)
         curve, tokens, merges, r, next_eval = [(0, held.loss(read_run_version(ctx, 0)[0]))], 0, 0, 0, 0
-        h, count = cfg.inner.steps_per_phase, method.fragments
+        h, count, tau = cfg.inner.steps_per_phase, method.fragments, cfg.fragments.overlap_steps
         bounds = [due_offset(p, count, h) for p in range(count)] + [h]
-        cuts = sorted({b for start in bounds[:-1] for b in (start, min(start + OVERLAP_STEPS, h))} | {h})
+        cuts = sorted({b for start in bounds[:-1] for b in (start, min(start + tau, h))} | {h})
         while True:
             active = [learners[i] for i in active_learners(method.schedule, m, r)]
             if tokens + len(active) * tokens_per_phase(cfg) > target:
@@ -148,5 +147,5 @@ def _result(ctx, method, learners, counters, curve, tokens: int, merges: int, t0
     sent = [c.sent["delta"] for c in counters]
     received = [c.received["global"] for c in counters]
     extra = {"versions": versions, "fragment_merges": merges, "fragments": method.fragments,
-             "overlap_steps": OVERLAP_STEPS, "sent_per_learner": sent, "received_per_learner": received}
+             "overlap_steps": ctx.cfg.fragments.overlap_steps, "sent_per_learner": sent, "received_per_learner": received}
     return RunResult(curve[-1][1], curve, tokens, sum(sent) / m, sum(received) / m, time.time() - t0, extra)

@@ -3,7 +3,8 @@ streaming-clock-int4,streaming-clock-hetero-int4,streaming-clock-hetero-dylu`: t
 the sharded merger; every learner in step, two cohorts taking turns or computing at once on the clock, or half the
 learners 2x slower, in turns or on the clock, with one H or each learner's from its speed) train at equal tokens
 with data-parallel, lower the held-out loss and ship int4 fragments; the cohorts merge each fragment twice as often;
-the slow half ships fewer fragments than the fast half, unless its H is from its speed.
+the slow half ships fewer fragments than the fast half, unless its H is from its speed. tau is the recipe's
+fragments.overlap_steps (2 unless a --config sets it).
 
 Run: .venv/bin/pytest tests/integration/test_bench_streaming.py -q
 """
@@ -48,3 +49,24 @@ def test_streaming_row_at_equal_tokens(tmp_path):
     assert min(slow_a, slow_b) > 0.8 * min(fast_a, fast_b)
     fast_a, fast_b, slow_a, slow_b = methods["streaming-hetero-int4"]["seeds"][0]["sent_per_learner"]
     assert max(slow_a, slow_b) < 0.7 * min(fast_a, fast_b)  # the slow half phases every other round
+
+
+def test_streaming_rows_take_tau_from_the_recipe(tmp_path):
+    """fragments.overlap_steps in the recipe (--config V.yaml) is the drives' tau, so a tau screen is a command."""
+    import yaml
+
+    from diloco.configs.schema import RECIPE_DIR
+
+    recipe = yaml.safe_load((RECIPE_DIR / "bench.yaml").read_text())
+    finals = {}
+    for tau in (1, 2):
+        path = tmp_path / f"tau{tau}.yaml"
+        path.write_text(yaml.safe_dump({**recipe, "fragments": {"overlap_steps": tau}}))
+        out = tmp_path / f"q{tau}.json"
+        result = CliRunner().invoke(app, ["bench", "quality", "--quick", "--methods", "streaming-clock-int4",
+                                          "--config", str(path), "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        row = json.loads(out.read_text())["methods"]["streaming-clock-int4"]["seeds"][0]
+        assert row["overlap_steps"] == tau
+        finals[tau] = row["curve"][-1][1]
+    assert finals[1] != finals[2]  # a learner installs a merge one step after its ship instead of two
