@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 
+import yaml
 from typer.testing import CliRunner
 
 from diloco.cli import app
+from diloco.configs.schema import RECIPE_DIR
 
 
 def test_streaming_row_at_equal_tokens(tmp_path):
@@ -53,10 +55,6 @@ def test_streaming_row_at_equal_tokens(tmp_path):
 
 def test_streaming_rows_take_tau_from_the_recipe(tmp_path):
     """fragments.overlap_steps in the recipe (--config V.yaml) is the drives' tau, so a tau screen is a command."""
-    import yaml
-
-    from diloco.configs.schema import RECIPE_DIR
-
     recipe = yaml.safe_load((RECIPE_DIR / "bench.yaml").read_text())
     finals = {}
     for tau in (1, 2):
