@@ -135,6 +135,10 @@ class LearnerConfig(_Strict):
     mode: Literal["carry", "overwrite", "sync"] = "carry"
     probe_every_steps: int = Field(10, ge=1)  # a cheap HEAD for version b+1 this often
     max_updates_behind: int = Field(4, ge=1)  # further behind: fetch full params, not updates
+    # back-pressure: with this many of its own deltas shipped and not yet decided by the newest version it installed,
+    # a learner trains on and ships their progress with a later delta (one delta; a merger that cannot keep up gets
+    # fewer, larger deltas instead of a backlog that grows without bound); 0 = no bound. Not in sync mode.
+    max_unmerged: int = Field(4, ge=0)
     # fetch newer globals in a background thread (polling every prefetch_poll_s) and install them at the next
     # step: on a thin link the training thread never waits for a download (off: the probe fetches itself)
     prefetch: bool = False

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from diloco.learner.lanes import Lanes
 from diloco.learner.learner import Learner, PhaseStats
 from diloco.learner.prefetch import Prefetcher, fetch_global
-from diloco.learner.publisher import Publisher
+from diloco.learner.publisher import Publisher, deferral
 from diloco.run.fragments import fragment_context
 from diloco.run.objects import encode_shipped, read_tensors
 from diloco.run.signing import sign
@@ -91,7 +91,8 @@ class FragmentLearner(Learner):
             tokens_total = max(tokens_total, manifest.tokens_total)
             _, glob = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                    checksum=manifest.params_checksum)
-            self.lanes.join(lane.index, manifest.version, glob, self._next_seq(keys, manifest), theta)
+            self.lanes.join(lane.index, manifest.version, glob, self._next_seq(keys, manifest), theta,
+                            manifest.cursors.get(self.name, -1))
         self.cursor, self.trainer.step = self._last_position()
         self.run_clock(tokens_total)  # inner.schedule_clock "run": the newest fragment's clock
         self._open_batches()
@@ -203,11 +204,14 @@ class FragmentLearner(Learner):
             stats.tokens += self.trainer.last_tokens
             stats.steps += 1
             for index in self.lanes.due(self.steps_done):
-                # storage slow or down: train on; the lane keeps its progress and ships it at its next due step
-                # (the deltas still being encoded count: each will be submitted)
-                if cfg.learner.mode != "sync" and self.publisher.full(len(self.shipping)):
-                    self.events.emit("publish_deferred", learner=self.name, fragment=index,
-                                     seq=self.lanes.lanes[index].seq)
+                # storage slow or down, or the merger behind: train on; the lane keeps its progress and ships it at
+                # its next due step (the deltas still being encoded count: each will be submitted)
+                lane = self.lanes.lanes[index]
+                reason = None if cfg.learner.mode == "sync" else \
+                    deferral(self.publisher, lane.unmerged(), cfg.learner, coming=len(self.shipping))
+                if reason is not None:
+                    self.events.emit("publish_deferred", learner=self.name, fragment=index, seq=lane.seq,
+                                     reason=reason, unmerged=lane.unmerged())
                     continue
                 with stats.timed("ship_s"):
                     self.ship(index, stats)
@@ -301,7 +305,7 @@ class FragmentLearner(Learner):
                 fetched = prefetcher.take()
                 if fetched is not None and fetched[0] > lane.base:
                     theta = theta if theta is not None else self._live()
-                    self._put_lane(lane.index, *fetched, theta, prefetcher.taken_tokens_total)
+                    self._put_lane(lane.index, *fetched, theta, prefetcher.taken_manifest)
                     moved.append(lane.index)
                 continue
             keys = self.ctx.keys.for_fragment(lane.index)
@@ -325,16 +329,17 @@ class FragmentLearner(Learner):
             return
         glob, manifest = fetch_global(fragment_context(self.ctx, index), self.ctx.store, lane.base, lane.glob,
                                       version, self.cfg.learner.max_updates_behind)
-        self._put_lane(index, version, glob, theta, manifest.tokens_total)
+        self._put_lane(index, version, glob, theta, manifest)
         if index in self.lane_prefetch:  # installed another way (a sync wait): its prefetcher fetches from here
             self.lane_prefetch[index].rebase(version, glob)
 
-    def _put_lane(self, index: int, version: int, glob, theta, tokens_total: int) -> None:
-        """Lane `index` to `version` (its global `glob`, fetched) in theta; the run's clock from its tokens."""
+    def _put_lane(self, index: int, version: int, glob, theta, manifest) -> None:
+        """Lane `index` to `version` (its global `glob`, fetched; `manifest` its manifest) in theta; the run's
+        clock from its tokens."""
         self.settle(index)  # the lane's shipped deltas' error feedback is in r_p before the carry reads it
         previous = self.lanes.lanes[index].base
-        self.lanes.install(index, version, glob, theta)
-        self.run_clock(tokens_total)  # every fragment's chain merges every step's tokens once
+        self.lanes.install(index, version, glob, theta, manifest.cursors.get(self.name, -1))
+        self.run_clock(manifest.tokens_total)  # every fragment's chain merges every step's tokens once
         self.events.emit("install", learner=self.name, fragment=index, version=version, previous=previous)
 
     def _wait_for_decisions(self, timeout_s: float | None = None) -> None:

@@ -30,6 +30,11 @@ class Lane:
     steps: int = 0  # unshipped steps and tokens in r_p - theta_p
     tokens: int = 0
     shipped_at: int = -(1 << 62)  # the learner step of the last ship (tau counts from it)
+    merged: int = -1  # own seqs up to this one decided by version `base` (its manifest's cursor)
+
+    def unmerged(self) -> int:
+        """Own deltas shipped into this fragment's chain and not decided by version `base`."""
+        return max(self.seq - 1 - self.merged, 0)
 
 
 class Lanes:
@@ -43,10 +48,12 @@ class Lanes:
     def __len__(self) -> int:
         return len(self.lanes)
 
-    def join(self, index: int, version: int, glob: Tensors, next_seq: int, theta: Tensors) -> None:
-        """Lane `index` starts at `version`: theta_p = r_p = G_p, nothing unshipped."""
+    def join(self, index: int, version: int, glob: Tensors, next_seq: int, theta: Tensors, merged: int = -1) -> None:
+        """Lane `index` starts at `version` (`merged`: the learner's cursor in it): theta_p = r_p = G_p, nothing
+        unshipped."""
         lane = self.lanes[index]
         lane.base, lane.seq, lane.glob, lane.ref = version, next_seq, glob, _on(glob, _device(theta))
+        lane.merged = merged
         lane.steps = lane.tokens = 0
         put_(theta, lane.fragment, glob)
 
@@ -97,9 +104,9 @@ class Lanes:
         """tau steps after a ship, not before: the overlap a fragment's merge has to arrive in."""
         return step - self.lanes[index].shipped_at >= self.tau
 
-    def install(self, index: int, version: int, glob: Tensors, theta: Tensors) -> None:
+    def install(self, index: int, version: int, glob: Tensors, theta: Tensors, merged: int | None = None) -> None:
         """Move lane `index` to `version` in `theta` (whole-model tensors, e.g. the model's own parameters,
-        on any device; written in place): carry the unshipped."""
+        on any device; written in place): carry the unshipped. `merged`: the learner's cursor in `version`."""
         lane = self.lanes[index]
         ref = _on(glob, _device(theta))  # r_p = G_p: on the device, and a copy of `glob` (kept as the lane's G_p)
         if self.mode == "overwrite":
@@ -109,6 +116,8 @@ class Lanes:
             new = {k: ref[k] + (part[k].float() - lane.ref[k]) for k in ref}
         put_(theta, lane.fragment, new)
         lane.base, lane.glob, lane.ref = version, glob, ref
+        if merged is not None:
+            lane.merged = merged
 
     def version(self) -> int:
         """The learner's version: the oldest fragment it holds."""

@@ -20,7 +20,7 @@ from diloco.learner.courier import Courier
 from diloco.learner.local_state import LocalState
 from diloco.learner.pace import Pace
 from diloco.learner.prefetch import Prefetcher, fetch_global
-from diloco.learner.publisher import Publisher
+from diloco.learner.publisher import Publisher, deferral
 from diloco.learner.ranks import build_trainer, lead_step
 from diloco.learner.resume import resume
 from diloco.learner.state import QUICK_RETRIES, LearnerState
@@ -30,7 +30,7 @@ from diloco.run.events import EventLog
 from diloco.run.objects import encode_shipped, encode_tensors, read_tensors
 from diloco.run.signing import learner_key, sign
 from diloco.run.spec import load_run_spec
-from diloco.storage import StorageError, latest_version, manifest_exists, read_latest
+from diloco.storage import Manifest, StorageError, latest_version, manifest_exists, read_latest
 from diloco.storage.codec import CodecError
 from diloco.storage.records import LearnerStatus, write_record
 from diloco.training.data import shard_of
@@ -296,7 +296,7 @@ class Learner:
         self.trainer.reset_optimizer()
         if self.world is not None:
             self.world.pending |= PARAMS | RESET
-        self.state = LearnerState.at_version(manifest.version, glob, self.state.seq)
+        self.state = LearnerState.at_version(manifest.version, glob, self.state.seq, manifest.cursors.get(self.name, -1))
         self.run_clock(manifest.tokens_total)
         if self.prefetcher is not None:
             self.prefetcher.rebase(manifest.version, glob)
@@ -306,15 +306,17 @@ class Learner:
     # ---- ship ----------------------------------------------------------------------------
     def publish(self, stats: PhaseStats | None = None) -> int | None:
         """Ship r - theta as delta `seq`; keep the quantization error in r (error feedback).
-        Nothing is published (None) when no step was taken since the last delta, or when MAX_PENDING
-        deltas are still uploading (not in sync mode): what is in r - theta ships with the next one."""
+        Nothing is published (None) when no step was taken since the last delta, or (not in sync mode) when
+        MAX_PENDING deltas are still uploading or learner.max_unmerged are not merged yet: what is in r - theta
+        ships with the next one."""
         cfg, state = self.cfg, self.state
         if state.steps_since_publish == 0:
             return None
-        if cfg.learner.mode != "sync" and self.publisher.full():
-            # Storage down or slow: train on rather than wait. Nothing is shipped now; the progress stays
-            # in r - theta and ships with the next delta (one delta, its steps and tokens add up).
-            self.events.emit("publish_deferred", learner=self.name, seq=state.seq, steps=state.steps_since_publish)
+        reason = None if cfg.learner.mode == "sync" else deferral(self.publisher, state.unmerged(), cfg.learner)
+        if reason is not None:
+            # train on rather than wait: the progress stays in r - theta and ships with the next delta (steps add up)
+            self.events.emit("publish_deferred", learner=self.name, seq=state.seq, steps=state.steps_since_publish,
+                             reason=reason, unmerged=state.unmerged())
             self.save_local()
             return None
         started = time.time()
@@ -361,7 +363,7 @@ class Learner:
         install what it fetched (no request to the bucket on this thread)."""
         if self.prefetcher is not None:
             fetched = self.prefetcher.take()
-            return None if fetched is None else self.install(*fetched, tokens_total=self.prefetcher.taken_tokens_total)
+            return None if fetched is None else self.install(*fetched, manifest=self.prefetcher.taken_manifest)
         try:
             if not manifest_exists(self.quick, self.ctx.keys, self.state.base + 1):
                 return None
@@ -374,8 +376,8 @@ class Learner:
             self.events.emit("install_failed", learner=self.name, version=self.state.base, reason=str(err))
             return None
 
-    def install(self, version: int, glob: Tensors | None = None, tokens_total: int | None = None) -> int:
-        """Move to `version` (`glob`: G_version already fetched, `tokens_total` its manifest's): theta = G +
+    def install(self, version: int, glob: Tensors | None = None, manifest: Manifest | None = None) -> int:
+        """Move to `version` (`glob`: G_version already fetched, `manifest` its manifest): theta = G +
         (theta - r) (carry) or G (overwrite); r = G. With inner.schedule_clock "run", the schedule moves to the
         run's clock."""
         state = self.state
@@ -383,7 +385,6 @@ class Learner:
         if glob is None:
             glob, manifest = fetch_global(self.ctx, self.ctx.store, state.base, state.glob, version,
                                           self.cfg.learner.max_updates_behind)
-            tokens_total = manifest.tokens_total
         theta = self.theta()
         if self.cfg.learner.mode == "overwrite":
             new_theta = clone(glob)
@@ -394,8 +395,9 @@ class Learner:
             self.world.pending |= PARAMS
         self.events.emit("install", learner=self.name, version=version, previous=state.base, behind=behind)
         state.base, state.glob, state.ref = version, glob, clone(glob)
-        if tokens_total is not None:
-            self.run_clock(tokens_total)
+        if manifest is not None:
+            state.merged = manifest.cursors.get(self.name, -1)
+            self.run_clock(manifest.tokens_total)
         if self.prefetcher is not None:
             self.prefetcher.rebase(version, glob)
         return version

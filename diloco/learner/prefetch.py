@@ -49,8 +49,8 @@ class Prefetcher:
         self._lock = threading.Lock()
         self._base, self._glob = base, clone(glob)  # the newest version fetched (handed over or not)
         self._ready: tuple[int, Tensors] | None = None
-        self._ready_tokens = 0  # the manifest's tokens_total of the version in _ready
-        self.taken_tokens_total = 0  # ... of the version the last take() handed over (the training thread's)
+        self._ready_manifest: Manifest | None = None  # the manifest of the version in _ready
+        self.taken_manifest: Manifest | None = None  # ... of the version the last take() handed over
         self._stop = threading.Event()
         self.fetches = 0  # versions fetched (for a report)
         self._thread = threading.Thread(target=self._run, name=f"prefetch-{name}", daemon=True)
@@ -58,11 +58,11 @@ class Prefetcher:
 
     def take(self) -> tuple[int, Tensors] | None:
         """(version, G_version) fetched since the last take, the newest only; None when nothing new.
-        `taken_tokens_total` is then that version's tokens_total (the run's clock)."""
+        `taken_manifest` is then that version's manifest (the run's clock, the learner's cursor)."""
         with self._lock:
             ready, self._ready = self._ready, None
             if ready is not None:
-                self.taken_tokens_total = self._ready_tokens
+                self.taken_manifest = self._ready_manifest
             return ready
 
     def rebase(self, base: int, glob: Tensors) -> None:
@@ -97,5 +97,5 @@ class Prefetcher:
             if self._base != base:  # rebased meanwhile: this fetch builds on an older chain
                 return
             self._base, self._glob = latest, fetched
-            self._ready, self._ready_tokens = (latest, clone(fetched)), manifest.tokens_total
+            self._ready, self._ready_manifest = (latest, clone(fetched)), manifest
             self.fetches += latest - base

@@ -137,3 +137,15 @@ class Publisher:
                 self.events.emit("publish_retry", key=key, reason=str(err))
                 time.sleep(wait_s)
         return False
+
+
+def deferral(publisher: Publisher, unmerged: int, cfg, coming: int = 0) -> str | None:
+    """Why a due delta should wait (its progress ships with a later one), or None: "uploading" when MAX_PENDING
+    deltas are in flight (counting `coming` the caller will submit), "unmerged" when `unmerged` of the learner's
+    deltas (on this chain) are shipped and not decided yet by the version it holds: learner.max_unmerged
+    (`cfg`: the learner config), the back-pressure of a merger that cannot keep up."""
+    if publisher.full(coming):
+        return "uploading"
+    if cfg.max_unmerged and unmerged >= cfg.max_unmerged:
+        return "unmerged"
+    return None

@@ -60,7 +60,8 @@ def resume(ctx: RunContext, name: str, *, local: LocalState | None, events: Even
         raise RuntimeError(f"run {ctx.run_id} has no committed version")
     _, params = read_tensors(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
                              checksum=manifest.params_checksum)
-    state = LearnerState.at_version(manifest.version, params, next_seq(ctx, name, manifest))
+    state = LearnerState.at_version(manifest.version, params, next_seq(ctx, name, manifest),
+                                    manifest.cursors.get(name, -1))
     set_theta(clone(params))
     step, cursor = _from_checkpoint(ctx, name, events, import_optimizer) if use_checkpoint else (0, 0)
     return Resumed(state, cursor, step, tokens_total=manifest.tokens_total)

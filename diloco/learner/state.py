@@ -25,11 +25,16 @@ class LearnerState:
     ref: Tensors = field(default_factory=dict)  # r: glob plus everything shipped since it was installed
     steps_since_publish: int = 0  # progress in r - theta not shipped yet ...
     tokens_since_publish: int = 0  # ... and the tokens it was made of
+    merged: int | None = None  # own seqs up to this one decided by version `base` (its cursor); None: not known
+
+    def unmerged(self) -> int:
+        """Own deltas shipped and not decided by version `base` (0 when that is not known: a resume from local state)."""
+        return 0 if self.merged is None else max(self.seq - 1 - self.merged, 0)
 
     @classmethod
-    def at_version(cls, version: int, params: Tensors, next_seq: int) -> LearnerState:
-        """Just joined at `version`: r = the global, nothing unshipped."""
-        return cls(base=version, seq=next_seq, glob=params, ref=clone(params))
+    def at_version(cls, version: int, params: Tensors, next_seq: int, merged: int | None = None) -> LearnerState:
+        """Just joined at `version` (`merged`: this learner's cursor in it): r = the global, nothing unshipped."""
+        return cls(base=version, seq=next_seq, glob=params, ref=clone(params), merged=merged)
 
     def meta(self) -> dict:
         """The JSON part of a save (the tensors glob and ref are saved beside it)."""
