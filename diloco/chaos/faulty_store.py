@@ -138,9 +138,13 @@ class FaultyStore(WrapperStore):
         check_key(key)
         return self._attempts(lambda: self._once.exists(key), key)
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, after: str = "") -> list[str]:
         check_prefix(prefix)
-        return self._attempts(lambda: self._once.list(prefix), prefix)
+        return self._attempts(lambda: self._once.list(prefix, after), prefix)
+
+    def folders(self, prefix: str) -> list[str]:
+        check_prefix(prefix)
+        return self._attempts(lambda: self._once.folders(prefix), prefix)
 
     def put(self, key: str, data: bytes) -> None:
         check_key(key)

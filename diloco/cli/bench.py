@@ -121,6 +121,22 @@ def _bench_merge(
     with user_errors():
         bench_merge(json_path=json_path, sizes=sizes, learners=learners, codec=codec)
 
+@bench.command("poll")
+def _bench_poll(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    storage: str | None = typer.Option(None, "--storage", help="Where (s3://bucket/prefix, file://DIR); default a "
+                                       "temporary folder."),
+    moto: bool = typer.Option(False, "--moto", help="Start moto's S3 server in this process and use it (dev dependency)."),
+    learners: int = typer.Option(3, "--learners", min=1, help="Learners the deltas are spread over."),
+    deltas: str = typer.Option("1000,5000,10000", "--deltas", help="Comma-separated numbers of deltas in the run."),
+    repeats: int = typer.Option(5, "--repeats", min=1, help="Polls timed per row (the median is reported)."),
+) -> None:
+    """What one merger poll costs against the number of deltas the run has: every delta listed, or after each cursor."""
+    from diloco.bench.poll import bench_poll
+
+    with user_errors():
+        bench_poll(json_path=json_path, storage=storage, moto=moto, learners=learners, deltas=deltas, repeats=repeats)
+
 @bench.command("scale")
 def _bench_scale(
     json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),

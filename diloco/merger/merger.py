@@ -38,13 +38,15 @@ from diloco.storage import (
     DeltaDecision,
     Manifest,
     NotFound,
+    RunKeys,
     StorageError,
+    Store,
     commit,
     manifest_exists,
     read_latest,
 )
 from diloco.storage.errors import Backoff
-from diloco.storage.keys import new_nonce, parse_delta_key
+from diloco.storage.keys import InvalidName, new_nonce, parse_delta_key
 from diloco.training.tensors import Tensors
 
 log = logging.getLogger("diloco.merger")
@@ -63,6 +65,24 @@ class Pending:
     @property
     def num_learners(self) -> int:
         return sum(1 for seqs in self.ready.values() if seqs)
+
+
+def deltas_after(store: Store, keys: RunKeys, cursors: dict[str, int]) -> dict[str, list[int]]:
+    """Per learner, the seqs of its deltas after its cursor (sorted; a learner without any: absent). One listing of
+    the learners' folders, then one per learner from its cursor's key on (S3's StartAfter): O(learners + new
+    deltas) a poll, not O(every delta of the run). A folder that is not a learner's name holds no delta."""
+    found: dict[str, list[int]] = {}
+    for learner in store.folders(keys.deltas_prefix()):
+        try:
+            prefix = keys.deltas_prefix(learner)
+        except InvalidName:
+            continue
+        cursor = cursors.get(learner, -1)
+        for key in store.list(prefix, keys.delta(learner, cursor) if cursor >= 0 else ""):
+            parsed = parse_delta_key(key)
+            if parsed and parsed[0] == learner and parsed[1] > cursor:
+                found.setdefault(learner, []).append(parsed[1])
+    return found
 
 
 class Merger:
@@ -147,11 +167,7 @@ class Merger:
     # ---- discovery -----------------------------------------------------------------------
     def pending(self) -> Pending:
         """List deltas (never cached); per learner the contiguous seqs after the cursor; old gaps lost."""
-        found: dict[str, list[int]] = {}
-        for key in self.ctx.store.list(self.ctx.keys.deltas_prefix()):
-            parsed = parse_delta_key(key)
-            if parsed and parsed[1] > self.manifest.cursors.get(parsed[0], -1):
-                found.setdefault(parsed[0], []).append(parsed[1])
+        found = deltas_after(self.ctx.store, self.ctx.keys, self.manifest.cursors)
         out, now = Pending(), time.time()
         for learner, seqs in sorted(found.items()):
             seqs.sort()

@@ -36,6 +36,8 @@ class Backend(Protocol):
     def write(self, key: str, data: bytes) -> None: ...
     def create(self, key: str, data: bytes) -> None: ...
     def walk(self, folder: str) -> list[str]: ...  # every key under folder ('' = all), any order
+    def walk_after(self, folder: str, after: str) -> list[str]: ...  # ... those sorting after key `after`
+    def folders(self, folder: str) -> list[str]: ...  # the names of folder's direct subfolders, any order
     def remove(self, key: str) -> None: ...
 
 
@@ -96,6 +98,16 @@ class LocalBackend:
             rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
             keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
         return keys
+
+    def walk_after(self, folder: str, after: str) -> list[str]:
+        return [key for key in self.walk(folder) if key > after]  # a local folder: walked whole, cheaply
+
+    def folders(self, folder: str) -> list[str]:
+        try:
+            with os.scandir(self._path(folder) if folder else self.root) as entries:
+                return [e.name for e in entries if e.is_dir() and not e.name.startswith(TMP_PREFIX)]
+        except FileNotFoundError:
+            return []
 
     def remove(self, key: str) -> None:
         os.unlink(self._path(key))
@@ -163,6 +175,32 @@ class FsspecBackend:
             elif path.startswith(root + "/"):
                 keys.append(path[len(root) + 1 :])
         return keys
+
+    def walk_after(self, folder: str, after: str) -> list[str]:
+        """On S3 one listing that starts after `after` (StartAfter): O(keys after it), not O(folder)."""
+        if self.protocol not in _ATOMIC_CREATE_PROTOCOLS:
+            return [key for key in self.walk(folder) if key > after]
+        bucket, _, top = (self._path(folder) if folder else self.root).lstrip("/").partition("/")
+        root = self.root.lstrip("/").partition("/")[2]
+        start = self._path(after).lstrip("/").partition("/")[2]
+        request = {"Bucket": bucket, "Prefix": f"{top}/" if top else "", "StartAfter": start}
+        keys = []
+        while True:
+            page = self.fs.call_s3("list_objects_v2", **request)
+            for item in page.get("Contents", []):
+                key = item["Key"]
+                keys.append(key[len(root) + 1:] if root else key)
+            if not page.get("IsTruncated"):
+                return keys
+            request["ContinuationToken"] = page["NextContinuationToken"]
+
+    def folders(self, folder: str) -> list[str]:
+        top = self._path(folder) if folder else self.root
+        try:
+            found = self.fs.ls(top, detail=True)
+        except FileNotFoundError:
+            return []
+        return [str(e["name"]).rstrip("/").rpartition("/")[2] for e in found if e.get("type") == "directory"]
 
     def remove(self, key: str) -> None:
         self.fs.rm_file(self._path(key))

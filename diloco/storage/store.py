@@ -36,7 +36,8 @@ class Store(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
     def put_if_absent(self, key: str, data: bytes) -> None: ...
     def exists(self, key: str) -> bool: ...
-    def list(self, prefix: str) -> list[str]: ...
+    def list(self, prefix: str, after: str = "") -> list[str]: ...
+    def folders(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
 
 
@@ -154,16 +155,32 @@ class ObjectStore:
             return False
         return True
 
-    def list(self, prefix: str) -> list[str]:
-        """All keys under prefix (recursively), sorted, relative to the store root. Never cached."""
+    def list(self, prefix: str, after: str = "") -> list[str]:
+        """All keys under prefix (recursively), sorted, relative to the store root. Never cached. With `after`
+        (a key under prefix), only the keys sorting after it: on S3 one listing from there (StartAfter), so a
+        reader that keeps its place pays for what is new, not for everything under prefix."""
         check_prefix(prefix)
+        if after:
+            check_key(after)
+            if not after.startswith(prefix):
+                raise BadRequest(f"list after {after!r}: not a key under {prefix!r}")
         folder = prefix.rpartition("/")[0]
-        found = self._call(lambda: self._backend.walk(folder), prefix)
+        found = self._call(lambda: self._backend.walk_after(folder, after) if after else self._backend.walk(folder),
+                           prefix)
         return sorted(
             key
             for key in found
-            if key.startswith(prefix) and not any(s.startswith(TMP_PREFIX) for s in key.split("/"))
+            if key.startswith(prefix) and key > after and not any(s.startswith(TMP_PREFIX) for s in key.split("/"))
         )
+
+    def folders(self, prefix: str) -> list[str]:
+        """The names of the folders directly under prefix (a prefix ending in '/', or '' for the store root),
+        sorted: one listing with a delimiter on S3, O(folders) however many keys they hold. Never cached."""
+        check_prefix(prefix)
+        if prefix and not prefix.endswith("/"):
+            raise BadRequest(f"folders of {prefix!r}: a folder prefix ends in '/'")
+        found = self._call(lambda: self._backend.folders(prefix.rstrip("/")), prefix)
+        return sorted(name for name in found if name and not name.startswith(TMP_PREFIX))
 
     def delete(self, key: str) -> None:
         """Remove an object; absent is not an error."""

@@ -117,11 +117,17 @@ class ThrottledStore(WrapperStore):
         self.link.round_trip()
         self.inner.put_if_absent(key, data)
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, after: str = "") -> list[str]:
         self.link.round_trip()
-        keys = self.inner.list(prefix)
+        keys = self.inner.list(prefix, after)
         self.link.carry(DOWN, sum(len(k) + 1 for k in keys))  # the listing's body: about its keys
         return keys
+
+    def folders(self, prefix: str) -> list[str]:
+        self.link.round_trip()
+        names = self.inner.folders(prefix)
+        self.link.carry(DOWN, sum(len(prefix) + len(n) + 2 for n in names))
+        return names
 
     def get_size(self, key: str) -> int:
         self.link.round_trip()

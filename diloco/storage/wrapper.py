@@ -56,8 +56,11 @@ class WrapperStore:
     def exists(self, key: str) -> bool:
         return self.inner.exists(key)
 
-    def list(self, prefix: str) -> list[str]:
-        return self.inner.list(prefix)
+    def list(self, prefix: str, after: str = "") -> list[str]:
+        return self.inner.list(prefix, after)
+
+    def folders(self, prefix: str) -> list[str]:
+        return self.inner.folders(prefix)
 
     def delete(self, key: str) -> None:
         self.inner.delete(key)

@@ -63,9 +63,13 @@ class Recorder(WrapperStore):
         self.log.append((WRITE, key))
         super().put_if_absent(key, data)
 
-    def list(self, prefix):
+    def list(self, prefix, after=""):
         self.log.append((LIST, prefix))
-        return super().list(prefix)
+        return super().list(prefix, after)
+
+    def folders(self, prefix):
+        self.log.append((LIST, prefix))
+        return super().folders(prefix)
 
     def delete(self, key):
         self.log.append((DELETE, key))

@@ -125,6 +125,35 @@ def test_list_is_recursive_sorted_and_relative(store_url: str, connect: Connect)
     assert store.list("a") == ["a/b/c", "a/b/d/e", "a/b2", "a/x", "ab/z"]
 
 
+def test_list_after_a_key_gives_the_keys_sorting_after_it(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
+    keys = RunKeys("run")
+    for seq in [3, 0, 11, 7]:
+        store.put(keys.delta("l-0", seq), b"d")
+    store.put(keys.delta("l-1", 5), b"d")
+    store.put(f"{keys.deltas_prefix('l-0')}sub/x", b"x")
+    prefix = keys.deltas_prefix("l-0")
+    assert store.list(prefix, keys.delta("l-0", 3)) == [keys.delta("l-0", 7), keys.delta("l-0", 11), f"{prefix}sub/x"]
+    assert store.list(prefix, keys.delta("l-0", 4)) == store.list(prefix, keys.delta("l-0", 3))  # need not exist
+    assert store.list(prefix, f"{prefix}sub/x") == [] and store.list(prefix, "") == store.list(prefix)
+    assert store.list("run/deltas/l-", keys.delta("l-0", 11)) == [f"{prefix}sub/x", keys.delta("l-1", 5)]
+    with pytest.raises(BadRequest, match="not a key under"):
+        store.list(prefix, keys.delta("l-1", 5))
+    with pytest.raises(BadRequest):
+        store.list(prefix, f"{prefix}../x")
+
+
+def test_folders_are_the_direct_subfolders(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
+    for key in ["top/b/1", "top/a/x/2", "top/file", "top/c/3", "other/d/4"]:
+        store.put(key, b"k")
+    assert store.folders("top/") == ["a", "b", "c"]
+    assert store.folders("top/a/") == ["x"] and store.folders("top/a/x/") == [] and store.folders("none/") == []
+    assert store.folders("") == ["other", "top"]
+    with pytest.raises(BadRequest, match="ends in '/'"):
+        store.folders("top")
+
+
 def test_zero_padded_keys_list_in_numeric_order(store_url: str, connect: Connect) -> None:
     store = connect(store_url)
     keys = RunKeys("run")

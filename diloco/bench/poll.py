@@ -1,0 +1,133 @@
+"""`diloco bench poll`: what one merger poll costs against the number of deltas a run has accumulated.
+
+Contract: for each N in --deltas, a fresh run prefix under the storage gets N delta keys spread over --learners
+learners (tiny objects: a poll lists keys and reads none), all of them merged already (each learner's cursor is
+its last seq) but one new delta per learner. Timed, median of --repeats: the listing the merger made at every poll
+before 2026-12-05 (every key under deltas/, parsed) and the merger's `deltas_after` now (the learners' folders,
+then each learner's keys after its cursor: S3's StartAfter). Both must find exactly the new deltas. With --moto,
+moto's S3 server is started in this process on a free port (the test suite's server; a dev dependency); else
+--storage (s3:// with AWS_ENDPOINT_URL for a real endpoint, or file://; default a temporary folder). Prints a
+table; JSON {"storage", "learners", "rows": [{"deltas", "full_listing_s", "after_cursor_s", "keys_full",
+"keys_after_cursor"}]}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from diloco.merger.merger import deltas_after
+from diloco.storage import RunKeys, Store, open_store
+from diloco.storage.keys import parse_delta_key
+
+
+def full_listing(store: Store, keys: RunKeys, cursors: dict[str, int]) -> dict[str, list[int]]:
+    """The merger's poll before 2026-12-05: one recursive listing of deltas/, then the seqs after each cursor."""
+    found: dict[str, list[int]] = {}
+    for key in store.list(keys.deltas_prefix()):
+        parsed = parse_delta_key(key)
+        if parsed and parsed[1] > cursors.get(parsed[0], -1):
+            found.setdefault(parsed[0], []).append(parsed[1])
+    return found
+
+
+class _Counting:
+    """Counts the keys the listings return (the body a poll downloads)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store, self.keys = store, 0
+
+    def list(self, prefix: str, after: str = "") -> list[str]:
+        out = self.store.list(prefix, after)
+        self.keys += len(out)
+        return out
+
+    def folders(self, prefix: str) -> list[str]:
+        out = self.store.folders(prefix)
+        self.keys += len(out)
+        return out
+
+
+def _timed(fn, repeats: int) -> tuple[float, dict, int]:
+    times, found, keys = [], {}, 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        found, keys = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), found, keys
+
+
+def measure_row(store: Store, learners: int, deltas: int, repeats: int) -> dict:
+    keys = RunKeys(f"poll-{uuid.uuid4().hex[:8]}")
+    names = [f"learner-{i}" for i in range(learners)]
+    per = max(deltas // learners, 1)
+    todo = [keys.delta(n, seq) for n in names for seq in range(per)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda key: store.put(key, b"d"), todo))
+    cursors = {n: per - 2 for n in names}  # everything merged but each learner's newest delta
+    expected = {n: [per - 1] for n in names}
+
+    def run(listing):
+        counting = _Counting(store)
+        found = listing(counting, keys, cursors)
+        return {n: sorted(s) for n, s in found.items()}, counting.keys
+
+    full_s, full_found, full_keys = _timed(lambda: run(full_listing), repeats)
+    after_s, after_found, after_keys = _timed(lambda: run(deltas_after), repeats)
+    if full_found != expected or after_found != expected:
+        raise RuntimeError(f"the listings disagree: {full_found} / {after_found}, expected {expected}")
+    return {"deltas": per * learners, "full_listing_s": round(full_s, 4), "after_cursor_s": round(after_s, 4),
+            "keys_full": full_keys, "keys_after_cursor": after_keys}
+
+
+def _moto_endpoint(stack: ExitStack) -> str:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    stack.callback(server.stop)
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"})
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=endpoint, key="bench", secret="bench").mkdir("diloco-bench-poll")
+    return "s3://diloco-bench-poll/runs"
+
+
+def bench_poll(json_path: Path | None = None, storage: str | None = None, moto: bool = False, learners: int = 3,
+               deltas: str = "1000,5000,10000", repeats: int = 5) -> dict:
+    counts = [int(x) for x in deltas.split(",") if x.strip()]
+    if not counts or min(counts) < learners or learners < 1 or repeats < 1:
+        raise ValueError(f"--deltas {deltas!r}: each count must be >= --learners ({learners}) >= 1, --repeats >= 1")
+    with ExitStack() as stack:
+        if moto:
+            storage = _moto_endpoint(stack)
+        elif storage is None:
+            storage = f"file://{stack.enter_context(tempfile.TemporaryDirectory(prefix='diloco-poll-'))}"
+        store = open_store(storage)
+        rows = [measure_row(store, learners, n, repeats) for n in counts]
+    result = {"storage": storage.split("://")[0] + ("://moto" if moto else ""), "learners": learners, "rows": rows}
+    table = Table(title=f"one merger poll ({result['storage']}, {learners} learners, median of {repeats})")
+    for col in ("deltas in the run", "every delta listed s", "after each cursor s", "keys listed (every)",
+                "keys listed (after)"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(f"{r['deltas']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_cursor_s']:.4f}",
+                      f"{r['keys_full']:,}", f"{r['keys_after_cursor']:,}")
+    Console().print(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=2))
+    return result

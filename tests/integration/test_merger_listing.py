@@ -1,0 +1,69 @@
+"""The merger's poll lists what is new, not the run: one listing of the learners' folders, then one per learner
+from its cursor's key on (S3's StartAfter), so a poll costs O(learners + new deltas) however long the run. A
+writer nobody admitted is still found (and rejected), and a folder that is no learner's name is skipped.
+On the real S3 server, through s3fs. Run: .venv/bin/pytest tests/integration/test_merger_listing.py -q
+"""
+
+from __future__ import annotations
+
+from diloco.configs import load_config
+from diloco.inspect.report import manifests
+from diloco.merger.merger import Merger
+from diloco.run.create import create_run
+from diloco.run.objects import encode_tensors, read_tensors
+from diloco.storage import open_store, read_latest
+from diloco.storage.wrapper import WrapperStore
+
+
+class Listings(WrapperStore):
+    """Records every listing: (prefix, after, keys returned)."""
+
+    def __init__(self, inner, log: list | None = None) -> None:
+        super().__init__(inner)
+        self.log = [] if log is None else log
+
+    def _over(self, inner):
+        return Listings(inner, self.log)
+
+    def list(self, prefix: str, after: str = "") -> list[str]:
+        keys = self.inner.list(prefix, after)
+        self.log.append((prefix, after, len(keys)))
+        return keys
+
+
+def plant(ctx, learner: str, seq: int, base_version: int) -> None:
+    """A small, well-formed delta from `learner` as its `seq`."""
+    _, params = read_tensors(ctx.store, read_latest(ctx.store, ctx.keys).params_key)
+    meta = {"learner": learner, "seq": seq, "base_version": base_version, "tokens": 1000, "steps": 10,
+            "phase_time_s": 1.0, "train_loss": 3.0}
+    ctx.store.put(ctx.keys.delta(learner, seq), encode_tensors({k: v * 1e-3 for k, v in params.items()},
+                  codec_name="fp32", kind="delta", fingerprint=ctx.fingerprint, meta=meta))
+
+
+def test_a_poll_lists_only_the_deltas_after_each_cursor(s3_url):
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "merger.quorum": 2, "merger.grace_cap_s": 0.0})
+    store = Listings(open_store(s3_url))
+    ctx = create_run(store, "listing", cfg)
+    for seq in range(3):  # three rounds of both learners, each merged before the next
+        for learner in ctx.learners:
+            plant(ctx, learner, seq, base_version=seq)
+        merger = Merger(ctx)
+        merger.load()
+        assert merger.merge_once() is not None
+    store.put(f"{ctx.keys.deltas_prefix()}Not_A_Name/000000000000.delta", b"x")  # not a learner's folder
+    plant(ctx, ctx.learners[0], 3, base_version=3)
+    plant(ctx, "stranger", 0, base_version=3)  # never admitted: found, and rejected unread
+    store.log.clear()
+    pending = merger.pending()
+    assert pending.ready == {ctx.learners[0]: [3], "stranger": [0]}
+    deltas = [(prefix, after, n) for prefix, after, n in store.log if "/deltas/" in prefix]
+    assert sorted(deltas) == sorted([
+        (ctx.keys.deltas_prefix(ctx.learners[0]), ctx.keys.delta(ctx.learners[0], 2), 1),  # seqs 0-2 not listed
+        (ctx.keys.deltas_prefix(ctx.learners[1]), ctx.keys.delta(ctx.learners[1], 2), 0),
+        (ctx.keys.deltas_prefix("stranger"), "", 1),
+    ])
+    merger.refresh_policy()
+    version = merger.merge_once()
+    decided = {(d.learner, d.seq): (d.status, d.check) for d in version.decisions}
+    assert decided[(ctx.learners[0], 3)][0] == "merged" and decided[("stranger", 0)] == ("rejected", "admission")
+    assert [m.version for m in manifests(ctx)] == [0, 1, 2, 3, 4]
