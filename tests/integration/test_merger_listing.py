@@ -41,7 +41,8 @@ def plant(ctx, learner: str, seq: int, base_version: int) -> None:
 
 
 def test_a_poll_lists_only_the_deltas_after_each_cursor(s3_url):
-    cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "merger.quorum": 2, "merger.grace_cap_s": 0.0})
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "merger.quorum": 2, "merger.grace_cap_s": 0.0,
+                                              "merger.quorum_timeout_s": 0.2})  # the last merge: one member pending
     store = Listings(open_store(s3_url))
     ctx = create_run(store, "listing", cfg)
     for seq in range(3):  # three rounds of both learners, each merged before the next
