@@ -146,11 +146,16 @@ def _assert_pending_after_final_merge(run: ChaosRun) -> None:
         assert mtime > last_commit - slack_s, f"{key} published long before the final merge, never decided"
 
 
+TEST_STARTED = 0.0  # when the current test started (tests/chaos/conftest.py): older processes are not its run's
+
+
 def _of_the_run(proc: psutil.Process) -> bool:
     """A live process started for the run (a diloco role or standby), not e.g. multiprocessing's
-    resource tracker that an earlier test in this session left to the interpreter."""
+    resource tracker that an earlier test in this session left to the interpreter, nor a session fixture's
+    process started before this test (a shared Prefect server)."""
     try:
-        return proc.status() != psutil.STATUS_ZOMBIE and "diloco" in " ".join(proc.cmdline())
+        return (proc.status() != psutil.STATUS_ZOMBIE and "diloco" in " ".join(proc.cmdline())
+                and proc.create_time() >= TEST_STARTED - 0.1)
     except psutil.Error:
         return False
 
