@@ -35,8 +35,9 @@ class Backend(Protocol):
     def modified(self, key: str) -> float: ...  # unix seconds of the last write
     def write(self, key: str, data: bytes) -> None: ...
     def create(self, key: str, data: bytes) -> None: ...
-    def walk(self, folder: str) -> list[str]: ...  # every key under folder ('' = all), any order
-    def walk_after(self, folder: str, after: str) -> list[str]: ...  # ... those sorting after key `after`
+    # every key under folder ('' = all), any order; `after` (a key) is a hint: a backend that can start its listing
+    # there (S3's StartAfter) leaves out the keys up to it, others list all (ObjectStore.list filters)
+    def walk(self, folder: str, after: str = "") -> list[str]: ...
     def folders(self, folder: str) -> list[str]: ...  # the names of folder's direct subfolders, any order
     def remove(self, key: str) -> None: ...
 
@@ -91,16 +92,13 @@ class LocalBackend:
         finally:
             _unlink_quietly(tmp)
 
-    def walk(self, folder: str) -> list[str]:
+    def walk(self, folder: str, after: str = "") -> list[str]:  # a local folder: walked whole, cheaply
         top = self._path(folder) if folder else self.root
         keys = []
         for dirpath, _dirs, files in os.walk(top):  # tolerates entries vanishing mid-walk
             rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
             keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
         return keys
-
-    def walk_after(self, folder: str, after: str) -> list[str]:
-        return [key for key in self.walk(folder) if key > after]  # a local folder: walked whole, cheaply
 
     def folders(self, folder: str) -> list[str]:
         try:
@@ -164,7 +162,9 @@ class FsspecBackend:
                 "s3://, file:// or memory://"
             )
 
-    def walk(self, folder: str) -> list[str]:
+    def walk(self, folder: str, after: str = "") -> list[str]:
+        if after and self.protocol in _ATOMIC_CREATE_PROTOCOLS:
+            return self._walk_s3_after(folder, after)
         top = self._path(folder) if folder else self.root
         root = self.root.lstrip("/")
         keys = []
@@ -176,10 +176,8 @@ class FsspecBackend:
                 keys.append(path[len(root) + 1 :])
         return keys
 
-    def walk_after(self, folder: str, after: str) -> list[str]:
-        """On S3 one listing that starts after `after` (StartAfter): O(keys after it), not O(folder)."""
-        if self.protocol not in _ATOMIC_CREATE_PROTOCOLS:
-            return [key for key in self.walk(folder) if key > after]
+    def _walk_s3_after(self, folder: str, after: str) -> list[str]:
+        """One listing that starts after `after` (StartAfter), paginated: O(keys after it), not O(folder)."""
         bucket, _, top = (self._path(folder) if folder else self.root).lstrip("/").partition("/")
         root = self.root.lstrip("/").partition("/")[2]
         start = self._path(after).lstrip("/").partition("/")[2]

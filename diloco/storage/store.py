@@ -165,8 +165,7 @@ class ObjectStore:
             if not after.startswith(prefix):
                 raise BadRequest(f"list after {after!r}: not a key under {prefix!r}")
         folder = prefix.rpartition("/")[0]
-        found = self._call(lambda: self._backend.walk_after(folder, after) if after else self._backend.walk(folder),
-                           prefix)
+        found = self._call(lambda: self._backend.walk(folder, after), prefix)
         return sorted(
             key
             for key in found
