@@ -5,6 +5,8 @@ Contract: each row merges one whole round (every fragment, every learner) in a f
 file:// store the parent prepared (ru_maxrss growth over the round is clean); the upload figures come from
 the staggered schedule (fragment p due at step p*H/P) and the encoded sizes; prints a table, writes JSON.
 Peak RSS is the child's own VmHWM, reset before the round (ru_maxrss would carry the parent's across exec).
+Each row also times, in the same child after the round, what the merge-time target is measured against (reading
+and decoding the round's deltas) and the round's state traffic alone (state_io_s): the floor of a round.
 """
 
 from __future__ import annotations
@@ -117,8 +119,29 @@ def _merge_child(storage: str, run_id: str, queue: Any) -> None:
         keys = fragment_context(ctx, index).keys
         for name in ctx.learners:
             decode_tensors(ctx.store.get(keys.delta(name, 0)))
-    queue.put({"merge_s": merge_s, "peak_rss_bytes": peak, "read_decode_s": time.perf_counter() - t0,
-               "merged": sum(len(m.merged()) for m in merged), "merges": len(merged)})
+    read_decode_s = time.perf_counter() - t0
+    queue.put({"merge_s": merge_s, "peak_rss_bytes": peak, "read_decode_s": read_decode_s,
+               "state_io_s": state_io_s(ctx, merged), "merged": sum(len(m.merged()) for m in merged),
+               "merges": len(merged)})
+
+
+def state_io_s(ctx, merged: list) -> float:
+    """The state traffic of a round with no arithmetic: each merged fragment's params and outer state read back
+    (checked, decoded) and written again as a version writes them (write_state: put, fsync, checksum), one
+    fragment at a time. A merger that holds O(fragment) cannot keep its fragments' state between rounds, so a
+    round cannot take less than this plus reading and decoding its deltas."""
+    from diloco.run.objects import read_checked, read_tensors, write_state
+
+    t0 = time.perf_counter()
+    for index, manifest in enumerate(merged):  # one merge per fragment, in order (measure_row checks the count)
+        fctx = fragment_context(ctx, index)
+        _, params = read_tensors(ctx.store, manifest.params_key, checksum=manifest.params_checksum)
+        _, outer = decode_tensors(read_checked(ctx.store, manifest.outer_key, manifest.outer_checksum))
+        for what, tensors in (("params", params), ("outer", outer)):
+            write_state(ctx.store, f"{fctx.keys.global_prefix()}scratch-{what}", tensors, kind=what,
+                        fingerprint=ctx.fingerprint, consume=True)
+        del params, outer
+    return time.perf_counter() - t0
 
 
 def peak_window_bytes(fragment_bytes: list[int], steps_per_phase: int) -> int:
@@ -145,7 +168,8 @@ def measure_row(size: str, num_learners: int, num_fragments: int) -> dict[str, A
             "merge_peak_rss_mb": got["peak_rss_bytes"] / 1e6, "merge_s_per_round": got["merge_s"],
             "publish_mb": sum(sizes) / len(sizes) / 1e6,
             "_peak_window_bytes": peak_window_bytes(sizes, cfg.inner.steps_per_phase),
-            "_whole_bytes": sum(sizes), "_read_decode_s": got["read_decode_s"], "_params": sum(fp32) // 4}
+            "_whole_bytes": sum(sizes), "read_decode_s": got["read_decode_s"], "state_io_s": got["state_io_s"],
+            "merge_vs_read_decode": got["merge_s"] / got["read_decode_s"], "_params": sum(fp32) // 4}
 
 
 def codec_speed(num_elements: int, repeats: int = 3) -> dict[str, float]:
@@ -164,16 +188,16 @@ def codec_speed(num_elements: int, repeats: int = 3) -> dict[str, float]:
     return {"encode_mb_s": mb / min(enc), "decode_mb_s": mb / min(dec)}
 
 
-def _print(result: dict[str, Any], extra: list[dict[str, Any]]) -> None:
+def _print(result: dict[str, Any]) -> None:
     table = Table(title=f"bench scale: {result['model_params']:,} params, {result['learners']} learners, int4, "
                         "one round merged by the real merger (fresh process per row)")
     for col in ("P", "largest frag MB", "merge peak RSS MB", "target MB", "merge s/round", "read+decode s",
-                "publish MB", "peak upload vs P=1", "target"):
+                "state I/O s", "publish MB", "peak upload vs P=1", "target"):
         table.add_column(col, justify="right")
-    for row, more in zip(result["rows"], extra, strict=True):
+    for row in result["rows"]:
         table.add_row(str(row["fragments"]), f"{row['largest_fragment_mb']:.1f}", f"{row['merge_peak_rss_mb']:.0f}",
                       f"{4 * row['largest_fragment_mb'] + 300:.0f}", f"{row['merge_s_per_round']:.2f}",
-                      f"{more['read_decode_s']:.2f}", f"{row['publish_mb']:.2f}",
+                      f"{row['read_decode_s']:.2f}", f"{row['state_io_s']:.2f}", f"{row['publish_mb']:.2f}",
                       f"{row['peak_upload_ratio_vs_unfragmented']:.3f}", f"{1.4 / row['fragments']:.3f}")
     Console().print(table)
     codec = result["codec"]["int4"]
@@ -197,15 +221,15 @@ def bench_scale(json_path: Path | None = None, params: str = "124m", learners: i
         print(f"  P={count}: merge {rows[-1]['merge_s_per_round']:.2f}s, peak RSS +{rows[-1]['merge_peak_rss_mb']:.0f} "
               f"MB", file=sys.stderr)
     whole = next((r["_whole_bytes"] for r in rows if r["fragments"] == 1), None)
-    extra = []
+    params_count = rows[0]["_params"]
     for r in rows:
         reference = whole if whole is not None else r["_whole_bytes"]  # one publish of the whole model
         r["peak_upload_ratio_vs_unfragmented"] = r.pop("_peak_window_bytes") / reference
-        extra.append({"read_decode_s": r.pop("_read_decode_s"), "params": r.pop("_params")})
+        r.pop("_params")
         r.pop("_whole_bytes")
-    result = {"model_params": extra[0]["params"], "learners": learners, "rows": rows,
+    result = {"model_params": params_count, "learners": learners, "rows": rows,
               "codec": {"int4": codec_speed(1 << 16 if quick else 1 << 24)}}
-    _print(result, extra)
+    _print(result)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2) + "\n")
     return result

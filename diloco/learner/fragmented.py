@@ -170,9 +170,11 @@ class FragmentLearner(Learner):
         return max(self.cursor, status.cursor), max(self.trainer.step, status.step)
 
     def _sync_state(self) -> None:
-        """The whole-learner view the heartbeat reports: the oldest fragment version, the seqs shipped."""
+        """The whole-learner view the heartbeat reports: the oldest fragment version, the seqs shipped, and (as
+        `merged`) the seqs decided, so that state.unmerged() is the lanes' unmerged deltas summed."""
         self.state.base = self.lanes.version()
         self.state.seq = sum(lane.seq for lane in self.lanes.lanes)
+        self.state.merged = sum(lane.merged + 1 for lane in self.lanes.lanes) - 1
 
     # ---- phase -----------------------------------------------------------------------------
     def run_phase(self, num_steps: int | None = None) -> PhaseStats:

@@ -179,7 +179,7 @@ class Learner:
             "learner": self.name, "state": state, "t": now, "pid": os.getpid(), "seq": self.state.seq - 1,
             "base_version": self.state.base, "step": self.trainer.step, "cursor": self.cursor,
             "loss": self.loss_ema, "bytes_published": self.publisher.bytes_published,
-            **self.pace.status(),
+            **self.pace.status(), "unmerged": self.state.reported_unmerged(),
             **({"ranks": self.world.size, "rank_pids": self.world.pids} if self.world else {}), **phase})
         key = self.ctx.keys.status(self.name)
 

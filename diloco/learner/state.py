@@ -31,6 +31,10 @@ class LearnerState:
         """Own deltas shipped and not decided by version `base` (0 when that is not known: a resume from local state)."""
         return 0 if self.merged is None else max(self.seq - 1 - self.merged, 0)
 
+    def reported_unmerged(self) -> int | None:
+        """What the status reports: unmerged(), or None when it is not known."""
+        return None if self.merged is None else self.unmerged()
+
     @classmethod
     def at_version(cls, version: int, params: Tensors, next_seq: int, merged: int | None = None) -> LearnerState:
         """Just joined at `version` (`merged`: this learner's cursor in it): r = the global, nothing unshipped."""

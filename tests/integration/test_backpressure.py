@@ -23,6 +23,7 @@ from diloco.run.events import EventLog, read_events
 from diloco.run.objects import decode_tensors
 from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store
+from diloco.storage.records import LearnerStatus, read_record
 
 OVERRIDES = {"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
              "learner.local_state_every_steps": 0, "learner.probe_every_steps": 1000}
@@ -36,6 +37,12 @@ def corpus():
 def _run(tmp_path, **overrides):
     cfg = load_config("tiny").with_overrides({**OVERRIDES, **overrides})
     return create_run(open_store(f"file://{tmp_path}/bucket"), f"bp-{uuid.uuid4().hex[:8]}", cfg)
+
+
+def _reported(learner) -> int | None:
+    """The unmerged count the learner's status.json says (what `diloco status` shows)."""
+    learner.heartbeat(force=True, wait=True)
+    return read_record(learner.ctx.store, learner.ctx.keys.status(learner.name), LearnerStatus).unmerged
 
 
 def _deferred(ctx) -> list[dict]:
@@ -52,10 +59,12 @@ def test_a_learner_with_max_unmerged_deltas_trains_on_and_ships_them_later(tmp_p
         seqs.append(worker.publish(worker.run_phase()))
         assert worker.publisher.drain(timeout_s=60)  # landed: what holds the next ones back is not the upload
     assert seqs == [0, 1, None, None] and worker.state.steps_since_publish == 2 * h
+    assert _reported(worker) == 2
     merger = Merger(ctx)
     merger.load()
     assert merger.merge_once() is not None  # both pending deltas, one version
     assert worker.maybe_install() == 1 and worker.state.merged == 1 and worker.state.unmerged() == 0
+    assert _reported(worker) == 0
     assert worker.publish(worker.run_phase()) == 2 and worker.state.unmerged() == 1  # the three phases since seq 1
     worker.publisher.drain()
     assert [(d.seq, d.steps) for d in merger.merge_once().merged()] == [(2, 3 * h)]
@@ -106,9 +115,11 @@ def test_a_fragment_lane_with_max_unmerged_deltas_ships_everything_later(tmp_pat
     assert [lane.seq for lane in learner.lanes.lanes] == [1, 1]
     learner.run_phase(num_steps=4)  # both lanes due again, each with one delta not merged: deferred
     assert [lane.seq for lane in learner.lanes.lanes] == [1, 1] and [lane.steps for lane in learner.lanes.lanes] == [4, 6]
+    assert _reported(learner) == 2  # one delta of each lane: summed over the chains
     for shard in range(ctx.cfg.merger.shards):
         ShardMerger(ctx, shard).poll_once()
     assert sorted(learner.maybe_install()) == [0, 1] and [lane.unmerged() for lane in learner.lanes.lanes] == [0, 0]
+    assert _reported(learner) == 0
     learner.run_phase(num_steps=4)
     learner.drain()
     learner.close()

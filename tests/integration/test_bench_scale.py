@@ -1,4 +1,4 @@
-"""`diloco bench scale --quick`: the JSON has exactly the issue's keys, every row merged a whole round with the
+"""`diloco bench scale --quick`: the JSON has the issue's keys (and the merge time's reference and floor), every row merged a whole round with the
 real merger in a fresh process, and the staggered schedule's peak upload shrinks with P.
 
 Run: .venv/bin/pytest tests/integration/test_bench_scale.py -q
@@ -20,7 +20,11 @@ def test_quick_scale_bench_writes_the_issue_keys(tmp_path):
     assert set(result["codec"]) == {"int4"} and set(result["codec"]["int4"]) == {"encode_mb_s", "decode_mb_s"}
     keys = {"fragments", "largest_fragment_mb", "merge_peak_rss_mb", "merge_s_per_round", "publish_mb",
             "peak_upload_ratio_vs_unfragmented"}
-    assert [set(r) for r in result["rows"]] == [keys, keys]
+    floor = {"read_decode_s", "state_io_s", "merge_vs_read_decode"}  # the merge-time target's reference and floor
+    assert [set(r) for r in result["rows"]] == [keys | floor, keys | floor]
+    for row in result["rows"]:
+        assert row["read_decode_s"] > 0 and row["state_io_s"] > 0
+        assert row["merge_vs_read_decode"] == row["merge_s_per_round"] / row["read_decode_s"]
     whole, four = result["rows"]
     assert whole["peak_upload_ratio_vs_unfragmented"] == 1.0
     assert four["peak_upload_ratio_vs_unfragmented"] <= 1.4 / 4  # the issue's target, on bytes

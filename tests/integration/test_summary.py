@@ -93,7 +93,7 @@ def test_status_at_80_columns_keeps_every_name_whole(tmp_path: Path) -> None:
     for name in names:  # every cell filled, with figures as wide as a long run's
         write_record(ctx.store, ctx.keys.status(name), LearnerStatus(
             learner=name, state="stopped", t=time.time() - 125, pid=4242, seq=1234, base_version=2468, step=49360,
-            cursor=0, loss=1.6543, bytes_published=123_456_789, steps_per_s=41.5))
+            cursor=0, loss=1.6543, bytes_published=123_456_789, steps_per_s=41.5, unmerged=3 if name == names[1] else 0))
     request_stop(ctx, "operator")
     done = _diloco("status", "--storage", url, "--run-id", ctx.run_id)
     assert done.returncode == 0, done.stderr
@@ -107,6 +107,7 @@ def test_status_at_80_columns_keeps_every_name_whole(tmp_path: Path) -> None:
     text = "".join(done.stdout.split())  # folded figures read whole once the table's spacing is gone
     assert "beat" in text and text.count("ago") == len(names), done.stdout  # the last column is not cut off
     assert text.count("123.46") >= len(names), done.stdout  # MB out
+    assert "deltasnotmergedyet:us-east-13(learner.max_unmerged4:" in text, done.stdout  # the one with some
     everyday = _diloco("status", "--storage", url, "--run-id", create_run(
         open_store(url), "demo-20261203-083742", cfg, learners=["us-east-0", "us-east-1"]).run_id)
     header = next(line for line in everyday.stdout.splitlines() if "learner" in line)
