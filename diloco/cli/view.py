@@ -220,12 +220,15 @@ def _print_sample(ctx: RunContext, console: Console) -> None:
     console.print(text, markup=False, highlight=False)
 
 
-def unmerged_lines(rows: list[dict], bound: int) -> list[str]:
+def unmerged_lines(rows: list[dict], bound: int, ended: bool = False) -> list[str]:
     """A line naming the learners with deltas shipped and not merged yet by the version they hold (their status's
-    `unmerged`), when any has; none when every one's merged (a merger keeping up)."""
+    `unmerged`), when any has; none when every one's merged (a merger keeping up). `ended`: the run is over, so
+    they are the deltas it ended without merging."""
     waiting = [f"{r['learner']} {r['unmerged']}" for r in rows if r.get("unmerged")]
     if not waiting:
         return []
+    if ended:
+        return [f"deltas the run ended without merging: {', '.join(waiting)}"]
     held = f" (learner.max_unmerged {bound}: a learner at it trains on and ships the progress later)" if bound else ""
     return [f"deltas not merged yet: {', '.join(waiting)}{held}"]
 
@@ -244,5 +247,5 @@ def print_status(storage: str, run_id: str, json_out: bool) -> None:
                                "title": state.title(), "learners": rows, "trust": trust}))
         return
     Console().print(progress_table(ctx, None, state))
-    for line in [*unmerged_lines(rows, ctx.cfg.learner.max_unmerged), *trust_lines(trust)]:
+    for line in [*unmerged_lines(rows, ctx.cfg.learner.max_unmerged, state.ended), *trust_lines(trust)]:
         Console().print(line, markup=False, highlight=False)

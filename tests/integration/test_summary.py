@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from diloco.cli.view import unmerged_lines
 from diloco.configs import load_config
 from diloco.inspect.runs import list_runs
 from diloco.inspect.summary import build_summary, learner_busy, summary_markdown, summary_rows
@@ -107,7 +108,11 @@ def test_status_at_80_columns_keeps_every_name_whole(tmp_path: Path) -> None:
     text = "".join(done.stdout.split())  # folded figures read whole once the table's spacing is gone
     assert "beat" in text and text.count("ago") == len(names), done.stdout  # the last column is not cut off
     assert text.count("123.46") >= len(names), done.stdout  # MB out
-    assert "deltasnotmergedyet:us-east-13(learner.max_unmerged4:" in text, done.stdout  # the one with some
+    assert "deltastherunendedwithoutmerging:us-east-13" in text, done.stdout  # the one with some, in a stopped run
+    rows = [{"learner": "us-east-0", "unmerged": 0}, {"learner": "us-east-1", "unmerged": 3}, {"learner": "eu-west-0"}]
+    assert unmerged_lines(rows, 4) == ["deltas not merged yet: us-east-1 3 (learner.max_unmerged 4: a learner at it "
+                                       "trains on and ships the progress later)"]  # a live run
+    assert unmerged_lines(rows[:1], 4) == [] and unmerged_lines(rows, 0) == ["deltas not merged yet: us-east-1 3"]
     everyday = _diloco("status", "--storage", url, "--run-id", create_run(
         open_store(url), "demo-20261203-083742", cfg, learners=["us-east-0", "us-east-1"]).run_id)
     header = next(line for line in everyday.stdout.splitlines() if "learner" in line)
