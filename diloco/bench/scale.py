@@ -120,6 +120,8 @@ def _merge_child(storage: str, run_id: str, queue: Any) -> None:
         for name in ctx.learners:
             decode_tensors(ctx.store.get(keys.delta(name, 0)))
     read_decode_s = time.perf_counter() - t0
+    if len(merged) != (len(ctx.fragments) or 1):  # state_io_s pairs the i-th merge with fragment i
+        raise RuntimeError(f"{len(merged)} merges for {len(ctx.fragments) or 1} fragments")
     queue.put({"merge_s": merge_s, "peak_rss_bytes": peak, "read_decode_s": read_decode_s,
                "state_io_s": state_io_s(ctx, merged), "merged": sum(len(m.merged()) for m in merged),
                "merges": len(merged)})

@@ -27,6 +27,7 @@ from diloco.run.context import RunContext, open_run
 from diloco.run.state import RunState, learner_word, read_run_state
 from diloco.run.target import run_target
 from diloco.storage import StorageError, open_store
+from diloco.storage.records import FINAL_STATES
 
 STATUS_COLUMNS = ("state", "ranks", "seq", "base", "step", "loss", "steps/s", "MB out", "beat")
 
@@ -221,15 +222,18 @@ def _print_sample(ctx: RunContext, console: Console) -> None:
 
 
 def unmerged_lines(rows: list[dict], bound: int, ended: bool = False) -> list[str]:
-    """A line naming the learners with deltas shipped and not merged yet by the version they hold (their status's
-    `unmerged`), when any has; none when every one's merged (a merger keeping up). `ended`: the run is over, so
-    they are the deltas it ended without merging."""
-    waiting = [f"{r['learner']} {r['unmerged']}" for r in rows if r.get("unmerged")]
+    """A line naming the learners with deltas shipped and not decided yet by the version they hold (their status's
+    `unmerged`), when any has; none when every one's merged (a merger keeping up). In a live run a learner whose
+    own loop has ended is left out (its count is as old as its last beat). `ended`: the run is over, so they are
+    the deltas it ended without merging."""
+    waiting = [f"{r['learner']} {r['unmerged']}" for r in rows
+               if r.get("unmerged") and (ended or r.get("state") not in FINAL_STATES)]
     if not waiting:
         return []
     if ended:
         return [f"deltas the run ended without merging: {', '.join(waiting)}"]
-    held = f" (learner.max_unmerged {bound}: a learner at it trains on and ships the progress later)" if bound else ""
+    held = (f" (learner.max_unmerged {bound} per chain: a learner at it trains on and ships the progress later)"
+            if bound else "")
     return [f"deltas not merged yet: {', '.join(waiting)}{held}"]
 
 

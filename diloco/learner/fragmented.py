@@ -174,7 +174,7 @@ class FragmentLearner(Learner):
         `merged`) the seqs decided, so that state.unmerged() is the lanes' unmerged deltas summed."""
         self.state.base = self.lanes.version()
         self.state.seq = sum(lane.seq for lane in self.lanes.lanes)
-        self.state.merged = sum(lane.merged + 1 for lane in self.lanes.lanes) - 1
+        self.state.merged = self.state.seq - 1 - sum(lane.unmerged() for lane in self.lanes.lanes)
 
     # ---- phase -----------------------------------------------------------------------------
     def run_phase(self, num_steps: int | None = None) -> PhaseStats:
@@ -358,6 +358,7 @@ class FragmentLearner(Learner):
                 manifest = read_latest(self.ctx.store, keys)
                 if manifest.cursors.get(self.name, -1) >= seq:
                     self._install_lane(index, manifest.version, self._live())
+                    self._sync_state()  # the next beat's figures
                     break
                 time.sleep(self.cfg.merger.poll_interval_s)
             del self.awaiting[index]

@@ -104,8 +104,9 @@ class LearnerStatus(Record):
     steps_per_s: float | None = None
     # inner steps per second of compute, averaged over the last phases (inner.dylu: peers read it to set their H)
     compute_steps_per_s: float | None = Field(None, gt=0, allow_inf_nan=False)
-    # own deltas shipped and not yet decided by the version(s) it holds: what learner.max_unmerged bounds (summed
-    # over a fragmented learner's chains; None: not known, e.g. after a resume from local state until an install)
+    # own deltas shipped and not yet decided by the version(s) it holds (summed over a fragmented learner's chains;
+    # learner.max_unmerged bounds each chain's count; None: not known, e.g. after a resume from local state until an
+    # install)
     unmerged: int | None = Field(None, ge=0)
 
 

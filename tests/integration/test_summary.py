@@ -110,9 +110,11 @@ def test_status_at_80_columns_keeps_every_name_whole(tmp_path: Path) -> None:
     assert text.count("123.46") >= len(names), done.stdout  # MB out
     assert "deltastherunendedwithoutmerging:us-east-13" in text, done.stdout  # the one with some, in a stopped run
     rows = [{"learner": "us-east-0", "unmerged": 0}, {"learner": "us-east-1", "unmerged": 3}, {"learner": "eu-west-0"}]
-    assert unmerged_lines(rows, 4) == ["deltas not merged yet: us-east-1 3 (learner.max_unmerged 4: a learner at it "
-                                       "trains on and ships the progress later)"]  # a live run
+    assert unmerged_lines(rows, 4) == ["deltas not merged yet: us-east-1 3 (learner.max_unmerged 4 per chain: a "
+                                       "learner at it trains on and ships the progress later)"]  # a live run
     assert unmerged_lines(rows[:1], 4) == [] and unmerged_lines(rows, 0) == ["deltas not merged yet: us-east-1 3"]
+    gone = [{**rows[1], "state": "finished"}]  # its loop over in a live run: its count is stale, left out
+    assert unmerged_lines(gone, 4) == [] and unmerged_lines(gone, 4, ended=True) != []
     everyday = _diloco("status", "--storage", url, "--run-id", create_run(
         open_store(url), "demo-20261203-083742", cfg, learners=["us-east-0", "us-east-1"]).run_id)
     header = next(line for line in everyday.stdout.splitlines() if "learner" in line)
