@@ -135,7 +135,7 @@ def state_io_s(ctx, merged: list) -> float:
     from diloco.run.objects import read_checked, read_tensors, write_state
 
     t0 = time.perf_counter()
-    for index, manifest in enumerate(merged):  # one merge per fragment, in order (measure_row checks the count)
+    for index, manifest in enumerate(merged):  # one merge per fragment, in order (_merge_child checks the count)
         fctx = fragment_context(ctx, index)
         _, params = read_tensors(ctx.store, manifest.params_key, checksum=manifest.params_checksum)
         _, outer = decode_tensors(read_checked(ctx.store, manifest.outer_key, manifest.outer_checksum))
