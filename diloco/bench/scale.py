@@ -132,13 +132,13 @@ def state_io_s(ctx, merged: list) -> float:
     (checked, decoded) and written again as a version writes them (write_state: put, fsync, checksum), one
     fragment at a time. A merger that holds O(fragment) cannot keep its fragments' state between rounds, so a
     round cannot take less than this plus reading and decoding its deltas."""
-    from diloco.run.objects import read_checked, read_tensors, write_state
+    from diloco.run.objects import read_tensors, write_state
 
     t0 = time.perf_counter()
     for index, manifest in enumerate(merged):  # one merge per fragment, in order (_merge_child checks the count)
         fctx = fragment_context(ctx, index)
         _, params = read_tensors(ctx.store, manifest.params_key, checksum=manifest.params_checksum)
-        _, outer = decode_tensors(read_checked(ctx.store, manifest.outer_key, manifest.outer_checksum))
+        _, outer = read_tensors(ctx.store, manifest.outer_key, checksum=manifest.outer_checksum)
         for what, tensors in (("params", params), ("outer", outer)):
             write_state(ctx.store, f"{fctx.keys.global_prefix()}scratch-{what}", tensors, kind=what,
                         fingerprint=ctx.fingerprint, consume=True)

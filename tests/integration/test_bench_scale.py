@@ -1,5 +1,6 @@
-"""`diloco bench scale --quick`: the JSON has the issue's keys (and the merge time's reference and floor), every row merged a whole round with the
-real merger in a fresh process, and the staggered schedule's peak upload shrinks with P.
+"""`diloco bench scale --quick`: the JSON has the issue's keys (and the merge time's reference and floor), every
+row merged a whole round with the real merger in a fresh process, and the staggered schedule's peak upload shrinks
+with P.
 
 Run: .venv/bin/pytest tests/integration/test_bench_scale.py -q
 """
