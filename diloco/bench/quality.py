@@ -3,7 +3,8 @@
 Contract: in-process and deterministic (no subprocesses, no Prefect); prints a table, writes JSON
 {"methods": {...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp" (bytes sent), "received_ratio_vs_dp" (decoupled-int4:
 two cohorts taking turns), "concurrent" (the same three of streaming-clock-int4, the learners computing at once),
-"concurrent_hetero" (of streaming-clock-hetero-dylu: at once, half of them 2x slower, DyLU), "config"} and
+"concurrent_in_step" (of streaming-clock-full-int4 when it ran: at once, in step), "concurrent_hetero" (of
+streaming-clock-hetero-dylu: at once, half of them 2x slower, DyLU), each with "both_ways_met", "config"} and
 optionally a PNG. Steps per learner default to the recipe's `inner.total_steps`.
 """
 
@@ -33,6 +34,10 @@ TARGET_TRAFFIC_RATIO = 400.0
 CONCURRENT_METHOD = "streaming-clock-int4"  # the row whose learners compute at once (the others take turns)
 # the same with half the learners 2x slower, each learner's H from its speed (inner.dylu, the engine's default)
 CONCURRENT_HETERO_METHOD = "streaming-clock-hetero-dylu"
+# the same learners in step (quorum M): one merge of each fragment a phase, so one update received per delta sent
+CONCURRENT_IN_STEP_METHOD = "streaming-clock-full-int4"
+# issue 17's traffic both ways: >= 400x less sent and received than data-parallel at <= 1.01x its loss
+BOTH_WAYS_LOSS_RATIO, BOTH_WAYS_TRAFFIC_RATIO = 1.01, 400.0
 QUICK = {"inner.steps_per_phase": 10, "inner.warmup_steps": 5, "eval.num_batches": 2,
          "eval.batch_size": 16}  # a smoke run: seconds, not minutes
 
@@ -93,10 +98,15 @@ def run_quality(cfg: Config, methods: tuple[Method, ...], steps: int, num_seeds:
     return out
 
 
+CONCURRENT_KEYS = (("concurrent", CONCURRENT_METHOD), ("concurrent_in_step", CONCURRENT_IN_STEP_METHOD),
+                   ("concurrent_hetero", CONCURRENT_HETERO_METHOD))
+WHAT = {"concurrent": "learners computing at once", "concurrent_in_step": "computing at once, in step",
+        "concurrent_hetero": "computing at once, half of them 2x slower"}
+
+
 def _ratios(methods: dict[str, Any]) -> dict[str, Any]:
-    """The targets' ratios of decoupled-int4 (cohorts taking turns), and, when it ran, the same of the learners
-    computing at once (CONCURRENT_METHOD) under "concurrent", and of those at two speeds (CONCURRENT_HETERO_METHOD)
-    under "concurrent_hetero"."""
+    """The targets' ratios of decoupled-int4 (cohorts taking turns), and, for each of the rows computing at once
+    that ran, the same under its CONCURRENT_KEYS key with `both_ways_met` (>= 400x less both ways at <= 1.01x)."""
     dp, dec = methods.get("dp"), methods.get("decoupled-int4")
     out: dict[str, Any] = {"loss_ratio_vs_dp": None, "traffic_ratio_vs_dp": None}
     if dp and dec:
@@ -104,10 +114,17 @@ def _ratios(methods: dict[str, Any]) -> dict[str, Any]:
         out["targets"] = {"loss_ratio_max": TARGET_LOSS_RATIO, "traffic_ratio_min": TARGET_TRAFFIC_RATIO,
                           "loss_met": out["loss_ratio_vs_dp"] <= TARGET_LOSS_RATIO,
                           "traffic_met": out["traffic_ratio_vs_dp"] >= TARGET_TRAFFIC_RATIO}
-    for key, name in (("concurrent", CONCURRENT_METHOD), ("concurrent_hetero", CONCURRENT_HETERO_METHOD)):
+    for key, name in CONCURRENT_KEYS:
         if dp and methods.get(name):
-            out[key] = {"method": name, **_ratio_of(dp, methods[name])}
+            ratios = _ratio_of(dp, methods[name])
+            out[key] = {"method": name, **ratios, "both_ways_met": _both_ways(ratios)}
     return out
+
+
+def _both_ways(ratios: dict[str, float]) -> bool:
+    """Issue 17's target: >= 400x less both ways at <= 1.01x data-parallel's loss."""
+    return (ratios["loss_ratio_vs_dp"] <= BOTH_WAYS_LOSS_RATIO
+            and min(ratios["traffic_ratio_vs_dp"], ratios["received_ratio_vs_dp"]) >= BOTH_WAYS_TRAFFIC_RATIO)
 
 
 def _ratio_of(dp: dict[str, Any], row: dict[str, Any]) -> dict[str, float]:
@@ -157,13 +174,14 @@ def _print_table(result: dict[str, Any]) -> None:
         Console().print(f"decoupled int4 / DP (cohorts taking turns): loss ratio {result['loss_ratio_vs_dp']:.4f} "
                         f"(target <= {TARGET_LOSS_RATIO}), traffic {result['traffic_ratio_vs_dp']:.0f}x less sent "
                         f"(target >= {TARGET_TRAFFIC_RATIO:.0f}x), {result['received_ratio_vs_dp']:.0f}x less received")
-    for key, what in (("concurrent", "learners computing at once"),
-                      ("concurrent_hetero", "computing at once, half of them 2x slower")):
+    for key, _ in CONCURRENT_KEYS:
         if result.get(key):
             c = result[key]
-            Console().print(f"{c['method']} / DP ({what}): loss ratio {c['loss_ratio_vs_dp']:.4f}, "
+            met = "met" if c["both_ways_met"] else "not met"
+            Console().print(f"{c['method']} / DP ({WHAT[key]}): loss ratio {c['loss_ratio_vs_dp']:.4f}, "
                             f"{c['traffic_ratio_vs_dp']:.0f}x less sent, "
-                            f"{c['received_ratio_vs_dp']:.0f}x less received")
+                            f"{c['received_ratio_vs_dp']:.0f}x less received (>= {BOTH_WAYS_TRAFFIC_RATIO:.0f}x "
+                            f"both ways at <= {BOTH_WAYS_LOSS_RATIO}x: {met})")
 
 
 def _less(dp: dict[str, Any], r: dict[str, Any], key: str) -> str:

@@ -122,6 +122,26 @@ def test_counting_store_views_count_too(tmp_path) -> None:
     store.reset()
     assert sum(quick.sent.values()) == 0
 
+def test_rows_computing_at_once_report_the_both_ways_target() -> None:
+    """Each concurrent row's ratios to DP and whether it is >= 400x less both ways at <= 1.01x DP's loss."""
+    from diloco.bench.quality import _ratios
+
+    def row(loss: float, sent: float, received: float) -> dict:
+        return {"eval_loss": loss, "bytes_sent_per_learner": sent, "bytes_received_per_learner": received}
+
+    dp = row(1.6, 1000.0, 1000.0)
+    out = _ratios({"dp": dp, "streaming-clock-int4": row(1.6, 2.0, 4.0),  # 500x / 250x: received too high
+                   "streaming-clock-full-int4": row(1.6159, 2.0, 2.0),  # 500x both ways under 1.01x: met
+                   "streaming-clock-hetero-dylu": row(1.6161, 1.0, 1.0)})  # above 1.01x
+    assert out["concurrent"]["received_ratio_vs_dp"] == pytest.approx(250.0)
+    assert out["concurrent"]["both_ways_met"] is False
+    assert out["concurrent_in_step"]["method"] == "streaming-clock-full-int4"
+    assert out["concurrent_in_step"]["loss_ratio_vs_dp"] == pytest.approx(1.6159 / 1.6)
+    assert out["concurrent_in_step"]["both_ways_met"] is True
+    assert out["concurrent_hetero"]["both_ways_met"] is False
+    assert "concurrent_in_step" not in _ratios({"dp": dp})  # only the rows that ran
+
+
 # ---- smoke runs ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_quality_quick_smoke(tmp_path) -> None:
