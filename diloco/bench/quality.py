@@ -98,15 +98,15 @@ def run_quality(cfg: Config, methods: tuple[Method, ...], steps: int, num_seeds:
     return out
 
 
-CONCURRENT_KEYS = (("concurrent", CONCURRENT_METHOD), ("concurrent_in_step", CONCURRENT_IN_STEP_METHOD),
-                   ("concurrent_hetero", CONCURRENT_HETERO_METHOD))
-WHAT = {"concurrent": "learners computing at once", "concurrent_in_step": "computing at once, in step",
-        "concurrent_hetero": "computing at once, half of them 2x slower"}
+# the rows computing at once: their JSON key, method and what the printed line calls them
+CONCURRENT_ROWS = (("concurrent", CONCURRENT_METHOD, "learners computing at once"),
+                   ("concurrent_in_step", CONCURRENT_IN_STEP_METHOD, "computing at once, in step"),
+                   ("concurrent_hetero", CONCURRENT_HETERO_METHOD, "computing at once, half of them 2x slower"))
 
 
 def _ratios(methods: dict[str, Any]) -> dict[str, Any]:
     """The targets' ratios of decoupled-int4 (cohorts taking turns), and, for each of the rows computing at once
-    that ran, the same under its CONCURRENT_KEYS key with `both_ways_met` (>= 400x less both ways at <= 1.01x)."""
+    that ran, the same under its CONCURRENT_ROWS key with `both_ways_met` (>= 400x less both ways at <= 1.01x)."""
     dp, dec = methods.get("dp"), methods.get("decoupled-int4")
     out: dict[str, Any] = {"loss_ratio_vs_dp": None, "traffic_ratio_vs_dp": None}
     if dp and dec:
@@ -114,7 +114,7 @@ def _ratios(methods: dict[str, Any]) -> dict[str, Any]:
         out["targets"] = {"loss_ratio_max": TARGET_LOSS_RATIO, "traffic_ratio_min": TARGET_TRAFFIC_RATIO,
                           "loss_met": out["loss_ratio_vs_dp"] <= TARGET_LOSS_RATIO,
                           "traffic_met": out["traffic_ratio_vs_dp"] >= TARGET_TRAFFIC_RATIO}
-    for key, name in CONCURRENT_KEYS:
+    for key, name, _ in CONCURRENT_ROWS:
         if dp and methods.get(name):
             ratios = _ratio_of(dp, methods[name])
             out[key] = {"method": name, **ratios, "both_ways_met": _both_ways(ratios)}
@@ -174,11 +174,11 @@ def _print_table(result: dict[str, Any]) -> None:
         Console().print(f"decoupled int4 / DP (cohorts taking turns): loss ratio {result['loss_ratio_vs_dp']:.4f} "
                         f"(target <= {TARGET_LOSS_RATIO}), traffic {result['traffic_ratio_vs_dp']:.0f}x less sent "
                         f"(target >= {TARGET_TRAFFIC_RATIO:.0f}x), {result['received_ratio_vs_dp']:.0f}x less received")
-    for key, _ in CONCURRENT_KEYS:
+    for key, _, what in CONCURRENT_ROWS:
         if result.get(key):
             c = result[key]
             met = "met" if c["both_ways_met"] else "not met"
-            Console().print(f"{c['method']} / DP ({WHAT[key]}): loss ratio {c['loss_ratio_vs_dp']:.4f}, "
+            Console().print(f"{c['method']} / DP ({what}): loss ratio {c['loss_ratio_vs_dp']:.4f}, "
                             f"{c['traffic_ratio_vs_dp']:.0f}x less sent, "
                             f"{c['received_ratio_vs_dp']:.0f}x less received (>= {BOTH_WAYS_TRAFFIC_RATIO:.0f}x "
                             f"both ways at <= {BOTH_WAYS_LOSS_RATIO}x: {met})")
