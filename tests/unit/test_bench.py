@@ -122,6 +122,7 @@ def test_counting_store_views_count_too(tmp_path) -> None:
     store.reset()
     assert sum(quick.sent.values()) == 0
 
+
 def test_rows_computing_at_once_report_the_both_ways_target() -> None:
     """Each concurrent row's ratios to DP and whether it is >= 400x less both ways at <= 1.01x DP's loss."""
     from diloco.bench.quality import _ratios
