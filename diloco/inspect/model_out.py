@@ -18,7 +18,7 @@ from pathlib import Path
 from torch import nn
 
 from diloco.run.context import RunContext, RunError
-from diloco.run.objects import read_tensors
+from diloco.run.objects import read_committed
 from diloco.storage import NotFound, latest_version, read_manifest
 from diloco.training.model import set_params
 from diloco.training.spec import SpecError, TrainSpec
@@ -38,8 +38,8 @@ def version_params(ctx: RunContext, version: int | None = None) -> tuple[int, Te
         manifest = read_manifest(ctx.store, ctx.keys, version)
     except NotFound:
         raise RunError(f"run {ctx.run_id!r} has no committed version {version}") from None
-    _, params = read_tensors(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
-                             checksum=manifest.params_checksum)
+    _, params = read_committed(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
+                               checksum=manifest.params_checksum, what=f"version {version}'s params")
     return version, params
 
 

@@ -26,7 +26,7 @@ from diloco.learner.learner import Learner, PhaseStats
 from diloco.learner.prefetch import Prefetcher, fetch_global
 from diloco.learner.publisher import Publisher, deferral
 from diloco.run.fragments import fragment_context
-from diloco.run.objects import encode_shipped, read_tensors
+from diloco.run.objects import encode_shipped, read_committed
 from diloco.run.signing import sign
 from diloco.storage import NotFound, StorageError, latest_version, manifest_exists, read_latest
 from diloco.storage.codec import CodecError
@@ -89,8 +89,9 @@ class FragmentLearner(Learner):
             keys = self.ctx.keys.for_fragment(lane.index)
             manifest = read_latest(self.ctx.store, keys)
             tokens_total = max(tokens_total, manifest.tokens_total)
-            _, glob = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
-                                   checksum=manifest.params_checksum)
+            _, glob = read_committed(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+                                     checksum=manifest.params_checksum,
+                                     what=f"fragment {lane.index}'s version {manifest.version} params")
             self.lanes.join(lane.index, manifest.version, glob, self._next_seq(keys, manifest), theta,
                             manifest.cursors.get(self.name, -1))
         self.cursor, self.trainer.step = self._last_position()

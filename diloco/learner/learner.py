@@ -27,7 +27,7 @@ from diloco.learner.state import QUICK_RETRIES, LearnerState
 from diloco.learner.world import CLOCK, FULL, PARAMS, RESET, STOP, World, slice_batch
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
-from diloco.run.objects import encode_shipped, encode_tensors, read_tensors
+from diloco.run.objects import encode_shipped, encode_tensors, read_committed
 from diloco.run.signing import learner_key, sign
 from diloco.run.spec import load_run_spec
 from diloco.storage import Manifest, StorageError, latest_version, manifest_exists, read_latest
@@ -290,8 +290,8 @@ class Learner:
         self.events.emit("phase_failed", learner=self.name, version=self.state.base, reason=reason[:300],
                          unshipped_steps=self.state.steps_since_publish, t_start=t0)
         manifest = read_latest(self.ctx.store, self.ctx.keys)
-        _, glob = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
-                               checksum=manifest.params_checksum)
+        _, glob = read_committed(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+                                 checksum=manifest.params_checksum, what=f"version {manifest.version}'s params")
         self._set_theta(clone(glob))
         self.trainer.reset_optimizer()
         if self.world is not None:

@@ -5,7 +5,8 @@ Contract: fetch_global(base, glob, version) returns G_version with the exact bit
 merger hold (G_v = G_{v-1} + decode(update_v)); inputs are not modified. A Prefetcher polls for version
 base+1, fetches everything up to the newest version and hands it over with `take()` — the training
 thread installs without a single request to the bucket; storage trouble is logged and retried on the
-next poll, never raised; `rebase` follows an install made another way (a sync wait, a resume).
+next poll, never raised; a corrupt committed object (CorruptObject) ends the thread and is raised by the next
+`take()`, on the training thread; `rebase` follows an install made another way (a sync wait, a resume).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import threading
 
 from diloco.run.context import RunContext
-from diloco.run.objects import read_tensors
+from diloco.run.objects import CorruptObject, read_committed
 from diloco.storage import Manifest, StorageError, latest_version, manifest_exists, read_manifest
 from diloco.storage.codec import CodecError
 from diloco.storage.store import Store
@@ -31,11 +32,13 @@ def fetch_global(ctx: RunContext, store: Store, base: int, glob: Tensors, versio
         out = clone(glob)
         for v in range(base + 1, version + 1):
             m = read_manifest(store, ctx.keys, v)
-            _, update = read_tensors(store, m.update_key, fingerprint=ctx.fingerprint, checksum=m.update_checksum)
+            _, update = read_committed(store, m.update_key, fingerprint=ctx.fingerprint, checksum=m.update_checksum,
+                                       what=f"version {v}'s update")
             add_(out, update)
         return out, m
     m = read_manifest(store, ctx.keys, version)
-    _, params = read_tensors(store, m.params_key, fingerprint=ctx.fingerprint, checksum=m.params_checksum)
+    _, params = read_committed(store, m.params_key, fingerprint=ctx.fingerprint, checksum=m.params_checksum,
+                               what=f"version {version}'s params")
     return params, m
 
 
@@ -52,14 +55,18 @@ class Prefetcher:
         self._ready_manifest: Manifest | None = None  # the manifest of the version in _ready
         self.taken_manifest: Manifest | None = None  # ... of the version the last take() handed over
         self._stop = threading.Event()
+        self._fatal: CorruptObject | None = None  # raised by take(): no retry can fetch past a corrupt object
         self.fetches = 0  # versions fetched (for a report)
         self._thread = threading.Thread(target=self._run, name=f"prefetch-{name}", daemon=True)
         self._thread.start()
 
     def take(self) -> tuple[int, Tensors] | None:
         """(version, G_version) fetched since the last take, the newest only; None when nothing new.
-        `taken_manifest` is then that version's manifest (the run's clock, the learner's cursor)."""
+        `taken_manifest` is then that version's manifest (the run's clock, the learner's cursor). CorruptObject
+        when the thread met one."""
         with self._lock:
+            if self._fatal is not None:
+                raise self._fatal
             ready, self._ready = self._ready, None
             if ready is not None:
                 self.taken_manifest = self._ready_manifest
@@ -82,6 +89,10 @@ class Prefetcher:
                 self._poll()
             except (StorageError, CodecError) as err:
                 log.warning("learner %s: prefetch failed (%s); retrying", self.name, err)
+            except CorruptObject as err:
+                with self._lock:
+                    self._fatal = err
+                return
             self._stop.wait(self.poll_s)
 
     def _poll(self) -> None:

@@ -17,7 +17,7 @@ from diloco.learner.local_state import LocalState, Saved
 from diloco.learner.state import QUICK_RETRIES, LearnerState
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
-from diloco.run.objects import read_tensors
+from diloco.run.objects import read_committed, read_tensors
 from diloco.storage import Manifest, NotFound, StorageError, Store, read_latest
 from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
@@ -58,8 +58,8 @@ def resume(ctx: RunContext, name: str, *, local: LocalState | None, events: Even
     manifest = read_latest(ctx.store, ctx.keys)
     if manifest is None:
         raise RuntimeError(f"run {ctx.run_id} has no committed version")
-    _, params = read_tensors(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
-                             checksum=manifest.params_checksum)
+    _, params = read_committed(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
+                               checksum=manifest.params_checksum, what=f"version {manifest.version}'s params")
     state = LearnerState.at_version(manifest.version, params, next_seq(ctx, name, manifest),
                                     manifest.cursors.get(name, -1))
     set_theta(clone(params))

@@ -30,7 +30,7 @@ from diloco.run.context import RunContext, direct_names
 from diloco.run.controls import read_ops
 from diloco.run.events import EventLog
 from diloco.run.heap import release_freed_memory
-from diloco.run.objects import put_checksummed, write_state
+from diloco.run.objects import put_checksummed, verify_written, write_state
 from diloco.run.signing import SigningError
 from diloco.run.target import Target
 from diloco.storage import (
@@ -330,6 +330,7 @@ class Merger:
         self.stage_hook("writing")
         params_key, update_key, outer_key = keys.params(version, nonce), keys.update(version, nonce), keys.outer(version, nonce)
         update_sum, update_bytes = put_checksummed(store, update_key, result.update_bytes), len(result.update_bytes)
+        verify_written(store, update_key, update_sum, f"version {version}'s update")  # what every learner installs
         consume = not self.keep_state  # each tensor freed once encoded: the object and the tensors never both whole
         if consume:
             result.update_bytes = b""

@@ -13,7 +13,7 @@ import torch
 
 from diloco.merger.step import OuterState
 from diloco.run.context import RunContext
-from diloco.run.objects import decode_tensors, read_checked, read_tensors
+from diloco.run.objects import decode_tensors, read_checked, read_committed
 from diloco.storage import Manifest
 from diloco.storage.codec import read_header
 from diloco.training.tensors import Tensors, same_layout
@@ -45,8 +45,9 @@ class VersionState:
     def params(self) -> Tensors:
         if self._params is None:
             manifest = self.manifest
-            _, self._params = read_tensors(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
-                                           checksum=manifest.params_checksum)
+            _, self._params = read_committed(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
+                                             checksum=manifest.params_checksum,
+                                             what=f"version {manifest.version}'s params")
         return self._params
 
     @property

@@ -16,6 +16,7 @@ import torch
 from diloco.run.context import RunContext, RunError
 from diloco.run.events import EventLog
 from diloco.run.fragments import read_run_version, run_version
+from diloco.run.objects import CorruptObject
 from diloco.run.spec import build_model, check_layout, load_run_spec
 from diloco.storage import NotFound, StorageError
 from diloco.storage.records import EvalRecord, RecordError, read_record, write_record
@@ -106,6 +107,10 @@ def run_evaluator(evaluator: Evaluator, *, should_stop: Callable[[], bool], poll
         except (StorageError, NotFound) as err:
             log.warning("evaluation of version %d skipped: %s", version, err)
             return False
+        except CorruptObject as err:  # that version cannot be read, ever: an incident, and the next ones go on
+            log.error("evaluation of version %d impossible: %s", version, err)
+            evaluator.events.emit("corrupt_object", version=version, reason=str(err)[:500])
+            evaluator.done.add(version)
         return True
 
     while not should_stop():

@@ -14,7 +14,7 @@ import torch
 
 from diloco.configs import ConfigError
 from diloco.run.context import RunContext
-from diloco.run.objects import read_tensors
+from diloco.run.objects import read_committed
 from diloco.storage import latest_version, read_manifest
 from diloco.storage.store import Store
 from diloco.training.fragments import FragmentError, fragment_layout, plan_fragments, put_
@@ -77,15 +77,15 @@ def read_run_version(ctx: RunContext, version: int) -> tuple[Tensors, int, float
     fragments every fragment's version `version` put together (the tokens every fragment merged: the minimum)."""
     if not ctx.fragments:
         manifest = read_manifest(ctx.store, ctx.keys, version)
-        _, params = read_tensors(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
-                                 checksum=manifest.params_checksum)
+        _, params = read_committed(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
+                                   checksum=manifest.params_checksum, what=f"version {version}'s params")
         return params, manifest.tokens_total, manifest.created_at
     params = {e["name"]: torch.zeros(e["shape"], dtype=torch.float32) for e in ctx.layout}
     tokens, committed = [], []
     for index, fragment in enumerate(ctx.fragments):
         manifest = read_manifest(ctx.store, ctx.keys.for_fragment(index), version)
-        _, part = read_tensors(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
-                               checksum=manifest.params_checksum)
+        _, part = read_committed(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
+                                 checksum=manifest.params_checksum, what=f"fragment {index}'s version {version} params")
         put_(params, fragment, part)
         tokens.append(manifest.tokens_total)
         committed.append(manifest.created_at)

@@ -11,12 +11,20 @@ from typing import Any
 
 import torch
 
+from diloco.run.context import RunError
 from diloco.run.heap import release_freed_memory
 from diloco.storage import codec
 from diloco.storage.store import Store
 from diloco.training.tensors import Tensors, to_numpy, to_torch
 
 TRIM_EVERY_BYTES = 64 << 20  # a consuming encode returns freed memory this often
+# reads of a committed object before it is declared corrupt: committed objects are written once and never change,
+# so a check that fails on three fresh GETs is the object's own fault (a torn or damaged transfer fails once)
+COMMITTED_READS = 3
+
+
+class CorruptObject(RunError):
+    """An object a manifest commits fails its checks on every read: no retry or restart can fix it."""
 
 
 def encode_tensors(
@@ -103,5 +111,38 @@ def read_tensors(
     store: Store, key: str, *, fingerprint: str | None = None, checksum: str | None = None,
     max_bytes: int | None = None,
 ) -> tuple[codec.Header, Tensors]:
-    """Get, verify the recorded checksum (when given), decode."""
-    return decode_tensors(read_checked(store, key, checksum), fingerprint=fingerprint, max_bytes=max_bytes)
+    """Get, verify the recorded checksum (when given), decode; a CodecError names the key."""
+    data = read_checked(store, key, checksum)
+    try:
+        return decode_tensors(data, fingerprint=fingerprint, max_bytes=max_bytes)
+    except codec.CodecError as err:
+        raise codec.CodecError(f"{key}: {err}") from None
+
+
+def read_committed(store: Store, key: str, *, checksum: str, fingerprint: str | None = None,
+                   what: str = "") -> tuple[codec.Header, Tensors]:
+    """read_tensors of an object a manifest commits (`what` says which, e.g. "version 7's update"): a failed check
+    is read again, COMMITTED_READS reads in all, then CorruptObject naming the object — the caller stops instead
+    of retrying forever. StorageError (the bucket, not the object) passes through for the caller to retry."""
+    for _ in range(COMMITTED_READS):
+        try:
+            return read_tensors(store, key, fingerprint=fingerprint, checksum=checksum)
+        except codec.CodecError as err:
+            failure = err
+    raise CorruptObject(f"{what or 'the committed object'} {key} is corrupt ({failure}; read {COMMITTED_READS} "
+                        "times). A committed object never changes, so no retry or restart can fix this: "
+                        "`diloco audit` names every corrupt object, and `diloco fork --at-version V` continues "
+                        "the run from the last good version") from None
+
+
+def verify_written(store: Store, key: str, checksum: str, what: str) -> None:
+    """Read back an object just put, before a manifest may name it: the same checksum, and the codec's own checks
+    pass (header and payload crc). CorruptObject naming it otherwise: nothing that cannot be read is committed."""
+    data = store.get(key)
+    try:
+        if codec.object_checksum(data) != checksum:
+            raise codec.CodecError(f"read back with checksum {codec.object_checksum(data)}, written {checksum}")
+        codec.verify(data)
+    except codec.CodecError as err:
+        raise CorruptObject(f"the merger wrote {what} {key} and read it back corrupt ({err}); "
+                            "it commits nothing it cannot read") from None

@@ -44,7 +44,7 @@ from diloco.storage.codec.payload import (
 )
 
 __all__ = ["CODECS", "FORMAT_VERSION", "MAGIC", "CodecError", "Encoder", "Header", "TensorSpec", "decode", "encode",
-           "fingerprint_of", "object_checksum", "read_header"]
+           "fingerprint_of", "object_checksum", "read_header", "verify"]
 
 
 def _as_input(name: Any, value: Any) -> np.ndarray:
@@ -150,6 +150,15 @@ def encode(
     for name, value in tensors.items():
         encoder.add(name, value)
     return encoder.finish()
+
+
+def verify(data: bytes) -> Header:
+    """The checks decode() makes before it decodes, and nothing allocated: a valid header, sizes that agree, the
+    payload's crc32. CodecError when any fails."""
+    layout = read_layout(data, None, allow_partial=False)
+    if zlib.crc32(memoryview(data).cast("B")[layout.payload_offset :]) != layout.payload_crc32:
+        raise CodecError("payload checksum mismatch: the payload is corrupt")
+    return layout.header
 
 
 def decode(

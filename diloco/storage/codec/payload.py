@@ -129,8 +129,12 @@ def _from_bf16(h: np.ndarray) -> np.ndarray:
 
 
 def _shuffle(u8: np.ndarray, width: int) -> np.ndarray:
-    """(n*width,) bytes -> byte planes: all first bytes, then all second bytes, ..."""
-    return np.ascontiguousarray(u8.reshape(-1, width).T).reshape(-1)
+    """(n*width,) bytes -> byte planes: all first bytes, then all second bytes, ... Always a fresh array: a
+    transposing ascontiguousarray returns its input itself when it is one value (a (width, 1) view is already
+    contiguous), and a caller that changes the tensor after encoding it would change the stream beneath the crc."""
+    out = np.empty(u8.size, np.uint8)
+    out.reshape(width, -1)[...] = u8.reshape(-1, width).T
+    return out
 
 
 def _unshuffle(u8: np.ndarray, width: int) -> np.ndarray:
