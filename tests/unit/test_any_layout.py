@@ -40,7 +40,7 @@ from diloco.training.tensors import clone
 LEVELS = {"int8": 127, "int4": 7, "int3": 3, "int2": 1, "nf2": 1}
 # lengths at the edges of every block size the codecs use (256; int3's 512) and of every pack (2 and 4 a byte)
 EDGES = [0, 1, 2, 3, 4, 5, 7, 255, 256, 257, 511, 512, 513]
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
