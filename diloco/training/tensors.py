@@ -17,7 +17,8 @@ def to_numpy(tensors: Tensors) -> dict[str, np.ndarray]:
 
 
 def to_torch(arrays: dict[str, np.ndarray]) -> Tensors:
-    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in arrays.items()}
+    """fp32 torch tensors of the arrays, shapes kept (a 0-d array stays 0-d: ascontiguousarray alone makes it 1-d)."""
+    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32).reshape(np.shape(v))) for k, v in arrays.items()}
 
 
 def add_(target: Tensors, other: Tensors, alpha: float = 1.0) -> None:
