@@ -4,15 +4,20 @@ keep` (the behaviour before buffers were merged: the evaluator's model keeps the
 not and is warned once at creation; audit replays the merged buffers bit for bit; the safetensors export, the
 sampled model, a fork and a (re)joining learner carry the version's buffers; a delta with missing or wrong buffers is
 rejected with a reason and the merge goes on, a merge without any learner's buffers carries its parent's forward;
-a fragmented run carries the buffers with fragment 0's chain.
+a fragmented run carries the buffers with fragment 0's chain; a 2-rank learner ships rank 0's; a learner resumed from
+its local state keeps its own.
 
-Run: .venv/bin/pytest tests/integration/test_buffers.py -q   (about 10 s on 2 cores: everything in-process)
+Run: .venv/bin/pytest tests/integration/test_buffers.py -q   (about 15 s on 2 cores: one learner process, the rest
+in-process)
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,12 +32,14 @@ from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.merger.shard import ShardMerger
 from diloco.run.buffers import run_buffers
+from diloco.run.context import open_run
 from diloco.run.create import create_run
 from diloco.run.evaluator import Evaluator
 from diloco.run.fork import fork_run
 from diloco.run.fragments import run_version
-from diloco.run.objects import encode_shipped
+from diloco.run.objects import encode_shipped, read_tensors
 from diloco.storage import open_store, read_latest, read_manifest
+from diloco.storage.records import LearnerStatus, read_record
 from diloco.training.buffers import get_buffers
 
 ROUNDS = 8
@@ -198,3 +205,34 @@ def test_a_learner_resumed_from_its_local_state_keeps_its_own_buffers(tmp_path, 
     assert all(torch.equal(get_buffers(second.model, ctx.buffers)[k], v) for k, v in own.items())
     assert own["body.1.num_batches_tracked"].item() == 10  # its own, not version 0's initial ones
     second.close()
+
+
+def test_a_two_rank_learner_ships_rank_zeros_buffers(tmp_path, spec_path) -> None:
+    ctx = _create(tmp_path, spec_path, "ranks", **{"learner.ranks": 2, "run.num_learners": 1, "merger.quorum": 1})
+    done = subprocess.run([sys.executable, "-m", "diloco.launch", "learner", "--storage", ctx.store.url, "--run-id",
+                           "ranks", "--name", "local-0", "--phases", "2"], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    header, delta = read_tensors(ctx.store, ctx.keys.delta("local-0", 1))
+    assert header.meta["buffers"] == 3 and delta["body.1.num_batches_tracked"].item() == 20  # rank 0's own steps
+    assert read_record(ctx.store, ctx.keys.status("local-0"), LearnerStatus).ranks == 2
+    merger = Merger(ctx)
+    merger.load()
+    assert [d.seq for d in merger.merge_once().merged()] == [0, 1]
+    assert torch.equal(run_buffers(ctx, 1)["body.1.running_mean"], delta["body.1.running_mean"])
+
+
+def test_a_run_made_before_buffers_were_merged_runs_as_before(tmp_path, spec_path) -> None:
+    ctx = _create(tmp_path, spec_path, "old")
+    record = json.loads(ctx.store.get(ctx.keys.run_json()))
+    del record["buffers"]  # what older code wrote: no buffers list
+    ctx.store.put(ctx.keys.run_json(), json.dumps(record).encode())
+    old = open_run(ctx.store, "old")
+    assert old.buffers == [] and old.fingerprint == ctx.fingerprint  # the layout's fingerprint: buffers never in it
+    _train(old, rounds=2)
+    header, _ = read_tensors(old.store, old.keys.delta("local-0", 1))
+    assert "buffers" not in header.meta and all(t.codec is None for t in header.tensors)
+    manifest = json.loads(old.store.get(old.keys.manifest(2)))
+    assert "buffers_key" not in manifest and "buffers_checksum" not in manifest
+    report = audit_run(old)
+    assert report.ok and report.replay_ok, report.problems
