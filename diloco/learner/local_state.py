@@ -3,9 +3,9 @@
 Contract: the learner writes its whole state here (atomically: a temporary file, then a rename) at
 every publish and every `learner.local_state_every_steps` steps — theta, r, the installed global,
 the AdamW state, the model's buffers the run merges, next seq, base version, data cursor, the steps and
-tokens not shipped yet — and keeps each delta's bytes in a spool until its upload has landed. A learner process restarted on the
-same host resumes from it: no download, no repeated phase, and no delta lost to a crash while the
-bucket was unreachable. It is a cache: the bucket stays the truth (the learner checks it, when it can,
+tokens not shipped yet — and keeps each delta's bytes in a spool until its upload has landed. A learner
+process restarted on the same host resumes from it: no download, no repeated phase, and no delta lost to
+a crash while the bucket was unreachable. It is a cache: the bucket stays the truth (the learner checks it, when it can,
 and drops a state the bucket has moved past), and it survives a process crash, not a lost host.
 
 Writes run on a background thread, in order (a spool file is always written before the state that
