@@ -2,7 +2,7 @@
 token-weighted mean, fp64 sums; integer and bool: the maximum; nothing added: None, so the parent's carry forward),
 loading values back into a model, and every way a delta's buffers are refused before a merge sees them.
 
-Run: .venv/bin/pytest tests/unit/test_buffers.py -q
+Run: .venv/bin/pytest tests/unit/test_buffer_merge.py -q
 """
 
 from __future__ import annotations
