@@ -86,6 +86,11 @@ class OuterConfig(_Strict):
     # A merge that carries fewer steps than a full round (every learner's phase) moves the global
     # by that share only; otherwise K=1 merges each apply a whole outer step and momentum overshoots.
     partial_scaling: bool = True
+    # The model's persistent buffers (BatchNorm's running statistics, ...): "mean" ships them with every delta and
+    # merges them (float: the token-weighted mean; integer and bool: the maximum), so the evaluated and exported
+    # model holds them; "keep": each learner keeps its own and the run's model keeps the initial ones (warned once
+    # at creation, naming them). docs/ENGINE.md, "Buffers".
+    buffers: Literal["mean", "keep"] = "mean"
 
 
 class ExperimentalConfig(_Strict):

@@ -1,5 +1,5 @@
 """`audit`: prove a run's history — contiguous manifests, checksums, at-most-once merging, every
-delta decided, and a bit-for-bit replay of every merge from the stored objects.
+delta decided, and a bit-for-bit replay of every merge from the stored objects (the merged buffers too).
 
 Contract: read-only; returns every problem found rather than stopping at the first.
 """
@@ -123,7 +123,7 @@ def _parent_state(ctx: RunContext, prev: Manifest):
 
 def _legacy_stream(ctx: RunContext, prev: Manifest, m: Manifest, params):
     """A manifest written before the guard (no GuardState): the merged deltas as recorded, run.json's config."""
-    stream = gradient_stream(params, prev.version, ctx.cfg.outer, direct_names(ctx, params))
+    stream = gradient_stream(params, prev.version, ctx.cfg.outer, direct_names(ctx, params), ctx.buffers)
     group: LearnerGroup | None = None
     for d in m.merged():  # a learner's deltas are contiguous, in the merger's order
         if group is not None and group.learner != d.learner:
@@ -153,6 +153,7 @@ def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport, keyring=
             report.problem(f"version {m.version}: replay could not read its inputs: {err}")
             continue
         _compare_replay(ctx, m, result, report)
+        _compare_buffers(ctx, prev, m, result.buffers, report)
 
 
 def same_update(ctx: RunContext, m: Manifest, replayed: bytes) -> bool:
@@ -185,6 +186,24 @@ def _compare_replay(ctx: RunContext, m: Manifest, result, report: AuditReport) -
         report.problem(f"version {m.version}: replayed outer state differs from the committed one")
 
 
+def _compare_buffers(ctx: RunContext, prev: Manifest, m: Manifest, merged, report: AuditReport) -> None:
+    """The version's buffers object holds the replayed merge of the learners' buffers, bit for bit, or (no learner's
+    buffers merged) its parent's bytes."""
+    if not ctx.buffers or not m.buffers_key:
+        return  # a version without buffers is reported by audit_run
+    if merged is None:
+        same = m.buffers_checksum == prev.buffers_checksum
+    else:
+        try:
+            _, stored = read_tensors(ctx.store, m.buffers_key, checksum=m.buffers_checksum)
+        except (StorageError, CodecError):
+            return  # reported by audit_run's checksum check
+        same = list(stored) == list(merged) and all(torch.equal(stored[k], merged[k]) for k in merged)
+    if not same:
+        report.replay_ok = False
+        report.problem(f"version {m.version}: replayed buffers differ from the committed ones")
+
+
 def audit_run(ctx: RunContext, do_replay: bool = True, keyring: dict[str, list[bytes]] | None = None) -> AuditReport:
     """Every check; `keyring` (learner -> keys) lets the replay verify signatures of a signed run."""
     if ctx.fragments:  # every fragment's chain on its own (diloco.inspect.audit_fragments)
@@ -198,6 +217,10 @@ def audit_run(ctx: RunContext, do_replay: bool = True, keyring: dict[str, list[b
         _check_object(ctx, m.params_key, m.params_checksum, f"version {m.version} params", report)
         if m.version > 0:
             _check_object(ctx, m.update_key, m.update_checksum, f"version {m.version} update", report)
+        if m.buffers_key:
+            _check_object(ctx, m.buffers_key, m.buffers_checksum, f"version {m.version} buffers", report)
+        elif ctx.buffers:
+            report.problem(f"version {m.version}: no buffers object, where the run merges {len(ctx.buffers)} buffers")
     check_decisions(ctx, chain, report)
     check_controls(ctx, chain, report)
     if do_replay:

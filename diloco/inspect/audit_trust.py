@@ -102,8 +102,8 @@ def replay_decisions(ctx: RunContext, prev: Manifest, m: Manifest, params, repor
     if [e.model_dump() for e in policy.entries] != [e.model_dump() for e in m.controls]:
         report.problem(f"version {m.version}: the control ops replay differently than recorded")
     judge = Judge(ctx.run_id, ctx.fingerprint, prev.version, params, policy,
-                  keyring if ctx.cfg.learner.sign else None)
-    stream = gradient_stream(params, prev.version, policy.cfg.outer, direct_names(ctx, params))
+                  keyring if ctx.cfg.learner.sign else None, buffers=ctx.buffers)
+    stream = gradient_stream(params, prev.version, policy.cfg.outer, direct_names(ctx, params), ctx.buffers)
     group: LearnerGroup | None = None
     for d in m.decisions:
         if d.status == "lost":

@@ -38,7 +38,7 @@ def collect_orphans(ctx: RunContext, *, min_age_s: float = DEFAULT_MIN_AGE_S, dr
 def _collect_chain(ctx: RunContext, report: GcReport, min_age_s: float, dry_run: bool, now: float | None) -> GcReport:
     referenced = set()
     for m in manifests(ctx):
-        referenced.update(k for k in (m.params_key, m.update_key, m.outer_key) if k)
+        referenced.update(k for k in (m.params_key, m.update_key, m.outer_key, m.buffers_key) if k)
     report.referenced += len(referenced)
     now = time.time() if now is None else now
     for key in ctx.store.list(ctx.keys.global_prefix()):

@@ -2,21 +2,25 @@
 and exports (safetensors; the spec's own format, e.g. a Hugging Face save_pretrained folder).
 
 Contract: `version_params` and `export_safetensors` need no user code (the bucket's tensors and the run's
-layout); `load_model`, `sample` and `export_native` build the run's spec (user code) and check its layout.
+layout); `load_model`, `sample` and `export_native` build the run's spec (user code) and check its layout. Every
+one of them carries the version's merged buffers when the run merges buffers (run.json's `buffers`).
 Every export is written to a temporary name and renamed, so a failed export leaves nothing half-written.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from torch import nn
 
+from diloco.run.buffers import install_run_buffers, run_buffers
 from diloco.run.context import RunContext, RunError
 from diloco.run.objects import read_committed
 from diloco.storage import NotFound, latest_version, read_manifest
@@ -74,6 +78,7 @@ def load_model(ctx: RunContext, version: int | None = None) -> tuple[TrainSpec, 
     check_layout(ctx, model, "the export")
     version, params = version_params(ctx, version)
     set_params(model, params)
+    install_run_buffers(ctx, model, version)
     model.eval()
     return spec, model, version
 
@@ -103,13 +108,19 @@ def _atomic_file(out: Path, write) -> Path:
 
 
 def export_safetensors(ctx: RunContext, out: Path, version: int | None = None) -> tuple[Path, int]:
-    """The version's parameters (names as in the layout, tied weights once) as one safetensors file."""
+    """The version's parameters (names as in the layout, tied weights once) as one safetensors file, and its merged
+    buffers under their names in their own dtypes (metadata `buffers`: their names, JSON)."""
     from safetensors.torch import save_file
 
     version, params = version_params(ctx, version)
     metadata = {"run_id": ctx.run_id, "version": str(version), "fingerprint": ctx.fingerprint,
                 "spec": ctx.cfg.spec, "format": "diloco.params"}
     tensors = {k: v.contiguous() for k, v in params.items()}
+    buffers = run_buffers(ctx, version)
+    if buffers is not None:
+        dtypes = {e["name"]: getattr(torch, e["dtype"]) for e in ctx.buffers}
+        tensors.update({k: v.to(dtypes[k]).contiguous() for k, v in buffers.items()})
+        metadata["buffers"] = json.dumps(list(buffers))
     return _atomic_file(out, lambda tmp: save_file(tensors, tmp, metadata=metadata)), version
 
 

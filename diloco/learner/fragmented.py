@@ -8,8 +8,9 @@ version deciding it. With `learner.prefetch` each lane has its own Prefetcher (a
 the training thread installs what it fetched at the next step a lane may install, without a request. With
 `learner.encode_in_background` (auto: on CUDA) a ship takes the delta and its seq at its step and the encoder's
 thread encodes it; the training thread completes it (error feedback, upload, event) at a later step, and before
-that lane's next ship or install: the same bits as encoding inline. Not supported yet with fragments (refused or
-off): learner.ranks > 1, local state, bucket checkpoints.
+that lane's next ship or install: the same bits as encoding inline. The buffers the run merges ship with fragment 0's
+deltas and are loaded from fragment 0's version at a (re)join. Not supported yet with fragments (refused or off):
+learner.ranks > 1, local state, bucket checkpoints.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from diloco.learner.lanes import Lanes
 from diloco.learner.learner import Learner, PhaseStats
 from diloco.learner.prefetch import Prefetcher, fetch_global
 from diloco.learner.publisher import Publisher, deferral
+from diloco.run.buffers import install_buffers
 from diloco.run.fragments import fragment_context
 from diloco.run.objects import encode_shipped, read_committed
 from diloco.run.signing import sign
@@ -32,6 +34,7 @@ from diloco.storage import NotFound, StorageError, latest_version, manifest_exis
 from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
 from diloco.storage.records import LearnerStatus, RecordError, read_record
+from diloco.training.buffers import get_buffers
 from diloco.training.fragments import take
 from diloco.training.tensors import Tensors
 
@@ -94,6 +97,8 @@ class FragmentLearner(Learner):
                                      what=f"fragment {lane.index}'s version {manifest.version} params")
             self.lanes.join(lane.index, manifest.version, glob, self._next_seq(keys, manifest), theta,
                             manifest.cursors.get(self.name, -1))
+            if lane.index == 0:  # the run's buffers ride with fragment 0's chain
+                install_buffers(self.ctx, self.model, manifest)
         self.cursor, self.trainer.step = self._last_position()
         self.run_clock(tokens_total)  # inner.schedule_clock "run": the newest fragment's clock
         self._open_batches()
@@ -248,8 +253,10 @@ class FragmentLearner(Learner):
         meta = {"learner": self.name, "seq": lane.seq, "base_version": lane.base, "tokens": lane.tokens,
                 "steps": lane.steps, "phase_time_s": time.time() - self.phase_t0, "train_loss": self.loss_ema,
                 "created_at": time.time(), "fragment": index}
+        buffers = get_buffers(self.model, self.ctx.buffers) if index == 0 else None  # copies, taken now
         encode = functools.partial(encode_shipped, delta, codec_name=cfg.learner.codec, kind="delta",
-                                   fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
+                                   fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle,
+                                   buffers=buffers)
         encoded = encode() if self.encoder is None else None  # inline: a failure leaves the lane as it was
         seq, steps, tokens = self.lanes.take(index, self.steps_done)
         job = _Shipping(index, seq, steps, tokens, lane.base, stats)

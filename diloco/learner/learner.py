@@ -7,24 +7,24 @@ and `r = G`. The learner never waits for anyone, except in `sync` mode, the sync
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from diloco.learner.courier import Courier
 from diloco.learner.local_state import LocalState
 from diloco.learner.pace import Pace
+from diloco.learner.phase_stats import PhaseStats
 from diloco.learner.prefetch import Prefetcher, fetch_global
 from diloco.learner.publisher import Publisher, deferral
 from diloco.learner.ranks import build_trainer, lead_step
 from diloco.learner.resume import resume
 from diloco.learner.state import QUICK_RETRIES, LearnerState
 from diloco.learner.world import CLOCK, FULL, PARAMS, RESET, STOP, World, slice_batch
+from diloco.run.buffers import install_buffers
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.objects import encode_shipped, encode_tensors, read_committed
@@ -33,6 +33,7 @@ from diloco.run.spec import load_run_spec
 from diloco.storage import Manifest, StorageError, latest_version, manifest_exists, read_latest
 from diloco.storage.codec import CodecError
 from diloco.storage.records import LearnerStatus, write_record
+from diloco.training.buffers import get_buffers, set_buffers
 from diloco.training.data import shard_of
 from diloco.training.inner import pick_device
 from diloco.training.model import get_flat_params, set_params
@@ -41,36 +42,6 @@ from diloco.training.tensors import Tensors, add_, clone, sub
 
 log = logging.getLogger("diloco.learner")
 HEARTBEAT_EVERY_S = 2.0  # status.json refresh while training; the supervisor's timeout is far longer
-
-
-@dataclass
-class PhaseStats:
-    seq: int = -1
-    steps: int = 0
-    tokens: int = 0
-    loss: float = float("nan")
-    phase_time_s: float = 0.0
-    stall_s: float = 0.0
-    installs: list[int] = field(default_factory=list)
-    delta_bytes: int = 0
-    compute_s: float = 0.0  # of phase_time_s: in inner steps (train_step), ...
-    install_s: float = 0.0  # ... installing merged versions (carry, and a fetch without a prefetcher) ...
-    ship_s: float = 0.0  # ... shipping fragments (delta, encode, error feedback) ...
-    save_s: float = 0.0  # ... and taking the local state's snapshots; the rest is the loop's own
-
-    @contextlib.contextmanager
-    def timed(self, part: str) -> Iterator[None]:
-        """Add the time the block takes to `part` (compute_s, install_s, ship_s or save_s)."""
-        start = time.time()
-        try:
-            yield
-        finally:
-            setattr(self, part, getattr(self, part) + time.time() - start)
-
-    def times(self) -> dict[str, float]:
-        """The phase event's breakdown of its duration_s (the summary's `busy` is compute_s over it)."""
-        return {"compute_s": round(self.compute_s, 4), "install_s": round(self.install_s, 4),
-                "ship_s": round(self.ship_s, 4), "save_s": round(self.save_s, 4)}
 
 
 class Learner:
@@ -125,7 +96,8 @@ class Learner:
         version with the bucket checkpoint's optimizer state and data cursor); returns the base version."""
         resumed = resume(self.ctx, self.name, local=self.local, events=self.events, set_theta=self._set_theta,
                          import_optimizer=self._import_optimizer, requeue=self._requeue,
-                         use_checkpoint=self.cfg.learner.checkpoint)
+                         use_checkpoint=self.cfg.learner.checkpoint,
+                         set_buffers=lambda values: set_buffers(self.model, values, self.ctx.buffers))
         self.state, self.cursor = resumed.state, resumed.cursor
         if resumed.tokens_total is not None:  # the run's clock as the resume read it (taken at the first step);
             self.run_clock(resumed.tokens_total)  # none in an outage: the own step count until an install
@@ -164,8 +136,8 @@ class Learner:
         opt, opt_meta = exported or self.trainer.export_state()
         meta = {"learner": self.name, "step": self.trainer.step, "cursor": self.cursor,
                 "optimizer": opt_meta, **self.state.meta()}
-        self.local.save({"theta": self.theta(), "ref": clone(self.state.ref), "glob": self.state.glob, "opt": opt},
-                        meta)
+        self.local.save({"theta": self.theta(), "ref": clone(self.state.ref), "glob": self.state.glob, "opt": opt,
+                         "buffers": get_buffers(self.model, self.ctx.buffers)}, meta)
 
     def heartbeat(self, state: str = "training", force: bool = False, wait: bool = False, **phase: float) -> None:
         """Refresh learners/<me>/status.json (at most every HEARTBEAT_EVERY_S unless forced);
@@ -293,6 +265,7 @@ class Learner:
         _, glob = read_committed(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
                                  checksum=manifest.params_checksum, what=f"version {manifest.version}'s params")
         self._set_theta(clone(glob))
+        install_buffers(self.ctx, self.model, manifest)  # a NaN may have reached the running statistics too
         self.trainer.reset_optimizer()
         if self.world is not None:
             self.world.pending |= PARAMS | RESET
@@ -329,7 +302,8 @@ class Learner:
             "created_at": time.time(),
         }
         data, shipped = encode_shipped(delta, codec_name=cfg.learner.codec, kind="delta",
-                                       fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle)
+                                       fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle,
+                                       buffers=get_buffers(self.model, self.ctx.buffers))  # its own, exactly
         add_(state.ref, shipped, alpha=-1.0)
         # one copy of the optimizer state for both snapshots (encoders only read it)
         exported = self.trainer.export_state() if cfg.learner.checkpoint or self.local is not None else None

@@ -2,10 +2,10 @@
 
 Contract: the learner writes its whole state here (atomically: a temporary file, then a rename) at
 every publish and every `learner.local_state_every_steps` steps — theta, r, the installed global,
-the AdamW state, next seq, base version, data cursor, the steps and tokens not shipped yet — and
-keeps each delta's bytes in a spool until its upload has landed. A learner process restarted on the
-same host resumes from it: no download, no repeated phase, and no delta lost to a crash while the
-bucket was unreachable. It is a cache: the bucket stays the truth (the learner checks it, when it can,
+the AdamW state, the model's buffers the run merges, next seq, base version, data cursor, the steps and
+tokens not shipped yet — and keeps each delta's bytes in a spool until its upload has landed. A learner
+process restarted on the same host resumes from it: no download, no repeated phase, and no delta lost to
+a crash while the bucket was unreachable. It is a cache: the bucket stays the truth (the learner checks it, when it can,
 and drops a state the bucket has moved past), and it survives a process crash, not a lost host.
 
 Writes run on a background thread, in order (a spool file is always written before the state that
@@ -42,13 +42,13 @@ ENV_DIR = "DILOCO_LOCAL_DIR"  # where learners keep their local state; default .
 DEFAULT_DIR = ".diloco/local"
 STATE_FILE = "state.bin"
 SPOOL_RE = re.compile(r"^delta-(\d{12})\.bin$")
-PARTS = ("theta", "ref", "glob", "opt")
+PARTS = ("theta", "ref", "glob", "opt", "buffers")  # buffers: the model's own that the run merges (may be none)
 
 
 @dataclass
 class Saved:
     meta: dict
-    parts: dict[str, Tensors]  # theta / ref / glob: the model's params; opt: the AdamW state tensors
+    parts: dict[str, Tensors]  # theta / ref / glob: the model's params; opt: the AdamW state tensors; buffers
 
 
 def local_root() -> Path:
@@ -115,7 +115,7 @@ class LocalState:
                 self._saving -= 1
 
     def _save_now(self, parts: dict[str, Tensors], meta: dict) -> None:
-        tensors = {f"{part}/{k}": v for part in PARTS for k, v in parts[part].items()}
+        tensors = {f"{part}/{k}": v for part in PARTS for k, v in parts.get(part, {}).items()}
         data = encode_tensors(tensors, codec_name="fp32", kind="state", fingerprint=self.fingerprint,
                                 meta={**meta, "identity": self.identity}, shuffle=False)
         self._write(STATE_FILE, data)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from diloco.learner.local_state import LocalState, Saved
 from diloco.learner.state import QUICK_RETRIES, LearnerState
+from diloco.run.buffers import read_buffers
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.objects import read_committed, read_tensors
@@ -48,11 +49,12 @@ def next_seq(ctx: RunContext, name: str, manifest: Manifest | None, store: Store
 
 def resume(ctx: RunContext, name: str, *, local: LocalState | None, events: EventLog, set_theta: SetTheta,
            import_optimizer: ImportOptimizer, requeue: Callable[[int, bytes], None],
-           use_checkpoint: bool = True) -> Resumed:
-    """Where the learner continues from; its model and optimizer are set on the way."""
+           use_checkpoint: bool = True, set_buffers: SetTheta | None = None) -> Resumed:
+    """Where the learner continues from; its model and optimizer are set on the way, and (`set_buffers`) the
+    buffers the run merges: the local state's own, or the version's from the bucket."""
     saved = local.load() if local is not None else None
     if saved is not None:
-        resumed = _from_local(ctx, name, saved, local, set_theta, import_optimizer, requeue)
+        resumed = _from_local(ctx, name, saved, local, set_theta, import_optimizer, requeue, set_buffers)
         if resumed is not None:
             return resumed
     manifest = read_latest(ctx.store, ctx.keys)
@@ -63,12 +65,15 @@ def resume(ctx: RunContext, name: str, *, local: LocalState | None, events: Even
     state = LearnerState.at_version(manifest.version, params, next_seq(ctx, name, manifest),
                                     manifest.cursors.get(name, -1))
     set_theta(clone(params))
+    if set_buffers is not None and (buffers := read_buffers(ctx, manifest)) is not None:
+        set_buffers(buffers)
     step, cursor = _from_checkpoint(ctx, name, events, import_optimizer) if use_checkpoint else (0, 0)
     return Resumed(state, cursor, step, tokens_total=manifest.tokens_total)
 
 
 def _from_local(ctx: RunContext, name: str, saved: Saved, local: LocalState, set_theta: SetTheta,
-                import_optimizer: ImportOptimizer, requeue: Callable[[int, bytes], None]) -> Resumed | None:
+                import_optimizer: ImportOptimizer, requeue: Callable[[int, bytes], None],
+                set_buffers: SetTheta | None = None) -> Resumed | None:
     """The local state, or None (and the state cleared) when the bucket moved past it or it does not fit."""
     meta = saved.meta
     quick = ctx.store.with_retries(QUICK_RETRIES)  # in an outage: resume at once, not after the retry budget
@@ -87,6 +92,8 @@ def _from_local(ctx: RunContext, name: str, saved: Saved, local: LocalState, set
             return None
         cursor = int(meta["cursor"])
         set_theta(saved.parts["theta"])  # first: a failed optimizer import below leaves the optimizer fresh
+        if set_buffers is not None and saved.parts.get("buffers"):  # its own running statistics (a save of a run
+            set_buffers(saved.parts["buffers"])  # without buffers has none)
         step = import_optimizer(saved.parts["opt"], meta.get("optimizer") or {})
     except (ValueError, KeyError, RuntimeError) as err:
         log.warning("learner %s: local state does not fit (%s); dropped", name, err)

@@ -96,4 +96,4 @@ def outer_step_in_place(params: Tensors, outer: OuterState | None, stream: Gradi
             pending[name] = t.new_pending
         del t, exact, shipped
     return StepResult(encoder.finish(), params, OuterState(momentum, residual, pending, new_share), normalised,
-                      float(torch.sqrt(total)), share)
+                      float(torch.sqrt(total)), share, stream.merged_buffers())

@@ -3,7 +3,9 @@
 Contract: `Judge.judge(learner, seq, size, data, signature)` is a pure function of its inputs, the live config,
 the guard state and the parent's params — the merger and `audit` call it on the same stored objects and get
 the same decision, reason and norm; it never raises on a bad delta (every failure is a rejection with a
-reason); a clipped delta is scaled in place and recorded with its scale.
+reason); a clipped delta is scaled in place and recorded with its scale. The buffers a delta carries are checked
+against the chain's (`buffers`, run.json's) and kept out of the norm, the outlier rule and the clip; a merged
+delta is handed back with them after its parameters (LearnerGroup takes them off).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from diloco.configs import Config
 from diloco.merger.guard import Policy, window_median
-from diloco.merger.step import NON_FINITE, DeltaInvalid, DeltaStale, validate_delta
+from diloco.merger.step import NON_FINITE, DeltaInvalid, DeltaStale, split_buffers, validate_delta
 from diloco.run.objects import decode_tensors
 from diloco.run.signing import verify
 from diloco.storage import DeltaDecision
@@ -48,6 +50,7 @@ class Judge:
     policy: Policy
     keyring: dict[str, list[bytes]] | None = None  # None: signatures not checked (audit without keys)
     scratch: Fp64Scratch = field(default_factory=Fp64Scratch)  # the norms' fp64 squares, reused delta by delta
+    buffers: list[dict] = field(default_factory=list)  # the buffers every delta of this chain carries (run.json's)
 
     @property
     def cfg(self) -> Config:
@@ -70,6 +73,7 @@ class Judge:
                 return self._reject(d, "signature", why)
         try:
             header, delta = decode_tensors(data, fingerprint=self.fingerprint, max_bytes=limit)
+            buffers = split_buffers(header, delta, self.buffers)
             staleness = validate_delta(header, delta, learner=learner, seq=seq, version=self.version,
                                        params=self.params, cfg=self.cfg, check_finite=False)
             norm = delta_norm(delta, self.scratch)  # finite <=> every value is (fp32): validate's last check
@@ -85,7 +89,10 @@ class Judge:
         d.status, d.base_version, d.staleness = "merged", meta["base_version"], staleness
         d.tokens, d.steps = meta["tokens"], meta["steps"]
         d.norm = norm
-        return self._outlier(d, header, delta)
+        decided = self._outlier(d, header, delta)
+        if decided[2] is not None:
+            decided[2].update(buffers)  # after the parameters, as stored: LearnerGroup.add takes them off
+        return decided
 
     def _outlier(self, d: DeltaDecision, header: Header, delta: Tensors):
         median, cfg = self.median(), self.cfg.merger

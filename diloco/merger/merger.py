@@ -26,6 +26,7 @@ from diloco.merger.step import (
     gradient_stream,
     outer_optimizer,
 )
+from diloco.run.buffers import version_buffers
 from diloco.run.context import RunContext, direct_names
 from diloco.run.controls import read_ops
 from diloco.run.events import EventLog
@@ -280,8 +281,8 @@ class Merger:
         with the number of learners); a learner that may not publish is rejected without a read."""
         decisions: list[DeltaDecision] = []
         layout = self.state.layout()
-        stream = gradient_stream(layout, self.version, policy.cfg.outer, direct_names(self.ctx, layout))
-        judge = Judge(self.ctx.run_id, self.ctx.fingerprint, self.version, layout, policy, self.keyring)
+        stream = gradient_stream(layout, self.version, policy.cfg.outer, direct_names(self.ctx, layout), self.ctx.buffers)
+        judge = Judge(self.ctx.run_id, self.ctx.fingerprint, self.version, layout, policy, self.keyring, buffers=self.ctx.buffers)
         phase_times: list[float] = []
         for learner, seqs in sorted(pending.lost.items()):
             for seq in seqs:
@@ -345,6 +346,7 @@ class Merger:
         _, outer_sum = write_state(store, outer_key, outer_tensors, kind="outer",
                                    fingerprint=self.ctx.fingerprint, meta={"ema": ema}, consume=consume)
         del outer_tensors
+        buffers = version_buffers(self.ctx, self.manifest, result.buffers, version, nonce)  # {}: the run has none
         self.stage_hook("before_manifest")
         cursors = dict(self.manifest.cursors)
         for d in decisions:
@@ -359,7 +361,7 @@ class Merger:
             timing={"quorum_wait_s": quorum_wait, "grace_s": grace, "merge_s": merge_s},
             stats={"update_norm": result.update_norm, "num_learners": float(num_groups), "round_share": result.scale,
                    "update_bytes": float(update_bytes), **trust["stats"]},
-            guard=trust["guard"], controls=trust["controls"],
+            guard=trust["guard"], controls=trust["controls"], **buffers,
         )
         try:
             commit(store, keys, manifest)

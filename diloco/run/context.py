@@ -30,6 +30,7 @@ class RunContext:
     created_at: float = 0.0  # run.json's: tells a new run from an old one of the same id
     layout: list[dict] = field(default_factory=list)  # run.json's model layout ([] for runs made before layouts)
     fragments: list[dict] = field(default_factory=list)  # run.json's fragment layout ([]: one fragment, the root chain)
+    buffers: list[dict] = field(default_factory=list)  # run.json's buffers the run merges ([]: none; per chain: see fragments)
 
     @property
     def run_id(self) -> str:
@@ -52,7 +53,7 @@ def open_run(store: Store | str, run_id: str) -> RunContext:
     if overrides:
         cfg = cfg.with_overrides(overrides)
     return RunContext(store, keys, cfg, record.fingerprint, list(record.learners), record.created_at,
-                      list(record.layout), list(record.fragments))
+                      list(record.layout), list(record.fragments), list(record.buffers or []))
 
 
 LEGACY_DIRECT = ("wte.weight", "wpe.weight")  # the built-in GPT's embeddings, for runs made before layouts

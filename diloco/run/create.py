@@ -13,6 +13,7 @@ import time
 
 from diloco import __version__
 from diloco.configs import Config
+from diloco.run.buffers import plan_buffers, warn_once, write_buffers
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.fragments import fragment_context, plan_for
 from diloco.run.objects import write_state
@@ -21,6 +22,7 @@ from diloco.storage import Conflict, Manifest, RunKeys, commit, manifest_exists
 from diloco.storage.keys import new_nonce
 from diloco.storage.records import RunRecord, write_record
 from diloco.storage.store import Store
+from diloco.training.buffers import get_buffers
 from diloco.training.fragments import take
 from diloco.training.model import get_flat_params
 from diloco.training.spec import TrainSpec, layout_fingerprint, model_layout
@@ -36,12 +38,14 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
     files = StagedFiles(store, keys)
     spec = spec or spec_of(cfg, files)
     model = build_model(spec, cfg.data.seed)  # version 0, and its layout
+    buffers, warnings = plan_buffers(model, cfg.outer.buffers)
+    initial = get_buffers(model, buffers)  # before the probe's forward pass moves running statistics
     probe(spec, model, {cfg.learner.ranks, *cfg.learner.ranks_per_learner.values()})
     layout = model_layout(model)
     fragments = plan_for(cfg.fragments.count, layout)  # before anything is written: a bad count creates nothing
     record = RunRecord(run_id=run_id, created_at=time.time(), created_by=socket.gethostname(),
                        diloco_version=__version__, fingerprint=layout_fingerprint(layout), learners=learners,
-                       config=cfg.model_dump(mode="json"), layout=layout, fragments=fragments)
+                       config=cfg.model_dump(mode="json"), layout=layout, fragments=fragments, buffers=buffers or None)
     files.flush()  # before run.json: a process that sees the run finds its spec files
     try:
         write_record(store, keys.run_json(), record, exclusive=True)
@@ -53,11 +57,12 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
                 "choose another --run-id or the same config"
             ) from None
         return ctx
-    ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout, fragments)
+    warn_once(warnings)  # the run is new: said once, not by every process that joins it
+    ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout, fragments, buffers)
     params = get_flat_params(model)
-    _commit_version_zero(ctx, params)
+    _commit_version_zero(ctx, params, initial)
     for index, fragment in enumerate(fragments):  # every fragment's chain starts at its pieces of version 0
-        _commit_version_zero(fragment_context(ctx, index), take(params, fragment))
+        _commit_version_zero(fragment_context(ctx, index), take(params, fragment), initial)
     return ctx
 
 
@@ -67,8 +72,9 @@ def fingerprint_of(cfg: Config, files: SpecFiles | None = None) -> str:
     return layout_fingerprint(model_layout(build_model(spec_of(cfg, files), cfg.data.seed)))
 
 
-def _commit_version_zero(ctx: RunContext, params: Tensors) -> None:
-    """Version 0 of the context's chain (the root's, or a fragment's): idempotent, the first commit wins."""
+def _commit_version_zero(ctx: RunContext, params: Tensors, buffers: Tensors) -> None:
+    """Version 0 of the context's chain (the root's, or a fragment's): idempotent, the first commit wins. With the
+    initial buffers when the chain holds the run's buffers."""
     if manifest_exists(ctx.store, ctx.keys, 0):
         return
     nonce = new_nonce()
@@ -77,6 +83,7 @@ def _commit_version_zero(ctx: RunContext, params: Tensors) -> None:
     manifest = Manifest(
         run_id=ctx.run_id, version=0, created_at=time.time(), merger_id="init",
         params_key=key, params_checksum=checksum,
+        **(write_buffers(ctx, 0, nonce, buffers) if ctx.buffers else {}),
     )
     with contextlib.suppress(Conflict):  # another process committed version 0 first; ours is an orphan
         commit(ctx.store, ctx.keys, manifest)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from diloco.run.buffers import install_run_buffers
 from diloco.run.context import RunContext, RunError
 from diloco.run.events import EventLog
 from diloco.run.fragments import read_run_version, run_version
@@ -48,6 +49,7 @@ class Evaluator:
     def evaluate_version(self, version: int) -> dict:
         params, tokens_total, committed_at = read_run_version(self.ctx, version)  # fragments: put together
         set_params(self.model, params)
+        install_run_buffers(self.ctx, self.model, version)  # the merged running statistics (BatchNorm, ...)
         loss = evaluate(self.model, self.batches, self.device, loss=self.spec.loss)
         metric = self.spec.metric_name
         record = EvalRecord(version=version, loss=loss, metric=metric,

@@ -1,5 +1,5 @@
-"""`diloco fork`: a new run whose version 0 is another run's version V — its parameters and outer optimizer
-state, byte for byte — with the provenance in the new run's run.json. Rollback is a fork at an earlier version.
+"""`diloco fork`: a new run whose version 0 is another run's version V — its parameters, outer optimizer
+state and merged buffers, byte for byte — with the provenance in the new run's run.json. Rollback is a fork at an earlier version.
 
 Contract: the parent run is only read, never written; every input (the version, the new id, a config that
 would change the model's layout) is checked before anything is written; the new run's objects are written
@@ -84,12 +84,18 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
     _copy(store, m.params_key, m.params_checksum, params_key)
     if m.outer_key:
         _copy(store, m.outer_key, m.outer_checksum, outer_key)
+    # the parent's buffers at V, when it merges them and the fork does too (outer.buffers "mean")
+    merges_buffers = bool(parent.buffers and m.buffers_key and cfg.outer.buffers == "mean")
+    buffers = {"buffers_key": keys.buffers(0, nonce), "buffers_checksum": m.buffers_checksum} if merges_buffers else {}
+    if merges_buffers:
+        _copy(store, m.buffers_key, m.buffers_checksum, buffers["buffers_key"])
     _copy_spec_files(store, parent, keys)
     provenance = {"run_id": run_id, "storage": store.url, "version": at_version, "params_checksum": m.params_checksum,
                   "outer_checksum": m.outer_checksum, "tokens_total": m.tokens_total, "by": by, "t": time.time()}
     record = RunRecord(run_id=new_run_id, created_at=time.time(), created_by=socket.gethostname(),
                        diloco_version=__version__, fingerprint=parent.fingerprint, learners=learners,
-                       config=cfg.model_dump(mode="json"), layout=list(parent.layout), forked_from=provenance)
+                       config=cfg.model_dump(mode="json"), layout=list(parent.layout), forked_from=provenance,
+                       buffers=list(parent.buffers) if merges_buffers else None)
     try:
         write_record(store, keys.run_json(), record, exclusive=True)
     except Conflict:
@@ -102,5 +108,5 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
     commit(store, keys, Manifest(run_id=new_run_id, version=0, created_at=time.time(), merger_id="fork",
                                  params_key=params_key, params_checksum=m.params_checksum, outer_key=outer_key,
                                  outer_checksum=m.outer_checksum, tokens_total=m.tokens_total, guard=guard,
-                                 controls=[entry]))
+                                 controls=[entry], **buffers))
     return ctx

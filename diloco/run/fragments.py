@@ -46,15 +46,16 @@ def num_fragments(ctx: RunContext) -> int:
 
 
 def fragment_context(ctx: RunContext, index: int) -> RunContext:
-    """The chain of fragment `index`: its keys under fragments/<p:04d>/, its pieces as the layout."""
+    """The chain of fragment `index`: its keys under fragments/<p:04d>/, its pieces as the layout; the run's buffers
+    ride with fragment 0's chain (its deltas carry them, its versions hold them), no other's."""
     if not ctx.fragments:
         if index != 0:
             raise ValueError(f"run {ctx.run_id} has one fragment; there is no fragment {index}")
         return ctx
     if not 0 <= index < len(ctx.fragments):
         raise ValueError(f"run {ctx.run_id} has {len(ctx.fragments)} fragments; there is no fragment {index}")
-    return dataclasses.replace(ctx, keys=ctx.keys.for_fragment(index),
-                               layout=fragment_layout(ctx.fragments[index]), fragments=[])
+    return dataclasses.replace(ctx, keys=ctx.keys.for_fragment(index), layout=fragment_layout(ctx.fragments[index]),
+                               fragments=[], buffers=ctx.buffers if index == 0 else [])
 
 
 def fragment_versions(ctx: RunContext, store: Store | None = None) -> list[int | None]:

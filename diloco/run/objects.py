@@ -56,17 +56,22 @@ def encode_tensors(
 
 def encode_shipped(
     tensors: Tensors, *, codec_name: str, kind: str, fingerprint: str, meta: dict[str, Any] | None = None,
-    shuffle: bool = True,
+    shuffle: bool = True, buffers: Tensors | None = None,
 ) -> tuple[bytes, Tensors]:
     """encode_tensors' bytes and what decode_tensors gives back from them, bit for bit (the codec's decode of
     each stream just made, without the lz4/zstd round trip): a learner's delta and the values it ships, which
-    its error feedback keeps. `tensors` must not change until this returns."""
-    encoder = codec.Encoder(codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {}, shuffle=shuffle)
+    its error feedback keeps. `tensors` must not change until this returns. `buffers`: the model's buffers, stored
+    after the tensors, exactly (each its own fp32 codec, whatever `codec_name`), their count in the meta (`buffers`);
+    not among the shipped values."""
+    meta = {**(meta or {}), **({"buffers": len(buffers)} if buffers else {})}
+    encoder = codec.Encoder(codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta, shuffle=shuffle)
     shipped: Tensors = {}
     for name, array in to_numpy(tensors).items():
         stream = encoder.add(name, array)
         shipped[name] = torch.from_numpy(encoder.shipped(name, array.shape, stream))
         del stream
+    for name, array in to_numpy(buffers or {}).items():
+        encoder.add(name, array, codec="fp32")
     return encoder.finish(), shipped
 
 

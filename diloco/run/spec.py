@@ -21,6 +21,7 @@ from diloco.run.context import RunContext, RunError
 from diloco.specs.loader import build_spec
 from diloco.storage import Conflict, NotFound, RunKeys
 from diloco.storage.store import Store
+from diloco.training.buffers import buffer_difference, buffer_layout
 from diloco.training.spec import (
     SpecError,
     TrainSpec,
@@ -102,10 +103,13 @@ def build_model(spec: TrainSpec, seed: int) -> nn.Module:
 
 
 def check_layout(ctx: RunContext, model: nn.Module, who: str) -> None:
-    """RunError unless the model's layout is the run's (names, shapes, dtypes, in order)."""
+    """RunError unless the model's layout is the run's (names, shapes, dtypes, in order), and so are the buffers the
+    run merges."""
     if not ctx.layout:
         return  # a run created before layouts were recorded: its fingerprint still guards every object
     diff = first_difference(ctx.layout, model_layout(model))
+    if diff is None and ctx.buffers:
+        diff = buffer_difference(ctx.buffers, buffer_layout(model)[0])
     if diff is not None:
         raise RunError(f"{who}: the spec builds another model than run {ctx.run_id!r}: {diff}")
 

@@ -117,6 +117,10 @@ class RunKeys:
     def outer(self, version: int, nonce: str) -> str:
         return self._global(version, nonce, "outer")
 
+    def buffers(self, version: int, nonce: str) -> str:
+        """The model's merged buffers at a version (runs that merge buffers: run.json's `buffers`)."""
+        return self._global(version, nonce, "buffers")
+
     def deltas_prefix(self, learner: str | None = None) -> str:
         if learner is None:
             return f"{self.chain_root}/deltas/"

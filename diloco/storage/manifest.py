@@ -91,6 +91,10 @@ class Manifest(BaseModel):
     update_checksum: str = ""
     outer_key: str = ""
     outer_checksum: str = ""
+    # the model's buffers at this version (a run that merges buffers; a fragmented run's fragment 0): written only
+    # when set, so a manifest of a run without buffers is what it was before they existed
+    buffers_key: str = ""
+    buffers_checksum: str = ""
     decisions: list[DeltaDecision] = []
     cursors: dict[str, int] = {}  # learner -> highest decided seq (merged, rejected or lost)
     tokens_total: int = 0  # tokens merged up to and including this version
@@ -106,7 +110,11 @@ class Manifest(BaseModel):
         return [d for d in self.decisions if d.status != "merged"]
 
     def to_bytes(self) -> bytes:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, indent=1).encode()
+        fields = self.model_dump(mode="json")
+        for name in ("buffers_key", "buffers_checksum"):
+            if not fields[name]:
+                del fields[name]
+        return json.dumps(fields, sort_keys=True, indent=1).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:

@@ -70,6 +70,9 @@ class RunRecord(Record):
     # the model's layout: [{"name", "shape", "dtype", "direct"}], what the merger and audit work from without
     # the user's code ([] in runs made before TrainSpecs: their fingerprint still guards every object)
     layout: list[dict[str, Any]] = []
+    # the model's buffers the run ships and merges (outer.buffers "mean"): [{"name", "shape", "dtype"}]; None (not
+    # written) for a model without any, a run that keeps them, and runs made before buffers were merged
+    buffers: list[dict[str, Any]] | None = None
     # fragments.count > 1: the fragment layout (diloco.training.fragments.plan_fragments), fixed at creation
     fragments: list[dict[str, Any]] = []
     forked_from: dict[str, Any] | None = None  # `diloco fork`: run_id, storage, version, checksums, by, t

@@ -6,7 +6,8 @@ on (seed, shard, i), so a cursor resumes it); `loss(model, batch)` -> (scalar lo
 the tokens weigh the merge; optional `eval_batches()`, `build_optimizer(params)`, `lr_at(step)` (a multiplier
 of each parameter group's lr), `sample(model)`, `metric_name`, and `export(model, folder)` (a folder in the
 model's own format). A batch is a tensor or a tuple/list/dict of tensors. The model's layout (parameter
-names, shapes, dtypes; tied weights once; buffers are not merged) is what a run records and checks.
+names, shapes, dtypes; tied weights once) is what a run records and checks; its persistent buffers are recorded
+and merged beside it (diloco.training.buffers).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def embedding_names(model: nn.Module) -> set[str]:
 
 def model_layout(model: nn.Module) -> list[dict[str, Any]]:
     """Every parameter once (tied weights under their first name), in named_parameters order: what a delta
-    carries. Buffers are not part of it: they are not merged."""
+    carries. Buffers are not part of it (nor of the fingerprint): run.json lists them apart (training.buffers)."""
     direct = embedding_names(model)
     return [{"name": name, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."),
              "direct": name in direct} for name, p in model.named_parameters()]

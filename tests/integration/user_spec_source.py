@@ -28,7 +28,7 @@ class Net(nn.Module):
     def __init__(self, hidden):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(IN, hidden), nn.GELU(), nn.Linear(hidden, OUT))
-        self.register_buffer("calls", torch.zeros(()))  # a buffer: not merged, not in the layout
+        self.register_buffer("calls", torch.zeros(()))  # a buffer: not in the layout; merged (run.json `buffers`)
 
     def forward(self, x):
         return self.body(x)

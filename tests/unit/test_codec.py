@@ -378,6 +378,10 @@ HOSTILE = {
     "payload crc lies": _edit({"payload_crc32": 1}),
     "unknown compression": _edit({"compression": "brotli"}),
     "compression not a string": _edit({"compression": ["zstd"]}),
+    "tensor codec unknown": _edit({}, {"codec": "int9"}),
+    "tensor codec not a string": _edit({}, {"codec": ["fp32"]}),
+    "tensor codec resizes its stream": _edit({}, {"codec": "fp32"}),  # int8-sized frames read as fp32
+    "tensor entry with another key": _edit({}, {"dtype": "int64"}),
 }
 
 
@@ -385,6 +389,37 @@ HOSTILE = {
 def test_hostile_objects_are_refused(case: str) -> None:
     with pytest.raises(CodecError):
         decode(HOSTILE[case])
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "nf2"])
+def test_a_tensor_may_carry_its_own_codec(codec: str) -> None:
+    """A model's buffers in a quantized delta: entries of their own codec (fp32) decode exactly, 0-d shapes kept;
+    the other entries decode to the bits of an object without them, and carry no `codec` key."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(300).astype(np.float32)
+    running_var, steps = (rng.random(7) * 100).astype(np.float32), np.float32(12345)
+    encoder = Encoder(codec=codec, kind="delta", fingerprint="f", meta={"buffers": 2})
+    encoder.add("w", x)
+    encoder.add("bn.running_var", running_var, codec="fp32")
+    encoder.add("bn.num_batches_tracked", steps, codec="fp32")
+    header, out = decode(encoder.finish())
+    assert np.array_equal(out["bn.running_var"], running_var) and out["bn.num_batches_tracked"].shape == ()
+    assert out["bn.num_batches_tracked"] == steps
+    own = None if codec == "fp32" else "fp32"
+    assert [t.codec for t in header.tensors] == [None, own, own]
+    plain = encode({"w": x}, codec=codec, kind="delta", fingerprint="f")
+    assert "codec" not in _split(plain)[0]["tensors"][0]
+    assert np.array_equal(out["w"], decode(plain)[1]["w"])
+
+
+def test_a_tensor_codec_must_suit_the_objects_block_size() -> None:
+    obj, payload = _split(encode({"a": np.ones(36, np.float32)}, codec="int8", kind="delta", fingerprint="f",
+                                 block_size=18))
+    obj["tensors"][0]["codec"] = "nf2"  # four values a byte: blocks of 18 do not pack
+    with pytest.raises(CodecError, match="packs 4 values a byte"):
+        decode(_forge(obj, payload))
+    with pytest.raises(CodecError, match="unknown codec"):
+        Encoder(codec="int8", kind="delta", fingerprint="f").add("a", np.ones(3, np.float32), codec="int9")
 
 
 def test_non_bytes_input_is_refused() -> None:

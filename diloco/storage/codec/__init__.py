@@ -27,6 +27,8 @@ from diloco.storage.codec.header import (
     TensorSpec,
     block_size_of,
     check_encode_args,
+    check_tensor_codec,
+    codec_of,
     elements_of,
     fingerprint_of,
     object_checksum,
@@ -43,8 +45,8 @@ from diloco.storage.codec.payload import (
     zstd_available,
 )
 
-__all__ = ["CODECS", "FORMAT_VERSION", "MAGIC", "CodecError", "Encoder", "Header", "TensorSpec", "decode", "encode",
-           "fingerprint_of", "object_checksum", "read_header", "verify"]
+__all__ = ["CODECS", "FORMAT_VERSION", "MAGIC", "CodecError", "Encoder", "Header", "TensorSpec", "codec_of", "decode",
+           "encode", "fingerprint_of", "object_checksum", "read_header", "verify"]
 
 
 def _as_input(name: Any, value: Any) -> np.ndarray:
@@ -87,9 +89,13 @@ class Encoder:
         self.entries: list[dict[str, Any]] = []
         self.crc = 0
 
-    def add(self, name: Any, value: Any) -> np.ndarray:
+    def add(self, name: Any, value: Any, codec: str | None = None) -> np.ndarray:
+        """Frame one tensor; `codec`: its own codec (recorded in its entry), e.g. exact fp32 values in an int4
+        delta (a model's buffers); None: the object's. Shuffling applies to an fp32/bf16 tensor when the header's
+        `shuffle` does (never in a quantized object)."""
         arr = _as_input(name, value)
-        stream = encode_stream(arr.reshape(-1), self.codec, self.shuffle, self.block_size, name)
+        own = None if codec is None or codec == self.codec else check_tensor_codec(codec, self.block_size, name)
+        stream = encode_stream(arr.reshape(-1), own or self.codec, self.shuffle, self.block_size, name)
         frames, lengths = frame_stream(stream, self.compression)
         for part in frames:
             self.crc = zlib.crc32(part, self.crc)
@@ -97,12 +103,13 @@ class Encoder:
                 self.out += part
         if self.out is None:
             self.parts += frames
-        self.entries.append({"name": name, "shape": list(arr.shape), "frames": lengths})
+        entry = {"name": name, "shape": list(arr.shape), "frames": lengths}
+        self.entries.append(entry if own is None else {**entry, "codec": own})
         return stream
 
-    def shipped(self, name: str, shape: tuple[int, ...], stream: np.ndarray) -> np.ndarray:
+    def shipped(self, name: str, shape: tuple[int, ...], stream: np.ndarray, codec: str | None = None) -> np.ndarray:
         """What decode() gives back for the tensor `add` turned into `stream` (a fresh f32 array)."""
-        return decode_stream(stream, self.codec, self.shuffle, self.block_size, TensorSpec(name, tuple(shape)))
+        return decode_stream(stream, codec or self.codec, self.shuffle, self.block_size, TensorSpec(name, tuple(shape)))
 
     def finish(self) -> bytes | bytearray:
         """The object's bytes (a bytearray when into_bytearray)."""
@@ -178,8 +185,9 @@ def decode(
     out: dict[str, np.ndarray] = {}
     pos = 0
     for spec, stored in zip(header.tensors, layout.frames, strict=True):
-        raw = stream_bytes(header.codec, elements_of(spec.shape), header.block_size)
+        codec = codec_of(header, spec)
+        raw = stream_bytes(codec, elements_of(spec.shape), header.block_size)
         stream = unframe_stream(payload[pos : pos + sum(stored)], stored, raw, spec.name, header.compression)
         pos += sum(stored)
-        out[spec.name] = decode_stream(stream, header.codec, header.shuffle, header.block_size, spec)
+        out[spec.name] = decode_stream(stream, codec, header.shuffle, header.block_size, spec)
     return header, out

@@ -59,6 +59,7 @@ class CodecError(ValueError):
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
+    codec: str | None = None  # this tensor's own codec (the entry's optional "codec"); None: the object's
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,11 @@ class Header:
     @property
     def num_elements(self) -> int:
         return sum(int(np.prod(t.shape, dtype=np.int64)) for t in self.tensors)
+
+
+def codec_of(header: Header, spec: TensorSpec) -> str:
+    """The codec a tensor of the object is stored in: its entry's own, else the object's."""
+    return spec.codec or header.codec
 
 
 def fingerprint_of(specs: list[tuple[str, tuple[int, ...]]], extra: str = "") -> str:
@@ -152,6 +158,16 @@ def check_encode_args(codec: str, kind: str, fingerprint: str, block_size: int) 
     if VALUES_PER_BYTE.get(codec) == 4 and block_size % 4:
         raise CodecError(f"{codec} packs 4 values a byte: block_size must be a multiple of 4, "
                          f"got {block_size}")
+
+
+def check_tensor_codec(codec: Any, block_size: int, name: str) -> str:
+    """A tensor entry's own codec: one of CODECS that the object's block size suits; CodecError naming the tensor."""
+    if not isinstance(codec, str) or codec not in CODECS:
+        raise CodecError(f"tensor {name!r:.80}: unknown codec {codec!r:.40}; expected one of {CODECS}")
+    if VALUES_PER_BYTE.get(codec) == 4 and block_size % 4:
+        raise CodecError(f"tensor {name!r:.80}: {codec} packs 4 values a byte, the object's block_size {block_size} "
+                         "is not a multiple of 4")
+    return codec
 
 
 def pack_header(fields: dict[str, Any]) -> bytes:
@@ -235,10 +251,14 @@ def _check_fields(obj: dict[str, Any]) -> None:
         raise CodecError("payload_bytes / payload_crc32 must be non-negative ints in range")
 
 
+_ENTRY_KEYS = {"name", "shape", "frames"}  # and optionally "codec": the tensor's own (absent: the object's)
+
+
 def _check_tensor(entry: Any, codec: str, block_size: int) -> tuple[TensorSpec, list[int], int]:
     """One header tensor entry -> (spec, stored frame lengths, elements); sizes checked, nothing allocated."""
-    if not isinstance(entry, dict) or set(entry) != {"name", "shape", "frames"}:
-        raise CodecError(f"tensor entry must be an object with name, shape, frames; got {str(entry)[:80]}")
+    if not isinstance(entry, dict) or not _ENTRY_KEYS <= set(entry) <= _ENTRY_KEYS | {"codec"}:
+        raise CodecError(f"tensor entry must be an object with name, shape, frames (and maybe codec); "
+                         f"got {str(entry)[:80]}")
     name, shape, frames = entry["name"], entry["shape"], entry["frames"]
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
         raise CodecError(
@@ -255,7 +275,8 @@ def _check_tensor(entry: Any, codec: str, block_size: int) -> tuple[TensorSpec, 
     n = elements_of(tuple(shape))
     if n > MAX_ELEMENTS:
         raise CodecError(f"tensor {name!r}: {n} elements exceed the limit {MAX_ELEMENTS}")
-    raw = stream_bytes(codec, n, block_size)
+    own = check_tensor_codec(entry["codec"], block_size, name) if "codec" in entry else None
+    raw = stream_bytes(own or codec, n, block_size)
     num_frames = -(-raw // FRAME_BYTES)
     if not isinstance(frames, list) or len(frames) != num_frames:
         raise CodecError(
@@ -264,7 +285,7 @@ def _check_tensor(entry: Any, codec: str, block_size: int) -> tuple[TensorSpec, 
     for i, (stored, size) in enumerate(zip(frames, frame_sizes(raw), strict=True)):
         if not _is_int(stored, 1, size) or size > MAX_FRAME_RATIO * stored + 64:
             raise CodecError(f"tensor {name!r}: frame {i} stores {stored!r} bytes for {size} raw bytes")
-    return TensorSpec(name, tuple(shape)), frames, n
+    return TensorSpec(name, tuple(shape), own), frames, n
 
 
 def read_layout(data: Any, max_bytes: int | None, allow_partial: bool) -> Layout:
