@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, for a machine with CUDA (docs/RANKS.md, "The GPU path"; figures in docs/BENCHMARKS.md):
+# The GPU check, for a machine with CUDA (docs/RANKS.md, "The GPU path"; figures in docs/bench/gpu.md):
 #  1. the demo recipe trained on one GPU (learners and evaluator on the device, bf16 autocast; merger on the
 #     CPU), audited, the held-out loss must fall;
 #  2. a GPT-2-small-shaped model (124M parameters: 12 layers, d_model 768, vocabulary 50257) trained by two GPU

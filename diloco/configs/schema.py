@@ -49,7 +49,7 @@ class DataConfig(_Strict):
     text_field: str = "text"  # the text field of .jsonl corpora and the text column of .parquet ones
     # how the built-in specs (gpt, hf) give each learner its batches: "shard", random windows of its own contiguous
     # shard of the training text; "whole", random windows of the whole text, each learner its own random stream
-    # (with learners at different speeds, shards over-sample the fast learners' text: docs/BENCHMARKS.md)
+    # (with learners at different speeds, shards over-sample the fast learners' text: docs/bench/quality.md)
     sampling: Literal["shard", "whole"] = "shard"
 
 
@@ -71,7 +71,7 @@ class InnerConfig(_Strict):
     # DyLU: each learner's H from its measured compute speed, H_w = floor(v_w / v_max * H) (v_max: the fastest live
     # learner's, from the statuses), so slower hardware publishes at the fast learners' wall rate and its deltas
     # are not twice as stale; H while within 10% of the fastest, so learners of one speed keep one H. On: it took
-    # half the learners at half the speed from 1.056x to 1.009x DP (docs/BENCHMARKS.md; pace.py, docs/ENGINE.md)
+    # half the learners at half the speed from 1.056x to 1.009x DP (docs/bench/quality.md; pace.py, docs/ENGINE.md)
     dylu: bool = True
 
 

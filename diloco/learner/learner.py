@@ -215,7 +215,7 @@ class Learner:
             if self.run_ended_at(done):
                 break  # the phase ends here, its steps are shipped
             # with a prefetcher, taking what it fetched costs no request: a newer global is installed at the
-            # first step after it arrived, not up to probe_every_steps later (measured: docs/BENCHMARKS.md, WAN)
+            # first step after it arrived, not up to probe_every_steps later (measured: docs/bench/wan.md)
             probe = self.prefetcher is not None or done % cfg.learner.probe_every_steps == 0
             if probe and cfg.learner.mode != "sync":
                 with stats.timed("install_s"):
@@ -381,7 +381,7 @@ class Learner:
         installed at own step `at_step`, default now) / (learners x this learner's tokens per step), plus the own
         steps since; it advances one per own step from here. Only merged tokens count: no guess at the steps in
         flight (adding this learner's unshipped steps for every learner's was 0.3% worse on the hetero row,
-        docs/BENCHMARKS.md). Before the learner's first step (tokens per step unknown: a join) the clock is kept
+        docs/bench/quality.md). Before the learner's first step (tokens per step unknown: a join) the clock is kept
         for then."""
         if self.cfg.inner.schedule_clock != "run":
             return

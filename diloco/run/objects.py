@@ -89,7 +89,7 @@ def write_state(
     """A version's fp32 state (params, outer state), encoded and put; returns (size in bytes, object checksum).
     Stored raw, neither shuffled nor lz4-framed: lz4 shrinks fp32 weights by only about a tenth, and on a
     124M-parameter model it cost the merger more time than anything else in writing a version
-    (docs/BENCHMARKS.md, bench scale). `consume`: see encode_tensors."""
+    (docs/bench/scale.md). `consume`: see encode_tensors."""
     data = encode_tensors(tensors, codec_name="fp32", kind=kind, fingerprint=fingerprint, meta=meta,
                           consume=consume, shuffle=False, compress=False)
     return len(data), put_checksummed(store, key, data)

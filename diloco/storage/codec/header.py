@@ -115,7 +115,7 @@ VALUES_PER_BYTE = {"int8": 1, "int4": 2, "int3": 2, "int2": 4, "nf2": 4}  # int3
 
 # values a block shares a scale with, by codec, unless the writer says otherwise (the header records it): int3's
 # codes cost ~2.1 bits, so a 4-byte scale per 256 values would be ~6% of an object; per 512 it is half that and the
-# step only a little coarser (a run's compact updates: 7% smaller, relative error 0.30 -> 0.33; docs/BENCHMARKS.md)
+# step only a little coarser (a run's compact updates: 7% smaller, relative error 0.30 -> 0.33; docs/bench/quality.md)
 BLOCK_SIZES = {"int3": 512}
 
 
