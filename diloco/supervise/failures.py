@@ -49,8 +49,9 @@ def read_failure(ctx: RunContext, backend: Any, job: Any, detail: Any) -> Failur
     else what the backend knows (its log's last error line, a flow run's state message); recorded in the learner's
     status when the process did not."""
     error, where = _backend_knows(backend, job)
+    store = ctx.store.with_retries(1)  # a bucket in trouble must not hold up the watch loop (and its lease)
     try:
-        status = read_record(ctx.store, ctx.keys.status(job.name), LearnerStatus)
+        status = read_record(store, ctx.keys.status(job.name), LearnerStatus)
     except (StorageError, RecordError):
         status = None
     if status is not None and status.state == "failed" and status.t >= job.started_at and status.error:
@@ -61,15 +62,15 @@ def read_failure(ctx: RunContext, backend: Any, job: Any, detail: Any) -> Failur
         error = f"exit code {detail}" if isinstance(detail, int) else f"flow run {str(detail).lower()}"
     failure = Failure(error_line(error), where, False)
     pid = int(job.history[-1]) if job.history and job.history[-1].isdigit() else None
-    write_failed_status(ctx.store, ctx.keys, job.name, error=failure.error, fatal=False, log_at=where, pid=pid)
+    write_failed_status(store, ctx.keys, job.name, error=failure.error, fatal=False, log_at=where, pid=pid)
     return failure
 
 
 def mark_given_up(ctx: RunContext, job: Any, failure: Failure | None) -> None:
     """The learner's status says `failed`, given up: the supervisor will not start it again."""
     failure = failure or Failure("left down: it ended too many times in a row", None, False)
-    write_failed_status(ctx.store, ctx.keys, job.name, error=failure.error, fatal=failure.fatal, log_at=failure.log,
-                        given_up=True)
+    write_failed_status(ctx.store.with_retries(1), ctx.keys, job.name, error=failure.error, fatal=failure.fatal,
+                        log_at=failure.log, given_up=True)
 
 
 def _backend_knows(backend: Any, job: Any) -> tuple[str | None, str | None]:
