@@ -99,13 +99,14 @@ def _supervise(ctx: RunContext, *, prefect: bool, chaos: str | Path | None, anno
                 from prefect import tags
 
                 from diloco.flows.train import train_flow
-                from diloco.supervise.core import LEARNERS_CRASHED, LearnersCrashed
+                from diloco.inspect.outcome import RunFailed
+                from diloco.run.signals import read_stop_reason
 
                 with tags(f"run:{ctx.run_id}", "role:train"):
                     try:
                         return train_flow(ctx.store.url, ctx.run_id, log_dir=log_dir, chaos_plan=plan)["reason"]
-                    except LearnersCrashed:  # the flow run is Failed; the CLI prints why and exits 1
-                        return LEARNERS_CRASHED
+                    except RunFailed:  # the flow run is Failed; the caller reads why from the bucket's summary
+                        return read_stop_reason(ctx) or "failed"
         finally:
             close_early(ctx.run_id)  # an early zygote the supervisor did not take (it failed first)
     from diloco.flows.local import supervise_local
@@ -117,7 +118,11 @@ def train(spec: Callable[..., Any] | str | None = None, *, config: str | Config 
           spec_args: dict[str, Any] | None = None, learners: int | None = None, versions: int | None = None,
           tokens: int | None = None, storage: str | None = None, run_id: str | None = None, time_limit_s: float | None = None,
           overrides: dict[str, Any] | None = None, prefect: bool = False, chaos: str | Path | None = None) -> dict:
-    """Train a TrainSpec with the same supervised run as `diloco run`; returns what `diloco run --json` prints.
+    """Train a TrainSpec with the same supervised run as `diloco run`; returns what `diloco run --json` prints, or
+    raises diloco.RunFailed (carrying it as `.summary`) when the run failed: a learner failed for a reason a restart
+    cannot fix or was given up, no learner contributed, or the run ended short for a reason other than the target,
+    the user's stop or the time limit (diloco.inspect.outcome). A time limit that ended it short is
+    `extra.ended_by` "time limit" with `extra.short_of_target` true.
 
     `spec` is the factory itself (a module-level function; in a script, guard the call with
     `if __name__ == "__main__":`, since the learner processes import the script to find the factory) or its
@@ -126,7 +131,9 @@ def train(spec: Callable[..., Any] | str | None = None, *, config: str | Config 
     (a token budget: run.num_tokens) end the run, whichever comes first. Without Prefect by
     default (prefect=True reports to PREFECT_API_URL, or a local server started for the run).
     """
-    from diloco.inspect.report import summarize, summary_json
+    from diloco.inspect.outcome import RunFailed
+    from diloco.inspect.report import summary_json
+    from diloco.inspect.summary import build_summary
     from diloco.specs.loader import reference_of
 
     cfg = resolve_config(config, {
@@ -135,4 +142,7 @@ def train(spec: Callable[..., Any] | str | None = None, *, config: str | Config 
         "spec_args": spec_args})
     ctx = create(cfg, run_id, chaos)
     supervise(ctx, prefect=prefect, chaos=chaos)
-    return summary_json(summarize(ctx))
+    summary = build_summary(ctx)
+    if summary["failure"]:
+        raise RunFailed(f"run {ctx.run_id} failed: {summary['failure']}", summary_json(summary))
+    return summary_json(summary)

@@ -156,18 +156,12 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
     """Run one role of a run in this process until it ends; returns the phases, merges or evaluations done."""
     units = units or Units()
     if role == "learner":
-        from diloco.learner.loop import learner_step, run_learner
-
-        if learner_ranks(storage, run_id, name or "") > 1:
-            run_world(storage, run_id, name or "", phases)  # the ranks never import Prefect: no task units
-            return 0
-        learner, should_stop = make_learner(storage, run_id, name or "")
+        started: list[int] = []  # phases done by this process: a user error before the first is fatal
         try:
-            return run_learner(learner, phases=phases, should_stop=should_stop,
-                               step=units.phase or learner_step, join=units.join or type(learner).join,
-                               why=lambda: should_stop.why)
-        finally:
-            should_stop.close()
+            return _run_learner(storage, run_id, name or "", phases, units, started)
+        except Exception as err:  # recorded (status "failed", the error's line, its log), then raised on
+            record_learner_failure(storage, run_id, name or "", err, at_start=not started)
+            raise
     if role == "merger":
         from diloco.merger.merger import run_merger
         from diloco.merger.shard import run_shard
@@ -185,6 +179,44 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
         evaluator, should_stop = make_evaluator(storage, run_id)
         return run_evaluator(evaluator, should_stop=should_stop, evaluate=units.evaluate)
     raise ValueError(f"role {role!r} is unknown: must be one of {', '.join(ROLES)}")
+
+
+def _run_learner(storage: str, run_id: str, name: str, phases: int | None, units: Units, started: list[int]) -> int:
+    from diloco.learner.loop import learner_step, run_learner
+
+    if learner_ranks(storage, run_id, name) > 1:
+        run_world(storage, run_id, name, phases)  # the ranks never import Prefect: no task units
+        return 0
+    learner, should_stop = make_learner(storage, run_id, name)
+    try:
+        return run_learner(learner, phases=phases, should_stop=should_stop, on_phase=lambda _: started.append(1),
+                           step=units.phase or learner_step, join=units.join or type(learner).join,
+                           why=lambda: should_stop.why)
+    finally:
+        should_stop.close()
+
+
+def record_learner_failure(storage: str, run_id: str, name: str, err: Exception, at_start: bool) -> None:
+    """The learner's status says `failed`, with the error's line and its log (diloco.run.failure), and a `failed`
+    event; `fatal` (a restart cannot fix it) when a user error (the spec, the config, the run: not storage) stopped it
+    before its first phase: its next start would run the same code on the same config. Never raises."""
+    from diloco.errors import USER_ERRORS, describe
+    from diloco.run.events import EventLog
+    from diloco.run.failure import error_line, log_location, write_failed_status
+    from diloco.storage import RunKeys, StorageError, open_store
+
+    user = isinstance(err, USER_ERRORS)
+    line = error_line(describe(err) if user else f"{type(err).__name__}: {err}")
+    fatal = user and at_start and not isinstance(err, StorageError)
+    try:
+        store, keys = open_store(storage).with_retries(1), RunKeys(run_id)
+    except (StorageError, ValueError) as problem:
+        log.warning("learner %s: its failure could not be recorded: %s", name, problem)
+        return
+    if write_failed_status(store, keys, name, error=line, fatal=fatal, log_at=log_location()):
+        events = EventLog(store, keys, name)
+        events.emit("failed", learner=name, error=line, fatal=fatal, log=log_location())
+        events.flush()
 
 
 def learner_ranks(storage: str, run_id: str, name: str) -> int:

@@ -90,10 +90,10 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
         from rich.console import Console
 
         from diloco import api
-        from diloco.cli.view import LiveView, final_report
+        from diloco.cli.view import LiveView, exit_for, final_report
         from diloco.operate import prepare_resume
         from diloco.run.context import open_run
-        from diloco.supervise.interrupt import catch_signals, reason_of
+        from diloco.supervise.interrupt import catch_signals
 
         with catch_signals():  # Ctrl-C and SIGTERM end the resumed run in order, as `diloco run`
             plan = prepare_resume(storage, run_id, versions=versions, time_limit_s=time_limit_s)
@@ -103,11 +103,9 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
                           f"{plan['latest']}: target {plan['previous_target']} -> {plan['target']}")
             with LiveView(ctx, console, live and console.is_terminal):
                 reason = api.supervise(ctx, prefect=prefect, announce=console.print)
-            final_report(ctx, console, json_out, reason=reason,
-                         local_ui=prefect and not os.environ.get("PREFECT_API_URL"))
-        caught = reason_of(reason)
-        if caught is not None:
-            raise typer.Exit(caught.exit_code)
+            summary = final_report(ctx, console, json_out, reason=reason,
+                                   local_ui=prefect and not os.environ.get("PREFECT_API_URL"))
+        exit_for(reason, summary)  # a signal's code, or EXIT_CODE when the resumed run failed
 
 
 @app.command("fork")

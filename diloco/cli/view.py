@@ -1,9 +1,11 @@
 """What `diloco run`, `diloco status` and `diloco summary` show: the live table, the summary, the status.
 
 Contract: every figure is read from the bucket, never from in-memory counters; a run that ended says so
-(finished / stopped / removed, and the command that continues it); SIGINT and SIGTERM end `diloco run` in
-order — every process of the run ends, the summary so far is printed — with exit code 130 / 143; tables stay
-readable at 80 columns (a name is never cut at its end: one too long for the width is shortened from the
+(finished / stopped / removed, and the command that continues it); each failed learner's last error line and log
+are shown under the live table and after the summary, and a run that failed (diloco.inspect.outcome) says why
+after them and exits with code 3 (a time limit that ended it short: one line, exit 0); SIGINT and SIGTERM end
+`diloco run` in order — every process of the run ends, the summary so far is printed — with exit code 130 / 143;
+tables stay readable at 80 columns (a name is never cut at its end: one too long for the width is shortened from the
 middle, its distinguishing suffix kept; other cells wrap). Imported only when a command runs (it pulls
 torch, for the sample), so `diloco --help` stays fast.
 """
@@ -22,6 +24,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from diloco.inspect.outcome import EXIT_CODE, status_failure_lines
 from diloco.inspect.report import learner_status, sample_text, summary_json
 from diloco.run.context import RunContext, open_run
 from diloco.run.state import RunState, learner_word, read_run_state
@@ -90,6 +93,8 @@ def progress_table(ctx: RunContext, started: float | None, state: RunState | Non
         table.add_column(col, overflow="fold", justify="right")
     for name, row in zip(names, cells, strict=True):
         table.add_row(name, *row)
+    if failed := status_failure_lines(rows):  # each failed learner's last error line and its log, under the table
+        table.caption, table.caption_justify, table.caption_style = "\n".join(failed), "left", "red"
     return table
 
 
@@ -128,8 +133,7 @@ def execute_run(*, config: str, storage: str | None, learners: int | None, versi
     from diloco.configs.effects import knob_warnings
     from diloco.run.state import refuse_to_start
     from diloco.specs.loader import absolute, parse_spec_args
-    from diloco.supervise.core import LEARNERS_CRASHED
-    from diloco.supervise.interrupt import catch_signals, reason_of
+    from diloco.supervise.interrupt import catch_signals
 
     flags = {"run.num_learners": learners, "run.num_versions": versions, "run.num_tokens": tokens,
              "data.corpus": corpus, "run.storage": storage, "run.time_limit_s": time_limit_s,
@@ -150,23 +154,30 @@ def execute_run(*, config: str, storage: str | None, learners: int | None, versi
         local_ui = prefect and not os.environ.get("PREFECT_API_URL")
         with LiveView(ctx, console, live and console.is_terminal):
             reason = api.supervise(ctx, prefect=prefect, chaos=chaos, announce=console.print)
-        final_report(ctx, console, json_out, reason=reason, local_ui=local_ui)
-    if reason == LEARNERS_CRASHED:
-        raise typer.Exit(1)
+        summary = final_report(ctx, console, json_out, reason=reason, local_ui=local_ui)
+    exit_for(reason, summary)
+
+
+def exit_for(reason: str, summary: dict) -> None:
+    """The exit code of a supervised run: a signal's (130 / 143), EXIT_CODE when the run failed
+    (diloco.inspect.outcome), else 0 (the target, the user's stop, the time limit)."""
+    from diloco.supervise.interrupt import reason_of
+
     caught = reason_of(reason)
     if caught is not None:
         raise typer.Exit(caught.exit_code)
+    if summary.get("failure"):
+        raise typer.Exit(EXIT_CODE)
 
 
 def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: str | None = None,
-                 local_ui: bool = False) -> None:
-    """What happened (an interrupt, a stop), the summary table, traffic per learner, a sample, the next step."""
+                 local_ui: bool = False) -> dict:
+    """What happened (an interrupt, a failure and each failed learner's error and log, a time limit), the summary
+    table, traffic per learner, a sample, the next step; returns the summary."""
     import torch
 
-    from diloco.api import STATE_DIR
     from diloco.inspect.summary import LEARNER_COLUMNS, build_summary, learner_table_rows, summary_rows
     from diloco.run.evaluator import evaluate_missing
-    from diloco.supervise.core import LEARNERS_CRASHED
     from diloco.supervise.interrupt import reason_of
 
     # One thread for the final evaluations and the sample: on 2 cores shared with other work, torch's default
@@ -178,11 +189,6 @@ def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: s
         console.print(f"evaluated version {' and '.join(map(str, done))} now (the evaluator did not reach it)")
     summary = build_summary(ctx)
     caught = reason_of(reason or "")
-    if reason == LEARNERS_CRASHED:
-        console.print(f"[bold red]every learner crashed[/bold red] {ctx.cfg.run.max_restarts + 1} times in a row "
-                      f"(run.max_restarts = {ctx.cfg.run.max_restarts}), so the run ended at version "
-                      f"{summary['num_versions']}: their logs say why ({STATE_DIR / 'logs' / ctx.run_id}/)",
-                      soft_wrap=True)
     if caught is not None:
         console.print(f"[bold]{caught.reason}[/bold] (signal {caught.signal}) at version {summary['num_versions']} "
                       f"of {run_target(ctx).describe()}: every process of the run has ended; the summary so far:",
@@ -203,10 +209,27 @@ def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: s
     _print_sample(ctx, console)
     if local_ui:
         console.print("Prefect UI: the local server stopped with the run; `diloco ui` reopens it")
+    _print_ending(ctx, console, summary)
     if summary.get("continue"):
         console.print(summary["continue"], markup=False, highlight=False, soft_wrap=True)
     if json_out:
         typer.echo(json.dumps(summary_json(summary)))
+    return summary
+
+
+def _print_ending(ctx: RunContext, console: Console, summary: dict) -> None:
+    """Last, where the eye falls: each failed learner's error line and log, and why the run failed (or the one line
+    of a time limit that ended it short)."""
+    from diloco.inspect.outcome import failure_lines
+    from diloco.inspect.summary import ending_line
+
+    for line in failure_lines(summary["failed_learners"]):
+        console.print(line, style="red", markup=False, highlight=False, soft_wrap=True)
+    if summary["failure"]:
+        console.print(f"run {ctx.run_id} failed: {summary['failure']}", style="bold red", markup=False,
+                      highlight=False, soft_wrap=True)
+    elif line := ending_line(summary):
+        console.print(line, style="bold", markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_sample(ctx: RunContext, console: Console) -> None:

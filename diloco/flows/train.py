@@ -4,7 +4,9 @@ Contract: mode "local" runs every role as a process of this machine; mode "deplo
 runs of their deployments (a learner per region, see prefect.yaml), creating the run first if needed. The
 supervisor's warnings go to this flow run's own logs; a role that cannot be started (a deployment that does
 not exist) fails the flow with the reason, after bounded retries; the flow ends with the run's summary as a
-markdown artifact (evaluating version 0 and the final version if the evaluator did not reach them).
+markdown artifact (evaluating version 0 and the final version if the evaluator did not reach them), and fails
+(RunFailed: the reason, each failed learner's error line and log in its logs) when the run failed
+(diloco.inspect.outcome).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.exceptions import PrefectException
 
 from diloco.flows.credentials import export_aws_credentials
+from diloco.inspect.outcome import RunFailed
 from diloco.run.context import RunContext, open_run
 from diloco.run.create import create_run
 from diloco.storage import StorageError
-from diloco.supervise.core import LEARNERS_CRASHED, LearnersCrashed, RoleUnstartable
+from diloco.supervise.core import LEARNERS_CRASHED, RoleUnstartable
 from diloco.supervise.deployments import (
     EVALUATOR_DEPLOYMENT,
     MERGER_DEPLOYMENT,
@@ -73,10 +76,12 @@ def train_flow(
         except RoleUnstartable as err:
             get_run_logger().error("run %s cannot go on: %s", run_id, err)
             raise
-        _report_summary(ctx)
-    if result["reason"] == LEARNERS_CRASHED:  # the flow run ends Failed, with the reason, after the summary
-        raise LearnersCrashed(f"run {run_id}: {LEARNERS_CRASHED} run.max_restarts + 1 = "
-                              f"{ctx.cfg.run.max_restarts + 1} times in a row; their logs (and flow runs) say why")
+        summary = _report_summary(ctx)
+    failure = summary["failure"] if summary else (LEARNERS_CRASHED if result["reason"] == LEARNERS_CRASHED else None)
+    if failure:  # the flow run ends Failed, with the reason (each failed learner's error and log), after the summary
+        from diloco.inspect.report import summary_json
+
+        raise RunFailed(f"run {run_id} failed: {failure}", summary_json(summary) if summary else {})
     return result
 
 
@@ -99,8 +104,10 @@ def _diloco_logs_to_flow_run() -> Iterator[None]:
         logger.removeHandler(handler)
 
 
-def _report_summary(ctx: RunContext) -> None:
-    """Evaluate what the evaluator missed, then the summary as a markdown artifact and one log line."""
+def _report_summary(ctx: RunContext) -> dict | None:
+    """Evaluate what the evaluator missed, then the summary as a markdown artifact and one log line (and one per
+    failed learner); the summary, or None when it could not be built."""
+    from diloco.inspect.outcome import failure_lines
     from diloco.inspect.summary import build_summary, summary_markdown
     from diloco.run.evaluator import evaluate_missing
 
@@ -110,13 +117,19 @@ def _report_summary(ctx: RunContext) -> None:
         if done:
             logger.info("run %s: evaluated version %s at the end", ctx.run_id, " and ".join(map(str, done)))
         summary = build_summary(ctx)
+    except StorageError as err:  # the run is done: only the summary is lost
+        logger.warning("summary not built: %s", err)
+        return None
+    try:
         create_markdown_artifact(summary_markdown(summary), key=artifact_key("summary", ctx.run_id),
                                  description=f"run {ctx.run_id}: {summary['state_title']}")
-    except (httpx.HTTPError, PrefectException, StorageError) as err:  # the run is done: only the summary is lost
+    except (httpx.HTTPError, PrefectException) as err:
         logger.warning("summary artifact not written: %s", err)
-        return
     logger.info("run %s %s; held-out loss %s -> %s %s", ctx.run_id, summary["state_title"],
                 _loss(summary["initial_eval_loss"]), _loss(summary["final_eval_loss"]), summary["metric"])
+    for line in failure_lines(summary["failed_learners"]):
+        logger.error("run %s: %s", ctx.run_id, line)
+    return summary
 
 
 def _loss(value: float | None) -> str:

@@ -79,7 +79,8 @@ def summarize(ctx: RunContext) -> dict:
         "metric": (final or {}).get("metric") or "nats/byte",
         "deltas_merged": len(merged), "deltas_rejected": len(rejected),
         "bytes_published": int(bytes_published), "dp_bytes_equivalent": int(dp_total),
-        "traffic_ratio_vs_dp": (dp_total / bytes_published) if bytes_published else None,
+        "delta_traffic_ratio_vs_dp": (dp_total / bytes_published) if bytes_published else None,  # the deltas only:
+        # the summary's headline, traffic_ratio_vs_dp, counts every byte (diloco.inspect.summary.build_summary)
         "tokens_merged": int(chain[-1].tokens_total if chain else 0), "num_params": n,
         "rejections": sorted({d.reason.split(":")[0] for d in rejected}),
     }

@@ -14,10 +14,19 @@ import logging
 from collections import defaultdict
 from typing import Any
 
-from diloco.inspect.report import dp_bytes, fragment_chains, manifests, nats_to_bits, summarize
+from diloco.inspect.outcome import failure_cells, run_outcome
+from diloco.inspect.report import (
+    dp_bytes,
+    fragment_chains,
+    learner_status,
+    manifests,
+    nats_to_bits,
+    summarize,
+)
 from diloco.run.context import RunContext
 from diloco.run.events import read_events
 from diloco.run.state import continue_hint, read_run_state
+from diloco.run.target import run_target
 from diloco.storage import Manifest, StorageError, parse_delta_key
 
 log = logging.getLogger("diloco.summary")
@@ -84,8 +93,7 @@ def learner_busy(events: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _learner_rows(ctx: RunContext, chain: list[Manifest], pending: dict[str, list[tuple[int, int]]],
-                  num_params: int) -> list[dict[str, Any]]:
-    events = read_events(ctx.store, ctx.keys)
+                  num_params: int, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     traffic, busy = learner_traffic(ctx, events), learner_busy(events)
     names = sorted({*ctx.learners, *pending, *traffic})
     m = max(1, len(ctx.learners))
@@ -107,22 +115,34 @@ def _learner_rows(ctx: RunContext, chain: list[Manifest], pending: dict[str, lis
 
 
 def build_summary(ctx: RunContext) -> dict[str, Any]:
-    """summarize()'s figures (the JSON contract of `diloco run --json`) plus the run's state, pending deltas
-    and the per-learner traffic."""
+    """summarize()'s figures (the JSON contract of `diloco run --json`) plus the run's state, pending deltas,
+    the per-learner traffic (the ratios to data-parallel of every byte the learners sent and received first, of
+    the deltas alone beside them) and how the run ended (diloco.inspect.outcome: failed learners, failure)."""
     base = summarize(ctx)
     chain = manifests(ctx) if not ctx.fragments else [m for c in fragment_chains(ctx) for m in c]
     pending = pending_deltas(ctx, chain)
-    rows = _learner_rows(ctx, chain, pending, base["num_params"])
+    events = read_events(ctx.store, ctx.keys)
+    rows = _learner_rows(ctx, chain, pending, base["num_params"], events)
     state = read_run_state(ctx)
     pending_bytes = sum(b for seqs in pending.values() for _, b in seqs)
     published = base["bytes_published"] + pending_bytes
+    sent = [r["bytes_sent"] for r in rows if r["bytes_sent"] is not None]
     received = [r["bytes_received"] for r in rows if r["bytes_received"] is not None]
     dp_total = base["dp_bytes_equivalent"]
     return {**base, "bytes_published": published, "deltas_pending": sum(len(s) for s in pending.values()),
-            "bytes_pending": pending_bytes, "bytes_received": sum(received) if received else None,
-            "traffic_ratio_vs_dp": (dp_total / published) if published else None,
+            "bytes_pending": pending_bytes, "bytes_sent": sum(sent) if sent else None,
+            "bytes_received": sum(received) if received else None,
+            "traffic_ratio_vs_dp": _ratio(dp_total, sent), "received_ratio_vs_dp": _ratio(dp_total, received),
+            "delta_traffic_ratio_vs_dp": (dp_total / published) if published else None,
             "state": state.word, "state_title": state.title(), "stop_reason": state.reason,
-            "continue": continue_hint(ctx) if state.ended else None, "learners": rows}
+            "continue": continue_hint(ctx) if state.ended else None, "learners": rows,
+            "time_limit_s": ctx.cfg.run.time_limit_s, "target": run_target(ctx).describe(),
+            **run_outcome(state, learner_status(ctx), events, base["deltas_merged"])}
+
+
+def _ratio(dp_total: float, measured: list[int]) -> float | None:
+    """Data-parallel's bytes over the learners' (every byte they moved one way); None when none was counted."""
+    return dp_total / sum(measured) if measured and sum(measured) else None
 
 
 def _fmt_loss(loss: float | None, metric: str = "nats/byte") -> str:
@@ -137,22 +157,49 @@ def _mb(n: int | None) -> str:
     return "—" if n is None else f"{n / 1e6:.2f} MB"
 
 
+def _vs_dp(ratio: float | None) -> str:
+    if ratio is None:
+        return "not counted"
+    return f"{ratio:.0f}x less" if ratio >= 1 else f"{1 / ratio:.1f}x more"
+
+
+def traffic_headline(s: dict[str, Any]) -> str:
+    """Every byte the learners sent and received against data-parallel, the deltas-only ratio beside it, labelled."""
+    if s["num_learners"] < 2:
+        return "— (data-parallel moves nothing with one learner)"
+    if not s["dp_bytes_equivalent"]:
+        return "— (no steps merged)"
+    return (f"{_vs_dp(s['traffic_ratio_vs_dp'])} sent, {_vs_dp(s['received_ratio_vs_dp'])} received, counting every "
+            f"byte (deltas only: {_vs_dp(s['delta_traffic_ratio_vs_dp'])} sent)")
+
+
+def ending_line(s: dict[str, Any]) -> str | None:
+    """The one line a time limit that ended the run short of its target gets (not a failure by itself)."""
+    if s.get("ended_by") != "time limit" or not s.get("short_of_target"):
+        return None
+    return (f"the time limit (run.time_limit_s = {s['time_limit_s']:g} s) ended the run short of its target: "
+            f"version {s['num_versions']}, target {s['target']}")
+
+
 def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
-    """(what, value) rows of the summary, in the order a reader wants them."""
-    ratio = s["traffic_ratio_vs_dp"]
+    """(what, value) rows of the summary, in the order a reader wants them: how it ended, the loss, the traffic."""
     final = s["final_eval_version"]
+    ending = [("run failed", s["failure"])] if s.get("failure") else []
+    ending += [("ended by", line)] if (line := ending_line(s)) else []
     return [
         ("run", s["state_title"]),
+        *ending,
         ("held-out loss, version 0", _fmt_loss(s["initial_eval_loss"], s["metric"])),
         ("held-out loss, final version" if final is None else f"held-out loss, version {final}",
          _fmt_loss(s["final_eval_loss"], s["metric"])),
         ("versions committed", str(s["num_versions"])),
         ("deltas merged / rejected / pending", f"{s['deltas_merged']} / {s['deltas_rejected']} / {s['deltas_pending']}"),
         ("tokens merged", f"{s['tokens_merged']:,}"),
-        ("deltas sent (all learners)", _mb(s["bytes_published"])),
-        ("bytes received (all learners)", _mb(s["bytes_received"])),
-        ("data-parallel would have sent", f"{s['dp_bytes_equivalent'] / 1e6:.1f} MB each way"
-         + (f"  ({ratio:.0f}x the deltas)" if ratio else "")),
+        ("traffic vs data-parallel", traffic_headline(s)),
+        ("sent by the learners", f"{_mb(s.get('bytes_sent'))} (of which deltas {_mb(s['bytes_published'])})"),
+        ("received by the learners", _mb(s["bytes_received"])),
+        ("data-parallel would have sent", f"{s['dp_bytes_equivalent'] / 1e6:.1f} MB each way"),
+        *[(f"learner {name}", text) for name, text in failure_cells(s.get("failed_learners", []))],
         ("run lives at", f"{s['storage']}/{s['run_id']}"),
     ]
 
@@ -176,9 +223,9 @@ def summary_markdown(s: dict[str, Any], sample: str | None = None) -> str:
     lines += [f"| {k} | {v.replace('|', '/')} |" for k, v in summary_rows(s)]
     lines += ["", "| " + " | ".join(LEARNER_COLUMNS) + " |", "|" + "---|" * len(LEARNER_COLUMNS)]
     lines += ["| " + " | ".join(r) + " |" for r in learner_table_rows(s)]
-    lines += ["", "Sent: every byte a learner's processes put (deltas, checkpoints, heartbeats, events); "
-              "received: every byte they got. Data-parallel: ring all-reduce of fp32 gradients, "
-              "2(M-1)/M x 4 bytes x params per step, each way, for the steps merged."]
+    lines += ["", "Sent: every byte a learner's processes put (deltas, checkpoints, statuses, events); "
+              "received: every byte they got (updates, params, manifests, statuses). Data-parallel: ring all-reduce "
+              "of fp32 gradients, 2(M-1)/M x 4 bytes x params per step, each way, for the steps merged."]
     if s.get("continue"):
         lines += ["", f"`{s['continue'].removeprefix('continue with: ')}` continues it."]
     if sample:

@@ -91,7 +91,7 @@ class LearnerStatus(Record):
 
     what: ClassVar[str] = "learner status"
     learner: str
-    state: str  # joined, training, waiting; at its end: finished, stopped, removed (FINAL_STATES)
+    state: str  # joined, training, waiting; at its end: finished, stopped, removed, failed (FINAL_STATES)
     t: float  # unix seconds of the beat
     pid: int
     seq: int  # the last seq published (-1: none yet)
@@ -111,9 +111,15 @@ class LearnerStatus(Record):
     # learner.max_unmerged bounds each chain's count; None: not known, e.g. after a resume from local state until an
     # install)
     unmerged: int | None = Field(None, ge=0)
+    # state "failed" (diloco.run.failure): the error's last line, whether a restart cannot fix it (the user's code or
+    # config at the learner's start), where its log is, and whether the supervisor left it down for good
+    error: str | None = None
+    fatal: bool | None = None
+    log: str | None = None
+    given_up: bool | None = None
 
 
-FINAL_STATES = ("finished", "stopped", "removed")  # a learner's state once its loop ended
+FINAL_STATES = ("finished", "stopped", "removed", "failed")  # a learner's state once its loop (or process) ended
 
 
 class SupervisorLease(Record):

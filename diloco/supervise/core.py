@@ -2,7 +2,9 @@
 shared by every backend (local processes in supervise/local.py, Prefect deployments in supervise/deployments.py).
 
 Contract: a role that ended, or a learner that went silent, while the run goes on is started again after a
-back-off, at most `run.max_restarts` times in a row without a healthy stretch, then given up; a learner an
+back-off, at most `run.max_restarts` times in a row without a healthy stretch, then given up (a learner whose
+start failed for a reason a restart cannot fix, its own status says, at once; each failed learner's error line and
+log are in its `exit` / `give_up` events and its status: supervise/failures.py); a learner an
 operator removed (`control/removed-<name>`) ends itself, is never started again, and is killed if it has not
 ended REMOVE_GRACE_S (or run.heartbeat_timeout_s, if longer) after its removal was seen; a planned restart
 (chaos, operator) is not a crash, and a paused role is left alone; the run ends at the target version, on a
@@ -24,6 +26,7 @@ from typing import Any, Protocol
 from diloco.run.context import RunContext
 from diloco.run.controls import membership
 from diloco.run.events import EventLog
+from diloco.run.failure import LEARNERS_CRASHED
 from diloco.run.fragments import merger_ids, run_version
 from diloco.run.lease import Lease, acquire
 from diloco.run.signals import RemovedSignal, StopSignal, request_stop
@@ -32,6 +35,7 @@ from diloco.storage import NotFound, StorageError
 from diloco.storage.errors import Backoff
 from diloco.storage.records import LearnerStatus, RecordError, read_record
 from diloco.supervise import interrupt
+from diloco.supervise.failures import Failure, failed_exit, mark_given_up, read_failure
 
 log = logging.getLogger("diloco.supervisor")
 
@@ -40,7 +44,6 @@ JOIN_WAIT_S = 30.0  # a deferred first start (the evaluator) waits for the learn
 REMOVE_GRACE_S = 30.0  # a removed learner ends itself after its phase; one still running after this (or the
 # heartbeat timeout, if longer: a phase may be that slow) is killed
 MEMBERS_EVERY_S = 5.0  # admitted learners (control ops) are looked for this often
-LEARNERS_CRASHED = "every learner crashed"  # the run's end when every learner was given up (their logs say why)
 MAX_REFUSALS = 6  # a role whose start is refused this many times in a row ends the run with the reason
 
 
@@ -51,11 +54,6 @@ def remove_grace_s(cfg) -> float:
 
 class RoleUnstartable(RuntimeError):
     """A role could not be started at all (e.g. its deployment does not exist): the run cannot go on."""
-
-
-class LearnersCrashed(RuntimeError):
-    """The run ended because every learner was given up (LEARNERS_CRASHED): raised by the `train` flow after
-    its summary, so that its flow run ends Failed, not Completed; `diloco run` reads it as that reason."""
 
 
 @dataclass
@@ -79,6 +77,7 @@ class Job:
     deferred_until: float | None = None  # a first start that waits for the learners' joins
     refusals: int = 0  # starts refused in a row (an API that did not take it)
     exits: list[Any] = field(default_factory=list)  # exit codes or final states, in order
+    failure: Failure | None = None  # why its latest process failed (a learner's: supervise/failures.py)
     history: list[str] = field(default_factory=list)  # pids or flow-run ids, in order
 
 
@@ -270,9 +269,14 @@ class Supervisor:
 
     def _ended(self, job: Job, detail: Any, now: float) -> None:
         job.exits.append(detail)
+        job.failure = None  # the latest process's: its error line, where its log is, whether a restart can fix it
+        if job.role == "learner" and not job.removed and job.planned_restart_at is None and failed_exit(detail):
+            job.failure = read_failure(self.ctx, self.backend, job, detail)
+            log.error("learner %s failed: %s (log: %s)", job.name, job.failure.error, job.failure.log or "none")
         job.handle = None
         self.events.emit("exit", role=job.role, learner=job.name, **({"code": detail} if isinstance(detail, int)
-                                                                       else {"state": str(detail)}))
+                                                                       else {"state": str(detail)}),
+                         **(job.failure.fields() if job.failure else {}))
         if job.planned_restart_at is not None:
             job.next_start = job.planned_restart_at
         else:
@@ -284,10 +288,15 @@ class Supervisor:
             job.planned_restart_at = None
             self.start(job)
             return
-        if job.restarts >= self.cfg.run.max_restarts:
-            log.error("%s exceeded max_restarts=%d; leaving it down", job.name, self.cfg.run.max_restarts)
-            self.events.emit("give_up", role=job.role, learner=job.name)
+        fatal = job.failure is not None and job.failure.fatal
+        if job.restarts >= self.cfg.run.max_restarts or fatal:  # a user error at its start: the next start repeats it
+            log.error("%s %s; leaving it down", job.name, "cannot be fixed by a restart" if fatal else
+                      f"exceeded max_restarts={self.cfg.run.max_restarts}")
+            self.events.emit("give_up", role=job.role, learner=job.name, restarts=job.restarts,
+                             **(job.failure.fields() if job.failure else {}))
             job.removed = job.given_up = True
+            if job.role == "learner":
+                mark_given_up(self.ctx, job, job.failure)
             return
         job.restarts += 1
         if self.start(job):
@@ -361,8 +370,9 @@ class Supervisor:
             self.heal()
             if self._every_learner_crashed():
                 reason = LEARNERS_CRASHED
-                log.error("run %s: every learner crashed run.max_restarts=%d times in a row; the run ends",
-                          self.ctx.run_id, self.cfg.run.max_restarts)
+                log.error("run %s: every learner is down for good (given up after run.max_restarts=%d restarts in a "
+                          "row, or failed for a reason a restart cannot fix); the run ends", self.ctx.run_id,
+                          self.cfg.run.max_restarts)
                 break
             if on_tick:
                 on_tick(self)

@@ -166,8 +166,14 @@ class DeploymentBackend:
         name = state.type.value if state else "PENDING"
         if name in FINAL_STATES:
             log.warning("%s %s: flow run %s ended %s", job.role, job.name, job.handle, name)
+            job.spec["final_message"] = state.message  # why, for failure_detail
             return ENDED, name
         return (RUNNING, None) if name == "RUNNING" else (STARTING, None)
+
+    def failure_detail(self, job: Job) -> tuple[str | None, str | None]:
+        """(the state message of the job's last flow run, that flow run: where its logs are)."""
+        where = f"Prefect flow run {job.history[-1]} (its logs)" if job.history else None
+        return job.spec.get("final_message") or None, where
 
     def kill(self, job: Job, reason: str) -> None:
         """Ask the job's worker to kill its flow run (Cancelling); the job counts as ended from now."""

@@ -25,7 +25,9 @@ import time
 
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
+from diloco.run.failure import LOG_ENV
 from diloco.supervise.core import ENDED, JOIN_WAIT_S, RUNNING, Job, Supervisor
+from diloco.supervise.failures import last_error_line
 from diloco.supervise.zygote import Forked, Zygote, ZygoteError, forks_roles, take_early
 
 log = logging.getLogger("diloco.supervisor")
@@ -64,14 +66,23 @@ class ProcessBackend:
         os.makedirs(self.log_dir, exist_ok=True)
         return os.path.join(self.log_dir, f"{name}.log")
 
+    def _env_of(self, log_path: str | None) -> dict[str, str]:
+        """The environment of a role's process: ours, and where its output goes (a failing learner records it)."""
+        return {**self.env, LOG_ENV: os.path.abspath(log_path)} if log_path else self.env
+
+    def failure_detail(self, job: Job) -> tuple[str | None, str | None]:
+        """(the last error line of the job's log, the log's absolute path); (None, None) without a log_dir."""
+        path = self._log_path(job.name)
+        return (last_error_line(path), os.path.abspath(path)) if path else (None, None)
+
     def _popen(self, cmd: list[str], name: str, stdin: int) -> subprocess.Popen:
         log_path = self._log_path(name)
         if log_path is None:
             return subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                     stdin=stdin, start_new_session=True)
         with open(log_path, "ab") as out:  # the child keeps its own copy
-            return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
-                                    start_new_session=True)
+            return subprocess.Popen(cmd, env=self._env_of(log_path), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=stdin, start_new_session=True)
 
     def _fork(self, argv: list[str], name: str) -> Forked | None:
         """Fork the role from the zygote (started on first use); None (and exec from now on) if it fails."""
@@ -79,7 +90,8 @@ class ProcessBackend:
             if self.zygote is None:
                 self.zygote = take_early(self.ctx.run_id, self.prefect) or Zygote(
                     self.env, f"--run-id={self.ctx.run_id}", self._log_path("zygote"), flows=self.prefect)
-            return self.zygote.spawn(argv, self._log_path(name), self.env, name)
+            log_path = self._log_path(name)
+            return self.zygote.spawn(argv, log_path, self._env_of(log_path), name)
         except (ZygoteError, OSError) as err:
             log.warning("zygote unavailable (%s): starting processes with exec from now on", err)
             self.events.emit("zygote_failed", reason=str(err))

@@ -55,6 +55,9 @@ def test_a_user_spec_trains_through_the_cli(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["num_versions"] >= 10 and summary["extra"]["metric"] == "mse"
+    extra = summary["extra"]  # a normal run: its target reached, nothing failed (exit 0 above)
+    assert (extra["ended_by"], extra["short_of_target"], extra["failure"], extra["failed_learners"]) == (
+        "target", False, None, [])
     assert summary["final_eval_loss"] < 0.85 * summary["initial_eval_loss"]
     record = json.loads((tmp_path / "runs" / "mlp" / "run.json").read_text())
     assert record["config"]["spec"] == f"{spec}:make_spec" and record["config"]["spec_args"] == {"hidden": 24, "step_s": 0.005}

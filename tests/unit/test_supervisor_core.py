@@ -1,7 +1,8 @@
 """The supervisor core's decisions, the same for every backend: restarts bounded with back-off, a removed
 learner ended and never started again, a silent learner killed and restarted, a refused start not counted
 (and, refused again and again, the run ends with the reason), planned restarts not counted, a paused role
-left alone. The backend here is a scripted one of our own Backend interface (no Prefect, no processes): what
+left alone, a learner that failed for a reason a restart cannot fix given up at once, and every failed learner's
+error line and log recorded (its own, or its log's last error line). The backend here is a scripted one of our own Backend interface (no Prefect, no processes): what
 each backend does for real is tested in tests/chaos (processes) and tests/deployment (a Prefect server).
 
 Run: .venv/bin/pytest tests/unit/test_supervisor_core.py
@@ -20,7 +21,7 @@ from diloco.run.create import create_run
 from diloco.run.events import read_events
 from diloco.run.signals import request_remove
 from diloco.storage import open_store
-from diloco.storage.records import LearnerStatus, write_record
+from diloco.storage.records import LearnerStatus, read_record, write_record
 from diloco.supervise import core
 from diloco.supervise.core import ENDED, RUNNING, Job, RoleUnstartable, Supervisor
 
@@ -259,3 +260,58 @@ def test_roles_on_cuda_are_never_forked() -> None:
     assert forks_roles(tiny.with_overrides({"learner.device": "cpu"}))
     assert not forks_roles(tiny.with_overrides({"learner.device": "cuda"}))
     assert not forks_roles(tiny.with_overrides({"learner.device": "cpu", "run.start_method": "exec"}))
+
+
+class LoggingBackend(ScriptedBackend):
+    """A backend that knows each job's log (as the local one does), for a process that could not say why it ended."""
+
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__()
+        self.log_dir = log_dir
+
+    def failure_detail(self, job: Job) -> tuple[str | None, str | None]:
+        from diloco.supervise.failures import last_error_line
+
+        path = str(self.log_dir / f"{job.name}.log")
+        return last_error_line(path), path
+
+
+def test_a_learner_that_cannot_start_for_a_reason_a_restart_cannot_fix_is_given_up_at_once(ctx: RunContext) -> None:
+    """Its process recorded `failed` and `fatal` (a layout the run does not have: diloco.launch); restarting it would
+    run the same code on the same config, so it is left down at once, its error line and log in its events and status."""
+    from diloco.run.failure import write_failed_status
+
+    sup = Supervisor(ctx, ScriptedBackend())
+    sup.start_all()
+    error = "learner a: the spec builds another model than run 'core-1': parameter 0 ('w'): shape [17] where the run has [16]"
+    write_failed_status(ctx.store, ctx.keys, "a", error=error, fatal=True, log_at="/logs/a.log")
+    sup.backend.ended["a"] = 2
+    sup.heal()  # sees the exit: its failure read
+    sup.heal()  # after the back-off (0 here): given up, not started again
+    job = sup.jobs["a"]
+    assert job.given_up and sup.backend.started.count("a") == 1 and job.failure.fatal
+    sup.events.flush()
+    events = {e["kind"]: e for e in read_events(ctx.store, ctx.keys) if e.get("learner") == "a"}
+    assert events["exit"]["error"] == error and events["exit"]["log"] == "/logs/a.log" and events["exit"]["fatal"]
+    assert events["give_up"]["error"] == error and "restart" not in events
+    status = read_record(ctx.store, ctx.keys.status("a"), LearnerStatus)
+    assert (status.state, status.error, status.fatal, status.given_up) == ("failed", error, True, True)
+
+
+def test_a_crashed_learner_that_wrote_nothing_gets_its_logs_last_error_line_and_a_restart(ctx: RunContext,
+                                                                                       tmp_path: Path) -> None:
+    sup = Supervisor(ctx, LoggingBackend(tmp_path))
+    sup.start_all()
+    (tmp_path / "a.log").write_text("2026-12-04 diloco.learner WARNING slow storage\nTraceback (most recent call last):\n"
+                                    '  File "x.py", line 1\nRuntimeError: cannot install version 3: global/3-ab.update\n'
+                                    "12:00:01 | INFO | Finished in state Failed\n")
+    sup.backend.ended["a"] = 1
+    sup.heal()
+    job = sup.jobs["a"]
+    assert job.restarts == 1 and not job.given_up  # a restart may fix it
+    status = read_record(ctx.store, ctx.keys.status("a"), LearnerStatus)
+    assert status.state == "failed" and status.error == "RuntimeError: cannot install version 3: global/3-ab.update"
+    assert status.log == str(tmp_path / "a.log") and not status.fatal and not status.given_up
+    sup.backend.ended["b"] = -9  # killed (out of memory): why is not in its log
+    sup.heal()
+    assert sup.jobs["b"].failure.error == "killed by signal 9"
