@@ -34,7 +34,7 @@ class RunState:
         return self.word in ENDED
 
     def where(self) -> str:
-        """`version 9 of 40`, or with a token budget `version 9, 460,800 of 6,500,000 tokens`."""
+        """`version 9 of 40`, or with a token budget `version 9, 460,800 of 6,000,000 tokens`."""
         if self.budget > 0:
             return f"version {self.version}, {self.tokens:,} of {self.budget:,} tokens"
         return f"version {self.version} of {self.target}"
