@@ -68,6 +68,7 @@ def _status_cells(r: dict, word: str) -> list[str]:
 def progress_table(ctx: RunContext, started: float | None, state: RunState | None = None,
                    width: int | None = None) -> Table:
     """The status table of `diloco status` and the live view; `width`: the console's (default: this terminal's)."""
+    from diloco.inspect.trust import current_policy
     from diloco.run.evaluator import read_evals
 
     try:
@@ -75,11 +76,15 @@ def progress_table(ctx: RunContext, started: float | None, state: RunState | Non
         rows = learner_status(ctx)
         state = state or read_run_state(ctx)
         removed = {r["learner"] for r in rows if ctx.store.exists(ctx.keys.removed(r["learner"]))}
+        paused = current_policy(ctx)[1].state.paused  # `diloco pause-merges`: the learners train on
     except StorageError as err:
         return Table(title=f"run {ctx.run_id}: storage unavailable ({err})")
     last = evals[-1] if evals else None
     loss = f"{last['loss']:.3f} {last.get('metric', 'nats/byte')} @ v{last['version']}" if last else "—"
-    head = state.title() if state.ended else f"{state.word} · {state.where()}"
+    if state.ended:
+        head = state.title() + (" (merges paused)" if paused else "")
+    else:
+        head = f"{state.word}{', merges paused' if paused else ''} · {state.where()}"
     clock = f" · {time.time() - started:.0f}s" if started else ""
     cells = [_status_cells(r, learner_word(r.get("state"), r.get("learner") in removed, state)) for r in rows]
     # no rules between columns (each costs its width + 2): ten columns of everyday names fit in 80 (with rules they

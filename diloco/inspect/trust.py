@@ -14,6 +14,9 @@ from diloco.run.context import RunContext
 from diloco.run.controls import read_ops
 from diloco.storage import Manifest, read_latest
 
+# the merger reads these within a second (merger.wait_while_paused), not at its next merge: in effect, never pending
+AT_ONCE = ("pause-merges", "resume-merges")
+
 
 def current_policy(ctx: RunContext) -> tuple[Manifest | None, Policy]:
     """(the newest manifest, the policy the next merge will go by: its guard state + the pending ops)."""
@@ -24,14 +27,16 @@ def current_policy(ctx: RunContext) -> tuple[Manifest | None, Policy]:
 
 
 def trust_summary(ctx: RunContext) -> dict[str, Any]:
-    """The guard in one JSON-able dict (the pending ops are counted in: what the next merge applies)."""
+    """The guard in one JSON-able dict (the pending ops are counted in: what the next merge applies; a pause or its
+    end is in `paused` at once, never pending)."""
     manifest, policy = current_policy(ctx)
     state, cfg = policy.state, policy.cfg.merger
     median = window_median(state, policy.cfg)
     return {
         "members": state.members, "removed": state.removed, "quarantined": state.quarantined,
         "paused": state.paused, "settings": state.settings,
-        "pending_ops": [f"{e.kind}{' ' + e.learner if e.learner else ''}" for e in policy.entries],
+        "pending_ops": [f"{e.kind}{' ' + e.learner if e.learner else ''}" for e in policy.entries
+                        if e.kind not in AT_ONCE],
         "outlier_rule": cfg.outlier_rule, "outlier_threshold": cfg.outlier_threshold,
         "outlier_median": median, "outlier_bound": None if median is None else median * cfg.outlier_threshold,
         "signed": policy.cfg.learner.sign, "version": None if manifest is None else manifest.version,
