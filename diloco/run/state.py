@@ -67,6 +67,15 @@ def continue_hint(ctx: RunContext) -> str:
     return f"continue with: diloco resume --run-id {ctx.run_id} --storage {ctx.store.url}"
 
 
+def ended_note(ctx: RunContext) -> str | None:
+    """For a control filed on a finished or stopped run (an op, a removal): the line that says it applies only once
+    the run is resumed; None for a run that is not over."""
+    state = read_run_state(ctx)
+    if not state.ended:
+        return None
+    return f"run {ctx.run_id!r} has ended ({state.title()}): this applies when it is resumed; {continue_hint(ctx)}"
+
+
 def refuse_if_ended(ctx: RunContext, doing: str) -> RunState:
     """RunError (one line, exit 2) when the run is finished or stopped: `doing` it would do nothing."""
     state = read_run_state(ctx)

@@ -2,7 +2,7 @@
 dead one), roles that notice a vanished supervisor and record the stop, stop checks that give up at once in
 a storage outage and a watched one that never waits on a hanging bucket, where a run stands (running,
 finished, stopped, idle) and what `diloco run`, `learner`, `merge` and `status` say about an ended run (and `status`
-about a paused one),
+about a paused one; operator commands on an ended run say they apply once it is resumed),
 SIGTERM / SIGINT during supervision (a real signal to this process), and a learner that finds its run ended
 (it neither joins nor overwrites its status).
 
@@ -219,6 +219,29 @@ def test_status_of_a_paused_run_says_paused_not_pending(ctx: RunContext) -> None
     shown = CliRunner().invoke(app, ["status", "--storage", ctx.store.url, "--run-id", ctx.run_id],
                                terminal_width=200).output
     assert "stopped at version 0 of 3 (operator) (merges paused)" in shown, shown
+
+
+def test_operator_commands_on_an_ended_run_say_it_applies_when_resumed(ctx: RunContext) -> None:
+    from typer.testing import CliRunner
+
+    from diloco.cli import app
+
+    def diloco(*args: str):
+        return CliRunner().invoke(app, [args[0], "--storage", ctx.store.url, "--run-id", ctx.run_id, *args[1:]],
+                                  terminal_width=200)
+
+    live = diloco("set", "merger.quorum=1")
+    assert live.exit_code == 0 and "has ended" not in live.output, live.output
+    request_stop(ctx, "interrupted")
+    for args in (("pause-merges",), ("resume-merges",), ("set", "merger.quorum=2"), ("remove-learner", "--learner",
+                 "local-1"), ("admit-learner", "--learner", "local-7", "--no-start")):
+        done = diloco(*args)
+        assert done.exit_code == 0, (args, done.output)
+        assert f"run {ctx.run_id!r} has ended (stopped at version 0 of 3 (interrupted)): this applies when it is " \
+               f"resumed; continue with: diloco resume --run-id {ctx.run_id}" in done.output, (args, done.output)
+    stop = diloco("stop")
+    assert stop.exit_code == 2 and "nothing to stop" in stop.output, stop.output
+    assert read_stop_reason(ctx) == "interrupted"  # the reason the run stopped for is kept
 
 
 def test_learner_words_in_status() -> None:
