@@ -97,7 +97,8 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
            versions: int = typer.Option(None, "--versions", help="How many MORE versions to train (default: as "
                                         "many as the run was created with)."),
            time_limit_s: float = typer.Option(None, "--time-limit-s", help="This session's time limit."),
-           prefect: bool = typer.Option(True, "--prefect/--no-prefect", help="Report to Prefect (as `diloco run`)."),
+           prefect: bool | None = typer.Option(None, "--prefect/--no-prefect", help="Report to Prefect (as `diloco "
+                                               "run`; default: as the run was last supervised)."),
            json_out: bool = JSON, live: bool = typer.Option(True, "--live/--no-live", help="Live progress table.")) -> None:
     """Continue a finished or stopped run: raise the target, clear the stop, start the roles; learners rejoin
     at the newest version with their checkpoints and data cursors."""
@@ -116,8 +117,12 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
             plan = prepare_resume(storage, run_id, versions=versions, time_limit_s=time_limit_s)
             ctx = open_run(storage, run_id)
             console = Console(stderr=json_out)
+            how = ""
+            if prefect is None:  # the way the run was started (its last lease's kind); a flag given wins
+                prefect = plan["prefect"]
+                how = "" if prefect else ", without Prefect as it was started"
             console.print(f"[bold]diloco[/bold] resume of run [cyan]{run_id}[/cyan] ({plan['state']}) at version "
-                          f"{plan['latest']}: target {plan['previous_target']} -> {plan['target']}")
+                          f"{plan['latest']}: target {plan['previous_target']} -> {plan['target']}{how}")
             with LiveView(ctx, console, live and console.is_terminal):
                 reason = api.supervise(ctx, prefect=prefect, announce=console.print)
             final_report(ctx, console, json_out, reason=reason,
