@@ -211,6 +211,8 @@ def execute_run(*, config: str, storage: str | None, learners: int | None, versi
         console.print(f"[bold]diloco[/bold] run [cyan]{ctx.run_id}[/cyan] in {ctx.store.url}: "
                       f"{cfg.run.num_learners} learners, target {run_target(ctx).describe()}, "
                       f"recipe {cfg.name}")
+        if ctx.data_source:  # what the spec read: e.g. a folder's "N files (k skipped: not text)"
+            console.print(f"data: {ctx.data_source}", markup=False, highlight=False)
         local_ui = prefect and not os.environ.get("PREFECT_API_URL")
         with LiveView(ctx, console, live and console.is_terminal):
             reason = api.supervise(ctx, prefect=prefect, chaos=chaos, announce=console.print)

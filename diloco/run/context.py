@@ -30,6 +30,7 @@ class RunContext:
     created_at: float = 0.0  # run.json's: tells a new run from an old one of the same id
     layout: list[dict] = field(default_factory=list)  # run.json's model layout ([] for runs made before layouts)
     fragments: list[dict] = field(default_factory=list)  # run.json's fragment layout ([]: one fragment, the root chain)
+    data_source: str = ""  # what the spec read (TrainSpec.data_source), where create_run built it; "" from run.json
 
     @property
     def run_id(self) -> str:

@@ -48,4 +48,5 @@ def make_spec(run_config: Config, corpus: Corpus | None = None) -> TrainSpec:
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
     return TrainSpec(build_model=lambda: build_model(cfg.model, seed=cfg.data.seed), batches=batches,
-                     loss=gpt_loss, eval_batches=held_out, sample=sample, metric_name="nats/byte")
+                     loss=gpt_loss, eval_batches=held_out, sample=sample, metric_name="nats/byte",
+                     data_source=text.source)

@@ -144,4 +144,4 @@ def make_spec(run_config: Config, files: Any = None, *, model_type: str = "llama
 
     return TrainSpec(build_model=lambda: _build_model(model_type, tok.get_vocab_size(), eot, sizes),
                      batches=batches, loss=loss, eval_batches=eval_batches, sample=sample,
-                     metric_name="nats/token", export=export)
+                     metric_name="nats/token", export=export, data_source=text.source)

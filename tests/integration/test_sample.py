@@ -1,5 +1,6 @@
 """`diloco sample`: `--seed` and `--max-bytes` reach the spec's sample by name (one it does not take is one line,
-exit 2), and without `--prompt` the built-in GPT continues the start of the run's held-out text, not a fixed string.
+exit 2), and without `--prompt` the built-in GPT continues the start of the run's held-out text, not a fixed string;
+and `diloco run` names the data its spec read (a folder's files, those skipped) when it creates the run.
 
 Run: .venv/bin/pytest tests/integration/test_sample.py -q   (a tiny run's version 0, a few seconds)
 """
@@ -60,3 +61,21 @@ def test_an_option_the_specs_sample_does_not_take_is_refused(monkeypatch) -> Non
     assert model_out.sample(None, prompt="y") == "y"
     with pytest.raises(SpecError, match="takes no seed"):
         model_out.sample(None, seed=3)
+
+
+def test_run_creation_names_the_data_the_spec_read(tmp_path: Path, monkeypatch) -> None:
+    """The corpus loader's "N files (k skipped: not text)" is printed when the run is created."""
+    from diloco import api
+    from diloco.cli import view
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(" ".join(f"w{i % 997}" for i in range(20000)))
+    (corpus / "b.txt").write_text(" ".join(f"v{i % 991}" for i in range(20000)))
+    (corpus / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    monkeypatch.setattr(api, "supervise", lambda ctx, **kw: "target version")
+    monkeypatch.setattr(view, "final_report", lambda *a, **k: None)
+    result = CliRunner().invoke(app, ["run", "--config", "tiny", "--corpus", str(corpus), "--no-prefect", "--no-live",
+                                      "--run-id", "data", "--storage", f"file://{tmp_path}/bucket"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert f"data: {corpus}: 2 files (1 skipped: not text)" in " ".join(result.output.split()), result.output
