@@ -66,7 +66,8 @@ TRUST_MARKS = {"outlier": "#d62728", "signature": "#9467bd", "admission": "#ff7f
 
 def mark_trust(ax, events: list[dict], learners: list[str], t0: float) -> None:
     """On `diloco plot`'s timeline: an x per delta the guard rejected (by check) on its learner's row (a row
-    below for names that never trained), and a label where a learner was quarantined."""
+    below for names that never trained), and a diamond where a learner was quarantined; their legend beside the
+    axes, below the states' (no text on the bars to collide with them)."""
     rows = {name: i for i, name in enumerate(learners)}
     other = len(learners)
     used: dict[str, object] = {}
@@ -75,13 +76,15 @@ def mark_trust(ax, events: list[dict], learners: list[str], t0: float) -> None:
             y = rows.get(e.get("learner"), other)
             (line,) = ax.plot(e["t"] - t0, y, marker="x", color=TRUST_MARKS[e["check"]], markersize=6,
                               linestyle="none", label=f"rejected: {e['check']}")
-            used.setdefault(e["check"], line)
+            used.setdefault(f"rejected: {e['check']}", line)
         elif e.get("kind") == "quarantine":
             y = rows.get(e.get("learner"), other)
-            ax.annotate(f"quarantined {e.get('learner')}", (e["t"] - t0, y), xytext=(4, 8), textcoords="offset points",
-                        fontsize=7, color=TRUST_MARKS["quarantine"])
+            (line,) = ax.plot(e["t"] - t0, y, marker="D", color=TRUST_MARKS["quarantine"], markersize=6,
+                              linestyle="none", label="quarantined")
+            used.setdefault("quarantined", line)
     if used:
         states = ax.get_legend()
-        ax.legend(handles=list(used.values()), loc="lower right", fontsize=7)
+        ax.legend(handles=list(used.values()), loc="lower left", bbox_to_anchor=(1.01, 0.0), fontsize=7,
+                  borderaxespad=0.0)
         if states is not None:
             ax.add_artist(states)  # keep the states' legend beside this one
