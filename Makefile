@@ -27,8 +27,9 @@ $(STAMP): pyproject.toml
 		|| echo "torchft not installed: the torchft rows of bench quality / bench wan will be skipped"
 	touch $(STAMP)
 
+# Prefect's usage analytics off, as in `make test` (the `diloco` command also sets DO_NOT_TRACK: Prefect's SDK side)
 run: setup
-	$(BIN)/diloco run --config demo
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/diloco run --config demo
 
 # Order matters for time: the Prefect server + workers that deployment/ and browser/ share start
 # last, so they do not load the two cores while the chaos runs and e2e runs train.

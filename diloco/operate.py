@@ -181,7 +181,8 @@ def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, ver
                    wait_s: float = QUIET_WAIT_S) -> dict[str, Any]:
     """Make a finished, stopped or idle run continue: the target becomes the newest version + `versions`
     (default: run.json's run.num_versions more), the time limit `time_limit_s` (default run.json's), the stop
-    is cleared. The roles started next (diloco.api.supervise) rejoin at the newest version."""
+    is cleared. The roles started next (diloco.api.supervise) rejoin at the newest version. The plan's `prefect`:
+    whether the run's last supervisor reported to Prefect (its lease's kind; True for a run never supervised)."""
     ctx = _ctx(storage, run_id)
     record = read_record(ctx.store, ctx.keys.run_json(), RunRecord)
     base = config_from_record(record.config)
@@ -209,18 +210,21 @@ def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, ver
                   reason=f"resume of a {state} run at version {latest}: {more} more versions")
     ctx.store.delete(ctx.keys.stop())
     return {"run_id": ctx.run_id, "state": state, "latest": latest, "previous_target": ctx.cfg.run.num_versions,
-            "target": latest + more, "time_limit_s": float(limit), "op": op}
+            "target": latest + more, "time_limit_s": float(limit), "op": op,
+            "prefect": lease is None or lease.kind != "local"}
 
 
 def resume(storage: str | Store, run_id: str, *, versions: int | None = None, time_limit_s: float | None = None,
-           prefect: bool = True, by: str | None = None, announce: Callable[[str], None] | None = None) -> str:
-    """prepare_resume, then supervise every role of the run until it ends (diloco.api.supervise); why it ended."""
+           prefect: bool | None = None, by: str | None = None, announce: Callable[[str], None] | None = None) -> str:
+    """prepare_resume, then supervise every role of the run until it ends (diloco.api.supervise); why it ended.
+    `prefect` None: as the run was last supervised (with Prefect or without)."""
     from diloco import api
 
     plan = prepare_resume(storage, run_id, versions=versions, time_limit_s=time_limit_s, by=by)
     ctx = open_run(open_store(storage) if isinstance(storage, str) else storage, run_id)  # the new target
     if announce:
         announce(f"run {run_id}: {plan['state']} at version {plan['latest']}; target raised to {plan['target']}")
+    prefect = plan["prefect"] if prefect is None else prefect
     return api.supervise(ctx, prefect=prefect, **({"announce": announce} if announce else {}))
 
 

@@ -24,7 +24,11 @@ app.add_typer(bench.bench, name="bench")
 
 
 def main() -> None:  # pragma: no cover - entry point
+    # Prefect's usage analytics off unless the environment says otherwise: the server's (the server a run starts
+    # has it off regardless: flows/server.py) and, since Prefect 3.9, the SDK's, which on its first import in a
+    # terminal prints a notice (through the live table) and reports milestones unless DO_NOT_TRACK is set
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
     app()
 
 

@@ -39,15 +39,18 @@ def export(storage: str = STORAGE, run_id: str = RUN_ID, version: int = VERSION,
 
 @app.command("sample")
 def sample(storage: str = STORAGE, run_id: str = RUN_ID, version: int = VERSION,
-           prompt: str = typer.Option(None, "--prompt", help="Text to continue (default: the spec's own prompt).")
-           ) -> None:
+           prompt: str = typer.Option(None, "--prompt", help="Text to continue (default: the spec's own; the "
+                                      "built-in specs: the start of the run's held-out text)."),
+           seed: int = typer.Option(None, "--seed", min=0, help="The sampling seed (default: the spec's, 0)."),
+           max_bytes: int = typer.Option(None, "--max-bytes", min=1, help="At most this many bytes after the prompt "
+                                         "(default: the spec's; the built-in GPT: 240).")) -> None:
     """Print text the run's spec samples from a committed version."""
     with user_errors():
         from diloco.inspect.model_out import sample as sample_text
         from diloco.run.context import open_run
         from diloco.training.spec import SpecError
 
-        text = sample_text(open_run(storage, run_id), version, prompt)
+        text = sample_text(open_run(storage, run_id), version, prompt, seed=seed, max_bytes=max_bytes)
         if text is None:
             raise SpecError("the run's spec has no sample(model)")
         typer.echo(text)

@@ -15,6 +15,18 @@ from diloco.cli.errors import fail, user_errors
 from diloco.cli.options import JSON, RUN_ID, STORAGE
 
 app = typer.Typer()
+
+
+def say_if_ended(storage: str, run_id: str) -> None:
+    """After a control filed on a finished or stopped run: it applies once the run is resumed (run/state.py)."""
+    from diloco.run.context import open_run
+    from diloco.run.state import ended_note
+
+    note = ended_note(open_run(storage, run_id))
+    if note:
+        typer.echo(note)
+
+
 LEARNER = typer.Option(..., "--learner", help="The learner's name: [a-z0-9-]{1,48}.")
 REASON = typer.Option("", "--reason", help="Recorded with the control op.")
 
@@ -31,6 +43,7 @@ def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = L
         how = "a running supervisor starts it within seconds" if start else "start it with: diloco learner " \
             f"--storage {storage} --run-id {run_id} --learner {learner}"
         typer.echo(f"learner {learner} admitted to run {run_id} (op {op}); {how}")
+        say_if_ended(storage, run_id)
 
 
 @app.command("readmit")
@@ -41,6 +54,7 @@ def readmit(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER
 
         op = do_readmit(storage, run_id, learner, reason=reason)
         typer.echo(f"learner {learner} readmitted to run {run_id} (op {op})")
+        say_if_ended(storage, run_id)
 
 
 @app.command("pause-merges")
@@ -50,6 +64,7 @@ def pause_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = REA
         from diloco.operate import pause_merges as pause
 
         typer.echo(f"merges of run {run_id} paused (op {pause(storage, run_id, reason=reason)})")
+        say_if_ended(storage, run_id)
 
 
 @app.command("resume-merges")
@@ -59,6 +74,7 @@ def resume_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = RE
         from diloco.operate import resume_merges as go
 
         typer.echo(f"merges of run {run_id} resumed (op {go(storage, run_id, reason=reason)})")
+        say_if_ended(storage, run_id)
 
 
 @app.command("set")
@@ -73,6 +89,7 @@ def set_settings(storage: str = STORAGE, run_id: str = RUN_ID,
         values = parse_assignments(assignments)
         op = do_set(storage, run_id, values, reason=reason)
         typer.echo(f"run {run_id}: {', '.join(f'{k}={v!r}' for k, v in values.items())} from the next merge (op {op})")
+        say_if_ended(storage, run_id)
 
 
 @app.command("resume")
@@ -80,7 +97,8 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
            versions: int = typer.Option(None, "--versions", help="How many MORE versions to train (default: as "
                                         "many as the run was created with)."),
            time_limit_s: float = typer.Option(None, "--time-limit-s", help="This session's time limit."),
-           prefect: bool = typer.Option(True, "--prefect/--no-prefect", help="Report to Prefect (as `diloco run`)."),
+           prefect: bool | None = typer.Option(None, "--prefect/--no-prefect", help="Report to Prefect (as `diloco "
+                                               "run`; default: as the run was last supervised)."),
            json_out: bool = JSON, live: bool = typer.Option(True, "--live/--no-live", help="Live progress table.")) -> None:
     """Continue a finished or stopped run: raise the target, clear the stop, start the roles; learners rejoin
     at the newest version with their checkpoints and data cursors."""
@@ -99,8 +117,12 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
             plan = prepare_resume(storage, run_id, versions=versions, time_limit_s=time_limit_s)
             ctx = open_run(storage, run_id)
             console = Console(stderr=json_out)
+            how = ""
+            if prefect is None:  # the way the run was started (its last lease's kind); a flag given wins
+                prefect = plan["prefect"]
+                how = "" if prefect else ", without Prefect as it was started"
             console.print(f"[bold]diloco[/bold] resume of run [cyan]{run_id}[/cyan] ({plan['state']}) at version "
-                          f"{plan['latest']}: target {plan['previous_target']} -> {plan['target']}")
+                          f"{plan['latest']}: target {plan['previous_target']} -> {plan['target']}{how}")
             with LiveView(ctx, console, live and console.is_terminal):
                 reason = api.supervise(ctx, prefect=prefect, announce=console.print)
             summary = final_report(ctx, console, json_out, reason=reason,

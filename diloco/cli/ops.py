@@ -59,12 +59,16 @@ def gc(storage: str = STORAGE, run_id: str = RUN_ID,
 @app.command("stop")
 def stop(storage: str = STORAGE, run_id: str = RUN_ID,
          reason: str = typer.Option("operator", "--reason", help="Recorded in control/stop.")) -> None:
-    """Ask every process of a run to end after its current phase (writes control/stop)."""
+    """Ask every process of a run to end after its current phase (writes control/stop); a finished or stopped run
+    is refused (nothing to stop: its stop reason is kept)."""
     with user_errors():
         from diloco.run.context import open_run
         from diloco.run.signals import request_stop
+        from diloco.run.state import refuse_if_ended
 
-        request_stop(open_run(storage, run_id), reason)
+        ctx = open_run(storage, run_id)
+        refuse_if_ended(ctx, "stop")
+        request_stop(ctx, reason)
         typer.echo(f"stop requested for run {run_id}")
 
 
@@ -74,10 +78,12 @@ def remove_learner(storage: str = STORAGE, run_id: str = RUN_ID,
                    reason: str = typer.Option("operator", "--reason", help="Recorded with the removal.")) -> None:
     """Remove a learner from a run: it ends after its phase and no supervisor starts it again."""
     with user_errors():
+        from diloco.cli.operate import say_if_ended
         from diloco.operate import remove_learner as remove
 
         remove(storage, run_id, learner, reason=reason)
         typer.echo(f"learner {learner} removed from run {run_id}")
+        say_if_ended(storage, run_id)
 
 
 @app.command("plot")

@@ -23,7 +23,7 @@ def run(
     learners: int = typer.Option(None, "--learners", help="Number of learners."),
     versions: int = typer.Option(None, "--versions", help="Stop after this many committed versions."),
     tokens: int = typer.Option(None, "--tokens", help="Or once the versions carry this many merged tokens "
-                               "(a token budget; 0: none; the demo recipe's: 6,500,000)."),
+                               "(a token budget; 0: none; default: the recipe's run.num_tokens)."),
     corpus: str = typer.Option(None, "--corpus", help="Text file, folder of text files, or fsspec URL."),
     run_id: str = typer.Option(None, "--run-id", help="Run id (default: <recipe>-<time>)."),
     json_out: bool = typer.Option(False, "--json", help="End with one JSON object of the results."),

@@ -6,17 +6,21 @@ are shown under the live table and after the summary, and a run that failed (dil
 after them and exits with code 3 (a time limit that ended it short: one line, exit 0); SIGINT and SIGTERM end
 `diloco run` in order — every process of the run ends, the summary so far is printed — with exit code 130 / 143;
 tables stay readable at 80 columns (a name is never cut at its end: one too long for the width is shortened from the
-middle, its distinguishing suffix kept; other cells wrap). Imported only when a command runs (it pulls
-torch, for the sample), so `diloco --help` stays fast.
+middle, its distinguishing suffix kept; other cells wrap); while the live table is drawn, what this process writes
+to stderr (Prefect's console log, warnings) goes to .diloco/logs/<run>/supervisor.log instead. Imported only when a
+command runs (it pulls torch, for the sample), so `diloco --help` stays fast.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import TextIO
 
 import typer
 from rich import box
@@ -67,6 +71,7 @@ def _status_cells(r: dict, word: str) -> list[str]:
 def progress_table(ctx: RunContext, started: float | None, state: RunState | None = None,
                    width: int | None = None) -> Table:
     """The status table of `diloco status` and the live view; `width`: the console's (default: this terminal's)."""
+    from diloco.inspect.trust import current_policy
     from diloco.run.evaluator import read_evals
 
     try:
@@ -74,11 +79,15 @@ def progress_table(ctx: RunContext, started: float | None, state: RunState | Non
         rows = learner_status(ctx)
         state = state or read_run_state(ctx)
         removed = {r["learner"] for r in rows if ctx.store.exists(ctx.keys.removed(r["learner"]))}
+        paused = current_policy(ctx)[1].state.paused  # `diloco pause-merges`: the learners train on
     except StorageError as err:
         return Table(title=f"run {ctx.run_id}: storage unavailable ({err})")
     last = evals[-1] if evals else None
     loss = f"{last['loss']:.3f} {last.get('metric', 'nats/byte')} @ v{last['version']}" if last else "—"
-    head = state.title() if state.ended else f"{state.word} · {state.where()}"
+    if state.ended:
+        head = state.title() + (" (merges paused)" if paused else "")
+    else:
+        head = f"{state.word}{', merges paused' if paused else ''} · {state.where()}"
     clock = f" · {time.time() - started:.0f}s" if started else ""
     cells = [_status_cells(r, learner_word(r.get("state"), r.get("learner") in removed, state)) for r in rows]
     # no rules between columns (each costs its width + 2): ten columns of everyday names fit in 80 (with rules they
@@ -98,17 +107,66 @@ def progress_table(ctx: RunContext, started: float | None, state: RunState | Non
     return table
 
 
-class LiveView:
-    """A background thread that redraws the progress table from the bucket once a second."""
+class StderrToLog(io.TextIOBase):
+    """This process's sys.stderr while the live table is drawn: what is written to it goes to a log file, not through
+    the table; once `end()` is called, to the terminal again. Prefect's console log handler (on the root logger, made
+    when Prefect is imported: inside the run, so with this as its stream) prints with a rich Console of its own,
+    which would write around the Live's redirection and break the table; warnings of the engine likewise."""
 
-    def __init__(self, ctx: RunContext, console: Console, enabled: bool) -> None:
+    def __init__(self, terminal: TextIO, path: Path) -> None:
+        self.terminal, self.lines = terminal, 0
+        self.path: Path | None = path  # None once the table is gone
+        self._file: TextIO | None = None
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            if self.path is None:  # the table is gone
+                return self.terminal.write(text)
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed by end()
+            self.lines += text.count("\n")
+            written = self._file.write(text)
+            self._file.flush()
+            return written
+
+    def flush(self) -> None:
+        with self._lock:
+            (self.terminal if self.path is None else self._file or self.terminal).flush()
+
+    def isatty(self) -> bool:
+        return False  # a rich Console over it writes plain text, no colour codes, into the file
+
+    def fileno(self) -> int:
+        return self.terminal.fileno()  # a write to the descriptor itself goes where it always went
+
+    def end(self) -> None:
+        with self._lock:
+            self.path = None
+            if self._file is not None:
+                self._file.close()
+
+
+class LiveView:
+    """A background thread that redraws the progress table from the bucket once a second; while it is drawn, this
+    process's stderr goes to `log_path` (default .diloco/logs/<run>/supervisor.log: StderrToLog)."""
+
+    def __init__(self, ctx: RunContext, console: Console, enabled: bool, log_path: Path | None = None) -> None:
+        from diloco.api import STATE_DIR
+
         self.ctx, self.console, self.enabled = ctx, console, enabled
+        self.log_path = log_path or STATE_DIR / "logs" / ctx.run_id / "supervisor.log"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._stderr: StderrToLog | None = None
         self.started = time.time()
 
     def __enter__(self) -> LiveView:
         if self.enabled:
+            self.console.file = self.console.file  # held to the terminal it draws on (a --json run draws on stderr)
+            self._stderr = StderrToLog(sys.stderr, self.log_path)
+            sys.stderr = self._stderr
             self._thread.start()
         return self
 
@@ -116,10 +174,16 @@ class LiveView:
         self._stop.set()
         if self.enabled:
             self._thread.join(timeout=5)
+        if self._stderr is not None:
+            sys.stderr = self._stderr.terminal
+            self._stderr.end()  # a handler that holds it writes to the terminal from now on
+            if self._stderr.lines:
+                self.console.print(f"Prefect's log while the table was live: {self.log_path} "
+                                   f"({self._stderr.lines} lines)", markup=False, highlight=False, soft_wrap=True)
 
     def _loop(self) -> None:
         with Live(progress_table(self.ctx, self.started, width=self.console.width), console=self.console, refresh_per_second=1,
-                  transient=False) as live:
+                  transient=False, redirect_stderr=False) as live:
             while not self._stop.wait(1.0):
                 live.update(progress_table(self.ctx, self.started, width=self.console.width))
 
@@ -151,6 +215,8 @@ def execute_run(*, config: str, storage: str | None, learners: int | None, versi
         console.print(f"[bold]diloco[/bold] run [cyan]{ctx.run_id}[/cyan] in {ctx.store.url}: "
                       f"{cfg.run.num_learners} learners, target {run_target(ctx).describe()}, "
                       f"recipe {cfg.name}")
+        if ctx.data_source:  # what the spec read: e.g. a folder's "N files (k skipped: not text)"
+            console.print(f"data: {ctx.data_source}", markup=False, highlight=False)
         local_ui = prefect and not os.environ.get("PREFECT_API_URL")
         with LiveView(ctx, console, live and console.is_terminal):
             reason = api.supervise(ctx, prefect=prefect, chaos=chaos, announce=console.print)

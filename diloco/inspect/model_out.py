@@ -83,15 +83,19 @@ def load_model(ctx: RunContext, version: int | None = None) -> tuple[TrainSpec, 
     return spec, model, version
 
 
-def sample(ctx: RunContext, version: int | None = None, prompt: str | None = None) -> str | None:
-    """Text the spec samples from the version's model (None when the spec has no sample)."""
+def sample(ctx: RunContext, version: int | None = None, prompt: str | None = None, *, seed: int | None = None,
+           max_bytes: int | None = None) -> str | None:
+    """Text the spec samples from the version's model (None when the spec has no sample); `prompt`, `seed` and
+    `max_bytes`, when given, are passed by name, and SpecError names one the spec's sample does not take."""
     spec, model, _ = load_model(ctx, version)
     if spec.sample is None:
         return None
-    takes_prompt = "prompt" in inspect.signature(spec.sample).parameters
-    if prompt is not None and not takes_prompt:
-        raise SpecError("the spec's sample(model) takes no prompt")
-    return spec.sample(model, prompt=prompt) if prompt is not None else spec.sample(model)
+    given = {k: v for k, v in (("prompt", prompt), ("seed", seed), ("max_bytes", max_bytes)) if v is not None}
+    takes = inspect.signature(spec.sample).parameters
+    for name in given:
+        if name not in takes:
+            raise SpecError(f"the spec's sample(model) takes no {name}")
+    return spec.sample(model, **given)
 
 
 def _atomic_file(out: Path, write) -> Path:

@@ -1,11 +1,14 @@
 """Least-privilege S3 policies for the roles of a run (`diloco bucket-policy`): a learner writes only its own
 deltas/<name>/, learners/<name>/ and events/<name>/ and reads what it needs; the merger writes versions/,
 global/ and its events (and never reads the spec's files: it runs no user code); the evaluator evals/ and its
-events; the operator everything of the run.
+events; the operator everything of the run. What is history is written once: a learner's deltas and the merger's
+manifests only by a PutObject carrying If-None-Match (the `s3:if-none-match` condition key, as AWS enforces
+conditional writes), so a leaked key cannot overwrite what was published or committed.
 
 Contract: plain IAM policy JSON (AWS IAM and MinIO read the same language); every key a role touches is
-built by RunKeys, so the prefixes here follow storage/keys.py; `allows(policy, action, bucket, key)` is the
-small evaluator the tests use to check a real run's requests against the policies (Allow statements only).
+built by RunKeys, so the prefixes here follow storage/keys.py; `allows(policy, action, bucket, key,
+if_none_match=...)` is the small evaluator the tests use to check a real run's requests against the policies
+(Allow statements; the condition operators StringLike, Null and Bool).
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ from diloco.storage.keys import RunKeys, validate_learner_name
 
 ROLES = ("merger", "evaluator", "operator")
 READ, WRITE, DELETE, LIST = "s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"
+CREATE = "create"  # in _grants: PutObject only as an exclusive create (the keys are history, written once)
+# AWS's conditional-write enforcement: a PutObject (or CompleteMultipartUpload) without If-None-Match is denied;
+# a multipart upload's parts (CreateMultipartUpload, UploadPart) take no conditional header, so they are allowed
+# apart (s3:ObjectCreationOperation is false for them), and the upload's completion needs the header again
+ONCE = {"Null": {"s3:if-none-match": "false"}}
+PARTS = {"Bool": {"s3:ObjectCreationOperation": "false"}}
 
 
 def split_s3(storage: str) -> tuple[str, str]:
@@ -34,10 +43,11 @@ def _grants(role: str, learner: str | None, run: str) -> dict[str, list[str]]:
     reads = ["run.json", "versions/*", "global/*", "control/*"]
     if learner is not None:
         own = [f"deltas/{learner}/*", f"learners/{learner}/*", f"events/{learner}/*"]
-        return {READ: reads + own[:2] + ["spec/*"], WRITE: own,
+        return {READ: reads + own[:2] + ["spec/*"], CREATE: [f"deltas/{learner}/*.delta"],
+                WRITE: [f"deltas/{learner}/*.sig", *own[1:]],  # a signature lands first, by a plain put
                 LIST: ["versions/*", f"deltas/{learner}/*", "control/*", f"learners/{learner}/*"]}
     if role == "merger":
-        return {READ: reads + ["deltas/*"], WRITE: ["versions/*", "global/*", "events/merger*"],
+        return {READ: reads + ["deltas/*"], CREATE: ["versions/*"], WRITE: ["global/*", "events/merger*"],
                 LIST: ["versions/*", "deltas/*", "control/*", "global/*"]}
     if role == "evaluator":
         return {READ: reads + ["evals/*", "spec/*"], WRITE: ["evals/*", "events/evaluator/*"],
@@ -60,20 +70,46 @@ def policy_for(storage: str, run_id: str, *, learner: str | None = None, role: s
         if action in grants:
             statements.append({"Sid": action.split(":")[1], "Effect": "Allow", "Action": [action],
                                "Resource": [f"arn:aws:s3:::{bucket}/{run}{p}" for p in grants[action]]})
+    if CREATE in grants:  # disjoint from the plain writes above, or those would allow an overwrite
+        once = [f"arn:aws:s3:::{bucket}/{run}{p}" for p in grants[CREATE]]
+        statements.append({"Sid": "CreateOnce", "Effect": "Allow", "Action": [WRITE], "Resource": once,
+                           "Condition": ONCE})
+        statements.append({"Sid": "CreateOnceParts", "Effect": "Allow", "Action": [WRITE], "Resource": once,
+                           "Condition": PARTS})
     statements.append({"Sid": "ListTheRun", "Effect": "Allow", "Action": [LIST], "Resource": [f"arn:aws:s3:::{bucket}"],
                        "Condition": {"StringLike": {"s3:prefix": [f"{run}{p}" for p in grants[LIST]]}}})
     return {"Version": "2012-10-17", "Statement": statements}
 
 
-def allows(policy: dict[str, Any], action: str, bucket: str, key: str) -> bool:
-    """Whether an Allow statement grants `action` on `key` (for ListBucket: `key` is the listed prefix)."""
+def allows(policy: dict[str, Any], action: str, bucket: str, key: str, *, if_none_match: bool = False,
+           part: bool = False) -> bool:
+    """Whether an Allow statement grants `action` on `key` (for ListBucket: `key` is the listed prefix) to a request
+    that carries If-None-Match or not, and is a multipart upload's part (`part`) or a whole object's creation."""
+    context = {"s3:prefix": key if action == LIST else None, "s3:if-none-match": "*" if if_none_match else None,
+               "s3:ObjectCreationOperation": None if action != WRITE else "false" if part else "true"}
     for st in policy["Statement"]:
         if st["Effect"] != "Allow" or action not in st["Action"]:
             continue
-        if action == LIST:
-            if f"arn:aws:s3:::{bucket}" in st["Resource"] and any(
-                    fnmatch.fnmatchcase(key, p) for p in st["Condition"]["StringLike"]["s3:prefix"]):
-                return True
-        elif any(fnmatch.fnmatchcase(f"arn:aws:s3:::{bucket}/{key}", r) for r in st["Resource"]):
+        resource = f"arn:aws:s3:::{bucket}" if action == LIST else f"arn:aws:s3:::{bucket}/{key}"
+        if any(fnmatch.fnmatchcase(resource, r) for r in st["Resource"]) and _holds(st.get("Condition", {}), context):
             return True
     return False
+
+
+def _holds(condition: dict[str, dict[str, Any]], context: dict[str, str | None]) -> bool:
+    """IAM's condition block on a request's keys: every operator's every key must hold (a missing key fails all
+    but Null); an operator this evaluator does not know is an error, never a silent allow."""
+    for operator, tests in condition.items():
+        for name, wanted in tests.items():
+            have, values = context.get(name), wanted if isinstance(wanted, list) else [wanted]
+            if operator == "StringLike":
+                ok = have is not None and any(fnmatch.fnmatchcase(have, v) for v in values)
+            elif operator == "Null":
+                ok = (have is None) == (str(values[0]).lower() == "true")
+            elif operator == "Bool":
+                ok = have is not None and have == str(values[0]).lower()
+            else:
+                raise ValueError(f"condition operator {operator!r} is not evaluated here")
+            if not ok:
+                return False
+    return True

@@ -14,6 +14,9 @@ from diloco.run.context import RunContext
 from diloco.run.controls import read_ops
 from diloco.storage import Manifest, read_latest
 
+# the merger reads these within a second (merger.wait_while_paused), not at its next merge: in effect, never pending
+AT_ONCE = ("pause-merges", "resume-merges")
+
 
 def current_policy(ctx: RunContext) -> tuple[Manifest | None, Policy]:
     """(the newest manifest, the policy the next merge will go by: its guard state + the pending ops)."""
@@ -24,14 +27,16 @@ def current_policy(ctx: RunContext) -> tuple[Manifest | None, Policy]:
 
 
 def trust_summary(ctx: RunContext) -> dict[str, Any]:
-    """The guard in one JSON-able dict (the pending ops are counted in: what the next merge applies)."""
+    """The guard in one JSON-able dict (the pending ops are counted in: what the next merge applies; a pause or its
+    end is in `paused` at once, never pending)."""
     manifest, policy = current_policy(ctx)
     state, cfg = policy.state, policy.cfg.merger
     median = window_median(state, policy.cfg)
     return {
         "members": state.members, "removed": state.removed, "quarantined": state.quarantined,
         "paused": state.paused, "settings": state.settings,
-        "pending_ops": [f"{e.kind}{' ' + e.learner if e.learner else ''}" for e in policy.entries],
+        "pending_ops": [f"{e.kind}{' ' + e.learner if e.learner else ''}" for e in policy.entries
+                        if e.kind not in AT_ONCE],
         "outlier_rule": cfg.outlier_rule, "outlier_threshold": cfg.outlier_threshold,
         "outlier_median": median, "outlier_bound": None if median is None else median * cfg.outlier_threshold,
         "signed": policy.cfg.learner.sign, "version": None if manifest is None else manifest.version,
@@ -61,7 +66,8 @@ TRUST_MARKS = {"outlier": "#d62728", "signature": "#9467bd", "admission": "#ff7f
 
 def mark_trust(ax, events: list[dict], learners: list[str], t0: float) -> None:
     """On `diloco plot`'s timeline: an x per delta the guard rejected (by check) on its learner's row (a row
-    below for names that never trained), and a label where a learner was quarantined."""
+    below for names that never trained), and a diamond where a learner was quarantined; their legend beside the
+    axes, below the states' (no text on the bars to collide with them)."""
     rows = {name: i for i, name in enumerate(learners)}
     other = len(learners)
     used: dict[str, object] = {}
@@ -70,13 +76,15 @@ def mark_trust(ax, events: list[dict], learners: list[str], t0: float) -> None:
             y = rows.get(e.get("learner"), other)
             (line,) = ax.plot(e["t"] - t0, y, marker="x", color=TRUST_MARKS[e["check"]], markersize=6,
                               linestyle="none", label=f"rejected: {e['check']}")
-            used.setdefault(e["check"], line)
+            used.setdefault(f"rejected: {e['check']}", line)
         elif e.get("kind") == "quarantine":
             y = rows.get(e.get("learner"), other)
-            ax.annotate(f"quarantined {e.get('learner')}", (e["t"] - t0, y), xytext=(4, 8), textcoords="offset points",
-                        fontsize=7, color=TRUST_MARKS["quarantine"])
+            (line,) = ax.plot(e["t"] - t0, y, marker="D", color=TRUST_MARKS["quarantine"], markersize=6,
+                              linestyle="none", label="quarantined")
+            used.setdefault("quarantined", line)
     if used:
         states = ax.get_legend()
-        ax.legend(handles=list(used.values()), loc="lower right", fontsize=7)
+        ax.legend(handles=list(used.values()), loc="lower left", bbox_to_anchor=(1.01, 0.0), fontsize=7,
+                  borderaxespad=0.0)
         if states is not None:
             ax.add_artist(states)  # keep the states' legend beside this one

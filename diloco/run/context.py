@@ -31,6 +31,7 @@ class RunContext:
     layout: list[dict] = field(default_factory=list)  # run.json's model layout ([] for runs made before layouts)
     fragments: list[dict] = field(default_factory=list)  # run.json's fragment layout ([]: one fragment, the root chain)
     buffers: list[dict] = field(default_factory=list)  # run.json's buffers the run merges ([]: none; per chain: see fragments)
+    data_source: str = ""  # what the spec read (TrainSpec.data_source), where create_run built it; "" from run.json
 
     @property
     def run_id(self) -> str:

@@ -56,9 +56,11 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
                 f"run {run_id!r} already exists in {store.url} with a different config; "
                 "choose another --run-id or the same config"
             ) from None
+        ctx.data_source = spec.data_source
         return ctx
     warn_once(warnings)  # the run is new: said once, not by every process that joins it
-    ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout, fragments, buffers)
+    ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout, fragments, buffers,
+                     spec.data_source)
     params = get_flat_params(model)
     _commit_version_zero(ctx, params, initial)
     for index, fragment in enumerate(fragments):  # every fragment's chain starts at its pieces of version 0

@@ -34,7 +34,7 @@ class RunState:
         return self.word in ENDED
 
     def where(self) -> str:
-        """`version 9 of 40`, or with a token budget `version 9, 460,800 of 6,500,000 tokens`."""
+        """`version 9 of 40`, or with a token budget `version 9, 460,800 of 6,000,000 tokens`."""
         if self.budget > 0:
             return f"version {self.version}, {self.tokens:,} of {self.budget:,} tokens"
         return f"version {self.version} of {self.target}"
@@ -65,6 +65,15 @@ def read_run_state(ctx: RunContext) -> RunState:
 def continue_hint(ctx: RunContext) -> str:
     """The line that tells a user how to go on with an ended run (`diloco resume`, issue #14)."""
     return f"continue with: diloco resume --run-id {ctx.run_id} --storage {ctx.store.url}"
+
+
+def ended_note(ctx: RunContext) -> str | None:
+    """For a control filed on a finished or stopped run (an op, a removal): the line that says it applies only once
+    the run is resumed; None for a run that is not over."""
+    state = read_run_state(ctx)
+    if not state.ended:
+        return None
+    return f"run {ctx.run_id!r} has ended ({state.title()}): this applies when it is resumed; {continue_hint(ctx)}"
 
 
 def refuse_if_ended(ctx: RunContext, doing: str) -> RunState:

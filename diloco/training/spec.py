@@ -4,10 +4,10 @@ Contract (docs/SPEC.md): `build_model()` -> nn.Module, called under a fixed seed
 `batches(shard, num_shards, start)` -> an iterator from batch index `start` (batch i of a shard depends only
 on (seed, shard, i), so a cursor resumes it); `loss(model, batch)` -> (scalar loss tensor, num_tokens: int),
 the tokens weigh the merge; optional `eval_batches()`, `build_optimizer(params)`, `lr_at(step)` (a multiplier
-of each parameter group's lr), `sample(model)`, `metric_name`, and `export(model, folder)` (a folder in the
-model's own format). A batch is a tensor or a tuple/list/dict of tensors. The model's layout (parameter
-names, shapes, dtypes; tied weights once) is what a run records and checks; its persistent buffers are recorded
-and merged beside it (diloco.training.buffers).
+of each parameter group's lr), `sample(model)`, `metric_name`, `export(model, folder)` (a folder in the
+model's own format), and `data_source` (one line naming the data, shown when a run is created). A batch is a
+tensor or a tuple/list/dict of tensors. The model's layout (parameter names, shapes, dtypes; tied weights once) is
+what a run records and checks; its persistent buffers are recorded and merged beside it (diloco.training.buffers).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class TrainSpec:
     sample: Callable[..., str] | None = None
     metric_name: str = "loss"
     export: Callable[[nn.Module, Path], None] | None = None  # an extra: e.g. a Hugging Face save_pretrained folder
+    data_source: str = ""  # one line naming the data ("<corpus>: 12 files (3 skipped: not text)"), shown at creation
 
     def __post_init__(self) -> None:
         for name in ("build_model", "batches", "loss"):
@@ -50,6 +51,8 @@ class TrainSpec:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise SpecError(f"TrainSpec.{name} must be callable or None, got {type(value).__name__}")
+        if not isinstance(self.data_source, str):
+            raise SpecError(f"TrainSpec.data_source must be a string, got {type(self.data_source).__name__}")
         if not isinstance(self.metric_name, str) or not self.metric_name:
             raise SpecError(f"TrainSpec.metric_name must be a non-empty string, got {self.metric_name!r}")
 

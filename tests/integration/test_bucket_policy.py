@@ -1,6 +1,8 @@
 """`diloco bucket-policy` against what the roles really do: a tiny signed run on the S3 test server (moto),
 every request of each learner, the merger and the evaluator recorded, and each one checked against that
-role's policy; a learner's policy allows none of another learner's writes. (moto does not enforce IAM
+role's policy (an exclusive create as a request with If-None-Match); a learner's policy allows none of another
+learner's writes, and neither a learner's nor the merger's allows overwriting what it created exclusively (its
+deltas, the manifests). (moto does not enforce IAM
 conditions, so the policies are evaluated here by diloco.inspect.policy.allows, IAM's matching rules for
 Allow statements: `*` across `/`, s3:prefix for listings; an exists() counts as a HEAD plus the listing of
 `<key>/` that s3fs falls back to.)
@@ -34,9 +36,10 @@ pytestmark = pytest.mark.s3
 
 
 class Recorder(WrapperStore):
-    """Records (action, store key) of every request; with_retries shares the record."""
+    """Records (action, store key) of every request, an exclusive create as (WRITE, key, "if-none-match");
+    with_retries shares the record."""
 
-    def __init__(self, inner, log: list[tuple[str, str]] | None = None) -> None:
+    def __init__(self, inner, log: list[tuple[str, ...]] | None = None) -> None:
         super().__init__(inner)
         self.log = [] if log is None else log
 
@@ -60,7 +63,7 @@ class Recorder(WrapperStore):
         super().put(key, data)
 
     def put_if_absent(self, key, data):
-        self.log.append((WRITE, key))
+        self.log.append((WRITE, key, "if-none-match"))
         super().put_if_absent(key, data)
 
     def list(self, prefix, after=""):
@@ -122,12 +125,15 @@ def test_every_request_of_every_role_is_allowed_by_its_policy_and_no_more(s3_url
     for name, log in logs.items():
         role = name if name in ("merger", "evaluator") else None
         policy = policy_for(s3_url, ctx.run_id, learner=None if role else name, role=role)
-        denied = sorted({(a, k) for a, k in log if not allows(policy, a, bucket, prefix + k)})
+        denied = sorted({r for r in log if not allows(policy, r[0], bucket, prefix + r[1], if_none_match=len(r) > 2)})
         assert denied == [], f"{name}: {denied}"
-        assert any(a == WRITE for a, _ in log), name
+        assert any(r[0] == WRITE for r in log), name
+        # what is history (a delta, a manifest) was created exclusively, and its overwrite is not allowed
+        once = {r[1] for r in log if len(r) > 2}
+        assert (name == "evaluator" or once) and not any(allows(policy, WRITE, bucket, prefix + k) for k in once), name
     a, b = ctx.learners
-    writes_of_b = {k for act, k in logs[b] if act == WRITE}
-    assert writes_of_b and not any(allows(policy_for(s3_url, ctx.run_id, learner=a), WRITE, bucket, prefix + k)
-                                   for k in writes_of_b)
+    writes_of_b = {r[1] for r in logs[b] if r[0] == WRITE}
+    assert writes_of_b and not any(allows(policy_for(s3_url, ctx.run_id, learner=a), WRITE, bucket, prefix + k,
+                                          if_none_match=True) for k in writes_of_b)
     printed = CliRunner().invoke(app, ["bucket-policy", "--storage", s3_url, "--run-id", ctx.run_id, "--learner", a])
     assert printed.exit_code == 0 and json.loads(printed.output) == policy_for(s3_url, ctx.run_id, learner=a)

@@ -1,7 +1,8 @@
 """The run lifecycle without training processes: the supervisor's lease (one live supervisor, takeover of a
 dead one), roles that notice a vanished supervisor and record the stop, stop checks that give up at once in
 a storage outage and a watched one that never waits on a hanging bucket, where a run stands (running,
-finished, stopped, idle) and what `diloco run`, `learner`, `merge` and `status` say about an ended run,
+finished, stopped, idle) and what `diloco run`, `learner`, `merge` and `status` say about an ended run (and `status`
+about a paused one; operator commands on an ended run say they apply once it is resumed),
 SIGTERM / SIGINT during supervision (a real signal to this process), and a learner that finds its run ended
 (it neither joins nor overwrites its status).
 
@@ -195,6 +196,52 @@ def test_where_a_run_stands_and_what_its_commands_say(ctx: RunContext) -> None:
     status = _diloco("status", "--storage", ctx.store.url, "--run-id", ctx.run_id, "--json")
     report = json.loads(status.stdout.strip().splitlines()[-1])
     assert report["state"] == "stopped" and report["title"].startswith("stopped at version 0")
+
+
+def test_status_of_a_paused_run_says_paused_not_pending(ctx: RunContext) -> None:
+    """A pause is in effect within a second (the merger reads the ops while it waits): the title says so, and the
+    op is not listed as pending until a merge that, paused, never comes."""
+    from typer.testing import CliRunner
+
+    from diloco.cli import app
+    from diloco.operate import pause_merges
+
+    pause_merges(ctx, None, reason="inspect", by="ann@ops")
+    lease = acquire(ctx, "local")
+    try:
+        shown = CliRunner().invoke(app, ["status", "--storage", ctx.store.url, "--run-id", ctx.run_id],
+                                   terminal_width=200).output
+    finally:
+        lease.release("done")
+    assert "running, merges paused · version 0 of 3" in shown and "merges PAUSED" in shown, shown
+    assert "pending" not in shown, shown
+    request_stop(ctx, "operator")
+    shown = CliRunner().invoke(app, ["status", "--storage", ctx.store.url, "--run-id", ctx.run_id],
+                               terminal_width=200).output
+    assert "stopped at version 0 of 3 (operator) (merges paused)" in shown, shown
+
+
+def test_operator_commands_on_an_ended_run_say_it_applies_when_resumed(ctx: RunContext) -> None:
+    from typer.testing import CliRunner
+
+    from diloco.cli import app
+
+    def diloco(*args: str):
+        return CliRunner().invoke(app, [args[0], "--storage", ctx.store.url, "--run-id", ctx.run_id, *args[1:]],
+                                  terminal_width=200)
+
+    live = diloco("set", "merger.quorum=1")
+    assert live.exit_code == 0 and "has ended" not in live.output, live.output
+    request_stop(ctx, "interrupted")
+    for args in (("pause-merges",), ("resume-merges",), ("set", "merger.quorum=2"), ("remove-learner", "--learner",
+                 "local-1"), ("admit-learner", "--learner", "local-7", "--no-start")):
+        done = diloco(*args)
+        assert done.exit_code == 0, (args, done.output)
+        assert f"run {ctx.run_id!r} has ended (stopped at version 0 of 3 (interrupted)): this applies when it is " \
+               f"resumed; continue with: diloco resume --run-id {ctx.run_id}" in done.output, (args, done.output)
+    stop = diloco("stop")
+    assert stop.exit_code == 2 and "nothing to stop" in stop.output, stop.output
+    assert read_stop_reason(ctx) == "interrupted"  # the reason the run stopped for is kept
 
 
 def test_learner_words_in_status() -> None:

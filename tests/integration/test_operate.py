@@ -204,3 +204,32 @@ def test_resume_refuses_a_run_a_live_supervisor_holds_and_writes_nothing(tmp_pat
     assert ctx.store.exists(ctx.keys.stop()) and not list_ops(ctx.store, ctx.keys)
     lease.release("stopped")
     assert prepare_resume(ctx, None, versions=2, wait_s=0.0)["state"] == "stopped"
+
+
+def test_resume_keeps_the_way_the_run_was_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run started with --no-prefect resumes without Prefect (its last lease's kind says how it was supervised);
+    a flag given still wins, and a run supervised with Prefect resumes with it."""
+    from diloco import api
+    from diloco.cli import view
+    from diloco.configs import load_config
+    from diloco.run.create import create_run
+    from diloco.run.lease import acquire
+    from diloco.storage import open_store
+
+    ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "how", load_config("tiny").with_overrides(
+        {"run.num_learners": 1}))
+    asked: list[bool] = []
+    monkeypatch.setattr(api, "supervise", lambda ctx, *, prefect, announce: asked.append(prefect) or "target version")
+    monkeypatch.setattr(view, "final_report", lambda *a, **k: None)
+
+    def resume(kind: str, *flags: str) -> str:
+        acquire(ctx, kind).release("interrupted")  # how the session before this one was supervised
+        result = CliRunner().invoke(app, ["resume", "--storage", ctx.store.url, "--run-id", ctx.run_id, "--versions",
+                                          "1", "--no-live", *flags], terminal_width=200)
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.split())  # the console wraps at its width
+
+    assert "without Prefect as it was started" in resume("local") and asked == [False]
+    resume("local", "--prefect")
+    resume("prefect")
+    assert asked == [False, True, True]

@@ -7,6 +7,7 @@ Run: .venv/bin/pytest tests/unit/test_signing_and_policy.py -q
 
 from __future__ import annotations
 
+import fnmatch
 import json
 
 import pytest
@@ -69,27 +70,50 @@ URL, B = "s3://bkt/runs", "bkt"
 
 def test_a_learner_writes_only_its_own_prefixes() -> None:
     p = policy_for(URL, "r", learner="us-east-0")
-    own = ["runs/r/deltas/us-east-0/000000000001.delta", "runs/r/deltas/us-east-0/000000000001.sig",
+    delta = "runs/r/deltas/us-east-0/000000000001.delta"
+    own = [delta, "runs/r/deltas/us-east-0/000000000001.sig",
            "runs/r/learners/us-east-0/status.json", "runs/r/learners/us-east-0/checkpoint/state",
            "runs/r/events/us-east-0/123.jsonl"]
-    assert all(allows(p, WRITE, B, k) for k in own)
+    assert all(allows(p, WRITE, B, k, if_none_match=True) for k in own)
+    assert all(allows(p, WRITE, B, k) for k in own[1:])  # a signature, a heartbeat, a checkpoint: plain puts
     for k in ("runs/r/deltas/eu-west-0/000000000001.delta", "runs/r/versions/00000000000000000001.json",
               "runs/r/global/x.params", "runs/r/control/stop", "runs/r/control/ops/x.json", "runs/r/run.json",
               "runs/r/learners/eu-west-0/status.json", "runs/other/deltas/us-east-0/000000000001.delta",
               "runs/r/deltas/us-east-00/000000000001.delta"):
-        assert not allows(p, WRITE, B, k), k
+        assert not allows(p, WRITE, B, k) and not allows(p, WRITE, B, k, if_none_match=True), k
+
     assert allows(p, READ, B, "runs/r/global/x.params") and allows(p, READ, B, "runs/r/control/stop")
     assert not allows(p, READ, B, "runs/r/deltas/eu-west-0/000000000001.delta")
     assert not allows(p, DELETE, B, own[0])
     assert allows(p, LIST, B, "runs/r/versions/") and allows(p, LIST, B, "runs/r/deltas/us-east-0/")
     assert not allows(p, LIST, B, "runs/r/deltas/")
 
+def test_published_deltas_and_committed_manifests_cannot_be_overwritten() -> None:
+    """A learner's delta and the merger's manifest are written only by an exclusive create (If-None-Match: *, which
+    S3 answers 412 when the key exists): a PutObject without the header is not allowed on them; the parts of a
+    multipart upload (they take no header) are, its completion needs the header again (AWS's example)."""
+    learner, merger = policy_for(URL, "r", learner="us-east-0"), policy_for(URL, "r", role="merger")
+    delta, manifest = "runs/r/deltas/us-east-0/000000000001.delta", "runs/r/versions/00000000000000000001.json"
+    assert allows(learner, WRITE, B, delta, if_none_match=True) and not allows(learner, WRITE, B, delta)
+    assert allows(merger, WRITE, B, manifest, if_none_match=True) and not allows(merger, WRITE, B, manifest)
+    assert allows(learner, WRITE, B, delta, part=True) and allows(merger, WRITE, B, manifest, part=True)
+    assert allows(merger, WRITE, B, "runs/r/global/00000000000000000001-abcdef12.params")  # nonce'd: a plain put
+    once = [st for st in learner["Statement"] if st["Sid"] == "CreateOnce"]
+    assert once and once[0]["Condition"] == {"Null": {"s3:if-none-match": "false"}}
+    plain = [r for st in learner["Statement"] if st["Sid"] == "PutObject" for r in st["Resource"]]
+    assert not any(fnmatch.fnmatchcase(f"arn:aws:s3:::{B}/{delta}", r) for r in plain)  # else it would allow it
+    with pytest.raises(ValueError, match="StringEquals"):
+        allows({"Statement": [{"Effect": "Allow", "Action": [WRITE], "Resource": ["*"],
+                               "Condition": {"StringEquals": {"s3:if-none-match": "*"}}}]}, WRITE, B, delta)
+
 
 def test_the_merger_evaluator_and_operator() -> None:
     m = policy_for(URL, "r", role="merger")
-    assert allows(m, WRITE, B, "runs/r/versions/00000000000000000001.json") and allows(m, READ, B, "runs/r/deltas/a/1")
+    assert allows(m, WRITE, B, "runs/r/versions/00000000000000000001.json", if_none_match=True)
+    assert allows(m, READ, B, "runs/r/deltas/a/1")
     assert allows(m, WRITE, B, "runs/r/events/merger-2/1.jsonl") and allows(m, LIST, B, "runs/r/deltas/")
-    assert not allows(m, WRITE, B, "runs/r/deltas/a/000000000001.delta") and not allows(m, WRITE, B, "runs/r/control/stop")
+    assert not allows(m, WRITE, B, "runs/r/deltas/a/000000000001.delta", if_none_match=True)
+    assert not allows(m, WRITE, B, "runs/r/control/stop")
     e = policy_for(URL, "r", role="evaluator")
     assert allows(e, WRITE, B, "runs/r/evals/00000000000000000001.json")
     assert not allows(e, WRITE, B, "runs/r/versions/00000000000000000001.json")
