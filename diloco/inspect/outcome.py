@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from diloco.run.failure import LEARNERS_CRASHED
+from diloco.run.failure import LEARNERS_CRASHED, MERGER_FAILED
 from diloco.run.state import RunState
 
 EXIT_CODE = 3  # `diloco run` / `diloco resume` of a run that failed (2: a bad argument; 130 / 143: a signal)
@@ -45,7 +45,7 @@ def ended_by(state: RunState) -> str | None:
         return reason
     if reason == LEARNERS_CRASHED:
         return "learners crashed"
-    if reason == "lease lost" or reason.startswith(("supervisor lost", "error:")):
+    if reason == "lease lost" or reason.startswith(("supervisor lost", "error:", MERGER_FAILED)):
         return "error"
     return "stop"  # `diloco stop --reason ...`, "target version" of a run resumed past it, a test's "done"
 
@@ -56,7 +56,8 @@ def failed_learners(rows: list[dict[str, Any]], events: list[dict[str, Any]], si
     (left down), down (its status still says failed)."""
     out: dict[str, dict[str, Any]] = {}
     for event in events:
-        if event.get("kind") in ("exit", "give_up") and event.get("error") and event.get("t", 0) >= since:
+        if event.get("kind") in ("exit", "give_up") and event.get("error") and event.get("t", 0) >= since \
+                and event.get("role", "learner") == "learner":  # a merger's failure ends the run (MERGER_FAILED)
             row = out.setdefault(event["learner"], {"learner": event["learner"], "failures": 0, "fatal": False,
                                                     "given_up": False, "down": False})
             row["failures"] += event["kind"] == "exit"

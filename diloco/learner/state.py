@@ -28,7 +28,8 @@ class LearnerState:
     merged: int | None = None  # own seqs up to this one decided by version `base` (its cursor); None: not known
 
     def unmerged(self) -> int:
-        """Own deltas shipped and not decided by version `base` (0 when that is not known: a resume from local state)."""
+        """Own deltas shipped and not decided by version `base` (0 when that is not known: a resume from a local state saved
+        before it kept the count)."""
         return 0 if self.merged is None else max(self.seq - 1 - self.merged, 0)
 
     def reported_unmerged(self) -> int | None:
@@ -43,14 +44,16 @@ class LearnerState:
     def meta(self) -> dict:
         """The JSON part of a save (the tensors glob and ref are saved beside it)."""
         return {"next_seq": self.seq, "base_version": self.base, "steps_since_publish": self.steps_since_publish,
-                "tokens_since_publish": self.tokens_since_publish}
+                "tokens_since_publish": self.tokens_since_publish, "merged": self.merged}
 
     @classmethod
     def from_saved(cls, meta: dict, glob: Tensors, ref: Tensors) -> LearnerState:
         """Back from a save's meta and tensors; KeyError/ValueError when the meta is not a save's."""
+        merged = meta.get("merged")  # its cursor in version base: back-pressure holds at once after a resume
         return cls(base=int(meta["base_version"]), seq=int(meta["next_seq"]), glob=glob, ref=ref,
                    steps_since_publish=int(meta.get("steps_since_publish", 0)),
-                   tokens_since_publish=int(meta.get("tokens_since_publish", 0)))
+                   tokens_since_publish=int(meta.get("tokens_since_publish", 0)),
+                   merged=None if merged is None else int(merged))
 
     def shipped(self) -> None:
         """A delta went out: the next one starts from nothing unshipped."""

@@ -21,6 +21,7 @@ log = logging.getLogger("diloco.failure")
 
 LOG_ENV = "DILOCO_ROLE_LOG"  # set by the local supervisor for each role's process: the absolute path of its log
 LEARNERS_CRASHED = "every learner crashed"  # the run's end when every learner was given up (their logs say why)
+MERGER_FAILED = "the merger failed"  # the run's end when a merger was given up: "<this>: <its error line>"
 ERROR_CHARS = 400
 
 

@@ -133,7 +133,7 @@ def read_committed(store: Store, key: str, *, checksum: str, fingerprint: str | 
         try:
             return read_tensors(store, key, fingerprint=fingerprint, checksum=checksum)
         except codec.CodecError as err:
-            failure = err
+            failure = str(err).removeprefix(f"{key}: ")  # named once, below
     raise CorruptObject(f"{what or 'the committed object'} {key} is corrupt ({failure}; read {COMMITTED_READS} "
                         "times). A committed object never changes, so no retry or restart can fix this: "
                         "`diloco audit` names every corrupt object, and `diloco fork --at-version V` continues "

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from diloco.run.context import RunContext
 from diloco.run.controls import membership
 from diloco.run.events import EventLog
-from diloco.run.failure import LEARNERS_CRASHED
+from diloco.run.failure import LEARNERS_CRASHED, MERGER_FAILED
 from diloco.run.fragments import merger_ids, run_version
 from diloco.run.lease import Lease, acquire
 from diloco.run.signals import RemovedSignal, StopSignal, request_stop
@@ -270,9 +270,9 @@ class Supervisor:
     def _ended(self, job: Job, detail: Any, now: float) -> None:
         job.exits.append(detail)
         job.failure = None  # the latest process's: its error line, where its log is, whether a restart can fix it
-        if job.role == "learner" and not job.removed and job.planned_restart_at is None and failed_exit(detail):
+        if not job.removed and job.planned_restart_at is None and failed_exit(detail):
             job.failure = read_failure(self.ctx, self.backend, job, detail)
-            log.error("learner %s failed: %s (log: %s)", job.name, job.failure.error, job.failure.log or "none")
+            log.error("%s %s failed: %s (log: %s)", job.role, job.name, job.failure.error, job.failure.log or "none")
         job.handle = None
         self.events.emit("exit", role=job.role, learner=job.name, **({"code": detail} if isinstance(detail, int)
                                                                        else {"state": str(detail)}),
@@ -368,6 +368,10 @@ class Supervisor:
             for hook in self.hooks:
                 hook(self)
             self.heal()
+            if merger := next((j for j in self.jobs.values() if j.role == "merger" and j.given_up), None):
+                reason = f"{MERGER_FAILED}: {merger.failure.error if merger.failure else 'it ended too often'}"
+                log.error("run %s: %s; the run ends", self.ctx.run_id, reason)  # nothing can be merged any more
+                break
             if self._every_learner_crashed():
                 reason = LEARNERS_CRASHED
                 log.error("run %s: every learner is down for good (given up after run.max_restarts=%d restarts in a "

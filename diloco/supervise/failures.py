@@ -49,6 +49,9 @@ def read_failure(ctx: RunContext, backend: Any, job: Any, detail: Any) -> Failur
     else what the backend knows (its log's last error line, a flow run's state message); recorded in the learner's
     status when the process did not."""
     error, where = _backend_knows(backend, job)
+    if job.role != "learner":  # a merger or the evaluator: no status of its own to read or write
+        return Failure(error_line(error or (f"exit code {detail}" if isinstance(detail, int)
+                                            else f"flow run {str(detail).lower()}")), where, False)
     store = ctx.store.with_retries(1)  # a bucket in trouble must not hold up the watch loop (and its lease)
     try:
         status = read_record(store, ctx.keys.status(job.name), LearnerStatus)

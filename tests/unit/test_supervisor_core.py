@@ -315,3 +315,28 @@ def test_a_crashed_learner_that_wrote_nothing_gets_its_logs_last_error_line_and_
     sup.backend.ended["b"] = -9  # killed (out of memory): why is not in its log
     sup.heal()
     assert sup.jobs["b"].failure.error == "killed by signal 9"
+
+
+class MergerCrashingBackend(LoggingBackend):
+    """The merger's process ends at once with exit code 2 (it cannot load the newest version), every time."""
+
+    def state(self, job: Job) -> tuple[str, object]:
+        return (ENDED, 2) if job.role == "merger" else super().state(job)
+
+
+def test_a_merger_left_down_ends_the_run_with_its_error(ctx: RunContext, tmp_path: Path) -> None:
+    """Nothing can be merged without it: the run ends at once with the merger's error line (a failure, not the time
+    limit's quiet end), and its failures are not counted as a learner's."""
+    from diloco.inspect.outcome import ended_by, failed_learners
+    from diloco.run.state import read_run_state
+
+    (tmp_path / "merger.log").write_text("error: version 3's params global/3-ab.params is corrupt (read 3 times)\n")
+    sup = Supervisor(ctx, MergerCrashingBackend(tmp_path))
+    sup.start_all()
+    reason = sup.run(tick_s=0.0)
+    assert reason == f"{core.MERGER_FAILED}: error: version 3's params global/3-ab.params is corrupt (read 3 times)"
+    assert sup.jobs["merger"].given_up and sup.backend.started.count("merger") == 1 + ctx.cfg.run.max_restarts
+    sup.events.flush()
+    assert failed_learners([], read_events(ctx.store, ctx.keys), 0.0) == []
+    sup.shutdown(reason, grace_s=0.0)
+    assert ended_by(read_run_state(ctx)) == "error"  # a failure: the run ended for a reason nobody asked for
