@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from diloco.configs import ConfigError
 from diloco.run.context import RunError
-from diloco.run.signing import SigningError
 from diloco.storage import StorageError
 from diloco.storage.keys import InvalidName
 from diloco.training.data import DataError
 from diloco.training.spec import SpecError
+from diloco.trust.signing import SigningError
 
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, RunError, InvalidName, DataError, SpecError, StorageError,
                                             SigningError)

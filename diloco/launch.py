@@ -96,7 +96,7 @@ def load_secret(block_name: str) -> str:
 
     from prefect.blocks.system import Secret
 
-    from diloco.run.signing import SigningError
+    from diloco.trust.signing import SigningError
 
     try:
         value = Secret.load(block_name).get()
@@ -111,14 +111,14 @@ def _block_loader():
 
 def signing_key() -> bytes:
     """This learner's signing key: DILOCO_SIGNING_KEY, or the Secret block DILOCO_SIGNING_KEY_BLOCK names."""
-    from diloco.run.signing import KEY_BLOCK_ENV, learner_key
+    from diloco.trust.signing import KEY_BLOCK_ENV, learner_key
 
     return learner_key(load_block=_block_loader() if os.environ.get(KEY_BLOCK_ENV) else None)
 
 
 def keyring_of_env(required: bool = True) -> dict[str, list[bytes]] | None:
     """The merger's (or audit's) keyring: DILOCO_KEYRING, or the Secret block DILOCO_KEYRING_BLOCK names."""
-    from diloco.run.signing import KEYRING_BLOCK_ENV, load_keyring
+    from diloco.trust.signing import KEYRING_BLOCK_ENV, load_keyring
 
     return load_keyring(load_block=_block_loader() if os.environ.get(KEYRING_BLOCK_ENV) else None,
                         required=required)

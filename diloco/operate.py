@@ -38,7 +38,7 @@ def _ctx(storage: str | Store | RunContext, run_id: str | None) -> RunContext:
 
 
 def _policy(ctx: RunContext):
-    from diloco.inspect.trust import current_policy
+    from diloco.trust.view import current_policy
 
     return current_policy(ctx)[1]
 
@@ -119,8 +119,8 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
 
 def set_settings(storage: str | Store | RunContext, run_id: str | None, values: dict[str, Any] | list[str], *,
                  reason: str = "", by: str | None = None) -> str:
-    """Change live settings (merger/guard.py LIVE_SETTINGS) from the next merge on, validated by the config."""
-    from diloco.merger.guard import check_settings
+    """Change live settings (trust/guard.py LIVE_SETTINGS) from the next merge on, validated by the config."""
+    from diloco.trust.guard import check_settings
 
     if isinstance(values, list):
         values = parse_assignments(values)

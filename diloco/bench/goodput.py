@@ -109,9 +109,9 @@ def local_save_cost_s(ctx, repeats: int = 5) -> float:
 def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
     from diloco.chaos.goodput import compute_goodput, per_learner
     from diloco.inspect.audit import audit_run
-    from diloco.inspect.outliers import guard_figures
     from diloco.inspect.report import manifests
     from diloco.run.events import read_events
+    from diloco.trust.outliers import guard_figures
 
     chain, clean_chain = manifests(chaos_ctx), manifests(clean_ctx)
     events = read_events(chaos_ctx.store, chaos_ctx.keys)

@@ -153,7 +153,7 @@ def bucket_policy(storage: str = STORAGE, run_id: str = RUN_ID,
                   role: str = typer.Option(None, "--role", help="merger | evaluator | operator")) -> None:
     """Print the least-privilege S3 policy (JSON, for AWS IAM or MinIO `mc admin policy`) of one role of a run."""
     with user_errors():
-        from diloco.inspect.policy import policy_for
+        from diloco.trust.bucket_policy import policy_for
 
         if (learner is None) == (role is None):
             fail("give exactly one of --learner NAME or --role merger|evaluator|operator")
@@ -164,8 +164,8 @@ def bucket_policy(storage: str = STORAGE, run_id: str = RUN_ID,
 def keygen(learners: list[str] = typer.Option(..., "--learner", help="A learner to make a key for (repeat).")) -> None:
     """Fresh signing keys: the keyring (JSON, for the merger's DILOCO_KEYRING) and each learner's key."""
     with user_errors():
-        from diloco.run.signing import new_key
         from diloco.storage.keys import validate_learner_name
+        from diloco.trust.signing import new_key
 
         ring = {validate_learner_name(name): new_key() for name in learners}
         typer.echo(json.dumps(ring))
@@ -177,8 +177,8 @@ def outliers(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON
              min_samples: int = typer.Option(None, "--min-samples", min=1, help="Least samples (the run's).")) -> None:
     """Replay the outlier statistic over a run: each merged delta's norm per step / the running median."""
     with user_errors():
-        from diloco.inspect.outliers import ratios, summarize
         from diloco.run.context import open_run
+        from diloco.trust.outliers import ratios, summarize
 
         summary = summarize(ratios(open_run(storage, run_id), window, min_samples))
         if json_out:

@@ -105,7 +105,7 @@ def draw_run_plot(ctx: RunContext):
     top.set_title(f"run {ctx.run_id}: held-out loss")
     _plot_timeline(bottom, rows)
     if rows:  # rejections by the guard (outlier, signature, admission, quarantine) and quarantines
-        from diloco.inspect.trust import mark_trust
+        from diloco.trust.view import mark_trust
 
         mark_trust(bottom, events, sorted({r[0] for r in rows if r[1] in STATE_COLORS}), min(r[2] for r in rows))
     bottom.set_title("what each learner did when (merges: the vertical lines)")

@@ -19,12 +19,12 @@ from diloco.inspect.report import (
     dp_bytes,
     fragment_chains,
     learner_status,
-    manifests,
     nats_to_bits,
     summarize,
 )
 from diloco.run.context import RunContext
 from diloco.run.events import read_events
+from diloco.run.fragments import manifests
 from diloco.run.state import continue_hint, read_run_state
 from diloco.run.target import run_target
 from diloco.storage import Manifest, StorageError, parse_delta_key
