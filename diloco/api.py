@@ -80,7 +80,7 @@ def supervise(ctx: RunContext, *, prefect: bool = True, chaos: str | Path | None
               announce: Callable[[str], None] = log.info) -> str:
     """Run every role of the run until it ends (target version, stop request, time limit), then score what
     the evaluator did not reach (version 0, the final version); why it ended."""
-    from diloco.run.evaluator import evaluate_missing
+    from diloco.evaluator.evaluator import evaluate_missing
 
     reason = _supervise(ctx, prefect=prefect, chaos=chaos, announce=announce)
     evaluate_missing(ctx)

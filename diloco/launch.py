@@ -140,8 +140,8 @@ def check_admitted(ctx, name: str) -> None:
 def make_evaluator(storage: str, run_id: str):
     """The evaluator of the run, and its stop signal (control/stop, the target version, a lost supervisor)."""
     from diloco.chaos.inprocess import apply_chaos
+    from diloco.evaluator.evaluator import Evaluator
     from diloco.run.context import open_run
-    from diloco.run.evaluator import Evaluator
     from diloco.run.events import EventLog
     from diloco.run.signals import RoleStop
 
@@ -174,7 +174,7 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
         return run_merger(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
                           target_tokens=ctx.cfg.run.num_tokens, should_stop=RoleStop(ctx), merge=units.merge)
     if role == "evaluator":
-        from diloco.run.evaluator import run_evaluator
+        from diloco.evaluator.evaluator import run_evaluator
 
         evaluator, should_stop = make_evaluator(storage, run_id)
         return run_evaluator(evaluator, should_stop=should_stop, evaluate=units.evaluate)
@@ -279,10 +279,10 @@ def warm_up() -> None:
         return
     import torch
 
+    import diloco.evaluator.evaluator  # noqa: F401
     import diloco.learner.learner  # noqa: F401
     import diloco.learner.loop  # noqa: F401
     import diloco.merger.merger  # noqa: F401
-    import diloco.run.evaluator  # noqa: F401
     from diloco.configs import InnerConfig, ModelConfig
     from diloco.training.inner import InnerTrainer
     from diloco.training.model import build_model

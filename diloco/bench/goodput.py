@@ -63,7 +63,7 @@ def _loss_at_tokens(ctx, chain, tokens: int, k: int = LOSS_WINDOW) -> tuple[floa
     """Mean held-out loss of the k versions whose merged tokens are closest to `tokens` (evaluated
     if needed): one version's loss jumps by ~0.1 nats from merge to merge; returns (loss, version, tokens)
     of the closest one alongside."""
-    from diloco.run.evaluator import Evaluator, read_evals
+    from diloco.evaluator.evaluator import Evaluator, read_evals
 
     nearest = sorted(chain[1:] or chain, key=lambda m: (abs(m.tokens_total - tokens), -m.version))[:k]
     done = {e["version"]: e for e in read_evals(ctx)}

@@ -107,9 +107,9 @@ def _diloco_logs_to_flow_run() -> Iterator[None]:
 def _report_summary(ctx: RunContext) -> dict | None:
     """Evaluate what the evaluator missed, then the summary as a markdown artifact and one log line (and one per
     failed learner); the summary, or None when it could not be built."""
+    from diloco.evaluator.evaluator import evaluate_missing
     from diloco.inspect.outcome import failure_lines
     from diloco.inspect.summary import build_summary, summary_markdown
-    from diloco.run.evaluator import evaluate_missing
 
     logger = get_run_logger()
     try:

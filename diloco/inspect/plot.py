@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from diloco.evaluator.evaluator import read_evals
 from diloco.run.context import RunContext
-from diloco.run.evaluator import read_evals
 from diloco.run.events import read_events
 
 MAX_VERSION_LABELS = 10  # `vN` labels on the loss curve: more, on a 10-inch axis, run into each other

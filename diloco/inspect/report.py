@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 import time
 
+from diloco.evaluator.evaluator import read_evals
 from diloco.inspect.model_out import num_params, sample
 from diloco.run.context import RunContext
-from diloco.run.evaluator import read_evals
 from diloco.run.fragments import fragment_context, manifests, num_fragments
 from diloco.storage import Manifest, StorageError
 from diloco.storage.records import LearnerStatus, RecordError, read_record

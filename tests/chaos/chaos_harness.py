@@ -18,10 +18,10 @@ from diloco.chaos.agent import ChaosAgent, attach_chaos
 from diloco.chaos.control import done_key
 from diloco.chaos.plan import SlowLearner, StorageDegraded, StorageOutage
 from diloco.configs import load_config
+from diloco.evaluator.evaluator import read_evals
 from diloco.inspect.audit import AuditReport, audit_run
 from diloco.run.context import RunContext
 from diloco.run.create import create_run
-from diloco.run.evaluator import read_evals
 from diloco.run.events import read_events
 from diloco.run.fragments import manifests
 from diloco.storage import Manifest, StorageError, open_store, read_latest

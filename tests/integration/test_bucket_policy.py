@@ -20,12 +20,12 @@ from typer.testing import CliRunner
 
 from diloco.cli import app
 from diloco.configs import load_config
+from diloco.evaluator.evaluator import Evaluator
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.run.context import open_run
 from diloco.run.controls import membership
 from diloco.run.create import create_run
-from diloco.run.evaluator import Evaluator
 from diloco.run.events import EventLog
 from diloco.storage import open_store
 from diloco.storage.wrapper import WrapperStore

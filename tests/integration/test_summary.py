@@ -16,12 +16,12 @@ from pathlib import Path
 
 from diloco.cli.view import unmerged_lines
 from diloco.configs import load_config
+from diloco.evaluator.evaluator import evaluate_missing as complete_evals
+from diloco.evaluator.evaluator import missing_evals
 from diloco.inspect.runs import list_runs
 from diloco.inspect.summary import build_summary, learner_busy, summary_markdown, summary_rows
 from diloco.launch import run_role
 from diloco.run.create import create_run
-from diloco.run.evaluator import evaluate_missing as complete_evals
-from diloco.run.evaluator import missing_evals
 from diloco.run.signals import request_stop
 from diloco.storage import open_store
 from diloco.storage.records import LearnerStatus, write_record
