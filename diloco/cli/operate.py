@@ -1,8 +1,9 @@
 """Operator controls on a run: admit-learner, readmit, pause-merges, resume-merges, set, resume, fork; and the
 trust tools: bucket-policy, keygen, outliers.
 
-Contract: each command calls diloco.operate (the Python API the Prefect `operate` flow calls too); a bad
-argument or a control that does not fit the run's state is one line, exit 2, and nothing is written.
+Contract: each command calls diloco.api.operate (the functions of diloco.supervise.operate, which the Prefect
+`operate` flow calls too); a bad argument or a control that does not fit the run's state is one line, exit 2,
+and nothing is written.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = L
                                              help="A running supervisor starts it (--no-start: you run it).")) -> None:
     """Admit one more learner (elastic join): its deltas are merged from the next merge on."""
     with user_errors():
-        from diloco.operate import admit_learner as admit
+        from diloco.api.operate import admit_learner as admit
 
         op = admit(storage, run_id, learner, reason=reason, start=start)
         how = "a running supervisor starts it within seconds" if start else "start it with: diloco learner " \
@@ -50,7 +51,7 @@ def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = L
 def readmit(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER, reason: str = REASON) -> None:
     """End a learner's quarantine: its deltas are judged again from the next merge on."""
     with user_errors():
-        from diloco.operate import readmit as do_readmit
+        from diloco.api.operate import readmit as do_readmit
 
         op = do_readmit(storage, run_id, learner, reason=reason)
         typer.echo(f"learner {learner} readmitted to run {run_id} (op {op})")
@@ -61,7 +62,7 @@ def readmit(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER
 def pause_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = REASON) -> None:
     """Pause merging: learners train on and publish; nothing is lost (resume-merges takes it all)."""
     with user_errors():
-        from diloco.operate import pause_merges as pause
+        from diloco.api.operate import pause_merges as pause
 
         typer.echo(f"merges of run {run_id} paused (op {pause(storage, run_id, reason=reason)})")
         say_if_ended(storage, run_id)
@@ -71,7 +72,7 @@ def pause_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = REA
 def resume_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = REASON) -> None:
     """Resume merging after pause-merges."""
     with user_errors():
-        from diloco.operate import resume_merges as go
+        from diloco.api.operate import resume_merges as go
 
         typer.echo(f"merges of run {run_id} resumed (op {go(storage, run_id, reason=reason)})")
         say_if_ended(storage, run_id)
@@ -83,8 +84,8 @@ def set_settings(storage: str = STORAGE, run_id: str = RUN_ID,
                  reason: str = REASON) -> None:
     """Change live settings from the next merge on (merger.quorum, merger.grace_cap_s, outer.lr, ...)."""
     with user_errors():
-        from diloco.operate import parse_assignments
-        from diloco.operate import set_settings as do_set
+        from diloco.api.operate import parse_assignments
+        from diloco.api.operate import set_settings as do_set
 
         values = parse_assignments(assignments)
         op = do_set(storage, run_id, values, reason=reason)
@@ -108,8 +109,8 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
         from rich.console import Console
 
         from diloco import api
+        from diloco.api.operate import prepare_resume
         from diloco.cli.view import LiveView, exit_for, final_report
-        from diloco.operate import prepare_resume
         from diloco.run.context import open_run
         from diloco.supervise.interrupt import catch_signals
 
@@ -138,8 +139,8 @@ def fork(storage: str = STORAGE, run_id: str = RUN_ID,
          overrides: list[str] = typer.Option(None, "--set", help="KEY=VALUE overrides of --config.")) -> None:
     """A new run whose version 0 is this run's version V (params and outer state); the parent is untouched."""
     with user_errors():
-        from diloco.operate import fork as do_fork
-        from diloco.operate import parse_assignments
+        from diloco.api.operate import fork as do_fork
+        from diloco.api.operate import parse_assignments
 
         ctx = do_fork(storage, run_id, at_version, new_run_id, config=config,
                       overrides=parse_assignments(overrides or []))

@@ -78,8 +78,8 @@ def remove_learner(storage: str = STORAGE, run_id: str = RUN_ID,
                    reason: str = typer.Option("operator", "--reason", help="Recorded with the removal.")) -> None:
     """Remove a learner from a run: it ends after its phase and no supervisor starts it again."""
     with user_errors():
+        from diloco.api.operate import remove_learner as remove
         from diloco.cli.operate import say_if_ended
-        from diloco.operate import remove_learner as remove
 
         remove(storage, run_id, learner, reason=reason)
         typer.echo(f"learner {learner} removed from run {run_id}")

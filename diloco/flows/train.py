@@ -198,12 +198,13 @@ def _progress(ctx: RunContext) -> Callable[[Any], None]:
 def _supervise_local(ctx: RunContext, log_dir: str | None, chaos_plan: str | None) -> dict:
     from prefect.runtime import flow_run
 
-    from diloco.flows.local import supervise_local
     from diloco.flows.subflow import PARENT_ENV
+    from diloco.launch import chaos_agent
+    from diloco.supervise.local import supervise_local
 
     env = {PARENT_ENV: str(flow_run.id)} if flow_run.id else {}  # the roles' flow runs show under this one
-    reason = supervise_local(ctx, prefect=True, log_dir=log_dir, chaos_plan=chaos_plan, on_tick=_progress(ctx),
-                             env=env)
+    reason = supervise_local(ctx, prefect=True, log_dir=log_dir, attach=chaos_agent(chaos_plan),
+                             on_tick=_progress(ctx), env=env)
     return {"run_id": ctx.run_id, "reason": reason, "version": _latest(ctx)}
 
 

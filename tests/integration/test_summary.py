@@ -71,6 +71,18 @@ def test_a_run_the_evaluator_never_saw_gets_a_complete_summary(tmp_path: Path) -
     assert max(len(line) for line in table.stdout.splitlines()) <= 80
 
 
+def test_the_run_summary_type_names_every_key_a_summary_has(tmp_path: Path) -> None:
+    """diloco.api.RunSummary (what diloco.train returns, `diloco run --json` prints) names the keys of a real one."""
+    from diloco.api.summary import RunSummary, RunSummaryExtra
+    from diloco.inspect.report import summary_json
+
+    ctx = create_run(open_store(f"file://{tmp_path}/runs"), "keys", load_config("tiny").with_overrides(
+        {"run.num_learners": 1}))
+    summary = summary_json(build_summary(ctx))
+    assert set(summary) == set(RunSummary.__annotations__)
+    assert set(summary["extra"]) == set(RunSummaryExtra.__annotations__)
+
+
 def test_busy_is_time_in_inner_steps_over_each_processs_wall_time() -> None:
     def phase(learner, pid, start, duration, compute=None):
         extra = {} if compute is None else {"compute_s": compute}

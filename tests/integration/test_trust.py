@@ -15,8 +15,8 @@ from pathlib import Path
 
 from trust_helpers import decision, one_round, plant, tiny_run
 
+from diloco.api.operate import admit_learner, readmit, remove_learner, set_settings
 from diloco.inspect.audit import audit_run
-from diloco.operate import admit_learner, readmit, remove_learner, set_settings
 from diloco.run.context import open_run
 from diloco.storage import list_versions, open_store, read_manifest
 from diloco.trust.outliers import ratios, summarize

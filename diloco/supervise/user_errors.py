@@ -1,7 +1,8 @@
 """The errors a user can cause (a bad config, name, run, corpus, or storage that refuses), in one tuple.
 
 Contract: every entry point (the CLI, the launch entry, the Python API) turns exactly these into one clear
-line (exit code 2 on a command line) and lets everything else — a bug — surface with its traceback.
+line (exit code 2 on a command line) and lets everything else — a bug — surface with its traceback; a learner
+that fails on one at its start is not restarted (diloco.launch.record_learner_failure: `fatal`).
 """
 
 from __future__ import annotations
