@@ -13,7 +13,7 @@ import json
 import typer
 
 from diloco.cli.errors import fail, user_errors
-from diloco.cli.options import JSON, RUN_ID, STORAGE
+from diloco.cli.options import DEPLOY_AND_SECURITY, JSON, OPERATE, RUN_ID, STORAGE
 
 app = typer.Typer()
 
@@ -32,7 +32,7 @@ LEARNER = typer.Option(..., "--learner", help="The learner's name: [a-z0-9-]{1,4
 REASON = typer.Option("", "--reason", help="Recorded with the control op.")
 
 
-@app.command("admit-learner")
+@app.command("admit-learner", rich_help_panel=OPERATE)
 def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER, reason: str = REASON,
                   start: bool = typer.Option(True, "--start/--no-start",
                                              help="A running supervisor starts it (--no-start: you run it).")) -> None:
@@ -47,7 +47,7 @@ def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = L
         say_if_ended(storage, run_id)
 
 
-@app.command("readmit")
+@app.command("readmit", rich_help_panel=OPERATE)
 def readmit(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER, reason: str = REASON) -> None:
     """End a learner's quarantine: its deltas are judged again from the next merge on."""
     with user_errors():
@@ -58,7 +58,7 @@ def readmit(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER
         say_if_ended(storage, run_id)
 
 
-@app.command("pause-merges")
+@app.command("pause-merges", rich_help_panel=OPERATE)
 def pause_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = REASON) -> None:
     """Pause merging: learners train on and publish; nothing is lost (resume-merges takes it all)."""
     with user_errors():
@@ -68,7 +68,7 @@ def pause_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = REA
         say_if_ended(storage, run_id)
 
 
-@app.command("resume-merges")
+@app.command("resume-merges", rich_help_panel=OPERATE)
 def resume_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = REASON) -> None:
     """Resume merging after pause-merges."""
     with user_errors():
@@ -78,7 +78,7 @@ def resume_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = RE
         say_if_ended(storage, run_id)
 
 
-@app.command("set")
+@app.command("set", rich_help_panel=OPERATE)
 def set_settings(storage: str = STORAGE, run_id: str = RUN_ID,
                  assignments: list[str] = typer.Argument(..., help="KEY=VALUE, e.g. merger.quorum=3 outer.lr=0.5"),
                  reason: str = REASON) -> None:
@@ -93,7 +93,7 @@ def set_settings(storage: str = STORAGE, run_id: str = RUN_ID,
         say_if_ended(storage, run_id)
 
 
-@app.command("resume")
+@app.command("resume", rich_help_panel=OPERATE)
 def resume(storage: str = STORAGE, run_id: str = RUN_ID,
            versions: int = typer.Option(None, "--versions", help="How many MORE versions to train (default: as "
                                         "many as the run was created with)."),
@@ -131,7 +131,7 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
         exit_for(reason, summary)  # a signal's code, or EXIT_CODE when the resumed run failed
 
 
-@app.command("fork")
+@app.command("fork", rich_help_panel=OPERATE)
 def fork(storage: str = STORAGE, run_id: str = RUN_ID,
          at_version: int = typer.Option(..., "--at-version", help="The parent's version that becomes version 0."),
          new_run_id: str = typer.Option(..., "--new-run-id", help="The new run's id."),
@@ -148,7 +148,7 @@ def fork(storage: str = STORAGE, run_id: str = RUN_ID,
                    f"diloco resume --storage {storage} --run-id {ctx.run_id}")
 
 
-@app.command("bucket-policy")
+@app.command("bucket-policy", rich_help_panel=DEPLOY_AND_SECURITY)
 def bucket_policy(storage: str = STORAGE, run_id: str = RUN_ID,
                   learner: str = typer.Option(None, "--learner", help="The policy of this learner."),
                   role: str = typer.Option(None, "--role", help="merger | evaluator | operator")) -> None:
@@ -161,7 +161,7 @@ def bucket_policy(storage: str = STORAGE, run_id: str = RUN_ID,
         typer.echo(json.dumps(policy_for(storage, run_id, learner=learner, role=role), indent=2))
 
 
-@app.command("keygen")
+@app.command("keygen", rich_help_panel=DEPLOY_AND_SECURITY)
 def keygen(learners: list[str] = typer.Option(..., "--learner", help="A learner to make a key for (repeat).")) -> None:
     """Fresh signing keys: the keyring (JSON, for the merger's DILOCO_KEYRING) and each learner's key."""
     with user_errors():
@@ -172,7 +172,7 @@ def keygen(learners: list[str] = typer.Option(..., "--learner", help="A learner 
         typer.echo(json.dumps(ring))
 
 
-@app.command("outliers")
+@app.command("outliers", rich_help_panel=DEPLOY_AND_SECURITY)
 def outliers(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
              window: int = typer.Option(None, "--window", min=1, help="Window (default: the run's)."),
              min_samples: int = typer.Option(None, "--min-samples", min=1, help="Least samples (the run's).")) -> None:
