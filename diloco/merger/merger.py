@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.merger.inplace import outer_step_in_place
-from diloco.merger.state import VersionState
 from diloco.merger.step import (
     GradientStream,
     LearnerGroup,
@@ -24,6 +23,7 @@ from diloco.merger.step import (
     gradient_stream,
     outer_optimizer,
 )
+from diloco.merger.version_state import VersionState
 from diloco.run.buffers import version_buffers
 from diloco.run.context import RunContext, direct_names
 from diloco.run.controls import read_ops
