@@ -3,7 +3,8 @@
 Contract: `run_role(role, storage, run_id, name, ...)` builds the role from (storage URL, run id, name) and
 runs it until the run stops, the target version is committed, its count is done or (a learner) an operator
 removed it; the config comes from run.json in the bucket, never from the caller, so every process of a run
-agrees on it; a run with a chaos control object gets its faults here (diloco.chaos), outside the core.
+agrees on it; a run with a chaos control object gets its faults here (diloco.chaos), outside the core, and a
+local run's supervisor its chaos agent (chaos_agent).
 The CLI, the zygote, the local supervisor (`python -m diloco.launch <role> ...`, an internal protocol, not
 the CLI) and the Prefect flows (which pass their task-wrapped units) all start roles through it.
 A warm standby (`--standby`) pays the imports first and reads nothing from the bucket until started.
@@ -96,7 +97,7 @@ def load_secret(block_name: str) -> str:
 
     from prefect.blocks.system import Secret
 
-    from diloco.run.signing import SigningError
+    from diloco.trust.signing import SigningError
 
     try:
         value = Secret.load(block_name).get()
@@ -111,14 +112,14 @@ def _block_loader():
 
 def signing_key() -> bytes:
     """This learner's signing key: DILOCO_SIGNING_KEY, or the Secret block DILOCO_SIGNING_KEY_BLOCK names."""
-    from diloco.run.signing import KEY_BLOCK_ENV, learner_key
+    from diloco.trust.signing import KEY_BLOCK_ENV, learner_key
 
     return learner_key(load_block=_block_loader() if os.environ.get(KEY_BLOCK_ENV) else None)
 
 
 def keyring_of_env(required: bool = True) -> dict[str, list[bytes]] | None:
     """The merger's (or audit's) keyring: DILOCO_KEYRING, or the Secret block DILOCO_KEYRING_BLOCK names."""
-    from diloco.run.signing import KEYRING_BLOCK_ENV, load_keyring
+    from diloco.trust.signing import KEYRING_BLOCK_ENV, load_keyring
 
     return load_keyring(load_block=_block_loader() if os.environ.get(KEYRING_BLOCK_ENV) else None,
                         required=required)
@@ -140,8 +141,8 @@ def check_admitted(ctx, name: str) -> None:
 def make_evaluator(storage: str, run_id: str):
     """The evaluator of the run, and its stop signal (control/stop, the target version, a lost supervisor)."""
     from diloco.chaos.inprocess import apply_chaos
+    from diloco.evaluator.evaluator import Evaluator
     from diloco.run.context import open_run
-    from diloco.run.evaluator import Evaluator
     from diloco.run.events import EventLog
     from diloco.run.signals import RoleStop
 
@@ -174,7 +175,7 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
         return run_merger(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
                           target_tokens=ctx.cfg.run.num_tokens, should_stop=RoleStop(ctx), merge=units.merge)
     if role == "evaluator":
-        from diloco.run.evaluator import run_evaluator
+        from diloco.evaluator.evaluator import run_evaluator
 
         evaluator, should_stop = make_evaluator(storage, run_id)
         return run_evaluator(evaluator, should_stop=should_stop, evaluate=units.evaluate)
@@ -200,10 +201,10 @@ def record_learner_failure(storage: str, run_id: str, name: str, err: Exception,
     """The learner's status says `failed`, with the error's line and its log (diloco.run.failure), and a `failed`
     event; `fatal` (a restart cannot fix it) when a user error (the spec, the config, the run: not storage) stopped it
     before its first phase: its next start would run the same code on the same config. Never raises."""
-    from diloco.errors import USER_ERRORS, describe
     from diloco.run.events import EventLog
     from diloco.run.failure import error_line, log_location, write_failed_status
     from diloco.storage import RunKeys, StorageError, open_store
+    from diloco.supervise.user_errors import USER_ERRORS, describe
 
     user = isinstance(err, USER_ERRORS)
     line = error_line(describe(err) if user else f"{type(err).__name__}: {err}")
@@ -270,6 +271,23 @@ def run_world(storage: str, run_id: str, name: str, phases: int | None) -> None:
 _torch_warm = False  # the throwaway step ran in this process (a zygote's forks inherit it)
 
 
+def check_chaos_plan(path: Any) -> None:
+    """Validate a fault plan (ConfigError naming the problem) before anything of the run is created."""
+    from diloco.chaos.plan import load_plan
+
+    load_plan(path)
+
+
+def chaos_agent(plan_path: str | None) -> Callable[[Any], Any] | None:
+    """What a local run's supervisor gets attached (diloco.supervise.local.supervise_local's `attach`) for a fault
+    plan: the chaos agent, which joins here, outside the core, as a role's faults do in run_role; None: no plan."""
+    if not plan_path:
+        return None
+    from diloco.chaos.agent import attach_chaos
+
+    return lambda supervisor: attach_chaos(supervisor, plan_path)
+
+
 def warm_up() -> None:
     """Pay, without the bucket, what a role's process pays before it can work: torch's lazy imports (the
     optimizer's first step pulls torch._dynamo) on a throwaway model, and every role's modules. Once per
@@ -279,10 +297,10 @@ def warm_up() -> None:
         return
     import torch
 
+    import diloco.evaluator.evaluator  # noqa: F401
     import diloco.learner.learner  # noqa: F401
     import diloco.learner.loop  # noqa: F401
     import diloco.merger.merger  # noqa: F401
-    import diloco.run.evaluator  # noqa: F401
     from diloco.configs import InnerConfig, ModelConfig
     from diloco.training.inner import InnerTrainer
     from diloco.training.model import build_model
@@ -326,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_up()
         if not wait_as_standby():
             return 0
-    from diloco.errors import USER_ERRORS, describe
+    from diloco.supervise.user_errors import USER_ERRORS, describe
 
     try:
         run_role(args.role, args.storage, args.run_id, args.name, phases=args.phases, merges=args.merges)

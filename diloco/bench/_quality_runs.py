@@ -250,7 +250,7 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
         for learner in learners:
             learner.close()
         versions = merger.version
-        from diloco.inspect.outliers import guard_figures
+        from diloco.trust.outliers import guard_figures
 
         guard = guard_figures(ctx)  # the outlier rule over honest deltas: 0 rejections expected (docs/ENGINE.md)
     sent = [c.sent["delta"] for c in counters]

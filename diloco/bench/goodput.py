@@ -63,7 +63,7 @@ def _loss_at_tokens(ctx, chain, tokens: int, k: int = LOSS_WINDOW) -> tuple[floa
     """Mean held-out loss of the k versions whose merged tokens are closest to `tokens` (evaluated
     if needed): one version's loss jumps by ~0.1 nats from merge to merge; returns (loss, version, tokens)
     of the closest one alongside."""
-    from diloco.run.evaluator import Evaluator, read_evals
+    from diloco.evaluator.evaluator import Evaluator, read_evals
 
     nearest = sorted(chain[1:] or chain, key=lambda m: (abs(m.tokens_total - tokens), -m.version))[:k]
     done = {e["version"]: e for e in read_evals(ctx)}
@@ -109,9 +109,9 @@ def local_save_cost_s(ctx, repeats: int = 5) -> float:
 def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
     from diloco.chaos.goodput import compute_goodput, per_learner
     from diloco.inspect.audit import audit_run
-    from diloco.inspect.outliers import guard_figures
     from diloco.inspect.report import manifests
     from diloco.run.events import read_events
+    from diloco.trust.outliers import guard_figures
 
     chain, clean_chain = manifests(chaos_ctx), manifests(clean_ctx)
     events = read_events(chaos_ctx.store, chaos_ctx.keys)

@@ -1,6 +1,6 @@
 """How the command line reports what a user got wrong: one line naming the problem, exit code 2.
 
-Contract: only the errors a user can cause (diloco.errors.USER_ERRORS) are turned into that line;
+Contract: only the errors a user can cause (diloco.supervise.user_errors.USER_ERRORS) are turned into that line;
 anything else is a bug and keeps its traceback.
 """
 
@@ -20,7 +20,7 @@ def fail(message: str) -> None:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn the errors a user can cause into one clear line and exit code 2."""
-    from diloco.errors import USER_ERRORS, describe
+    from diloco.supervise.user_errors import USER_ERRORS, describe
 
     try:
         yield

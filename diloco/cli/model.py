@@ -12,13 +12,13 @@ from pathlib import Path
 import typer
 
 from diloco.cli.errors import user_errors
-from diloco.cli.options import RUN_ID, STORAGE
+from diloco.cli.options import RUN_AND_INSPECT, RUN_ID, STORAGE
 
 app = typer.Typer()
 VERSION = typer.Option(None, "--version", min=0, help="The committed version (default: the newest).")
 
 
-@app.command("export")
+@app.command("export", rich_help_panel=RUN_AND_INSPECT)
 def export(storage: str = STORAGE, run_id: str = RUN_ID, version: int = VERSION,
            out: Path = typer.Option(..., "--out", help="The safetensors file (or folder, with --format native)."),
            fmt: str = typer.Option("safetensors", "--format",
@@ -37,7 +37,7 @@ def export(storage: str = STORAGE, run_id: str = RUN_ID, version: int = VERSION,
         typer.echo(f"wrote version {got} of run {run_id} to {path}")
 
 
-@app.command("sample")
+@app.command("sample", rich_help_panel=RUN_AND_INSPECT)
 def sample(storage: str = STORAGE, run_id: str = RUN_ID, version: int = VERSION,
            prompt: str = typer.Option(None, "--prompt", help="Text to continue (default: the spec's own; the "
                                       "built-in specs: the start of the run's held-out text)."),

@@ -1,8 +1,9 @@
 """Operator controls on a run: admit-learner, readmit, pause-merges, resume-merges, set, resume, fork; and the
 trust tools: bucket-policy, keygen, outliers.
 
-Contract: each command calls diloco.operate (the Python API the Prefect `operate` flow calls too); a bad
-argument or a control that does not fit the run's state is one line, exit 2, and nothing is written.
+Contract: each command calls diloco.api.operate (the functions of diloco.supervise.operate, which the Prefect
+`operate` flow calls too); a bad argument or a control that does not fit the run's state is one line, exit 2,
+and nothing is written.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import typer
 
 from diloco.cli.errors import fail, user_errors
-from diloco.cli.options import JSON, RUN_ID, STORAGE
+from diloco.cli.options import DEPLOY_AND_SECURITY, JSON, OPERATE, RUN_ID, STORAGE
 
 app = typer.Typer()
 
@@ -31,13 +32,13 @@ LEARNER = typer.Option(..., "--learner", help="The learner's name: [a-z0-9-]{1,4
 REASON = typer.Option("", "--reason", help="Recorded with the control op.")
 
 
-@app.command("admit-learner")
+@app.command("admit-learner", rich_help_panel=OPERATE)
 def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER, reason: str = REASON,
                   start: bool = typer.Option(True, "--start/--no-start",
                                              help="A running supervisor starts it (--no-start: you run it).")) -> None:
     """Admit one more learner (elastic join): its deltas are merged from the next merge on."""
     with user_errors():
-        from diloco.operate import admit_learner as admit
+        from diloco.api.operate import admit_learner as admit
 
         op = admit(storage, run_id, learner, reason=reason, start=start)
         how = "a running supervisor starts it within seconds" if start else "start it with: diloco learner " \
@@ -46,45 +47,45 @@ def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = L
         say_if_ended(storage, run_id)
 
 
-@app.command("readmit")
+@app.command("readmit", rich_help_panel=OPERATE)
 def readmit(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER, reason: str = REASON) -> None:
     """End a learner's quarantine: its deltas are judged again from the next merge on."""
     with user_errors():
-        from diloco.operate import readmit as do_readmit
+        from diloco.api.operate import readmit as do_readmit
 
         op = do_readmit(storage, run_id, learner, reason=reason)
         typer.echo(f"learner {learner} readmitted to run {run_id} (op {op})")
         say_if_ended(storage, run_id)
 
 
-@app.command("pause-merges")
+@app.command("pause-merges", rich_help_panel=OPERATE)
 def pause_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = REASON) -> None:
     """Pause merging: learners train on and publish; nothing is lost (resume-merges takes it all)."""
     with user_errors():
-        from diloco.operate import pause_merges as pause
+        from diloco.api.operate import pause_merges as pause
 
         typer.echo(f"merges of run {run_id} paused (op {pause(storage, run_id, reason=reason)})")
         say_if_ended(storage, run_id)
 
 
-@app.command("resume-merges")
+@app.command("resume-merges", rich_help_panel=OPERATE)
 def resume_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = REASON) -> None:
     """Resume merging after pause-merges."""
     with user_errors():
-        from diloco.operate import resume_merges as go
+        from diloco.api.operate import resume_merges as go
 
         typer.echo(f"merges of run {run_id} resumed (op {go(storage, run_id, reason=reason)})")
         say_if_ended(storage, run_id)
 
 
-@app.command("set")
+@app.command("set", rich_help_panel=OPERATE)
 def set_settings(storage: str = STORAGE, run_id: str = RUN_ID,
                  assignments: list[str] = typer.Argument(..., help="KEY=VALUE, e.g. merger.quorum=3 outer.lr=0.5"),
                  reason: str = REASON) -> None:
     """Change live settings from the next merge on (merger.quorum, merger.grace_cap_s, outer.lr, ...)."""
     with user_errors():
-        from diloco.operate import parse_assignments
-        from diloco.operate import set_settings as do_set
+        from diloco.api.operate import parse_assignments
+        from diloco.api.operate import set_settings as do_set
 
         values = parse_assignments(assignments)
         op = do_set(storage, run_id, values, reason=reason)
@@ -92,7 +93,7 @@ def set_settings(storage: str = STORAGE, run_id: str = RUN_ID,
         say_if_ended(storage, run_id)
 
 
-@app.command("resume")
+@app.command("resume", rich_help_panel=OPERATE)
 def resume(storage: str = STORAGE, run_id: str = RUN_ID,
            versions: int = typer.Option(None, "--versions", help="How many MORE versions to train (default: as "
                                         "many as the run was created with)."),
@@ -108,8 +109,8 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
         from rich.console import Console
 
         from diloco import api
+        from diloco.api.operate import prepare_resume
         from diloco.cli.view import LiveView, exit_for, final_report
-        from diloco.operate import prepare_resume
         from diloco.run.context import open_run
         from diloco.supervise.interrupt import catch_signals
 
@@ -130,7 +131,7 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
         exit_for(reason, summary)  # a signal's code, or EXIT_CODE when the resumed run failed
 
 
-@app.command("fork")
+@app.command("fork", rich_help_panel=OPERATE)
 def fork(storage: str = STORAGE, run_id: str = RUN_ID,
          at_version: int = typer.Option(..., "--at-version", help="The parent's version that becomes version 0."),
          new_run_id: str = typer.Option(..., "--new-run-id", help="The new run's id."),
@@ -138,8 +139,8 @@ def fork(storage: str = STORAGE, run_id: str = RUN_ID,
          overrides: list[str] = typer.Option(None, "--set", help="KEY=VALUE overrides of --config.")) -> None:
     """A new run whose version 0 is this run's version V (params and outer state); the parent is untouched."""
     with user_errors():
-        from diloco.operate import fork as do_fork
-        from diloco.operate import parse_assignments
+        from diloco.api.operate import fork as do_fork
+        from diloco.api.operate import parse_assignments
 
         ctx = do_fork(storage, run_id, at_version, new_run_id, config=config,
                       overrides=parse_assignments(overrides or []))
@@ -147,38 +148,38 @@ def fork(storage: str = STORAGE, run_id: str = RUN_ID,
                    f"diloco resume --storage {storage} --run-id {ctx.run_id}")
 
 
-@app.command("bucket-policy")
+@app.command("bucket-policy", rich_help_panel=DEPLOY_AND_SECURITY)
 def bucket_policy(storage: str = STORAGE, run_id: str = RUN_ID,
                   learner: str = typer.Option(None, "--learner", help="The policy of this learner."),
                   role: str = typer.Option(None, "--role", help="merger | evaluator | operator")) -> None:
     """Print the least-privilege S3 policy (JSON, for AWS IAM or MinIO `mc admin policy`) of one role of a run."""
     with user_errors():
-        from diloco.inspect.policy import policy_for
+        from diloco.trust.bucket_policy import policy_for
 
         if (learner is None) == (role is None):
             fail("give exactly one of --learner NAME or --role merger|evaluator|operator")
         typer.echo(json.dumps(policy_for(storage, run_id, learner=learner, role=role), indent=2))
 
 
-@app.command("keygen")
+@app.command("keygen", rich_help_panel=DEPLOY_AND_SECURITY)
 def keygen(learners: list[str] = typer.Option(..., "--learner", help="A learner to make a key for (repeat).")) -> None:
     """Fresh signing keys: the keyring (JSON, for the merger's DILOCO_KEYRING) and each learner's key."""
     with user_errors():
-        from diloco.run.signing import new_key
         from diloco.storage.keys import validate_learner_name
+        from diloco.trust.signing import new_key
 
         ring = {validate_learner_name(name): new_key() for name in learners}
         typer.echo(json.dumps(ring))
 
 
-@app.command("outliers")
+@app.command("outliers", rich_help_panel=DEPLOY_AND_SECURITY)
 def outliers(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
              window: int = typer.Option(None, "--window", min=1, help="Window (default: the run's)."),
              min_samples: int = typer.Option(None, "--min-samples", min=1, help="Least samples (the run's).")) -> None:
     """Replay the outlier statistic over a run: each merged delta's norm per step / the running median."""
     with user_errors():
-        from diloco.inspect.outliers import ratios, summarize
         from diloco.run.context import open_run
+        from diloco.trust.outliers import ratios, summarize
 
         summary = summarize(ratios(open_run(storage, run_id), window, min_samples))
         if json_out:

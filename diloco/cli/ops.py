@@ -12,12 +12,12 @@ from pathlib import Path
 import typer
 
 from diloco.cli.errors import user_errors
-from diloco.cli.options import JSON, RUN_ID, STORAGE
+from diloco.cli.options import JSON, OPERATE, RUN_AND_INSPECT, RUN_ID, STORAGE
 
 app = typer.Typer()
 
 
-@app.command()
+@app.command(rich_help_panel=RUN_AND_INSPECT)
 def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
           replay: bool = typer.Option(True, "--replay/--no-replay", help="Replay every merge bit for bit.")) -> None:
     """Check the manifest chain, checksums, at-most-once merging, and replay every merge."""
@@ -41,7 +41,7 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
             raise typer.Exit(1)
 
 
-@app.command("gc")
+@app.command("gc", rich_help_panel=OPERATE)
 def gc(storage: str = STORAGE, run_id: str = RUN_ID,
        min_age_s: float = typer.Option(600.0, "--min-age-s", min=0, help="Only orphans older than this."),
        dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted.")) -> None:
@@ -56,7 +56,7 @@ def gc(storage: str = STORAGE, run_id: str = RUN_ID,
                    f"{len(report.too_young)} younger than {min_age_s:g}s kept; {report.referenced} objects referenced")
 
 
-@app.command("stop")
+@app.command("stop", rich_help_panel=OPERATE)
 def stop(storage: str = STORAGE, run_id: str = RUN_ID,
          reason: str = typer.Option("operator", "--reason", help="Recorded in control/stop.")) -> None:
     """Ask every process of a run to end after its current phase (writes control/stop); a finished or stopped run
@@ -72,21 +72,21 @@ def stop(storage: str = STORAGE, run_id: str = RUN_ID,
         typer.echo(f"stop requested for run {run_id}")
 
 
-@app.command("remove-learner")
+@app.command("remove-learner", rich_help_panel=OPERATE)
 def remove_learner(storage: str = STORAGE, run_id: str = RUN_ID,
                    learner: str = typer.Option(..., "--learner", help="The learner to remove for good."),
                    reason: str = typer.Option("operator", "--reason", help="Recorded with the removal.")) -> None:
     """Remove a learner from a run: it ends after its phase and no supervisor starts it again."""
     with user_errors():
+        from diloco.api.operate import remove_learner as remove
         from diloco.cli.operate import say_if_ended
-        from diloco.operate import remove_learner as remove
 
         remove(storage, run_id, learner, reason=reason)
         typer.echo(f"learner {learner} removed from run {run_id}")
         say_if_ended(storage, run_id)
 
 
-@app.command("plot")
+@app.command("plot", rich_help_panel=RUN_AND_INSPECT)
 def plot(storage: str = STORAGE, run_id: str = RUN_ID,
          out: Path = typer.Option(Path("out/run.png"), "--out", help="The PNG to write.")) -> None:
     """Plot a run: held-out loss per version, and a timeline per learner with the merges marked."""

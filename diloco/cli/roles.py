@@ -13,7 +13,7 @@ import sys
 import typer
 
 from diloco.cli.errors import user_errors
-from diloco.cli.options import PREFECT, RUN_ID, STORAGE
+from diloco.cli.options import DEPLOY_AND_SECURITY, PREFECT, RUN_ID, STORAGE
 
 app = typer.Typer()
 
@@ -40,7 +40,7 @@ def _run(role: str, storage: str, run_id: str, name: str | None, prefect: bool, 
         run_role(role, storage, run_id, name, **counts)
 
 
-@app.command()
+@app.command(rich_help_panel=DEPLOY_AND_SECURITY)
 def learner(
     storage: str = STORAGE, run_id: str = RUN_ID,
     name: str = typer.Option(..., "--learner", help="This learner's name: [a-z0-9-]{1,48}."),
@@ -68,7 +68,7 @@ def learner(
     _run("learner", storage, run_id, name, prefect, phases=phases)
 
 
-@app.command()
+@app.command(rich_help_panel=DEPLOY_AND_SECURITY)
 def merge(
     storage: str = STORAGE, run_id: str = RUN_ID,
     merges: int = typer.Option(None, "--merges", min=1, help="Stop after this many merges."),
@@ -80,7 +80,7 @@ def merge(
     _run("merger", storage, run_id, merger_id, prefect, merges=merges)
 
 
-@app.command()
+@app.command(rich_help_panel=DEPLOY_AND_SECURITY)
 def evaluate(storage: str = STORAGE, run_id: str = RUN_ID, prefect: bool = PREFECT) -> None:
     """Evaluate committed versions on the held-out data until the run stops."""
     _logging()

@@ -11,12 +11,12 @@ from pathlib import Path
 import typer
 
 from diloco.cli.errors import user_errors
-from diloco.cli.options import JSON, RUN_ID, STORAGE
+from diloco.cli.options import JSON, RUN_AND_INSPECT, RUN_ID, STORAGE
 
 app = typer.Typer()
 
 
-@app.command()
+@app.command(rich_help_panel=RUN_AND_INSPECT)
 def run(
     config: str = typer.Option("demo", "--config", help="Recipe name (tiny, demo, bench) or a YAML path."),
     storage: str = typer.Option(None, "--storage", help="Storage URL (default: the recipe's, file://runs)."),
@@ -69,7 +69,7 @@ def _config_loads(config: str) -> bool:
     return True
 
 
-@app.command()
+@app.command(rich_help_panel=RUN_AND_INSPECT)
 def status(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON) -> None:
     """Versions, and each learner's last heartbeat, seq, base version and loss."""
     from diloco.cli.view import print_status

@@ -13,12 +13,12 @@ import time
 import typer
 
 from diloco.cli.errors import user_errors
-from diloco.cli.options import JSON, RUN_ID, STORAGE
+from diloco.cli.options import JSON, RUN_AND_INSPECT, RUN_ID, STORAGE
 
 app = typer.Typer()
 
 
-@app.command("runs")
+@app.command("runs", rich_help_panel=RUN_AND_INSPECT)
 def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
     """List the runs in a storage URL: state, versions, last held-out loss, learners."""
     with user_errors():
@@ -61,7 +61,7 @@ def _age(seconds: float) -> str:
     return f"{max(0.0, seconds):.0f}s"
 
 
-@app.command("summary")
+@app.command("summary", rich_help_panel=RUN_AND_INSPECT)
 def summary(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON) -> None:
     """The summary `diloco run` ends with, for any run (local or deployed, live or ended)."""
     with user_errors():
@@ -74,7 +74,7 @@ def summary(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON)
         final_report(ctx, Console(stderr=json_out), json_out)
 
 
-@app.command("ui")
+@app.command("ui", rich_help_panel=RUN_AND_INSPECT)
 def ui(port: int = typer.Option(4200, "--port", min=0, max=65535,
                                 help="Port of the UI (0, or taken: a free one)."),
        home: str = typer.Option(".diloco/prefect", "--home", help="The Prefect home the runs reported to.")) -> None:

@@ -71,8 +71,8 @@ def _status_cells(r: dict, word: str) -> list[str]:
 def progress_table(ctx: RunContext, started: float | None, state: RunState | None = None,
                    width: int | None = None) -> Table:
     """The status table of `diloco status` and the live view; `width`: the console's (default: this terminal's)."""
-    from diloco.inspect.trust import current_policy
-    from diloco.run.evaluator import read_evals
+    from diloco.evaluator.evaluator import read_evals
+    from diloco.trust.view import current_policy
 
     try:
         evals = read_evals(ctx)
@@ -242,8 +242,8 @@ def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: s
     table, traffic per learner, a sample, the next step; returns the summary."""
     import torch
 
+    from diloco.evaluator.evaluator import evaluate_missing
     from diloco.inspect.summary import LEARNER_COLUMNS, build_summary, learner_table_rows, summary_rows
-    from diloco.run.evaluator import evaluate_missing
     from diloco.supervise.interrupt import reason_of
 
     # One thread for the final evaluations and the sample: on 2 cores shared with other work, torch's default
@@ -330,7 +330,7 @@ def print_status(storage: str, run_id: str, json_out: bool) -> None:
     ctx = open_run(open_store(storage), run_id)
     state = read_run_state(ctx)
     rows = learner_status(ctx)
-    from diloco.inspect.trust import trust_lines, trust_summary
+    from diloco.trust.view import trust_lines, trust_summary
 
     trust = trust_summary(ctx)
     if json_out:

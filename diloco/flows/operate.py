@@ -1,7 +1,7 @@
 """Flow `operate`: the operator's controls as a flow run the Prefect UI can trigger (deployment `operate` on the
 control pool) — admit, remove, readmit, pause/resume merges, set, stop, resume, fork.
 
-Contract: the same functions as the CLI and Python (diloco.operate), recorded as made by this flow run
+Contract: the same functions as the CLI and Python (diloco.supervise.operate), recorded as made by this flow run
 (`prefect flow run <name> (<id>)`); a bad input fails the flow run with the one-line reason and writes
 nothing; `resume` and `fork` can start the `train` deployment for the run (start=True) without waiting for it.
 """
@@ -41,7 +41,7 @@ def _start_training(storage: str, run_id: str, deployment: str, aws_credentials_
 def _do(action: str, storage: str, run_id: str, by: str, *, learner: str | None, settings: dict[str, Any] | None,
         versions: int | None, time_limit_s: float | None, at_version: int | None, new_run_id: str | None,
         reason: str) -> dict[str, Any]:
-    from diloco import operate
+    from diloco.supervise import operate
 
     if action in ("admit-learner", "remove-learner", "readmit") and not learner:
         raise ValueError(f"action {action} needs `learner`")

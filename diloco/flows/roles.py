@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_up_flows()
         if not wait_as_standby():
             return 0
-    from diloco.errors import USER_ERRORS, describe
+    from diloco.supervise.user_errors import USER_ERRORS, describe
 
     try:
         run_flow_role(args.role, args.storage, args.run_id, args.name, phases=args.phases, merges=args.merges)

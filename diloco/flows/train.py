@@ -107,9 +107,9 @@ def _diloco_logs_to_flow_run() -> Iterator[None]:
 def _report_summary(ctx: RunContext) -> dict | None:
     """Evaluate what the evaluator missed, then the summary as a markdown artifact and one log line (and one per
     failed learner); the summary, or None when it could not be built."""
+    from diloco.evaluator.evaluator import evaluate_missing
     from diloco.inspect.outcome import failure_lines
     from diloco.inspect.summary import build_summary, summary_markdown
-    from diloco.run.evaluator import evaluate_missing
 
     logger = get_run_logger()
     try:
@@ -198,12 +198,13 @@ def _progress(ctx: RunContext) -> Callable[[Any], None]:
 def _supervise_local(ctx: RunContext, log_dir: str | None, chaos_plan: str | None) -> dict:
     from prefect.runtime import flow_run
 
-    from diloco.flows.local import supervise_local
     from diloco.flows.subflow import PARENT_ENV
+    from diloco.launch import chaos_agent
+    from diloco.supervise.local import supervise_local
 
     env = {PARENT_ENV: str(flow_run.id)} if flow_run.id else {}  # the roles' flow runs show under this one
-    reason = supervise_local(ctx, prefect=True, log_dir=log_dir, chaos_plan=chaos_plan, on_tick=_progress(ctx),
-                             env=env)
+    reason = supervise_local(ctx, prefect=True, log_dir=log_dir, attach=chaos_agent(chaos_plan),
+                             on_tick=_progress(ctx), env=env)
     return {"run_id": ctx.run_id, "reason": reason, "version": _latest(ctx)}
 
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco.merger.guard import Policy, entry_of, fold, gate, policy_after, state_of
-from diloco.merger.judge import Judge
 from diloco.merger.step import GradientStream, LearnerGroup, gradient_stream
 from diloco.run.context import RunContext, direct_names
 from diloco.run.controls import list_ops, read_op
 from diloco.storage import DeltaDecision, Manifest, NotFound
 from diloco.storage.codec import object_checksum
 from diloco.storage.records import RecordError
+from diloco.trust.guard import Policy, entry_of, fold, gate, policy_after, state_of
+from diloco.trust.judge import Judge
 
 FIELDS = ("status", "reason", "check", "norm", "clip_scale", "base_version", "staleness", "tokens", "steps",
           "bytes", "checksum")

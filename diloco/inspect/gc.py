@@ -10,9 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from diloco.inspect.report import manifests
 from diloco.run.context import RunContext
-from diloco.run.fragments import fragment_context
+from diloco.run.fragments import fragment_context, manifests
 from diloco.storage import NotFound, StorageError
 
 DEFAULT_MIN_AGE_S = 600.0  # far longer than any merge takes to go from its first object to its manifest

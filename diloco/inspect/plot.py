@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from diloco.evaluator.evaluator import read_evals
 from diloco.run.context import RunContext
-from diloco.run.evaluator import read_evals
 from diloco.run.events import read_events
 
 MAX_VERSION_LABELS = 10  # `vN` labels on the loss curve: more, on a 10-inch axis, run into each other
@@ -105,7 +105,7 @@ def draw_run_plot(ctx: RunContext):
     top.set_title(f"run {ctx.run_id}: held-out loss")
     _plot_timeline(bottom, rows)
     if rows:  # rejections by the guard (outlier, signature, admission, quarantine) and quarantines
-        from diloco.inspect.trust import mark_trust
+        from diloco.trust.view import mark_trust
 
         mark_trust(bottom, events, sorted({r[0] for r in rows if r[1] in STATE_COLORS}), min(r[2] for r in rows))
     bottom.set_title("what each learner did when (merges: the vertical lines)")

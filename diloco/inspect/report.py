@@ -8,11 +8,11 @@ from __future__ import annotations
 import math
 import time
 
+from diloco.evaluator.evaluator import read_evals
 from diloco.inspect.model_out import num_params, sample
 from diloco.run.context import RunContext
-from diloco.run.evaluator import read_evals
-from diloco.run.fragments import fragment_context, num_fragments
-from diloco.storage import Manifest, StorageError, list_versions, read_manifest
+from diloco.run.fragments import fragment_context, manifests, num_fragments
+from diloco.storage import Manifest, StorageError
 from diloco.storage.records import LearnerStatus, RecordError, read_record
 
 
@@ -32,11 +32,6 @@ def learner_status(ctx: RunContext) -> list[dict]:
             continue
         rows.append({**record.model_dump(exclude_none=True), "age_s": time.time() - record.t})
     return rows
-
-
-def manifests(ctx: RunContext) -> list[Manifest]:
-    """Every committed manifest of the run, by version."""
-    return [read_manifest(ctx.store, ctx.keys, v) for v in list_versions(ctx.store, ctx.keys)]
 
 
 def dp_bytes(num_params_: int, steps_per_learner: float, num_learners: int) -> float:

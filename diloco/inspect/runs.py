@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from diloco.evaluator.evaluator import read_evals
 from diloco.run.context import RunError, open_run
-from diloco.run.evaluator import read_evals
 from diloco.run.state import read_run_state
 from diloco.storage import StorageError
 from diloco.storage.store import Store

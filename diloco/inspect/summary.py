@@ -3,7 +3,7 @@ the traffic of every learner — deltas sent (merged, rejected, pending), bytes 
 and how busy each learner was (its inner steps over its wall time).
 
 Contract: every figure comes from the bucket (manifests, deltas listed, evals, the learners' `traffic`
-events); the version 0 and final version the evaluator did not reach are scored first (run/evaluator.py
+events); the version 0 and final version the evaluator did not reach are scored first (evaluator/evaluator.py
 evaluate_missing), so no summary says "version None"; rendering is plain text
 rows and markdown (the `train` flow's artifact), so the CLI and Prefect show the same thing.
 """
@@ -19,12 +19,12 @@ from diloco.inspect.report import (
     dp_bytes,
     fragment_chains,
     learner_status,
-    manifests,
     nats_to_bits,
     summarize,
 )
 from diloco.run.context import RunContext
 from diloco.run.events import read_events
+from diloco.run.fragments import manifests
 from diloco.run.state import continue_hint, read_run_state
 from diloco.run.target import run_target
 from diloco.storage import Manifest, StorageError, parse_delta_key

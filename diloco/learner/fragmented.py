@@ -29,7 +29,6 @@ from diloco.learner.publisher import Publisher, deferral
 from diloco.run.buffers import install_buffers
 from diloco.run.fragments import fragment_context
 from diloco.run.objects import encode_shipped, read_committed
-from diloco.run.signing import sign
 from diloco.storage import NotFound, StorageError, latest_version, manifest_exists, read_latest
 from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
@@ -37,6 +36,7 @@ from diloco.storage.records import LearnerStatus, RecordError, read_record
 from diloco.training.buffers import get_buffers
 from diloco.training.fragments import take
 from diloco.training.tensors import Tensors
+from diloco.trust.signing import sign
 
 log = logging.getLogger("diloco.learner")
 

@@ -28,7 +28,6 @@ from diloco.run.buffers import install_buffers
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.objects import encode_shipped, encode_tensors, read_committed
-from diloco.run.signing import learner_key, sign
 from diloco.run.spec import load_run_spec
 from diloco.storage import Manifest, StorageError, latest_version, manifest_exists, read_latest
 from diloco.storage.codec import CodecError
@@ -39,6 +38,7 @@ from diloco.training.inner import pick_device
 from diloco.training.model import get_flat_params, set_params
 from diloco.training.spec import SpecError, TrainSpec
 from diloco.training.tensors import Tensors, add_, clone, sub
+from diloco.trust.signing import learner_key, sign
 
 log = logging.getLogger("diloco.learner")
 HEARTBEAT_EVERY_S = 2.0  # status.json refresh while training; the supervisor's timeout is far longer
@@ -51,7 +51,7 @@ class Learner:
                  events: EventLog | None = None, slowdown: float | None = None, world: World | None = None,
                  signing_key: bytes | None = None) -> None:
         self.ctx, self.name, self.cfg = ctx, name, ctx.cfg
-        # learner.sign: every delta is signed with this learner's key (run/signing.py; never from the bucket)
+        # learner.sign: every delta is signed with this learner's key (trust/signing.py; never from the bucket)
         self.signing_key = signing_key or (learner_key() if self.cfg.learner.sign else None)
         self.device = pick_device(self.cfg.learner.device)
         torch.set_num_threads(self.cfg.learner.num_threads)  # one failure domain, one core by default

@@ -15,10 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.merger.guard import Policy, entry_of, fold, gate, policy_after, state_of
 from diloco.merger.inplace import outer_step_in_place
-from diloco.merger.judge import Judge
-from diloco.merger.state import VersionState
 from diloco.merger.step import (
     GradientStream,
     LearnerGroup,
@@ -26,13 +23,13 @@ from diloco.merger.step import (
     gradient_stream,
     outer_optimizer,
 )
+from diloco.merger.version_state import VersionState
 from diloco.run.buffers import version_buffers
 from diloco.run.context import RunContext, direct_names
 from diloco.run.controls import read_ops
 from diloco.run.events import EventLog
 from diloco.run.heap import release_freed_memory
 from diloco.run.objects import put_checksummed, verify_written, write_state
-from diloco.run.signing import SigningError
 from diloco.run.target import Target
 from diloco.storage import (
     Conflict,
@@ -49,6 +46,9 @@ from diloco.storage import (
 from diloco.storage.errors import Backoff
 from diloco.storage.keys import InvalidName, new_nonce, parse_delta_key
 from diloco.training.tensors import Tensors
+from diloco.trust.guard import Policy, entry_of, fold, gate, policy_after, state_of
+from diloco.trust.judge import Judge
+from diloco.trust.signing import SigningError
 
 log = logging.getLogger("diloco.merger")
 CONTROLS_EVERY_S = 1.0  # control ops (pause, set, admit, ...) are listed at most this often while waiting
@@ -96,7 +96,7 @@ class Merger:
                  keyring: dict[str, list[bytes]] | None = None) -> None:
         self.ctx, self.base_cfg, self.merger_id = ctx, ctx.cfg, merger_id
         self.cfg = ctx.cfg  # the live config of the next merge (run.json's + `diloco set`), see refresh_policy
-        self.keyring = keyring  # learner -> keys, when learner.sign is on (run/signing.py)
+        self.keyring = keyring  # learner -> keys, when learner.sign is on (trust/signing.py)
         if self.cfg.learner.sign and keyring is None:
             raise SigningError("learner.sign is on: the merger needs a keyring (DILOCO_KEYRING or DILOCO_KEYRING_BLOCK)")
         self._controls_at = 0.0

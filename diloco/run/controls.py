@@ -3,7 +3,7 @@ object, control/ops/<time ns>-<nonce>.json, with what, the values, when and by w
 
 Contract: an op is written once by exclusive create and never changed, after its inputs were validated (a bad
 one raises RunError/ConfigError and writes nothing); ops sort by name in the order they were made; the merger
-applies the ones after its cursor at its next merge and records them in that manifest (merger/guard.py);
+applies the ones after its cursor at its next merge and records them in that manifest (trust/guard.py);
 every op is also an event of source "operator"; membership (who may publish) is run.json's learners plus the
 admitted, minus the removed.
 """

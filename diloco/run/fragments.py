@@ -15,7 +15,7 @@ import torch
 from diloco.configs import ConfigError
 from diloco.run.context import RunContext
 from diloco.run.objects import read_committed
-from diloco.storage import latest_version, read_manifest
+from diloco.storage import Manifest, latest_version, list_versions, read_manifest
 from diloco.storage.store import Store
 from diloco.training.fragments import FragmentError, fragment_layout, plan_fragments, put_
 from diloco.training.tensors import Tensors
@@ -56,6 +56,11 @@ def fragment_context(ctx: RunContext, index: int) -> RunContext:
         raise ValueError(f"run {ctx.run_id} has {len(ctx.fragments)} fragments; there is no fragment {index}")
     return dataclasses.replace(ctx, keys=ctx.keys.for_fragment(index), layout=fragment_layout(ctx.fragments[index]),
                                fragments=[], buffers=ctx.buffers if index == 0 else [])
+
+
+def manifests(ctx: RunContext) -> list[Manifest]:
+    """Every committed manifest of the run's chain (the root's, or a fragment context's), by version."""
+    return [read_manifest(ctx.store, ctx.keys, v) for v in list_versions(ctx.store, ctx.keys)]
 
 
 def fragment_versions(ctx: RunContext, store: Store | None = None) -> list[int | None]:

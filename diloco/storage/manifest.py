@@ -60,7 +60,7 @@ class ControlEntry(BaseModel):
 
 
 class GuardState(BaseModel):
-    """Who may publish and how the merge judges deltas, after this version (merger/guard.py folds it).
+    """Who may publish and how the merge judges deltas, after this version (trust/guard.py folds it).
 
     A manifest without one (older runs, version 0) means: the run.json learners, nothing else."""
 

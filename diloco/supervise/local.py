@@ -2,11 +2,13 @@
 
 Contract: a role's process runs `python -m diloco.launch <role> ...` (or `python -m diloco.flows <role> ...`
 as a Prefect flow run): with `run.start_method: fork` (the default, with or without Prefect; not on CUDA:
-zygote.forks_roles) it is forked from a zygote (diloco.zygote), one process that paid the imports once
-(prefect's and the flows' too when the roles are flow runs), so a (re)start is a fork and a join; otherwise it
-is exec'd, with a warm standby per learner when `run.warm_standby` is on. Each process has its own session
-(kill, SIGSTOP and SIGCONT reach its process group). A process's `start` event is stamped when the start was
-asked for, so the zygote's imports at the first start count in the roles' start-up, as an exec's do.
+zygote.forks_roles) it is forked from a zygote (diloco.supervise.zygote_process), one process that paid the
+imports once (prefect's and the flows' too when the roles are flow runs), so a (re)start is a fork and a join;
+otherwise it is exec'd, with a warm standby per learner when `run.warm_standby` is on. Each process has its own
+session (kill, SIGSTOP and SIGCONT reach its process group). A process's `start` event is stamped when the start
+was asked for, so the zygote's imports at the first start count in the roles' start-up, as an exec's do.
+`supervise_local` runs a whole run this way to its end (`diloco run`, diloco.api, the `train` flow's local mode;
+no Prefect import here: a plain local run does not pay for it).
 
 Warm standby (exec only): each learner has a spare process that has paid the imports and waits, blocked on
 its stdin, without touching the bucket. A (re)start writes one line to the spare (it then opens the run,
@@ -22,6 +24,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
@@ -212,3 +216,15 @@ def local_supervisor(ctx: RunContext, *, prefect: bool = False, events: EventLog
     events = events or EventLog(ctx.store, ctx.keys, "supervisor")
     backend = ProcessBackend(ctx, events, prefect=prefect, env=env, log_dir=log_dir)
     return Supervisor(ctx, backend, events=events)
+
+
+def supervise_local(ctx: RunContext, *, prefect: bool, log_dir: str | None,
+                    attach: Callable[[Supervisor], object] | None = None, on_tick: Callable[[Any], None] | None = None,
+                    env: dict[str, str] | None = None) -> str:
+    """Start every role (with `env` added to their environment), heal, stop at the end, shut down; returns why
+    the run ended. `attach` gets the supervisor before it starts: a chaos plan's agent, which the caller brings
+    (diloco.chaos.agent.attach_chaos: a leaf the core never imports)."""
+    supervisor = local_supervisor(ctx, prefect=prefect, log_dir=log_dir, env=env)
+    if attach is not None:
+        attach(supervisor)
+    return supervisor.run_to_end(on_tick=on_tick)

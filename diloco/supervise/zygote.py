@@ -1,7 +1,8 @@
-"""The supervisor's handle on a zygote (the program is diloco/zygote.py): start it, fork roles from it, close it.
+"""The supervisor's handle on a zygote (the program is supervise/zygote_process.py): start it, fork roles from
+it, close it.
 
-Contract: `Zygote` starts `python -m diloco.zygote`, which imports torch and every role's code and runs a
-throwaway training step (launch.warm_up), then forks on request.
+Contract: `Zygote` starts `python -m diloco.supervise.zygote_process`, which imports torch and every role's code
+and runs a throwaway training step (launch.warm_up), then forks on request.
 A forked child starts its own session (a process group the supervisor can SIGKILL or SIGSTOP),
 points stdin at /dev/null and stdout/stderr at its log, takes the environment it was given, and
 runs the launch entry (diloco.launch) with the given arguments; it is a warm process from its first
@@ -81,8 +82,8 @@ class Zygote:
         err = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the child keeps a copy)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "diloco.zygote", label, *(["--flows"] if flows else [])], env=env,
-                stdin=subprocess.PIPE,
+                [sys.executable, "-m", "diloco.supervise.zygote_process", label, *(["--flows"] if flows else [])],
+                env=env, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=err, start_new_session=True,
             )
         finally:

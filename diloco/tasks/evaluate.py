@@ -6,7 +6,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from diloco.run.evaluator import Evaluator, read_evals
+from diloco.evaluator.evaluator import Evaluator, read_evals
 from diloco.tasks.common import artifact_key
 
 

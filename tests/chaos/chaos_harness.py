@@ -18,16 +18,16 @@ from diloco.chaos.agent import ChaosAgent, attach_chaos
 from diloco.chaos.control import done_key
 from diloco.chaos.plan import SlowLearner, StorageDegraded, StorageOutage
 from diloco.configs import load_config
+from diloco.evaluator.evaluator import read_evals
 from diloco.inspect.audit import AuditReport, audit_run
-from diloco.inspect.outliers import guard_figures
-from diloco.inspect.report import manifests
 from diloco.run.context import RunContext
 from diloco.run.create import create_run
-from diloco.run.evaluator import read_evals
 from diloco.run.events import read_events
+from diloco.run.fragments import manifests
 from diloco.storage import Manifest, StorageError, open_store, read_latest
 from diloco.supervise.core import Supervisor
 from diloco.supervise.local import local_supervisor
+from diloco.trust.outliers import guard_figures
 
 TEST_OVERRIDES = {
     "run.num_versions": 1_000_000,  # runs end when their test's condition holds, or at the time limit (a cap)

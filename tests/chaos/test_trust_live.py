@@ -20,14 +20,14 @@ from chaos_harness import assert_no_children
 
 from diloco.configs import load_config
 from diloco.inspect.audit import audit_run
-from diloco.inspect.outliers import guard_figures
-from diloco.inspect.report import manifests
 from diloco.run.context import open_run
 from diloco.run.create import create_run
+from diloco.run.fragments import manifests
 from diloco.run.objects import encode_tensors, read_tensors
 from diloco.storage import open_store, read_latest, read_manifest
 from diloco.storage.keys import parse_delta_key
 from diloco.supervise.local import local_supervisor
+from diloco.trust.outliers import guard_figures
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

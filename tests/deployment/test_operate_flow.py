@@ -18,8 +18,8 @@ from prefect_stack import DeployedRun, wait_for
 from diloco.configs import load_config
 from diloco.run.controls import read_ops
 from diloco.run.create import create_run
-from diloco.run.signing import new_key
 from diloco.storage import open_store
+from diloco.trust.signing import new_key
 
 pytestmark = [pytest.mark.deployment, pytest.mark.timeout(600)]
 
@@ -64,7 +64,7 @@ def test_signing_keys_come_from_prefect_secret_blocks(deployed_run: DeployedRun,
 
 def _keys_from_blocks(Secret, monkeypatch: pytest.MonkeyPatch) -> None:
     from diloco.launch import keyring_of_env, signing_key
-    from diloco.run.signing import SigningError
+    from diloco.trust.signing import SigningError
 
     key = new_key()
     Secret(value=key).save("diloco-key-us-east-0", overwrite=True)

@@ -19,11 +19,11 @@ import pytest
 from odd_spec_source import ODD_SPEC_SOURCE
 
 from diloco.configs import load_config
+from diloco.evaluator.evaluator import Evaluator
 from diloco.inspect.audit import audit_run
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.run.create import create_run
-from diloco.run.evaluator import Evaluator
 from diloco.run.objects import CorruptObject
 from diloco.storage import open_store, read_latest
 from diloco.storage.codec import CODECS

@@ -13,13 +13,13 @@ import pytest
 
 from diloco.configs import load_config
 from diloco.inspect.audit import audit_run
-from diloco.inspect.report import manifests
 from diloco.learner.fragmented import FragmentLearner
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.merger.shard import ShardMerger
 from diloco.run.create import create_run
 from diloco.run.events import EventLog, read_events
+from diloco.run.fragments import manifests
 from diloco.run.objects import decode_tensors
 from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store

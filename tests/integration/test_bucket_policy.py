@@ -3,7 +3,7 @@ every request of each learner, the merger and the evaluator recorded, and each o
 role's policy (an exclusive create as a request with If-None-Match); a learner's policy allows none of another
 learner's writes, and neither a learner's nor the merger's allows overwriting what it created exclusively (its
 deltas, the manifests). (moto does not enforce IAM
-conditions, so the policies are evaluated here by diloco.inspect.policy.allows, IAM's matching rules for
+conditions, so the policies are evaluated here by diloco.trust.bucket_policy.allows, IAM's matching rules for
 Allow statements: `*` across `/`, s3:prefix for listings; an exists() counts as a HEAD plus the listing of
 `<key>/` that s3fs falls back to.)
 
@@ -20,17 +20,17 @@ from typer.testing import CliRunner
 
 from diloco.cli import app
 from diloco.configs import load_config
-from diloco.inspect.policy import DELETE, LIST, READ, WRITE, allows, policy_for, split_s3
+from diloco.evaluator.evaluator import Evaluator
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.run.context import open_run
 from diloco.run.controls import membership
 from diloco.run.create import create_run
-from diloco.run.evaluator import Evaluator
 from diloco.run.events import EventLog
-from diloco.run.signing import new_key
 from diloco.storage import open_store
 from diloco.storage.wrapper import WrapperStore
+from diloco.trust.bucket_policy import DELETE, LIST, READ, WRITE, allows, policy_for, split_s3
+from diloco.trust.signing import new_key
 
 pytestmark = pytest.mark.s3
 

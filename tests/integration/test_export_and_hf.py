@@ -16,10 +16,10 @@ from typer.testing import CliRunner
 
 from diloco.cli import app
 from diloco.configs import load_config
+from diloco.evaluator.evaluator import Evaluator, read_evals
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.run.create import create_run
-from diloco.run.evaluator import Evaluator, read_evals
 from diloco.run.spec import load_run_spec
 from diloco.storage import open_store
 from diloco.training.inner import evaluate

@@ -12,11 +12,11 @@ import uuid
 import pytest
 
 from diloco.configs import load_config
-from diloco.inspect.report import manifests
 from diloco.learner.learner import Learner
 from diloco.learner.loop import run_learner
 from diloco.merger.merger import Merger, run_merger
 from diloco.run.create import create_run
+from diloco.run.fragments import manifests
 from diloco.run.signals import StopSignal, request_stop
 from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store, read_latest

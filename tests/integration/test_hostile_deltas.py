@@ -10,10 +10,10 @@ import pickle
 
 import torch
 
+from diloco.api.operate import admit_learner
 from diloco.configs import load_config
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
-from diloco.operate import admit_learner
 from diloco.run.create import create_run
 from diloco.run.create import fingerprint_of as model_identity
 from diloco.run.objects import encode_tensors

@@ -203,8 +203,8 @@ def test_status_of_a_paused_run_says_paused_not_pending(ctx: RunContext) -> None
     op is not listed as pending until a merge that, paused, never comes."""
     from typer.testing import CliRunner
 
+    from diloco.api.operate import pause_merges
     from diloco.cli import app
-    from diloco.operate import pause_merges
 
     pause_merges(ctx, None, reason="inspect", by="ann@ops")
     lease = acquire(ctx, "local")

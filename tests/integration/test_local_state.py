@@ -20,12 +20,12 @@ from diloco.chaos.control import StorageWindow
 from diloco.chaos.faulty_store import FaultyStore
 from diloco.configs import load_config
 from diloco.inspect.audit import audit_run
-from diloco.inspect.report import manifests
 from diloco.learner.learner import Learner
 from diloco.learner.resume import resume
 from diloco.merger.merger import Merger
 from diloco.run.create import create_run
 from diloco.run.events import EventLog, read_events
+from diloco.run.fragments import manifests
 from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store
 

@@ -7,9 +7,9 @@ On the real S3 server, through s3fs. Run: .venv/bin/pytest tests/integration/tes
 from __future__ import annotations
 
 from diloco.configs import load_config
-from diloco.inspect.report import manifests
 from diloco.merger.merger import Merger
 from diloco.run.create import create_run
+from diloco.run.fragments import manifests
 from diloco.run.objects import encode_tensors, read_tensors
 from diloco.storage import open_store, read_latest
 from diloco.storage.wrapper import WrapperStore

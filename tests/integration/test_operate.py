@@ -17,11 +17,11 @@ import pytest
 from trust_helpers import install_all, one_round, publish_all, tiny_run
 from typer.testing import CliRunner
 
+from diloco.api.operate import fork, pause_merges, prepare_resume, resume_merges
 from diloco.cli import app
 from diloco.inspect.audit import audit_run
 from diloco.learner.learner import Learner
 from diloco.merger.merger import run_merger
-from diloco.operate import fork, pause_merges, prepare_resume, resume_merges
 from diloco.run.context import RunError, open_run
 from diloco.run.controls import list_ops
 from diloco.run.events import EventLog, read_events

@@ -17,7 +17,7 @@ import pytest
 
 from diloco import api
 from diloco.configs import load_config
-from diloco.errors import USER_ERRORS
+from diloco.supervise.user_errors import USER_ERRORS
 
 HEADER = "import torch\nfrom torch import nn\nimport diloco\n"
 GOOD = HEADER + '''

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from diloco.cli.view import unmerged_lines
 from diloco.configs import load_config
+from diloco.evaluator.evaluator import evaluate_missing as complete_evals
+from diloco.evaluator.evaluator import missing_evals
 from diloco.inspect.runs import list_runs
 from diloco.inspect.summary import build_summary, learner_busy, summary_markdown, summary_rows
 from diloco.launch import run_role
 from diloco.run.create import create_run
-from diloco.run.evaluator import evaluate_missing as complete_evals
-from diloco.run.evaluator import missing_evals
 from diloco.run.signals import request_stop
 from diloco.storage import open_store
 from diloco.storage.records import LearnerStatus, write_record
@@ -69,6 +69,18 @@ def test_a_run_the_evaluator_never_saw_gets_a_complete_summary(tmp_path: Path) -
     table = _diloco("runs", cwd=tmp_path)  # --storage defaults to file://runs in the current folder
     assert table.returncode == 0 and "short" in table.stdout and "stopped" in table.stdout, table.stderr
     assert max(len(line) for line in table.stdout.splitlines()) <= 80
+
+
+def test_the_run_summary_type_names_every_key_a_summary_has(tmp_path: Path) -> None:
+    """diloco.api.RunSummary (what diloco.train returns, `diloco run --json` prints) names the keys of a real one."""
+    from diloco.api.summary import RunSummary, RunSummaryExtra
+    from diloco.inspect.report import summary_json
+
+    ctx = create_run(open_store(f"file://{tmp_path}/runs"), "keys", load_config("tiny").with_overrides(
+        {"run.num_learners": 1}))
+    summary = summary_json(build_summary(ctx))
+    assert set(summary) == set(RunSummary.__annotations__)
+    assert set(summary["extra"]) == set(RunSummaryExtra.__annotations__)
 
 
 def test_busy_is_time_in_inner_steps_over_each_processs_wall_time() -> None:

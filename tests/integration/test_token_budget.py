@@ -11,10 +11,10 @@ import json
 import subprocess
 import sys
 
+from diloco.api.operate import prepare_resume
 from diloco.configs import load_config
 from diloco.inspect.runs import list_runs
 from diloco.launch import run_role
-from diloco.operate import prepare_resume
 from diloco.run.context import open_run
 from diloco.run.create import create_run
 from diloco.run.state import read_run_state

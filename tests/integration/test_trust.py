@@ -15,12 +15,12 @@ from pathlib import Path
 
 from trust_helpers import decision, one_round, plant, tiny_run
 
+from diloco.api.operate import admit_learner, readmit, remove_learner, set_settings
 from diloco.inspect.audit import audit_run
-from diloco.inspect.outliers import ratios, summarize
-from diloco.operate import admit_learner, readmit, remove_learner, set_settings
 from diloco.run.context import open_run
-from diloco.run.signing import new_key, sign
 from diloco.storage import list_versions, open_store, read_manifest
+from diloco.trust.outliers import ratios, summarize
+from diloco.trust.signing import new_key, sign
 
 
 def test_rogue_and_outlier_deltas_never_wreck_the_merge(tmp_path: Path) -> None:

@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from diloco.merger.step import DeltaInvalid, GradientStream, LearnerGroup, split_buffers
+from diloco.merger.step import GradientStream, LearnerGroup
 from diloco.run.objects import decode_tensors, encode_shipped
 from diloco.training.buffers import BufferMerge, buffer_difference, buffer_layout, get_buffers, set_buffers
+from diloco.trust.validate import DeltaInvalid, split_buffers
 
 LAYOUT = [{"name": "bn.running_mean", "shape": [3], "dtype": "float32"},
           {"name": "bn.running_var", "shape": [3], "dtype": "float32"},

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from diloco.merger.judge import delta_norm
 from diloco.training.fp64 import CHUNK_ELEMENTS, Fp64Scratch, add_scaled_, sum_squares
 from diloco.training.merge import Combiner
+from diloco.trust.judge import delta_norm
 
 SHAPES = {"wte.weight": (40, 64), "h.0.w": (33, 7), "ln.b": (5,), "odd": (CHUNK_ELEMENTS + 77,)}
 

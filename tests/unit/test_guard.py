@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from diloco.configs import ConfigError, load_config
-from diloco.merger.guard import (
+from diloco.run.objects import encode_tensors
+from diloco.storage import DeltaDecision, Manifest
+from diloco.storage.manifest import ControlEntry
+from diloco.storage.records import ControlOp, RecordError
+from diloco.trust.guard import (
     LIVE_SETTINGS,
     check_settings,
     entry_of,
@@ -24,11 +28,7 @@ from diloco.merger.guard import (
     policy_after,
     window_median,
 )
-from diloco.merger.judge import Judge, delta_norm
-from diloco.run.objects import encode_tensors
-from diloco.storage import DeltaDecision, Manifest
-from diloco.storage.manifest import ControlEntry
-from diloco.storage.records import ControlOp, RecordError
+from diloco.trust.judge import Judge, delta_norm
 
 CFG = load_config("tiny")
 

@@ -12,10 +12,10 @@ import json
 
 import pytest
 
-from diloco.inspect.policy import DELETE, LIST, READ, WRITE, allows, policy_for
 from diloco.run.context import RunError
-from diloco.run.signing import SigningError, learner_key, load_keyring, new_key, parse_keyring, sign, verify
 from diloco.storage.keys import RunKeys, parse_delta_key, parse_op_key
+from diloco.trust.bucket_policy import DELETE, LIST, READ, WRITE, allows, policy_for
+from diloco.trust.signing import SigningError, learner_key, load_keyring, new_key, parse_keyring, sign, verify
 
 KEY, OTHER = new_key().encode(), new_key().encode()
 DATA = b"DLCO a delta's bytes"

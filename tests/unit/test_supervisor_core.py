@@ -197,7 +197,7 @@ def test_shutdown_writes_the_stop_and_kills_what_does_not_end(ctx: RunContext, s
 
 def test_an_admitted_learner_is_started_and_a_removed_one_is_not_a_job(ctx: RunContext, sup: Supervisor,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from diloco.operate import admit_learner
+    from diloco.api.operate import admit_learner
 
     monkeypatch.setattr(core, "MEMBERS_EVERY_S", 0.0)
     admit_learner(ctx, None, "c")

@@ -6,9 +6,9 @@ Run: .venv/bin/pytest tests/unit/test_trust_views.py -q
 
 from __future__ import annotations
 
-from diloco.inspect.trust import mark_trust, trust_lines
 from diloco.storage import DeltaDecision, Manifest
 from diloco.storage.manifest import ControlEntry, GuardState
+from diloco.trust.view import mark_trust, trust_lines
 
 
 def _manifest() -> Manifest:

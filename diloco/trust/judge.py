@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.configs import Config
-from diloco.merger.guard import Policy, window_median
-from diloco.merger.step import NON_FINITE, DeltaInvalid, DeltaStale, split_buffers, validate_delta
 from diloco.run.objects import decode_tensors
-from diloco.run.signing import verify
 from diloco.storage import DeltaDecision
 from diloco.storage.codec import CodecError, Header, object_checksum
 from diloco.training.fp64 import Fp64Scratch, sum_squares
 from diloco.training.tensors import Tensors
+from diloco.trust.guard import Policy, window_median
+from diloco.trust.signing import verify
+from diloco.trust.validate import NON_FINITE, DeltaInvalid, DeltaStale, split_buffers, validate_delta
 
 
 def delta_norm(delta: Tensors, scratch: Fp64Scratch | None = None) -> float:

@@ -1,23 +1,30 @@
-"""A zygote: one process that pays the imports once, then forks every role of a local run.
+"""A zygote: one process that pays the imports once, then forks every role of a local run
+(`python -m diloco.supervise.zygote_process`).
 
 Contract: started by the supervisor (diloco.supervise.zygote.Zygote, which documents the protocol); imports
 torch and every role's code and runs a throwaway training step (launch.warm_up; with --flows also prefect
 and the flows, importing only: no client, no thread, before a fork), then forks on request: a child starts
 its own session, takes its log and environment, and runs `diloco.launch` (or, entry "flows",
 `diloco.flows`: the role as a flow run) with the given arguments. It exits when the supervisor closes its
-stdin; children are never killed by it.
+stdin; children are never killed by it. It names its entries by module, as a command line does (ENTRIES), so
+supervise/ stays below launch and flows: it starts their programs and imports none of their code itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import json
 import os
 import select
 import signal
 import sys
 import traceback
+
+# entry -> (module, its warm-up): what a child runs (`main(argv)`, as `python -m <module>` would) and what the zygote
+# imports first; the module's `main` and warm-up are looked up when the zygote starts, by name
+ENTRIES = {"launch": ("diloco.launch", "warm_up"), "flows": ("diloco.flows.roles", "warm_up_flows")}
 
 # ---- the zygote process ------------------------------------------------------------------------
 
@@ -46,10 +53,10 @@ def _child(request: dict) -> None:
         _set_name(request["name"])
         if request.get("entry") == "flows":  # the role as its Prefect flow run (diloco.flows.roles)
             sys.argv = ["diloco.flows", *request["argv"]]
-            from diloco.flows.roles import main as entry
+            entry = importlib.import_module(ENTRIES["flows"][0]).main
         else:
             sys.argv = ["diloco.launch", *request["argv"]]
-            from diloco.launch import main as entry
+            entry = importlib.import_module(ENTRIES["launch"][0]).main
 
         code = entry(request["argv"])
     except SystemExit as done:
@@ -83,14 +90,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # no thread pool before forking; each role sets its own count
-    if "--flows" in sys.argv[1:]:  # roles run as Prefect flow runs: pay prefect's and the flows' imports too
-        from diloco.flows.roles import warm_up_flows
-
-        warm_up_flows()
-    else:
-        from diloco.launch import warm_up
-
-        warm_up()
+    # roles run as Prefect flow runs (--flows): pay prefect's and the flows' imports too
+    module, warm_up = ENTRIES["flows" if "--flows" in sys.argv[1:] else "launch"]
+    getattr(importlib.import_module(module), warm_up)()
     _send("ready")
     buf = b""
     while True:

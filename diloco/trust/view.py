@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco.merger.guard import Policy, entry_of, initial_state, policy_after, state_of, window_median
 from diloco.run.context import RunContext
 from diloco.run.controls import read_ops
 from diloco.storage import Manifest, read_latest
+from diloco.trust.guard import Policy, entry_of, initial_state, policy_after, state_of, window_median
 
 # the merger reads these within a second (merger.wait_while_paused), not at its next merge: in effect, never pending
 AT_ONCE = ("pause-merges", "resume-merges")

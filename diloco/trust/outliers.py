@@ -12,11 +12,11 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from diloco.inspect.report import manifests
-from diloco.merger.judge import delta_norm
 from diloco.run.context import RunContext
+from diloco.run.fragments import manifests
 from diloco.run.objects import read_tensors
 from diloco.storage import DeltaDecision
+from diloco.trust.judge import delta_norm
 
 
 def _norm(ctx: RunContext, d: DeltaDecision) -> float:

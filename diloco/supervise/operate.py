@@ -1,21 +1,22 @@
-"""The operator's controls from Python — the same functions the CLI (diloco/cli/operate.py) and the Prefect
-`operate` flow call: admit, remove, readmit, pause and resume merges, live settings, resume a run, fork it.
+"""The operator's controls — the functions the CLI (diloco/cli/operate.py), the Python facade
+(diloco.api.operate) and the Prefect `operate` flow call: admit, remove, readmit, pause and resume merges, live
+settings, prepare a resume, fork.
 
 Contract: each control validates its input against the run as it is now (the newest manifest plus the ops
 not merged yet) and raises RunError / ConfigError / InvalidName naming the problem with nothing written;
 otherwise it files one control op (who, when, what) — also an event — which the merger applies at its next
-merge and records in that manifest; `by` defaults to user@host (DILOCO_OPERATOR overrides it).
+merge and records in that manifest; `by` defaults to user@host (DILOCO_OPERATOR overrides it). Nothing here
+supervises: `resume`, which also runs the roles, is diloco.api.operate's.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import yaml
 
-from diloco.configs import ConfigError, config_from_record
+from diloco.configs import ConfigError, config_from_record, load_config
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.controls import write_op
 from diloco.run.fragments import run_version
@@ -38,7 +39,7 @@ def _ctx(storage: str | Store | RunContext, run_id: str | None) -> RunContext:
 
 
 def _policy(ctx: RunContext):
-    from diloco.inspect.trust import current_policy
+    from diloco.trust.view import current_policy
 
     return current_policy(ctx)[1]
 
@@ -119,8 +120,8 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
 
 def set_settings(storage: str | Store | RunContext, run_id: str | None, values: dict[str, Any] | list[str], *,
                  reason: str = "", by: str | None = None) -> str:
-    """Change live settings (merger/guard.py LIVE_SETTINGS) from the next merge on, validated by the config."""
-    from diloco.merger.guard import check_settings
+    """Change live settings (trust/guard.py LIVE_SETTINGS) from the next merge on, validated by the config."""
+    from diloco.trust.guard import check_settings
 
     if isinstance(values, list):
         values = parse_assignments(values)
@@ -214,20 +215,6 @@ def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, ver
             "prefect": lease is None or lease.kind != "local"}
 
 
-def resume(storage: str | Store, run_id: str, *, versions: int | None = None, time_limit_s: float | None = None,
-           prefect: bool | None = None, by: str | None = None, announce: Callable[[str], None] | None = None) -> str:
-    """prepare_resume, then supervise every role of the run until it ends (diloco.api.supervise); why it ended.
-    `prefect` None: as the run was last supervised (with Prefect or without)."""
-    from diloco import api
-
-    plan = prepare_resume(storage, run_id, versions=versions, time_limit_s=time_limit_s, by=by)
-    ctx = open_run(open_store(storage) if isinstance(storage, str) else storage, run_id)  # the new target
-    if announce:
-        announce(f"run {run_id}: {plan['state']} at version {plan['latest']}; target raised to {plan['target']}")
-    prefect = plan["prefect"] if prefect is None else prefect
-    return api.supervise(ctx, prefect=prefect, **({"announce": announce} if announce else {}))
-
-
 def fork(storage: str | Store, run_id: str, at_version: int, new_run_id: str, *, config: str | None = None,
          overrides: dict[str, Any] | None = None, by: str | None = None) -> RunContext:
     """A new run whose version 0 is `run_id`'s version `at_version` (diloco/run/fork.py); the parent is untouched."""
@@ -235,10 +222,8 @@ def fork(storage: str | Store, run_id: str, at_version: int, new_run_id: str, *,
 
     cfg = None
     if config is not None or overrides:
-        from diloco.api import resolve_config
-
         if config is None:
             raise ConfigError("overrides of a fork need --config (the recipe they apply to)")
-        cfg = resolve_config(config, overrides)
+        cfg = load_config(config).with_overrides(overrides or {})  # a recipe name or a YAML path (api.resolve_config)
     store = open_store(storage) if isinstance(storage, str) else storage
     return fork_run(store, run_id, at_version, new_run_id, cfg, by=by)

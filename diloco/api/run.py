@@ -1,10 +1,10 @@
 """A supervised run from Python: create it in the bucket, supervise every role until it ends, summarize it.
 
-Contract: what `diloco run` does, without the terminal: `create(...)` validates everything (config, corpus,
-chaos plan, run id) before anything is written and creates (or joins, same config) the run; `supervise(...)`
-runs it to its end — locally with processes, or as the Prefect `train` flow (a local Prefect server is
-started when PREFECT_API_URL is unset, and stopped after) — and returns why it ended. The summary comes from
-the bucket (diloco.inspect.report.summarize), never from in-memory counters.
+Contract: what `diloco run` does, without the terminal (callers use the names diloco.api exports): `create(...)`
+validates everything (config, corpus, chaos plan, run id) before anything is written and creates (or joins, same
+config) the run; `supervise(...)` runs it to its end — locally with processes, or as the Prefect `train` flow (a
+local Prefect server is started when PREFECT_API_URL is unset, and stopped after) — and returns why it ended. The
+summary comes from the bucket (diloco.inspect.report.summarize), never from in-memory counters.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from diloco.api.summary import RunSummary
 from diloco.configs import Config, ConfigError, load_config
 from diloco.run.context import RunContext
 from diloco.run.create import create_run
@@ -39,7 +40,7 @@ def create(cfg: Config, run_id: str | None = None, chaos: str | Path | None = No
     run_id = validate_run_id(run_id or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_local_device(cfg)
     if chaos is not None:
-        from diloco.flows.local import check_chaos_plan
+        from diloco.launch import check_chaos_plan
 
         check_chaos_plan(chaos)  # validate before anything is created
     return create_run(open_store(cfg.run.storage), run_id, cfg)
@@ -80,7 +81,7 @@ def supervise(ctx: RunContext, *, prefect: bool = True, chaos: str | Path | None
               announce: Callable[[str], None] = log.info) -> str:
     """Run every role of the run until it ends (target version, stop request, time limit), then score what
     the evaluator did not reach (version 0, the final version); why it ended."""
-    from diloco.run.evaluator import evaluate_missing
+    from diloco.evaluator.evaluator import evaluate_missing
 
     reason = _supervise(ctx, prefect=prefect, chaos=chaos, announce=announce)
     evaluate_missing(ctx)
@@ -109,19 +110,20 @@ def _supervise(ctx: RunContext, *, prefect: bool, chaos: str | Path | None, anno
                         return read_stop_reason(ctx) or "failed"
         finally:
             close_early(ctx.run_id)  # an early zygote the supervisor did not take (it failed first)
-    from diloco.flows.local import supervise_local
+    from diloco.launch import chaos_agent
+    from diloco.supervise.local import supervise_local
 
-    return supervise_local(ctx, prefect=False, log_dir=log_dir, chaos_plan=plan)
+    return supervise_local(ctx, prefect=False, log_dir=log_dir, attach=chaos_agent(plan))
 
 
 def train(spec: Callable[..., Any] | str | None = None, *, config: str | Config = "demo",
           spec_args: dict[str, Any] | None = None, learners: int | None = None, versions: int | None = None,
           tokens: int | None = None, storage: str | None = None, run_id: str | None = None, time_limit_s: float | None = None,
-          overrides: dict[str, Any] | None = None, prefect: bool = False, chaos: str | Path | None = None) -> dict:
-    """Train a TrainSpec with the same supervised run as `diloco run`; returns what `diloco run --json` prints, or
-    raises diloco.RunFailed (carrying it as `.summary`) when the run failed: a learner failed for a reason a restart
-    cannot fix or was given up, no learner contributed, or the run ended short for a reason other than the target,
-    the user's stop or the time limit (diloco.inspect.outcome). A time limit that ended it short is
+          overrides: dict[str, Any] | None = None, prefect: bool = False, chaos: str | Path | None = None) -> RunSummary:
+    """Train a TrainSpec with the same supervised run as `diloco run`; returns what `diloco run --json` prints (a
+    RunSummary, diloco.api.summary), or raises diloco.RunFailed (carrying it as `.summary`) when the run failed: a
+    learner failed for a reason a restart cannot fix or was given up, no learner contributed, or the run ended short
+    for a reason other than the target, the user's stop or the time limit (diloco.inspect.outcome). A time limit that ended it short is
     `extra.ended_by` "time limit" with `extra.short_of_target` true.
 
     `spec` is the factory itself (a module-level function; in a script, guard the call with
@@ -145,4 +147,4 @@ def train(spec: Callable[..., Any] | str | None = None, *, config: str | Config 
     summary = build_summary(ctx)
     if summary["failure"]:
         raise RunFailed(f"run {ctx.run_id} failed: {summary['failure']}", summary_json(summary))
-    return summary_json(summary)
+    return cast(RunSummary, summary_json(summary))

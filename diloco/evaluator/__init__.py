@@ -1,0 +1,1 @@
+"""The evaluator role: the held-out loss of committed versions, beside the learner and the merger."""
