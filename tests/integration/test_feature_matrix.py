@@ -187,7 +187,7 @@ def test_sync_mode(tmp_path: Path, parts: int) -> None:
 
 @pytest.mark.parametrize("parts", PARTS)
 def test_signing(tmp_path: Path, parts: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from diloco.run.signing import new_key
+    from diloco.trust.signing import new_key
 
     keys = {name: new_key() for name in ("local-0", "local-1")}
     monkeypatch.setenv("DILOCO_KEYRING", json.dumps({name: [key] for name, key in keys.items()}))
@@ -320,7 +320,7 @@ def test_fork(tmp_path: Path, parts: int) -> None:
 
 @pytest.mark.parametrize("parts", PARTS)
 def test_resume(tmp_path: Path, parts: int) -> None:
-    from diloco.operate import prepare_resume
+    from diloco.supervise.operate import prepare_resume
 
     run = Run(tmp_path, parts, {"run.num_versions": 1})
     run.rounds(1)
