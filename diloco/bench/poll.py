@@ -8,7 +8,13 @@ then each learner's keys after its cursor: S3's StartAfter). Both must find exac
 moto's S3 server is started in this process on a free port (the test suite's server; a dev dependency); else
 --storage (s3:// with AWS_ENDPOINT_URL for a real endpoint, or file://; default a temporary folder). Prints a
 table; JSON {"storage", "learners", "rows": [{"deltas", "full_listing_s", "after_cursor_s", "keys_full",
-"keys_after_cursor"}]}.
+"keys_after_cursor"}], "version_rows": [...]}.
+
+The same for the version listing every role's stop check, the evaluator's and the supervisor's polls make: for
+each V in --versions, V manifest keys (tiny objects: the newest version is read from the listing), timed as every
+poll made it before 2026-12-06 (a full listing of versions/) and as a ChainWatch makes it now (the listing after the
+version it knows: one new version). Rows {"versions", "full_listing_s", "after_known_s", "keys_full",
+"keys_after_known"}: both must find the newest version.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco.merger.merger import deltas_after
-from diloco.storage import RunKeys, Store, open_store
+from diloco.storage import RunKeys, Store, latest_version, open_store
 from diloco.storage.keys import parse_delta_key
 
 
@@ -91,6 +97,25 @@ def measure_row(store: Store, learners: int, deltas: int, repeats: int) -> dict:
             "keys_full": full_keys, "keys_after_cursor": after_keys}
 
 
+def measure_versions(store: Store, versions: int, repeats: int) -> dict:
+    """One stop check / poll of the newest version against a chain of `versions` versions: the full listing
+    (before 2026-12-06) and the listing after the version the poller knows (ChainWatch: one new version)."""
+    keys = RunKeys(f"poll-{uuid.uuid4().hex[:8]}")
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda v: store.put(keys.manifest(v), b"{}"), range(versions)))
+
+    def run(after):
+        counting = _Counting(store)
+        return latest_version(counting, keys, after=after), counting.keys
+
+    full_s, full_found, full_keys = _timed(lambda: run(None), repeats)
+    after_s, after_found, after_keys = _timed(lambda: run(versions - 2), repeats)
+    if full_found != versions - 1 or after_found != versions - 1:
+        raise RuntimeError(f"the listings disagree: {full_found} / {after_found}, expected {versions - 1}")
+    return {"versions": versions, "full_listing_s": round(full_s, 4), "after_known_s": round(after_s, 4),
+            "keys_full": full_keys, "keys_after_known": after_keys}
+
+
 def _moto_endpoint(stack: ExitStack) -> str:
     from moto.server import ThreadedMotoServer
 
@@ -108,10 +133,13 @@ def _moto_endpoint(stack: ExitStack) -> str:
 
 
 def bench_poll(json_path: Path | None = None, storage: str | None = None, moto: bool = False, learners: int = 3,
-               deltas: str = "1000,5000,10000", repeats: int = 5) -> dict:
+               deltas: str = "1000,5000,10000", repeats: int = 5, versions: str = "1000,5000,10000") -> dict:
     counts = [int(x) for x in deltas.split(",") if x.strip()]
+    version_counts = [int(x) for x in versions.split(",") if x.strip()]
     if not counts or min(counts) < learners or learners < 1 or repeats < 1:
         raise ValueError(f"--deltas {deltas!r}: each count must be >= --learners ({learners}) >= 1, --repeats >= 1")
+    if version_counts and min(version_counts) < 2:
+        raise ValueError(f"--versions {versions!r}: each count must be >= 2")
     with ExitStack() as stack:
         if moto:
             storage = _moto_endpoint(stack)
@@ -119,7 +147,9 @@ def bench_poll(json_path: Path | None = None, storage: str | None = None, moto: 
             storage = f"file://{stack.enter_context(tempfile.TemporaryDirectory(prefix='diloco-poll-'))}"
         store = open_store(storage)
         rows = [measure_row(store, learners, n, repeats) for n in counts]
-    result = {"storage": storage.split("://")[0] + ("://moto" if moto else ""), "learners": learners, "rows": rows}
+        version_rows = [measure_versions(store, v, repeats) for v in version_counts]
+    result = {"storage": storage.split("://")[0] + ("://moto" if moto else ""), "learners": learners, "rows": rows,
+              "version_rows": version_rows}
     table = Table(title=f"one merger poll ({result['storage']}, {learners} learners, median of {repeats})")
     for col in ("deltas in the run", "every delta listed s", "after each cursor s", "keys listed (every)",
                 "keys listed (after)"):
@@ -128,6 +158,15 @@ def bench_poll(json_path: Path | None = None, storage: str | None = None, moto: 
         table.add_row(f"{r['deltas']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_cursor_s']:.4f}",
                       f"{r['keys_full']:,}", f"{r['keys_after_cursor']:,}")
     Console().print(table)
+    if version_rows:
+        table = Table(title=f"one poll of the newest version: a stop check ({result['storage']}, median of {repeats})")
+        for col in ("versions in the chain", "every version listed s", "after the known one s", "keys listed (every)",
+                    "keys listed (after)"):
+            table.add_column(col, justify="right")
+        for r in version_rows:
+            table.add_row(f"{r['versions']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_known_s']:.4f}",
+                          f"{r['keys_full']:,}", f"{r['keys_after_known']:,}")
+        Console().print(table)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2))
     return result

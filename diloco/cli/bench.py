@@ -130,12 +130,16 @@ def _bench_poll(
     learners: int = typer.Option(3, "--learners", min=1, help="Learners the deltas are spread over."),
     deltas: str = typer.Option("1000,5000,10000", "--deltas", help="Comma-separated numbers of deltas in the run."),
     repeats: int = typer.Option(5, "--repeats", min=1, help="Polls timed per row (the median is reported)."),
+    versions: str = typer.Option("1000,5000,10000", "--versions", help="Comma-separated numbers of versions in the "
+                                 "chain, for the stop check's poll ('' for none)."),
 ) -> None:
-    """What one merger poll costs against the number of deltas the run has: every delta listed, or after each cursor."""
+    """What one merger poll and one stop check cost against the run's length: every key listed, or after the
+    cursor / the version known."""
     from diloco.bench.poll import bench_poll
 
     with user_errors():
-        bench_poll(json_path=json_path, storage=storage, moto=moto, learners=learners, deltas=deltas, repeats=repeats)
+        bench_poll(json_path=json_path, storage=storage, moto=moto, learners=learners, deltas=deltas, repeats=repeats,
+                   versions=versions)
 
 @bench.command("scale")
 def _bench_scale(

@@ -31,6 +31,7 @@ from rich.table import Table
 from diloco.inspect.outcome import EXIT_CODE, status_failure_lines
 from diloco.inspect.report import learner_status, sample_text, summary_json
 from diloco.run.context import RunContext, open_run
+from diloco.run.fragments import chain_report
 from diloco.run.state import RunState, learner_word, read_run_state
 from diloco.run.target import run_target
 from diloco.storage import StorageError, open_store
@@ -333,12 +334,13 @@ def print_status(storage: str, run_id: str, json_out: bool) -> None:
     from diloco.trust.view import trust_lines, trust_summary
 
     trust = trust_summary(ctx)
+    bad = [f"not a version: {line}" for line in chain_report(ctx)]  # a stray or forged manifest key, named
     if json_out:
         for r in rows:
             r["state"] = learner_word(r.get("state"), ctx.store.exists(ctx.keys.removed(r["learner"])), state)
         typer.echo(json.dumps({"run_id": run_id, "latest_version": state.version, "state": state.word,
-                               "title": state.title(), "learners": rows, "trust": trust}))
+                               "title": state.title(), "learners": rows, "trust": trust, "manifest_problems": bad}))
         return
     Console().print(progress_table(ctx, None, state))
-    for line in [*unmerged_lines(rows, ctx.cfg.learner.max_unmerged, state.ended), *trust_lines(trust)]:
+    for line in [*bad, *unmerged_lines(rows, ctx.cfg.learner.max_unmerged, state.ended), *trust_lines(trust)]:
         Console().print(line, markup=False, highlight=False)

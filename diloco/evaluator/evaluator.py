@@ -16,7 +16,7 @@ import torch
 from diloco.run.buffers import install_run_buffers
 from diloco.run.context import RunContext, RunError
 from diloco.run.events import EventLog
-from diloco.run.fragments import read_run_version, run_version
+from diloco.run.fragments import ChainWatch, read_run_version, run_version
 from diloco.run.objects import CorruptObject
 from diloco.run.spec import build_model, check_layout, load_run_spec
 from diloco.storage import NotFound, StorageError
@@ -45,6 +45,7 @@ class Evaluator:
         self.batches = list(self.spec.eval_batches())
         self.events = events or EventLog(None, None, "evaluator")
         self.done: set[int] = set()
+        self.watch = ChainWatch(ctx)  # its 0.5 s poll lists what is new on each chain, not every version
 
     def evaluate_version(self, version: int) -> dict:
         params, tokens_total, committed_at = read_run_version(self.ctx, version)  # fragments: put together
@@ -72,7 +73,7 @@ class Evaluator:
     def next_due(self, final: bool = False) -> int | None:
         """The version to evaluate now, if any (one listing; storage trouble means none yet)."""
         try:
-            latest = run_version(self.ctx)
+            latest = self.watch.run_version()
         except StorageError as err:
             log.warning("evaluation skipped: %s", err)
             return None

@@ -15,7 +15,7 @@ import torch
 from diloco.configs import ConfigError
 from diloco.run.context import RunContext
 from diloco.run.objects import read_committed
-from diloco.storage import Manifest, latest_version, list_versions, read_manifest
+from diloco.storage import Manifest, ManifestError, chain_problems, latest_version, read_latest, read_manifest
 from diloco.storage.store import Store
 from diloco.training.fragments import FragmentError, fragment_layout, plan_fragments, put_
 from diloco.training.tensors import Tensors
@@ -59,8 +59,10 @@ def fragment_context(ctx: RunContext, index: int) -> RunContext:
 
 
 def manifests(ctx: RunContext) -> list[Manifest]:
-    """Every committed manifest of the run's chain (the root's, or a fragment context's), by version."""
-    return [read_manifest(ctx.store, ctx.keys, v) for v in list_versions(ctx.store, ctx.keys)]
+    """Every manifest of the run's chain (the root's, or a fragment context's), by version: 0 up to the newest that
+    read_latest takes; a stray key above a gap, or an unreadable one at the top, is not part of it (chain_report)."""
+    newest = read_latest(ctx.store, ctx.keys)
+    return [] if newest is None else [*(read_manifest(ctx.store, ctx.keys, v) for v in range(newest.version)), newest]
 
 
 def fragment_versions(ctx: RunContext, store: Store | None = None) -> list[int | None]:
@@ -69,6 +71,54 @@ def fragment_versions(ctx: RunContext, store: Store | None = None) -> list[int |
     if not ctx.fragments:
         return [latest_version(store, ctx.keys)]
     return [latest_version(store, ctx.keys.for_fragment(p)) for p in range(len(ctx.fragments))]
+
+
+class ChainWatch:
+    """The newest version (and manifest) of every chain, kept between polls: each poll lists only what is above the
+    version it knows (storage.latest_version's `after`: S3's StartAfter), so a poller's cost follows what is new,
+    not the run's age, and a manifest reads only when its chain moved. For the roles' stop checks, the evaluator's
+    and the supervisor's polls."""
+
+    def __init__(self, ctx: RunContext, store: Store | None = None) -> None:
+        self.ctx, self.store = ctx, store or ctx.store
+        count = len(ctx.fragments) or 1
+        self.keys = [ctx.keys.for_fragment(p) for p in range(count)] if ctx.fragments else [ctx.keys]
+        self.known: list[int | None] = [None] * count
+        self._heads: list[Manifest | None] = [None] * count
+
+    def versions(self) -> list[int | None]:
+        """Every chain's newest version (None before version 0), in fragment order: a version the listing shows is
+        taken once its manifest reads and chains (read_latest), so a poller never acts on a stray or unreadable one.
+        StorageError from the bucket."""
+        for index, keys in enumerate(self.keys):
+            known = self.known[index]
+            if latest_version(self.store, keys, after=known) == known:
+                continue  # nothing new: one listing, no read
+            try:
+                head = read_latest(self.store, keys, after=known)
+            except ManifestError:  # nothing readable near the top: keep what is known (chain_report names it)
+                continue
+            if head is not None and (known is None or head.version > known):
+                self.known[index], self._heads[index] = head.version, head
+        return list(self.known)
+
+    def run_version(self) -> int | None:
+        """The run's version: the minimum over the chains' newest (None before every chain has version 0)."""
+        versions = self.versions()
+        return None if any(v is None for v in versions) else min(versions)
+
+    def heads(self) -> list[Manifest | None]:
+        """Every chain's newest manifest (read when its chain moved)."""
+        self.versions()
+        return list(self._heads)
+
+
+def chain_report(ctx: RunContext) -> list[str]:
+    """One line per manifest key of the run's chains that is no version (above a gap, unreadable or not chained):
+    what `diloco status` reports and every reader of the newest version steps over (storage.chain_problems)."""
+    count = len(ctx.fragments) or 1
+    chains = [ctx.keys.for_fragment(p) for p in range(count)] if ctx.fragments else [ctx.keys]
+    return [line for keys in chains for line in chain_problems(ctx.store, keys)]
 
 
 def run_version(ctx: RunContext, store: Store | None = None) -> int | None:

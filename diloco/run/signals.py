@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from diloco.run.context import RunContext
 from diloco.run.controls import write_op
+from diloco.run.fragments import ChainWatch
 from diloco.run.lease import describe, read_current
 from diloco.run.target import Target, target_reached
 from diloco.storage import NotFound, StorageError, Store
@@ -35,6 +36,7 @@ class StopSignal:
     def __init__(self, ctx: RunContext, target_version: int | None = None, every_s: float = 1.0) -> None:
         self.ctx, self.target, self.every_s = ctx, target_version, every_s
         self.store = ctx.store.with_retries(1)  # checked often: an outage must not stall the caller
+        self.watch = ChainWatch(ctx, self.store)  # each check lists what is new on each chain, not every version
         self._last, self._stopped = 0.0, False
         self.reason: str | None = None  # once stopped: control/stop's reason, or TARGET_REASON
 
@@ -49,7 +51,8 @@ class StopSignal:
             if self.store.exists(self.ctx.keys.stop()):
                 self._stopped, self.reason = True, read_stop_reason(self.ctx, self.store) or "stop requested"
             elif self.target is not None:  # the target version, or the token budget, on every chain
-                self._stopped = target_reached(self.ctx, self.store, Target(self.target, self.ctx.cfg.run.num_tokens))
+                target = Target(self.target, self.ctx.cfg.run.num_tokens)
+                self._stopped = target_reached(self.ctx, self.store, target, self.watch)
                 self.reason = TARGET_REASON if self._stopped else None
         except StorageError:
             return False

@@ -3,7 +3,8 @@
 Contract: a chain (the root, or one fragment's) has reached the target once its newest manifest's version is
 >= num_versions or its tokens_total >= num_tokens > 0; the run has once every chain has (so each merger stops
 its own chains, and the run ends exactly when the last one does). Without a token budget this reads only the
-versions (one listing per chain), as before; with one, the newest manifest of each chain too.
+versions (one listing per chain), as before; with one, the newest manifest of each chain too. A poller passes its
+ChainWatch: each check then lists only what is new (a stray manifest key above a gap ends nothing).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from diloco.run.context import RunContext
-from diloco.run.fragments import run_version
+from diloco.run.fragments import ChainWatch, run_version
 from diloco.storage import Manifest, read_latest
 from diloco.storage.store import Store
 
@@ -53,14 +54,16 @@ class Progress:
     reached: bool  # every chain reached the target
 
 
-def run_progress(ctx: RunContext, store: Store | None = None, target: Target | None = None) -> Progress:
+def run_progress(ctx: RunContext, store: Store | None = None, target: Target | None = None,
+                 watch: ChainWatch | None = None) -> Progress:
     """Where the run stands against `target` (default: the run's own), from one read of its chains: their
-    versions alone without a token budget (one listing per chain), their newest manifests with one."""
+    versions alone without a token budget (one listing per chain), their newest manifests with one. `watch`: a
+    poller's ChainWatch (each chain listed after the version it knows; a manifest read only when it moved)."""
     target = target or run_target(ctx)
     if target.tokens <= 0:
-        version = run_version(ctx, store)
+        version = watch.run_version() if watch is not None else run_version(ctx, store)
         return Progress(version, 0, version is not None and version >= target.versions)
-    heads = chain_heads(ctx, store)
+    heads = watch.heads() if watch is not None else chain_heads(ctx, store)
     if any(h is None for h in heads):
         return Progress(None, 0, False)
     return Progress(min(h.version for h in heads), min(h.tokens_total for h in heads),
@@ -76,6 +79,7 @@ def run_tokens(ctx: RunContext, store: Store | None = None) -> int:
     return _fewest_tokens(chain_heads(ctx, store))
 
 
-def target_reached(ctx: RunContext, store: Store | None = None, target: Target | None = None) -> bool:
-    """Whether every chain of the run has reached `target` (default: the run's own)."""
-    return run_progress(ctx, store, target).reached
+def target_reached(ctx: RunContext, store: Store | None = None, target: Target | None = None,
+                   watch: ChainWatch | None = None) -> bool:
+    """Whether every chain of the run has reached `target` (default: the run's own); `watch`: see run_progress."""
+    return run_progress(ctx, store, target, watch).reached

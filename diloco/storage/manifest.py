@@ -166,22 +166,74 @@ def read_manifest(store: Store, keys: RunKeys, version: int) -> Manifest:
     return manifest
 
 
-def list_versions(store: Store, keys: RunKeys) -> list[int]:
-    """Every committed version, sorted, from one fresh listing (never cached); other keys are ignored."""
-    versions = (parse_manifest_key(key) for key in store.list(keys.versions_prefix()))
-    return sorted(v for v in versions if v is not None)
+def list_versions(store: Store, keys: RunKeys, after: int | None = None) -> list[int]:
+    """Every committed version, sorted, from one fresh listing (never cached); other keys are ignored. `after`: only
+    the versions above it (S3's StartAfter from its key: O(versions after it), not O(run))."""
+    start = keys.manifest(after) if after is not None and after >= 0 else ""
+    versions = (parse_manifest_key(key) for key in store.list(keys.versions_prefix(), start))
+    return sorted(v for v in versions if v is not None and (after is None or v > after))
 
 
-def latest_version(store: Store, keys: RunKeys) -> int | None:
-    """The highest committed version (a fresh listing, never cached), or None before version 0."""
+def chain_top(versions: list[int], below: int) -> int:
+    """The last of the consecutive versions below+1, below+2, ... in `versions` (sorted); `below` when the next is
+    missing. A manifest above a gap is no version of the chain: one merger commits v+1 on v, never further."""
+    top = below
+    for v in versions:
+        if v != top + 1:
+            break
+        top = v
+    return top
+
+
+def latest_version(store: Store, keys: RunKeys, after: int | None = None) -> int | None:
+    """The newest version of the chain, or None before version 0: the top of the consecutive versions from 0, or
+    from `after` (a version the caller knows is committed: the listing starts there, so a poller's cost follows
+    what is new, not the run's age). A stray manifest key above a gap (`versions/<99999>.json`) is not it."""
+    known = -1 if after is None else after
+    top = chain_top(list_versions(store, keys, after), known)
+    return None if top < 0 else top
+
+
+MAX_STEP_DOWN = 8  # unreadable newest manifests a reader steps over before it gives up (ManifestError)
+
+
+def read_latest(store: Store, keys: RunKeys, after: int | None = None) -> Manifest | None:
+    """The manifest of the newest version (latest_version), or None if nothing is committed yet. A newest manifest
+    that does not parse, names another run or version, or does not chain to the version below it is stepped over
+    (chain_problems names it), at most MAX_STEP_DOWN; a reader never ends, installs or resumes on one."""
+    top = latest_version(store, keys, after)
+    for version in range(top if top is not None else -1, max(-1, (top or 0) - MAX_STEP_DOWN - 1), -1):
+        try:
+            manifest = read_manifest(store, keys, version)
+        except ManifestError:
+            continue
+        if manifest.parent == version - 1:
+            return manifest
+    if top is None:
+        return None
+    raise ManifestError(f"run {keys.run_id!r}: none of the newest {MAX_STEP_DOWN + 1} manifests up to version {top} "
+                        "is readable and chained (`diloco audit` names them)")
+
+
+def chain_problems(store: Store, keys: RunKeys) -> list[str]:
+    """One line per manifest key that is no version of the chain: above a gap in the versions, or at the top of the
+    chain but unreadable or not chained to the version below (what read_latest steps over). One listing."""
     versions = list_versions(store, keys)
-    return versions[-1] if versions else None
-
-
-def read_latest(store: Store, keys: RunKeys) -> Manifest | None:
-    """The manifest of the latest committed version, or None if nothing is committed yet."""
-    version = latest_version(store, keys)
-    return None if version is None else read_manifest(store, keys, version)
+    top = chain_top(versions, -1)
+    problems = [f"{keys.manifest(v)}: above a gap (the chain ends at version {top}); ignored"
+                for v in versions if v > top]
+    for version in range(top, max(-1, top - MAX_STEP_DOWN - 1), -1):
+        try:
+            manifest = read_manifest(store, keys, version)
+        except ManifestError as err:
+            problems.append(f"{keys.manifest(version)}: unreadable ({str(err)[:200]}); stepped over")
+            continue
+        if manifest.parent != version - 1:
+            problems.append(f"{keys.manifest(version)}: its parent is {manifest.parent}, not {version - 1}; "
+                            "stepped over")
+            continue
+        break
+    return problems
 
 
 def manifest_exists(store: Store, keys: RunKeys, version: int) -> bool:

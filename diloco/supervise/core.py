@@ -27,7 +27,7 @@ from diloco.run.context import RunContext
 from diloco.run.controls import membership
 from diloco.run.events import EventLog
 from diloco.run.failure import LEARNERS_CRASHED, MERGER_FAILED
-from diloco.run.fragments import merger_ids, run_version
+from diloco.run.fragments import ChainWatch, merger_ids
 from diloco.run.lease import Lease, acquire
 from diloco.run.signals import RemovedSignal, StopSignal, request_stop
 from diloco.run.target import target_reached
@@ -113,6 +113,7 @@ class Supervisor:
         self.backoff = Backoff(self.cfg.run.restart_backoff_s, self.cfg.run.restart_backoff_s * 32)
         self._removed = {}  # learner -> its RemovedSignal
         self._stop = StopSignal(ctx, None)
+        self.watch = ChainWatch(ctx)  # its ticks list what is new on each chain, not every version
         self.learner_spec: Callable[[str], dict[str, Any]] = lambda name: {}  # a backend's spec of a learner job
         self._members_at = 0.0
         self.lease: Lease | None = None  # held by run_to_end
@@ -331,14 +332,14 @@ class Supervisor:
 
     def latest(self) -> int:
         try:
-            return run_version(self.ctx) or 0  # fragments: the slowest fragment's version
+            return self.watch.run_version() or 0  # fragments: the slowest fragment's version
         except StorageError:
             return -1
 
     def target_reached(self) -> bool:
         """The target version (or the token budget, run.num_tokens) reached on every chain; False on trouble."""
         try:
-            return target_reached(self.ctx)
+            return target_reached(self.ctx, watch=self.watch)
         except StorageError:
             return False
 
