@@ -19,6 +19,7 @@ from diloco.run.objects import encode_tensors
 from diloco.storage import latest_version
 from diloco.storage.keys import parse_delta_key
 from diloco.training.tensors import Tensors, clone
+from diloco.trust.validate import delta_size_bound
 
 MAX_OVERSIZED_BYTES = 64 << 20  # above this max_delta_bytes, "oversized" is a wrong-layout delta instead
 
@@ -104,7 +105,7 @@ class Injector:
         return None
 
     def _oversized(self, learner: str, seq: int, version: int) -> bytes:
-        limit = self.ctx.cfg.merger.max_delta_bytes
+        limit = self.ctx.cfg.merger.max_delta_bytes or delta_size_bound(self.zeros, self.ctx.buffers)
         n = limit // 4 + 1024 if limit <= MAX_OVERSIZED_BYTES else 1 << 20
         noise = np.random.default_rng(seq).standard_normal(n).astype(np.float32)  # incompressible
         tensors = {**self.zeros, "chaos/pad": torch.from_numpy(noise)}

@@ -120,7 +120,9 @@ class MergerConfig(_Strict):
     grace_cap_s: float = Field(2.0, ge=0)  # never wait longer than this after quorum
     gap_timeout_s: float = Field(30.0, gt=0)  # a missing seq older than this is declared lost
     poll_interval_s: float = Field(0.2, gt=0)
-    max_delta_bytes: int = Field(1 << 30, gt=0)  # refuse bigger objects before reading them
+    # refuse bigger objects before reading them; None: the largest delta the run's layout can make in any codec
+    # (trust.validate.delta_size_bound: the model's bytes, not a constant that caps the model size)
+    max_delta_bytes: int | None = Field(None, gt=0)
     # A delta whose norm per step is above outlier_threshold x the median of the last outlier_window merged
     # deltas is rejected ("reject"), scaled down to that bound ("clip"), or let through ("off"). The honest
     # maximum measured over this project's benches and chaos runs is in docs/ENGINE.md ("Trust").

@@ -55,7 +55,7 @@ def _fetch(ctx: RunContext, judge: Judge, d: DeltaDecision, report: Any):
     key = ctx.keys.delta(d.learner, d.seq)
     try:
         size = ctx.store.get_size(key)
-        data = ctx.store.get(key) if size <= judge.cfg.merger.max_delta_bytes else None
+        data = ctx.store.get(key) if size <= judge.max_bytes else None
     except NotFound:
         if d.status == "merged":
             report.problem(f"delta {d.learner}/{d.seq} was merged but is missing")

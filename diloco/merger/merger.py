@@ -312,7 +312,7 @@ class Merger:
         key = self.ctx.keys.delta(learner, seq)
         try:
             size = self.ctx.store.get_size(key)
-            data = self.ctx.store.get(key) if size <= judge.cfg.merger.max_delta_bytes else None
+            data = self.ctx.store.get(key) if size <= judge.max_bytes else None
             signature = self._signature(learner, seq) if judge.cfg.learner.sign and data is not None else None
         except NotFound:
             return DeltaDecision(learner=learner, seq=seq, status="lost", reason="object vanished after listing"), \

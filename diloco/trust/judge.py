@@ -18,12 +18,20 @@ import torch
 from diloco.configs import Config
 from diloco.run.objects import decode_tensors
 from diloco.storage import DeltaDecision
-from diloco.storage.codec import CodecError, Header, object_checksum
+from diloco.storage.codec import CodecError, Header, check_fingerprint, object_checksum, read_header
 from diloco.training.fp64 import Fp64Scratch, sum_squares
 from diloco.training.tensors import Tensors
 from diloco.trust.guard import Policy, window_median
 from diloco.trust.signing import verify
-from diloco.trust.validate import NON_FINITE, DeltaInvalid, DeltaStale, split_buffers, validate_delta
+from diloco.trust.validate import (
+    NON_FINITE,
+    DeltaInvalid,
+    DeltaStale,
+    check_tensors,
+    delta_size_bound,
+    split_buffers,
+    validate_delta,
+)
 
 
 def delta_norm(delta: Tensors, scratch: Fp64Scratch | None = None) -> float:
@@ -51,10 +59,21 @@ class Judge:
     keyring: dict[str, list[bytes]] | None = None  # None: signatures not checked (audit without keys)
     scratch: Fp64Scratch = field(default_factory=Fp64Scratch)  # the norms' fp64 squares, reused delta by delta
     buffers: list[dict] = field(default_factory=list)  # the buffers every delta of this chain carries (run.json's)
+    _bound: int | None = field(default=None, repr=False)  # delta_size_bound, computed once
 
     @property
     def cfg(self) -> Config:
         return self.policy.cfg
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest delta object this merge reads: merger.max_delta_bytes, or the layout's bound when unset."""
+        limit = self.cfg.merger.max_delta_bytes
+        if limit is None:
+            if self._bound is None:
+                self._bound = delta_size_bound(self.params, self.buffers)
+            limit = self._bound
+        return limit
 
     def median(self) -> float | None:
         return None if self.cfg.merger.outlier_rule == "off" else window_median(self.policy.state, self.cfg)
@@ -63,15 +82,19 @@ class Judge:
               signature: bytes | None = None) -> tuple[DeltaDecision, Header | None, Tensors | None]:
         """(decision, header, delta): header and delta only when merged."""
         d = DeltaDecision(learner=learner, seq=seq, status="rejected")
-        limit = self.cfg.merger.max_delta_bytes
+        limit = self.max_bytes
         if size > limit or data is None:
-            return self._reject(d, "size", f"oversized: {size} bytes > max_delta_bytes {limit}")
+            what = "max_delta_bytes" if self.cfg.merger.max_delta_bytes is not None else "the model's largest delta"
+            return self._reject(d, "size", f"oversized: {size} bytes > {what} {limit}")
         d.bytes, d.checksum = len(data), object_checksum(data)
         if self.cfg.learner.sign and self.keyring is not None:
             why = verify(self.keyring.get(learner, []), self.run_id, learner, seq, data, signature)
             if why:
                 return self._reject(d, "signature", why)
-        try:
+        try:  # the header first: its tensors must be the model's before a payload byte is decoded
+            header = read_header(data, max_bytes=limit)
+            check_fingerprint(header, self.fingerprint)
+            check_tensors(header, self.params, self.buffers)
             header, delta = decode_tensors(data, fingerprint=self.fingerprint, max_bytes=limit)
             buffers = split_buffers(header, delta, self.buffers)
             staleness = validate_delta(header, delta, learner=learner, seq=seq, version=self.version,

@@ -1,5 +1,6 @@
-"""The checks a delta passes before a merge takes it: its header against its key, the current version and the
-model (validate_delta), and the buffers it carries against the chain's (split_buffers).
+"""The checks a delta passes before a merge takes it: its size and its header's tensors against the chain's layout
+before a payload byte is decoded (delta_size_bound, check_tensors), its header against its key, the current version
+and the model (validate_delta), and the buffers it carries against the chain's (split_buffers).
 
 Contract: pure functions of their inputs; every failure is DeltaInvalid (DeltaStale: built on a version older
 than `outer.max_staleness` allows) whose message is the reason recorded in the manifest; the judge
@@ -8,8 +9,11 @@ than `outer.max_staleness` allows) whose message is the reason recorded in the m
 
 from __future__ import annotations
 
+import math
+
 from diloco.configs import Config
-from diloco.storage.codec import Header, codec_of
+from diloco.storage.codec import CODECS, Header, codec_of
+from diloco.storage.codec.header import FRAME_BYTES, PREFIX, block_size_of, stream_bytes
 from diloco.training.buffers import check_values
 from diloco.training.tensors import Tensors, all_finite, same_layout
 
@@ -23,6 +27,47 @@ class DeltaStale(DeltaInvalid):
 
 
 NON_FINITE = "non-finite values (NaN or Inf)"  # the reason recorded for a delta with a NaN or an Inf
+META_BYTES = 64 << 10  # a delta header's meta (learner, seq, counters, times): a few hundred bytes in practice
+
+
+def _entry_bytes(name: str, shape: list[int], raw: int) -> int:
+    """The most a tensor's header entry can take: its name, its shape, its frames' lengths, the keys."""
+    return len(name) * 6 + 21 * len(shape) + 21 * max(1, -(-raw // FRAME_BYTES)) + 96  # \uXXXX escapes at worst
+
+
+def delta_size_bound(params: Tensors, buffers: list[dict]) -> int:
+    """The largest object a delta of this chain can be, whatever the learner's codec: per tensor the largest stream
+    of any codec (a quantized block is whole, so a one-element tensor costs a block), stored raw at worst (a frame
+    the compression cannot shrink is stored raw), buffers exactly (fp32), plus its header. The merger's
+    `max_delta_bytes` when the run sets none: the model's bytes, not a constant that caps the model's size."""
+    total = PREFIX.size + META_BYTES + 16
+    for name, value in params.items():
+        n = value.numel()
+        raw = max(stream_bytes(codec, n, block_size_of(codec)) for codec in CODECS)
+        total += raw + _entry_bytes(name, list(value.shape), raw)
+    for entry in buffers:
+        raw = 4 * math.prod(entry["shape"])
+        total += raw + _entry_bytes(entry["name"], list(entry["shape"]), raw)
+    return total
+
+
+def check_tensors(header: Header, params: Tensors, buffers: list[dict]) -> None:
+    """The header's tensors are the chain's parameters (names and shapes, in order) and then, when it carries any,
+    its buffers: checked on the header alone, so decoding a delta never allocates more than the model's own
+    tensors. DeltaInvalid naming the first difference."""
+    names = [(name, tuple(value.shape)) for name, value in params.items()]
+    count = len(header.tensors)
+    if count > len(names):  # what split_buffers checks again after decoding: the shapes must hold before it
+        names += [(entry["name"], tuple(entry["shape"])) for entry in buffers]
+    if count not in (len(names), len(names) + len(buffers)):
+        raise DeltaInvalid(f"holds {count} tensors where the model has {len(names)} parameters"
+                           + (f" and {len(buffers)} buffers" if buffers else ""))
+    for i, (spec, (name, shape)) in enumerate(zip(header.tensors, names, strict=False)):
+        if spec.name != name or tuple(spec.shape) != shape:
+            raise DeltaInvalid(f"tensor {i} is {spec.name!r:.80} of shape {list(spec.shape)[:8]}, where the model has "
+                               f"{name!r} of shape {list(shape)}")
+    if count > len(names):
+        raise DeltaInvalid(f"holds {count} tensors where the model has {len(names)}")
 
 
 def split_buffers(header: Header, delta: Tensors, layout: list[dict]) -> Tensors:

@@ -63,6 +63,7 @@ class Run:
     def learner(self, name: str):
         learner, stop = make_learner(self.url, self.ctx.run_id, name)
         stop.close()
+        learner.publisher.full = lambda *_: False  # a due ship waits for room: slow storage would defer it
         learner.join()
         return learner
 

@@ -92,3 +92,78 @@ def test_hostile_deltas_are_rejected_and_merging_goes_on(tmp_path):
     assert second is not None and [d.learner for d in second.merged()] == ["local-0"]
     assert all(second.cursors[name] == 0 for name in hostile)  # decided once, never again
     learner.close()
+
+
+def _bomb(ctx, learner: str, shapes: list[tuple[str, list[int]]]) -> bytes:
+    """A well-formed int4 delta whose header claims these tensors in frames of the smallest length the codec allows
+    (raw / 256): about 530 kB that would make a reader allocate 132 MB per 2^28 values."""
+    import math
+    import zlib
+
+    from diloco.storage.codec.header import FRAME_BYTES, MAX_FRAME_RATIO, pack_header, stream_bytes
+
+    entries = []
+    for name, shape in shapes:
+        raw = stream_bytes("int4", math.prod(shape), 256)
+        sizes = [min(FRAME_BYTES, raw - s) for s in range(0, raw, FRAME_BYTES)]
+        entries.append({"name": name, "shape": shape, "frames": [max(1, -(-(n - 64) // MAX_FRAME_RATIO)) for n in sizes]})
+    payload = bytes(sum(sum(e["frames"]) for e in entries))
+    meta = {"learner": learner, "seq": 0, "base_version": 0, "tokens": 1000, "steps": 10}
+    header = pack_header({"format_version": 1, "kind": "delta", "codec": "int4", "block_size": 256, "shuffle": False,
+                          "fingerprint": ctx.fingerprint, "meta": meta, "compression": "zstd", "tensors": entries,
+                          "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload)})
+    return header + payload
+
+
+def test_a_decompression_bomb_is_refused_from_its_header(tmp_path):
+    """A 0.5 MB delta claiming 2^28 values (1 GiB in fp32) is judged on its header against the model's layout: refused
+    before the merger allocates its payload (issue #44: it raised the merger's peak memory by 1.3 GB before)."""
+    import tracemalloc
+
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
+                                              "merger.max_delta_bytes": 8_000_000})
+    ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "bomb", cfg)
+    first = ctx.layout[0]["name"]  # the model's own tensors, the first one claimed 2^28 values long
+    bomb = _bomb(ctx, "evil-bomb", [(first, [1 << 28])] + [(e["name"], e["shape"]) for e in ctx.layout[1:]])
+    assert len(bomb) < 1_000_000
+    admit_learner(ctx, None, "evil-bomb")
+    ctx.store.put(ctx.keys.delta("evil-bomb", 0), bomb)
+    merger = Merger(ctx)
+    merger.load()
+    tracemalloc.start()
+    try:
+        manifest = merger.merge_once()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    (decision,) = manifest.decisions
+    assert decision.status == "rejected" and decision.check == "invalid"
+    assert f"tensor 0 is {first!r} of shape [268435456]" in decision.reason
+    assert peak < 64 << 20, peak  # the model's tensors and the object; never the claimed 1 GiB
+
+
+def test_the_size_bound_is_the_models_own_when_the_run_sets_none(tmp_path):
+    """merger.max_delta_bytes unset: the largest delta the layout can make in any codec (not a constant capping the
+    model); a real delta is under it, one byte more than it is refused unread."""
+    from diloco.trust.validate import delta_size_bound
+
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
+                                              "learner.codec": "fp32"})
+    assert cfg.merger.max_delta_bytes is None
+    ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "bound", cfg)
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, load_corpus(cfg.data)))
+    learner.join()
+    learner.publish(learner.run_phase())
+    learner.publisher.drain()
+    learner.close()
+    params = {e["name"]: torch.zeros(e["shape"]) for e in ctx.layout}
+    bound = delta_size_bound(params, [])
+    real = ctx.store.get_size(ctx.keys.delta("local-0", 0))
+    assert real < bound < 2 * real + (1 << 20)  # fp32: the model's bytes and a header
+    admit_learner(ctx, None, "evil-big")
+    ctx.store.put(ctx.keys.delta("evil-big", 0), bytes(bound + 1))
+    merger = Merger(ctx)
+    merger.load()
+    decided = {d.learner: d for d in merger.merge_once().decisions}
+    assert decided["local-0"].status == "merged"
+    assert decided["evil-big"].check == "size" and "the model's largest delta" in decided["evil-big"].reason

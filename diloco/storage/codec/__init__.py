@@ -45,7 +45,7 @@ from diloco.storage.codec.payload import (
     zstd_available,
 )
 
-__all__ = ["CODECS", "FORMAT_VERSION", "MAGIC", "CodecError", "Encoder", "Header", "TensorSpec", "codec_of", "decode",
+__all__ = ["CODECS", "FORMAT_VERSION", "MAGIC", "CodecError", "Encoder", "Header", "TensorSpec", "check_fingerprint", "codec_of", "decode",
            "encode", "fingerprint_of", "object_checksum", "read_header", "verify"]
 
 
@@ -159,6 +159,12 @@ def encode(
     return encoder.finish()
 
 
+def check_fingerprint(header: Header, expected: str | None) -> None:
+    """CodecError unless the header's model fingerprint is `expected` (None: anything)."""
+    if expected is not None and header.fingerprint != expected:
+        raise CodecError(f"fingerprint mismatch: object has {header.fingerprint!r}, expected {expected!r}")
+
+
 def verify(data: bytes) -> Header:
     """The checks decode() makes before it decodes, and nothing allocated: a valid header, sizes that agree, the
     payload's crc32. CodecError when any fails."""
@@ -174,10 +180,7 @@ def decode(
     """bytes -> (header, float32 arrays). Verifies the checksum and every size before allocating."""
     layout = read_layout(data, max_bytes, allow_partial=False)
     header = layout.header
-    if expected_fingerprint is not None and header.fingerprint != expected_fingerprint:
-        raise CodecError(
-            f"fingerprint mismatch: object has {header.fingerprint!r}, expected {expected_fingerprint!r}"
-        )
+    check_fingerprint(header, expected_fingerprint)
     view = memoryview(data).cast("B")
     payload = view[layout.payload_offset :]
     if zlib.crc32(payload) != layout.payload_crc32:
