@@ -27,8 +27,11 @@ LIVE_SETTINGS = (
     "outer.lr", "outer.momentum", "outer.max_staleness", "outer.staleness_power",
 )
 # Rejections that say something is wrong with what a learner sends (not that it is slow): they count toward
-# quarantine. A clipped delta counts too (it was an outlier).
-INTEGRITY_CHECKS = frozenset({"size", "signature", "codec", "invalid", "outlier"})
+# quarantine. A clipped delta counts too (it was an outlier). Not a bad signature (with signing on, what fails it was
+# not written with the learner's key: anyone who can write to the bucket could otherwise have the key holder
+# quarantined with three replayed deltas), nor a size refused by the live setting (max_delta_bytes is the operator's):
+# those are rejected and reported (`diloco status`, the merger's `rejected` events), never the learner's streak.
+INTEGRITY_CHECKS = frozenset({"codec", "invalid", "outlier"})
 
 
 def initial_state(learners: list[str]) -> GuardState:

@@ -84,10 +84,13 @@ def test_integrity_rejections_in_a_row_quarantine_and_a_merge_resets_the_streak(
     state, newly = fold(state, [_d("a", 0, "rejected", "outlier"), _d("a", 1, "rejected", "codec"),
                                 _d("b", 0, "rejected", "outlier"), _d("b", 1)], 1, CFG)
     assert newly == [] and state.streaks == {"a": 2}
-    state, newly = fold(state, [_d("a", 2, "rejected", "stale"), _d("a", 3, "rejected", "signature")], 2, CFG)
-    assert newly == ["a"] and "since version 2" in state.quarantined["a"]  # stale did not count, nor break it
+    state, newly = fold(state, [_d("a", 2, "rejected", "stale"), _d("a", 3, "rejected", "signature"),
+                                _d("a", 4, "rejected", "size")], 2, CFG)
+    assert newly == [] and state.streaks == {"a": 2}  # neither stale, a bad signature nor a size counts, nor breaks it
+    state, newly = fold(state, [_d("a", 5, "rejected", "invalid")], 2, CFG)
+    assert newly == ["a"] and "since version 2" in state.quarantined["a"]
     policy = policy_after(state, [], CFG)
-    rejected = gate(policy, "a", 4)
+    rejected = gate(policy, "a", 6)
     assert rejected is not None and rejected.check == "quarantine" and "diloco readmit" in rejected.reason
     assert gate(policy, "b", 2) is None
     assert gate(policy, "stranger", 0).check == "admission"
