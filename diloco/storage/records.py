@@ -9,9 +9,10 @@ naming the object and what is wrong (never a pydantic error); optional fields le
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from diloco.storage.store import Store
 
@@ -187,6 +188,27 @@ class ControlOp(Record):
     learner: str | None = None  # admit, remove, readmit
     values: dict[str, Any] = {}  # set: dotted key -> value; resume: the new target; fork: the parent
     reason: str = ""
+
+    @field_validator("values")
+    @classmethod
+    def _finite(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """No inf or nan anywhere: JSON cannot carry them exactly (an op's values are recorded in a manifest
+        and replayed by audit), and a merger must never act on one."""
+        bad = next((k for k, v in values.items() if not finite_json(v)), None)
+        if bad is not None:
+            raise ValueError(f"{bad}: {values[bad]!r} is not a finite value (no inf or nan)")
+        return values
+
+
+def finite_json(value: Any) -> bool:
+    """Whether JSON carries `value` exactly: no float inf or nan in it, at any depth."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(finite_json(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(finite_json(v) for v in value)
+    return True
 
 
 R = TypeVar("R", bound=Record)
