@@ -1,14 +1,17 @@
 """Least-privilege S3 policies for the roles of a run (`diloco bucket-policy`): a learner writes only its own
-deltas/<name>/, learners/<name>/ and events/<name>/ and reads what it needs; the merger writes versions/,
-global/ and its events (and never reads the spec's files: it runs no user code); the evaluator evals/ and its
-events; the operator everything of the run. What is history is written once: a learner's deltas and the merger's
-manifests only by a PutObject carrying If-None-Match (the `s3:if-none-match` condition key, as AWS enforces
-conditional writes), so a leaked key cannot overwrite what was published or committed.
+deltas/<name>/, learners/<name>/ and events/<name>/ and reads what it needs (its peers' statuses too: DyLU
+paces itself by their speed); the merger writes versions/, global/ and its events (and never reads the spec's
+files: it runs no user code); the evaluator evals/ and its events; the operator everything of the run. What is
+history — run.json, the manifests, the deltas — is written once, by every role's key: only by a PutObject
+carrying If-None-Match (the `s3:if-none-match` condition key, as AWS enforces conditional writes), and never
+deleted, so a leaked key cannot overwrite what was created, published or committed.
 
-Contract: plain IAM policy JSON (AWS IAM and MinIO read the same language); every key a role touches is
-built by RunKeys, so the prefixes here follow storage/keys.py; `allows(policy, action, bucket, key,
-if_none_match=...)` is the small evaluator the tests use to check a real run's requests against the policies
-(Allow statements; the condition operators StringLike, Null and Bool).
+Contract: plain IAM policy JSON (AWS IAM and MinIO read the same language), generated only from validated
+input (an S3 bucket name, a prefix without IAM's wildcards or variables, a run id, a learner name that is no
+role's); every key a role touches is built by RunKeys, so the prefixes here follow storage/keys.py;
+`allows(policy, action, bucket, key, if_none_match=...)` is the small evaluator the tests use to check a real
+run's requests against the policies (Allow and Deny statements, a Deny winning; the condition operators
+StringLike, Null and Bool).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ CREATE = "create"  # in _grants: PutObject only as an exclusive create (the keys
 # apart (s3:ObjectCreationOperation is false for them), and the upload's completion needs the header again
 ONCE = {"Null": {"s3:if-none-match": "false"}}
 PARTS = {"Bool": {"s3:ObjectCreationOperation": "false"}}
+# what is history, for every role: a whole object's creation (not a multipart part) without If-None-Match is
+# denied
+NOT_ONCE = {"Null": {"s3:if-none-match": "true"}, "Bool": {"s3:ObjectCreationOperation": "true"}}
+HISTORY = ["run.json", "versions/*", "deltas/*.delta", "fragments/*/versions/*", "fragments/*/deltas/*.delta"]
 
 
 def split_s3(storage: str) -> tuple[str, str]:
@@ -78,22 +85,29 @@ def policy_for(storage: str, run_id: str, *, learner: str | None = None, role: s
                            "Condition": PARTS})
     statements.append({"Sid": "ListTheRun", "Effect": "Allow", "Action": [LIST], "Resource": [f"arn:aws:s3:::{bucket}"],
                        "Condition": {"StringLike": {"s3:prefix": [f"{run}{p}" for p in grants[LIST]]}}})
+    history = [f"arn:aws:s3:::{bucket}/{run}{p}" for p in HISTORY]  # whatever the grants above say
+    statements.append({"Sid": "HistoryWrittenOnce", "Effect": "Deny", "Action": [WRITE], "Resource": history,
+                       "Condition": NOT_ONCE})
+    if DELETE in grants:
+        statements.append({"Sid": "HistoryKept", "Effect": "Deny", "Action": [DELETE], "Resource": history})
     return {"Version": "2012-10-17", "Statement": statements}
 
 
 def allows(policy: dict[str, Any], action: str, bucket: str, key: str, *, if_none_match: bool = False,
            part: bool = False) -> bool:
-    """Whether an Allow statement grants `action` on `key` (for ListBucket: `key` is the listed prefix) to a request
-    that carries If-None-Match or not, and is a multipart upload's part (`part`) or a whole object's creation."""
+    """Whether an Allow statement and no Deny statement matches `action` on `key` (for ListBucket: `key` is
+    the listed prefix) for a request that carries If-None-Match or not, and is a multipart upload's part
+    (`part`) or a whole object's creation."""
     context = {"s3:prefix": key if action == LIST else None, "s3:if-none-match": "*" if if_none_match else None,
                "s3:ObjectCreationOperation": None if action != WRITE else "false" if part else "true"}
-    for st in policy["Statement"]:
-        if st["Effect"] != "Allow" or action not in st["Action"]:
-            continue
-        resource = f"arn:aws:s3:::{bucket}" if action == LIST else f"arn:aws:s3:::{bucket}/{key}"
-        if any(fnmatch.fnmatchcase(resource, r) for r in st["Resource"]) and _holds(st.get("Condition", {}), context):
-            return True
-    return False
+    resource = f"arn:aws:s3:::{bucket}" if action == LIST else f"arn:aws:s3:::{bucket}/{key}"
+    def matches(st: dict[str, Any]) -> bool:
+        return action in st["Action"] and any(fnmatch.fnmatchcase(resource, r) for r in st["Resource"]) and \
+            _holds(st.get("Condition", {}), context)
+
+    statements = policy["Statement"]
+    return any(st["Effect"] == "Allow" and matches(st) for st in statements) and \
+        not any(st["Effect"] == "Deny" and matches(st) for st in statements)
 
 
 def _holds(condition: dict[str, dict[str, Any]], context: dict[str, str | None]) -> bool:
