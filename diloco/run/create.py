@@ -20,7 +20,7 @@ from diloco.run.objects import write_state
 from diloco.run.pin import PINNED, pin_of
 from diloco.run.spec import SpecFiles, StagedFiles, build_model, probe, spec_of
 from diloco.storage import Conflict, Manifest, RunKeys, commit, manifest_exists
-from diloco.storage.keys import new_nonce
+from diloco.storage.keys import new_nonce, validate_new_learner_name
 from diloco.storage.records import RunRecord, write_record
 from diloco.storage.store import Store
 from diloco.training.buffers import get_buffers
@@ -35,7 +35,7 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
     """Create run.json and version 0, or join an existing run with the same config. `spec`: the config's
     spec already built (it is built here otherwise)."""
     keys = RunKeys(run_id)
-    learners = learners or cfg.learner_names()
+    learners = [validate_new_learner_name(n) for n in learners or cfg.learner_names()]  # no role's name
     files = StagedFiles(store, keys)
     spec = spec or spec_of(cfg, files)
     model = build_model(spec, cfg.data.seed)  # version 0, and its layout

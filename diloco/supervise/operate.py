@@ -11,6 +11,7 @@ supervises: `resume`, which also runs the roles, is diloco.api.operate's.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -21,12 +22,13 @@ from diloco.run.controls import write_op
 from diloco.run.fragments import run_version
 from diloco.run.target import run_tokens, target_reached
 from diloco.storage import StorageError, open_store
-from diloco.storage.keys import validate_learner_name
-from diloco.storage.records import FINAL_STATES, LearnerStatus, RecordError, RunRecord, read_record
+from diloco.storage.keys import validate_learner_name, validate_new_learner_name
+from diloco.storage.records import FINAL_STATES, LearnerStatus, RecordError, RunRecord, beat_age, read_record
 from diloco.storage.store import Store
 
 QUIET_S = 5.0  # a stopped run's roles beat at most this recently once they have all ended
 QUIET_WAIT_S = 30.0  # `resume` waits this long for the roles of a stopping run to end
+log = logging.getLogger("diloco.operate")
 
 
 def _ctx(storage: str | Store | RunContext, run_id: str | None) -> RunContext:
@@ -47,7 +49,7 @@ def admit_learner(storage: str | Store | RunContext, run_id: str | None, learner
                   start: bool = True, by: str | None = None) -> str:
     """Admit one more learner (elastic join): its deltas are merged from the next merge on, and a running
     supervisor starts it (unless `start` is False: it runs elsewhere, by hand); returns the op."""
-    validate_learner_name(learner)
+    validate_new_learner_name(learner)
     ctx = _ctx(storage, run_id)
     state = _policy(ctx).state
     if learner in state.removed:
@@ -137,7 +139,8 @@ def set_settings(storage: str | Store | RunContext, run_id: str | None, values: 
 
 def _newest_beat(ctx: RunContext) -> tuple[str, float] | None:
     """(learner, age in seconds) of the newest heartbeat, or None; a learner's final status (finished,
-    stopped, removed: written as it ended) is no sign of life."""
+    stopped, removed: written as it ended) is no sign of life, nor is a beat from the future
+    (records.beat_age: ignored, and said)."""
     newest: tuple[str, float] | None = None
     now = time.time()
     for key in ctx.store.list(ctx.keys.learners_prefix()):
@@ -150,7 +153,11 @@ def _newest_beat(ctx: RunContext) -> tuple[str, float] | None:
             continue
         if status.state in FINAL_STATES:
             continue
-        age = now - status.t
+        age = beat_age(status.t, now)
+        if age is None:
+            log.warning("learner %s: its heartbeat is %.0fs ahead of this clock: ignored", parts[-2],
+                        status.t - now)
+            continue
         if newest is None or age < newest[1]:
             newest = (parts[-2], age)
     return newest

@@ -17,10 +17,11 @@ StringLike, Null and Bool).
 from __future__ import annotations
 
 import fnmatch
+import re
 from typing import Any
 
 from diloco.run.context import RunError
-from diloco.storage.keys import RunKeys, validate_learner_name
+from diloco.storage.keys import RunKeys, validate_new_learner_name
 
 ROLES = ("merger", "evaluator", "operator")
 READ, WRITE, DELETE, LIST = "s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"
@@ -34,14 +35,28 @@ PARTS = {"Bool": {"s3:ObjectCreationOperation": "false"}}
 # denied
 NOT_ONCE = {"Null": {"s3:if-none-match": "true"}, "Bool": {"s3:ObjectCreationOperation": "true"}}
 HISTORY = ["run.json", "versions/*", "deltas/*.delta", "fragments/*/versions/*", "fragments/*/deltas/*.delta"]
+# S3's bucket names (3-63 of a-z 0-9 . -, a letter or digit at each end); a prefix's segments: no IAM wildcard
+# (* ?), no policy variable ($), no `.` or `..`, nothing a key of the run would not hold
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9._=+@,-]+")
 
 
 def split_s3(storage: str) -> tuple[str, str]:
-    """s3://bucket/prefix -> (bucket, "prefix/" or ""); RunError for any other URL."""
+    """s3://bucket/prefix -> (bucket, "prefix/" or ""); RunError for any other URL, and for a bucket or prefix
+    that would make an ARN match more than the run (`s3://rt*/runs` would grant every bucket starting with
+    `rt`)."""
     if not storage.startswith("s3://") or not storage[5:].split("/")[0]:
         raise RunError(f"--storage {storage!r}: bucket policies are for s3://bucket/prefix storage")
     bucket, _, prefix = storage[5:].partition("/")
+    if not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
+        raise RunError(f"--storage {storage!r}: {bucket!r} is not an S3 bucket name (3-63 of a-z 0-9 . -, "
+                       "no `..`, no wildcard): a policy names exactly one bucket")
     prefix = prefix.strip("/")
+    for segment in prefix.split("/") if prefix else []:
+        if not _SEGMENT_RE.fullmatch(segment) or segment in (".", ".."):
+            bad = next((c for c in segment if not _SEGMENT_RE.fullmatch(c)), segment)
+            raise RunError(f"--storage {storage!r}: the prefix segment {segment!r} may not hold {bad!r} "
+                           "(no * ? $, no empty, . or .. segment: its ARNs name exactly the run's keys)")
     return bucket, f"{prefix}/" if prefix else ""
 
 
@@ -50,11 +65,14 @@ def _grants(role: str, learner: str | None, run: str) -> dict[str, list[str]]:
     reads = ["run.json", "versions/*", "global/*", "control/*"]
     if learner is not None:
         own = [f"deltas/{learner}/*", f"learners/{learner}/*", f"events/{learner}/*"]
-        return {READ: reads + own[:2] + ["spec/*"], CREATE: [f"deltas/{learner}/*.delta"],
+        # learners/*/status.json: its peers' speeds (inner.dylu paces the learner by the fastest)
+        return {READ: reads + own[:2] + ["spec/*", "learners/*/status.json"],
+                CREATE: [f"deltas/{learner}/*.delta"],
                 WRITE: [f"deltas/{learner}/*.sig", *own[1:]],  # a signature lands first, by a plain put
                 LIST: ["versions/*", f"deltas/{learner}/*", "control/*", f"learners/{learner}/*"]}
     if role == "merger":
-        return {READ: reads + ["deltas/*"], CREATE: ["versions/*"], WRITE: ["global/*", "events/merger*"],
+        return {READ: reads + ["deltas/*"], CREATE: ["versions/*"],
+                WRITE: ["global/*", "events/merger/*", "events/merger-*"],  # merger-s<k>: its shards
                 LIST: ["versions/*", "deltas/*", "control/*", "global/*"]}
     if role == "evaluator":
         return {READ: reads + ["evals/*", "spec/*"], WRITE: ["evals/*", "events/evaluator/*"],
@@ -66,7 +84,7 @@ def policy_for(storage: str, run_id: str, *, learner: str | None = None, role: s
     """The IAM policy document of one learner (`learner`) or one role (merger, evaluator, operator)."""
     keys = RunKeys(run_id)
     if learner is not None:
-        validate_learner_name(learner)
+        validate_new_learner_name(learner)  # a role's name would share the role's events and grants
     elif role not in ROLES:
         raise RunError(f"--role {role!r} must be one of {', '.join(ROLES)} (or give --learner NAME)")
     bucket, prefix = split_s3(storage)

@@ -17,7 +17,7 @@ import pytest
 from diloco.configs import ConfigError, load_config, parse_overrides, parse_value, typed_value
 from diloco.run.create import create_run
 from diloco.storage import open_store
-from diloco.storage.records import ControlOp, RecordError
+from diloco.storage.records import CLOCK_SKEW_S, ControlOp, RecordError, beat_age
 from diloco.trust.guard import initial_state, policy_after
 from diloco.trust.settings import check_live
 
@@ -67,6 +67,12 @@ def test_an_op_file_with_inf_or_nan_is_unusable() -> None:
                  b'{"kind": "resume", "t": 1, "by": "x", "values": {"a": [NaN]}}'):
         with pytest.raises(RecordError, match="not a finite value"):
             ControlOp.from_bytes(text)
+
+
+def test_a_beat_far_ahead_of_the_readers_clock_is_ignored() -> None:
+    now = 1_000_000.0
+    assert beat_age(now - 30, now) == 30 and beat_age(now + 5, now) == 0.0
+    assert beat_age(now + CLOCK_SKEW_S + 1, now) is None and beat_age(math.inf, now) is None
 
 
 def test_a_threshold_below_the_honest_windows_ratios_needs_force(tmp_path: Path) -> None:

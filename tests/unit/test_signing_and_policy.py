@@ -143,6 +143,12 @@ def test_history_is_written_once_and_kept_by_every_role() -> None:
     assert all(allows(operator, WRITE, B, k, part=True) for k in history)  # a large object's parts
     for key in ("runs/r/control/stop", "runs/r/global/x.params"):  # a stop cleared, gc's orphans
         assert allows(operator, DELETE, B, key) and allows(operator, WRITE, B, key)
+    assert allows(policies[0], READ, B, "runs/r/learners/eu-west-0/status.json")  # DyLU: its peers' speeds
+    assert not allows(policies[0], READ, B, "runs/r/learners/eu-west-0/checkpoint/state")
+    merger = policies[1]
+    assert allows(merger, WRITE, B, "runs/r/events/merger/1.jsonl")
+    assert allows(merger, WRITE, B, "runs/r/events/merger-s1/1.jsonl")
+    assert not allows(merger, WRITE, B, "runs/r/events/mergers-0/1.jsonl")  # a learner's, not the merger's
 
 
 def test_learners_and_the_evaluator_read_the_spec_files_and_the_merger_does_not() -> None:
