@@ -81,14 +81,21 @@ def resume_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = RE
 @app.command("set", rich_help_panel=OPERATE)
 def set_settings(storage: str = STORAGE, run_id: str = RUN_ID,
                  assignments: list[str] = typer.Argument(..., help="KEY=VALUE, e.g. merger.quorum=3 outer.lr=0.5"),
-                 reason: str = REASON) -> None:
-    """Change live settings from the next merge on (merger.quorum, merger.grace_cap_s, outer.lr, ...)."""
+                 reason: str = REASON,
+                 force: bool = typer.Option(False, "--force", help="Set a value that would reject the "
+                                            "deltas the run sends now (a max_delta_bytes below their size).")
+                 ) -> None:
+    """Change live settings from the next merge on (merger.quorum, merger.grace_cap_s, outer.lr, ...); each
+    value is read by its field's type (merger.outlier_rule=off is the string off) and must be finite."""
     with user_errors():
         from diloco.api.operate import parse_assignments
         from diloco.api.operate import set_settings as do_set
+        from diloco.run.context import open_run
+        from diloco.run.controls import read_op
 
-        values = parse_assignments(assignments)
-        op = do_set(storage, run_id, values, reason=reason)
+        ctx = open_run(storage, run_id)
+        op = do_set(ctx, None, parse_assignments(assignments), reason=reason, force=force)
+        values = read_op(ctx.store, ctx.keys, op).values  # as filed: what the next manifest records
         typer.echo(f"run {run_id}: {', '.join(f'{k}={v!r}' for k, v in values.items())} from the next merge (op {op})")
         say_if_ended(storage, run_id)
 

@@ -26,7 +26,8 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
         from diloco.launch import keyring_of_env
         from diloco.run.context import open_run
 
-        report = audit_run(open_run(storage, run_id), do_replay=replay, keyring=keyring_of_env(required=False))
+        ctx = open_run(storage, run_id, check_pin=False)  # a changed run.json is audit's to report
+        report = audit_run(ctx, do_replay=replay, keyring=keyring_of_env(required=False))
         if json_out:
             typer.echo(json.dumps(report.to_json()))
         else:
@@ -37,6 +38,8 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
                        f"{report.decisions_replayed} decisions replayed, {report.controls_applied} control ops")
             for p in report.problems:
                 typer.echo(f"  - {p}")
+            if report.run_json.startswith("not"):
+                typer.echo(f"  note: run.json {report.run_json}")
         if not report.ok:
             raise typer.Exit(1)
 

@@ -66,7 +66,8 @@ def _status_cells(r: dict, word: str) -> list[str]:
             str(r.get("step", "")), f"{r['loss']:.3f}" if isinstance(r.get("loss"), float) else "",
             f"{r.get('steps_per_s', 0):.1f}" if "steps_per_s" in r else "",
             f"{r.get('bytes_published', 0) / 1e6:.2f}" if "bytes_published" in r else "",
-            f"{r['age_s']:.0f}s ago" if "age_s" in r else ""]
+            f"{r['age_s']:.0f}s ago" if "age_s" in r else
+            "future" if "ahead_s" in r else ""]  # a beat from the future: ignored (future_lines)
 
 
 def progress_table(ctx: RunContext, started: float | None, state: RunState | None = None,
@@ -342,5 +343,8 @@ def print_status(storage: str, run_id: str, json_out: bool) -> None:
                                "title": state.title(), "learners": rows, "trust": trust, "manifest_problems": bad}))
         return
     Console().print(progress_table(ctx, None, state))
-    for line in [*bad, *unmerged_lines(rows, ctx.cfg.learner.max_unmerged, state.ended), *trust_lines(trust)]:
+    future = [f"{r['learner']} ({r['ahead_s']:.0f}s ahead of this clock)" for r in rows if "ahead_s" in r]
+    lines = [f"heartbeats from the future, ignored: {', '.join(future)}"] if future else []
+    lines = [*bad, *unmerged_lines(rows, ctx.cfg.learner.max_unmerged, state.ended), *lines, *trust_lines(trust)]
+    for line in lines:
         Console().print(line, markup=False, highlight=False)

@@ -15,9 +15,9 @@ from diloco.configs.schema import (
     RunConfig,
     config_from_record,
     load_config,
-    parse_overrides,
     recipe_names,
 )
+from diloco.configs.values import parse_overrides, parse_value, typed_value
 
 __all__ = [
     "Config",
@@ -35,5 +35,7 @@ __all__ = [
     "config_from_record",
     "load_config",
     "parse_overrides",
+    "parse_value",
     "recipe_names",
+    "typed_value",
 ]

@@ -135,6 +135,11 @@ class MergerConfig(_Strict):
     # one box need not hold or merge the whole model
     shards: int = Field(1, ge=1, le=1024)
 
+    @field_validator("outlier_rule", mode="before")
+    @classmethod
+    def _off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # a YAML recipe's bare `off` is YAML 1.1's false
+
 
 class LearnerConfig(_Strict):
     codec: Codec = "int8"
@@ -270,20 +275,6 @@ class Config(_Strict):
                 raise ConfigError(f"unknown config field {dotted!r}")
             node[leaf] = value
         return _validate(data, source="overrides")
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`-o key=value` pairs (dotted keys, values parsed as YAML) -> {dotted: value}; ConfigError naming a bad one."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key or any(not part.isidentifier() for part in key.split(".")):
-            raise ConfigError(f"override {pair!r} must be key=value with a dotted key, e.g. inner.steps_per_phase=20")
-        try:
-            out[key] = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError as err:
-            raise ConfigError(f"override {pair!r}: the value is not valid YAML: {err}") from None
-    return out
 
 
 def _format_validation(err: ValidationError, source: str) -> str:

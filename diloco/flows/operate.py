@@ -40,7 +40,7 @@ def _start_training(storage: str, run_id: str, deployment: str, aws_credentials_
 
 def _do(action: str, storage: str, run_id: str, by: str, *, learner: str | None, settings: dict[str, Any] | None,
         versions: int | None, time_limit_s: float | None, at_version: int | None, new_run_id: str | None,
-        reason: str) -> dict[str, Any]:
+        reason: str, force: bool = False) -> dict[str, Any]:
     from diloco.supervise import operate
 
     if action in ("admit-learner", "remove-learner", "readmit") and not learner:
@@ -57,7 +57,8 @@ def _do(action: str, storage: str, run_id: str, by: str, *, learner: str | None,
     if action == "resume-merges":
         return {"op": operate.resume_merges(storage, run_id, reason=reason, by=by)}
     if action == "set":
-        return {"op": operate.set_settings(storage, run_id, settings or {}, reason=reason, by=by)}
+        return {"op": operate.set_settings(storage, run_id, settings or {}, reason=reason, by=by,
+                                           force=force)}
     if action == "stop":
         from diloco.run.context import open_run
         from diloco.run.signals import request_stop
@@ -77,16 +78,18 @@ def _do(action: str, storage: str, run_id: str, by: str, *, learner: str | None,
 def operate_flow(storage: str, run_id: str, action: Action, learner: str | None = None,
                  settings: dict[str, Any] | None = None, versions: int | None = None,
                  time_limit_s: float | None = None, at_version: int | None = None, new_run_id: str | None = None,
-                 reason: str = "", start: bool = False, train_deployment: str = TRAIN_DEPLOYMENT,
+                 reason: str = "", start: bool = False, force: bool = False,
+                 train_deployment: str = TRAIN_DEPLOYMENT,
                  aws_credentials_block: str | None = None) -> dict[str, Any]:
     """One control on one run. settings: {"merger.quorum": 3, ...} for `set`; versions (more to train) and
     time_limit_s for `resume`; at_version and new_run_id for `fork`; start: run `train_deployment` after
-    resume or fork."""
+    resume or fork; force: `set` a value that would reject the deltas the run sends now."""
     if aws_credentials_block:
         export_aws_credentials(aws_credentials_block)
     by = _by()
     result = _do(action, storage, run_id, by, learner=learner, settings=settings, versions=versions,
-                 time_limit_s=time_limit_s, at_version=at_version, new_run_id=new_run_id, reason=reason)
+                 time_limit_s=time_limit_s, at_version=at_version, new_run_id=new_run_id, reason=reason,
+                 force=force)
     if start and action in ("resume", "fork"):
         target = result.get("run_id", run_id) if action == "fork" else run_id
         result["train_flow_run"] = _start_training(storage, target, train_deployment, aws_credentials_block)

@@ -15,6 +15,7 @@ from diloco.inspect.audit_trust import check_controls, replay_decisions
 from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
 from diloco.run.context import RunContext, direct_names
 from diloco.run.objects import read_tensors
+from diloco.run.pin import note_pin, pin_state
 from diloco.storage import Manifest, StorageError, list_versions, read_manifest
 from diloco.storage.codec import CodecError, decode, object_checksum
 from diloco.storage.keys import parse_delta_key
@@ -35,6 +36,7 @@ class AuditReport:
     replay_ok: bool = True
     problems: list[str] = field(default_factory=list)
     fragment_versions: list[int] = field(default_factory=list)  # a fragmented run: versions per fragment chain
+    run_json: str = ""  # run.json against version 0's pin (diloco.run.pin)
 
     def problem(self, text: str) -> None:
         self.ok = False
@@ -46,6 +48,7 @@ class AuditReport:
                 "deltas_pending": self.deltas_pending, "decisions_replayed": self.decisions_replayed,
                 "decisions_unreplayable": self.decisions_unreplayable, "signatures_verified": self.signatures_verified,
                 "controls_applied": self.controls_applied, "replay_ok": self.replay_ok, "problems": self.problems,
+                "run_json": self.run_json,
                 **({"fragment_versions": self.fragment_versions} if self.fragment_versions else {})}
 
 
@@ -206,10 +209,12 @@ def _compare_buffers(ctx: RunContext, prev: Manifest, m: Manifest, merged, repor
 
 def audit_run(ctx: RunContext, do_replay: bool = True, keyring: dict[str, list[bytes]] | None = None) -> AuditReport:
     """Every check; `keyring` (learner -> keys) lets the replay verify signatures of a signed run."""
+    pinned, pin = pin_state(ctx.store, ctx.keys, ctx.store.get(ctx.keys.run_json()))  # run.json as created
+    do_replay = do_replay and pinned  # a changed run.json: replaying another config lists only differences
     if ctx.fragments:  # every fragment's chain on its own (diloco.inspect.audit_fragments)
         from diloco.inspect.audit_fragments import audit_fragments
 
-        return audit_fragments(ctx, do_replay, keyring)
+        return note_pin(audit_fragments(ctx, do_replay, keyring), pinned, pin)
     torch.set_num_threads(1)  # the merger's reduction order
     report = AuditReport(signatures_verified=keyring is not None and ctx.cfg.learner.sign)
     chain = load_chain(ctx, report)
@@ -225,4 +230,4 @@ def audit_run(ctx: RunContext, do_replay: bool = True, keyring: dict[str, list[b
     check_controls(ctx, chain, report)
     if do_replay:
         replay(ctx, chain, report, keyring)
-    return report
+    return note_pin(report, pinned, pin)

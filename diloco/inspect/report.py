@@ -13,11 +13,12 @@ from diloco.inspect.model_out import num_params, sample
 from diloco.run.context import RunContext
 from diloco.run.fragments import fragment_context, manifests, num_fragments
 from diloco.storage import Manifest, StorageError
-from diloco.storage.records import LearnerStatus, RecordError, read_record
+from diloco.storage.records import LearnerStatus, RecordError, beat_age, read_record
 
 
 def learner_status(ctx: RunContext) -> list[dict]:
-    """Each learner's last status (LearnerStatus fields, plus age_s), or state 'never reported'."""
+    """Each learner's last status (LearnerStatus fields, plus age_s — or ahead_s for a beat from the future,
+    which is ignored: records.beat_age), or state 'never reported'."""
     names = set(ctx.learners)
     for key in ctx.store.list(ctx.keys.learners_prefix()):
         parts = key.split("/")
@@ -30,7 +31,10 @@ def learner_status(ctx: RunContext) -> list[dict]:
         except (StorageError, RecordError):
             rows.append({"learner": name, "state": "never reported"})
             continue
-        rows.append({**record.model_dump(exclude_none=True), "age_s": time.time() - record.t})
+        now = time.time()
+        age = beat_age(record.t, now)
+        rows.append({**record.model_dump(exclude_none=True), **({"age_s": age} if age is not None else
+                                                                 {"ahead_s": record.t - now})})
     return rows
 
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 from diloco.configs import Config, config_from_record
 from diloco.run.controls import run_overrides
+from diloco.run.pin import pin_state
 from diloco.storage import NotFound, RunKeys, open_store
-from diloco.storage.records import RecordError, RunRecord, read_record
+from diloco.storage.records import RecordError, RunRecord
 from diloco.storage.store import Store
 
 
@@ -32,21 +33,30 @@ class RunContext:
     fragments: list[dict] = field(default_factory=list)  # run.json's fragment layout ([]: one fragment, the root chain)
     buffers: list[dict] = field(default_factory=list)  # run.json's buffers the run merges ([]: none; per chain: see fragments)
     data_source: str = ""  # what the spec read (TrainSpec.data_source), where create_run built it; "" from run.json
+    pin: str = ""  # run.json against version 0's pin (diloco.run.pin): "pinned by version 0", or why not
 
     @property
     def run_id(self) -> str:
         return self.keys.run_id
 
 
-def open_run(store: Store | str, run_id: str) -> RunContext:
-    """The context of an existing run, its config read from run.json."""
+def open_run(store: Store | str, run_id: str, *, check_pin: bool = True) -> RunContext:
+    """The context of an existing run, its config read from run.json — RunError when run.json changed since
+    creation (its checksum in version 0: diloco.run.pin), unless `check_pin` is False (audit, which reports
+    it)."""
     if isinstance(store, str):
         store = open_store(store)
     keys = RunKeys(run_id)
     try:
-        record = read_record(store, keys.run_json(), RunRecord)
+        data = store.get(keys.run_json())
     except NotFound:
         raise RunError(f"no run {run_id!r} in {store.url} (missing {keys.run_json()})") from None
+    ok, pin = pin_state(store, keys, data)
+    if not ok and check_pin:
+        raise RunError(f"run {run_id!r}: {pin}; no role runs on it (restore the original bytes; "
+                       "`diloco audit` names the change)")
+    try:
+        record = RunRecord.from_bytes(data, key=keys.run_json())
     except RecordError as err:
         raise RunError(f"run {run_id!r}: {err}") from None
     cfg = config_from_record(record.config)
@@ -54,7 +64,7 @@ def open_run(store: Store | str, run_id: str) -> RunContext:
     if overrides:
         cfg = cfg.with_overrides(overrides)
     return RunContext(store, keys, cfg, record.fingerprint, list(record.learners), record.created_at,
-                      list(record.layout), list(record.fragments), list(record.buffers or []))
+                      list(record.layout), list(record.fragments), list(record.buffers or []), pin=pin)
 
 
 LEGACY_DIRECT = ("wte.weight", "wpe.weight")  # the built-in GPT's embeddings, for runs made before layouts

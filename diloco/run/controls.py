@@ -17,10 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from diloco.configs import ConfigError
 from diloco.run.events import EventLog
 from diloco.storage import Conflict, NotFound, RunKeys
 from diloco.storage.keys import new_nonce, parse_op_key
-from diloco.storage.records import ControlOp, RecordError, read_record, write_record
+from diloco.storage.records import ControlOp, RecordError, finite_json, read_record, write_record
 from diloco.storage.store import Store
 
 RUN_KEYS = ("run.num_versions", "run.num_tokens", "run.time_limit_s")  # set by `diloco resume`; read by every role at its start
@@ -72,7 +73,11 @@ def _next_name(store: Store, keys: RunKeys) -> str:
 
 def write_op(store: Store, keys: RunKeys, kind: str, *, learner: str | None = None,
              values: dict[str, Any] | None = None, reason: str = "", by: str | None = None) -> str:
-    """Record one op (exclusive create, a fresh name on the rare collision) and its event; returns its name."""
+    """Record one op (exclusive create, a fresh name on the rare collision) and its event; returns its name.
+    ConfigError, and nothing written, for a value JSON cannot carry exactly (inf, nan)."""
+    bad = [k for k, v in (values or {}).items() if not finite_json(v)]
+    if bad:
+        raise ConfigError(f"{bad[0]}={(values or {})[bad[0]]!r}: must be finite (no inf or nan)")
     op = ControlOp(kind=kind, t=time.time(), by=by or operator_identity(), learner=learner,
                    values=values or {}, reason=reason)
     for _ in range(5):

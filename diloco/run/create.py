@@ -17,9 +17,10 @@ from diloco.run.buffers import plan_buffers, warn_once, write_buffers
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.fragments import fragment_context, plan_for
 from diloco.run.objects import write_state
+from diloco.run.pin import PINNED, pin_of
 from diloco.run.spec import SpecFiles, StagedFiles, build_model, probe, spec_of
 from diloco.storage import Conflict, Manifest, RunKeys, commit, manifest_exists
-from diloco.storage.keys import new_nonce
+from diloco.storage.keys import new_nonce, validate_new_learner_name
 from diloco.storage.records import RunRecord, write_record
 from diloco.storage.store import Store
 from diloco.training.buffers import get_buffers
@@ -34,7 +35,7 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
     """Create run.json and version 0, or join an existing run with the same config. `spec`: the config's
     spec already built (it is built here otherwise)."""
     keys = RunKeys(run_id)
-    learners = learners or cfg.learner_names()
+    learners = [validate_new_learner_name(n) for n in learners or cfg.learner_names()]  # no role's name
     files = StagedFiles(store, keys)
     spec = spec or spec_of(cfg, files)
     model = build_model(spec, cfg.data.seed)  # version 0, and its layout
@@ -60,9 +61,9 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
         return ctx
     warn_once(warnings)  # the run is new: said once, not by every process that joins it
     ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout, fragments, buffers,
-                     spec.data_source)
+                     spec.data_source, pin=PINNED)
     params = get_flat_params(model)
-    _commit_version_zero(ctx, params, initial)
+    _commit_version_zero(ctx, params, initial, pin_of(record.to_bytes()))  # the bytes written: pinned
     for index, fragment in enumerate(fragments):  # every fragment's chain starts at its pieces of version 0
         _commit_version_zero(fragment_context(ctx, index), take(params, fragment), initial)
     return ctx
@@ -74,9 +75,10 @@ def fingerprint_of(cfg: Config, files: SpecFiles | None = None) -> str:
     return layout_fingerprint(model_layout(build_model(spec_of(cfg, files), cfg.data.seed)))
 
 
-def _commit_version_zero(ctx: RunContext, params: Tensors, buffers: Tensors) -> None:
-    """Version 0 of the context's chain (the root's, or a fragment's): idempotent, the first commit wins. With the
-    initial buffers when the chain holds the run's buffers."""
+def _commit_version_zero(ctx: RunContext, params: Tensors, buffers: Tensors, run_json: str = "") -> None:
+    """Version 0 of the context's chain (the root's, or a fragment's): idempotent, the first commit wins. With
+    the initial buffers when the chain holds the run's buffers; the root's pins run.json (`run_json`: its
+    checksum)."""
     if manifest_exists(ctx.store, ctx.keys, 0):
         return
     nonce = new_nonce()
@@ -84,7 +86,7 @@ def _commit_version_zero(ctx: RunContext, params: Tensors, buffers: Tensors) -> 
     _, checksum = write_state(ctx.store, key, params, kind="params", fingerprint=ctx.fingerprint)
     manifest = Manifest(
         run_id=ctx.run_id, version=0, created_at=time.time(), merger_id="init",
-        params_key=key, params_checksum=checksum,
+        params_key=key, params_checksum=checksum, run_json_checksum=run_json,
         **(write_buffers(ctx, 0, nonce, buffers) if ctx.buffers else {}),
     )
     with contextlib.suppress(Conflict):  # another process committed version 0 first; ours is an orphan

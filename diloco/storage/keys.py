@@ -40,6 +40,22 @@ def validate_learner_name(name: str) -> str:
     return _check(_LEARNER_RE, name, "learner name", "[a-z0-9-]{1,48}")
 
 
+# the event sources (events/<source>/) and ids of the roles: a learner of one of these names would write where
+# the role writes (its events, the merger's `events/merger*` grant) and pass for it in the run's timeline and
+# goodput
+ROLE_NAMES = ("merger", "evaluator", "operator", "supervisor", "chaos")
+
+
+def validate_new_learner_name(name: str) -> str:
+    """A name for a learner joining a run (created, admitted, given a bucket policy): `[a-z0-9-]{1,48}` and
+    not a role's name (ROLE_NAMES, or `merger-*`: the merger's shards) — or InvalidName naming the rule."""
+    validate_learner_name(name)
+    if name in ROLE_NAMES or name.startswith("merger-"):
+        raise InvalidName(f"learner name {name!r} is reserved: the roles' names ({', '.join(ROLE_NAMES)}, "
+                          "merger-*) name their events and grants; choose another")
+    return name
+
+
 def validate_run_id(run_id: str) -> str:
     """`[a-z0-9][a-z0-9._-]{0,63}`, and not '.' / '..' — or InvalidName."""
     _check(_RUN_ID_RE, run_id, "run id", "[a-z0-9][a-z0-9._-]{0,63}")

@@ -95,6 +95,9 @@ class Manifest(BaseModel):
     # when set, so a manifest of a run without buffers is what it was before they existed
     buffers_key: str = ""
     buffers_checksum: str = ""
+    # version 0 of a run's root chain: the BLAKE2b of run.json's bytes as created (diloco.run.pin), checked by
+    # every open and by audit; written only when set (runs created before it, other versions)
+    run_json_checksum: str = ""
     decisions: list[DeltaDecision] = []
     cursors: dict[str, int] = {}  # learner -> highest decided seq (merged, rejected or lost)
     tokens_total: int = 0  # tokens merged up to and including this version
@@ -111,7 +114,7 @@ class Manifest(BaseModel):
 
     def to_bytes(self) -> bytes:
         fields = self.model_dump(mode="json")
-        for name in ("buffers_key", "buffers_checksum"):
+        for name in ("buffers_key", "buffers_checksum", "run_json_checksum"):
             if not fields[name]:
                 del fields[name]
         return json.dumps(fields, sort_keys=True, indent=1).encode()

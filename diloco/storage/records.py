@@ -9,9 +9,10 @@ naming the object and what is wrong (never a pydantic error); optional fields le
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, ClassVar, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from diloco.storage.store import Store
 
@@ -92,7 +93,7 @@ class LearnerStatus(Record):
     what: ClassVar[str] = "learner status"
     learner: str
     state: str  # joined, training, waiting; at its end: finished, stopped, removed, failed (FINAL_STATES)
-    t: float  # unix seconds of the beat
+    t: float = Field(allow_inf_nan=False)  # unix seconds of the beat, the learner's clock (read: beat_age)
     pid: int
     seq: int  # the last seq published (-1: none yet)
     base_version: int
@@ -120,6 +121,20 @@ class LearnerStatus(Record):
 
 
 FINAL_STATES = ("finished", "stopped", "removed", "failed")  # a learner's state once its loop (or process) ended
+# how far ahead of the reader's clock a heartbeat may be and still count: the skew of two honest clocks (NTP
+# keeps them within a second); further ahead it is from the future
+CLOCK_SKEW_S = 60.0
+
+
+def beat_age(t: float, now: float) -> float | None:
+    """Seconds since a heartbeat stamped `t`, by the reader's clock `now` — what every reader that decides on
+    a heartbeat goes by (the supervisor's silence check, resume's "is the run live", `diloco status`). A beat
+    at most CLOCK_SKEW_S ahead counts as just now (0); one further ahead is None: from the future, ignored —
+    never a sign of life (a status forged with a far-ahead `t`, or a host clock far off, would otherwise look
+    live for days)."""
+    if not math.isfinite(t) or t - now > CLOCK_SKEW_S:
+        return None
+    return max(0.0, now - t)
 
 
 class SupervisorLease(Record):
@@ -187,6 +202,27 @@ class ControlOp(Record):
     learner: str | None = None  # admit, remove, readmit
     values: dict[str, Any] = {}  # set: dotted key -> value; resume: the new target; fork: the parent
     reason: str = ""
+
+    @field_validator("values")
+    @classmethod
+    def _finite(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """No inf or nan anywhere: JSON cannot carry them exactly (an op's values are recorded in a manifest
+        and replayed by audit), and a merger must never act on one."""
+        bad = next((k for k, v in values.items() if not finite_json(v)), None)
+        if bad is not None:
+            raise ValueError(f"{bad}: {values[bad]!r} is not a finite value (no inf or nan)")
+        return values
+
+
+def finite_json(value: Any) -> bool:
+    """Whether JSON carries `value` exactly: no float inf or nan in it, at any depth."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(finite_json(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(finite_json(v) for v in value)
+    return True
 
 
 R = TypeVar("R", bound=Record)

@@ -33,7 +33,7 @@ from diloco.run.signals import RemovedSignal, StopSignal, request_stop
 from diloco.run.target import target_reached
 from diloco.storage import NotFound, StorageError
 from diloco.storage.errors import Backoff
-from diloco.storage.records import LearnerStatus, RecordError, read_record
+from diloco.storage.records import LearnerStatus, RecordError, beat_age, read_record
 from diloco.supervise import interrupt
 from diloco.supervise.failures import Failure, failed_exit, mark_given_up, read_failure
 
@@ -265,8 +265,8 @@ class Supervisor:
                 self.backend.kill(job, "removed, still running")
         elif job.restarts and now - job.running_since > self.cfg.run.heartbeat_timeout_s:
             job.restarts = 0  # up for a while: healthy again; max_restarts bounds crash loops, not a lifetime
-        elif job.role == "learner" and self._silent(job, now):
-            self.backend.kill(job, "heartbeat stopped")
+        elif job.role == "learner" and (why := self._silent(job, now)):
+            self.backend.kill(job, why)
 
     def _ended(self, job: Job, detail: Any, now: float) -> None:
         job.exits.append(detail)
@@ -316,19 +316,22 @@ class Supervisor:
             job.deferred_until = None
             self.start(job)
 
-    def _silent(self, job: Job, now: float) -> bool:
-        """No heartbeat newer than heartbeat_timeout_s, counting from when it was seen running (or resumed)."""
+    def _silent(self, job: Job, now: float) -> str:
+        """Why the job counts as silent ("" if not): no heartbeat newer than heartbeat_timeout_s, counting
+        from when it was seen running (or resumed); a beat from the future (records.beat_age) is none."""
         timeout = self.cfg.run.heartbeat_timeout_s
         since = max(job.running_since or now, job.resumed_at)
         if now - since < timeout:
-            return False
+            return ""
         try:
             beat = read_record(self.ctx.store, self.ctx.keys.status(job.name), LearnerStatus).t
         except NotFound:
             beat = 0.0
         except (StorageError, RecordError):
-            return False  # the bucket is the trouble, not the learner
-        return now - max(beat, since) > timeout
+            return ""  # the bucket is the trouble, not the learner
+        if beat_age(beat, now) is None:
+            return f"heartbeat from the future ({beat - now:.0f}s ahead of the supervisor's clock): ignored"
+        return "heartbeat stopped" if now - max(beat, since) > timeout else ""
 
     def latest(self) -> int:
         try:

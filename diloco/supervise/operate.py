@@ -11,23 +11,24 @@ supervises: `resume`, which also runs the roles, is diloco.api.operate's.
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from typing import Any
 
-import yaml
-
-from diloco.configs import ConfigError, config_from_record, load_config
+from diloco.configs import ConfigError, config_from_record, load_config, parse_value
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.controls import write_op
 from diloco.run.fragments import run_version
 from diloco.run.target import run_tokens, target_reached
 from diloco.storage import StorageError, open_store
-from diloco.storage.keys import validate_learner_name
-from diloco.storage.records import FINAL_STATES, LearnerStatus, RecordError, RunRecord, read_record
+from diloco.storage.keys import validate_learner_name, validate_new_learner_name
+from diloco.storage.records import FINAL_STATES, LearnerStatus, RecordError, RunRecord, beat_age, read_record
 from diloco.storage.store import Store
 
 QUIET_S = 5.0  # a stopped run's roles beat at most this recently once they have all ended
 QUIET_WAIT_S = 30.0  # `resume` waits this long for the roles of a stopping run to end
+log = logging.getLogger("diloco.operate")
 
 
 def _ctx(storage: str | Store | RunContext, run_id: str | None) -> RunContext:
@@ -48,7 +49,7 @@ def admit_learner(storage: str | Store | RunContext, run_id: str | None, learner
                   start: bool = True, by: str | None = None) -> str:
     """Admit one more learner (elastic join): its deltas are merged from the next merge on, and a running
     supervisor starts it (unless `start` is False: it runs elsewhere, by hand); returns the op."""
-    validate_learner_name(learner)
+    validate_new_learner_name(learner)
     ctx = _ctx(storage, run_id)
     state = _policy(ctx).state
     if learner in state.removed:
@@ -71,6 +72,10 @@ def remove_learner(storage: str | Store | RunContext, run_id: str | None, learne
     if learner not in state.members:
         raise RunError(f"learner {learner!r} is not in run {ctx.run_id!r} (its learners: "
                        f"{', '.join(state.members)})")
+    if state.members == [learner]:
+        raise RunError(f"learner {learner} is the last member of run {ctx.run_id}: without it nobody trains "
+                       "and the run would idle to its time limit; admit another learner first, or `diloco "
+                       "stop` the run")
     request_remove(ctx, learner, reason, by=by)
 
 
@@ -105,37 +110,37 @@ def resume_merges(storage: str | Store | RunContext, run_id: str | None = None, 
 
 
 def parse_assignments(items: list[str]) -> dict[str, Any]:
-    """`key=value` strings -> {key: value}, each value read as YAML (numbers, booleans, strings)."""
+    """`key=value` strings -> {key: value}, each value read by its config field's type (configs.values: `off`
+    is a string for a Literal field, `true` is no integer, no inf or nan), free-form ones as YAML."""
     values: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ConfigError(f"{item!r} is not key=value (e.g. merger.quorum=3)")
-        try:
-            values[key.strip()] = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{item!r}: the value is not valid YAML: {err}") from None
+        values[key.strip()] = parse_value(key.strip(), text)
     return values
 
 
 def set_settings(storage: str | Store | RunContext, run_id: str | None, values: dict[str, Any] | list[str], *,
-                 reason: str = "", by: str | None = None) -> str:
-    """Change live settings (trust/guard.py LIVE_SETTINGS) from the next merge on, validated by the config."""
-    from diloco.trust.guard import check_settings
+                 reason: str = "", by: str | None = None, force: bool = False) -> str:
+    """Change live settings (trust/guard.py LIVE_SETTINGS) from the next merge on: typed, finite and validated
+    by the config (trust/settings.py); one that would reject the deltas the run sends now only with `force`.
+    """
+    from diloco.trust.settings import check_live
 
     if isinstance(values, list):
         values = parse_assignments(values)
     if not values:
         raise ConfigError("nothing to set: give key=value pairs, e.g. merger.quorum=3")
     ctx = _ctx(storage, run_id)
-    policy = _policy(ctx)
-    check_settings(ctx.cfg, {**policy.state.settings, **values})
-    return write_op(ctx.store, ctx.keys, "set", values=values, reason=reason, by=by)
+    typed = check_live(ctx, _policy(ctx), values, force=force)
+    return write_op(ctx.store, ctx.keys, "set", values=typed, reason=reason, by=by)
 
 
 def _newest_beat(ctx: RunContext) -> tuple[str, float] | None:
     """(learner, age in seconds) of the newest heartbeat, or None; a learner's final status (finished,
-    stopped, removed: written as it ended) is no sign of life."""
+    stopped, removed: written as it ended) is no sign of life, nor is a beat from the future
+    (records.beat_age: ignored, and said)."""
     newest: tuple[str, float] | None = None
     now = time.time()
     for key in ctx.store.list(ctx.keys.learners_prefix()):
@@ -148,7 +153,11 @@ def _newest_beat(ctx: RunContext) -> tuple[str, float] | None:
             continue
         if status.state in FINAL_STATES:
             continue
-        age = now - status.t
+        age = beat_age(status.t, now)
+        if age is None:
+            log.warning("learner %s: its heartbeat is %.0fs ahead of this clock: ignored", parts[-2],
+                        status.t - now)
+            continue
         if newest is None or age < newest[1]:
             newest = (parts[-2], age)
     return newest
@@ -191,6 +200,8 @@ def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, ver
     limit = base.run.time_limit_s if time_limit_s is None else time_limit_s
     if isinstance(more, bool) or not isinstance(more, int) or more < 1:
         raise ConfigError(f"--versions {more!r} must be an int >= 1 (versions to add)")
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not (0 < limit < math.inf):
+        raise ConfigError(f"--time-limit-s {limit!r} must be a finite number of seconds > 0")
     from diloco.run.lease import held_error, is_live, read_current
 
     lease = read_current(ctx.store, ctx.keys)

@@ -1,23 +1,27 @@
 """Least-privilege S3 policies for the roles of a run (`diloco bucket-policy`): a learner writes only its own
-deltas/<name>/, learners/<name>/ and events/<name>/ and reads what it needs; the merger writes versions/,
-global/ and its events (and never reads the spec's files: it runs no user code); the evaluator evals/ and its
-events; the operator everything of the run. What is history is written once: a learner's deltas and the merger's
-manifests only by a PutObject carrying If-None-Match (the `s3:if-none-match` condition key, as AWS enforces
-conditional writes), so a leaked key cannot overwrite what was published or committed.
+deltas/<name>/, learners/<name>/ and events/<name>/ and reads what it needs (its peers' statuses too: DyLU
+paces itself by their speed); the merger writes versions/, global/ and its events (and never reads the spec's
+files: it runs no user code); the evaluator evals/ and its events; the operator everything of the run. What is
+history — run.json, the manifests, the deltas — is written once, by every role's key: only by a PutObject
+carrying If-None-Match (the `s3:if-none-match` condition key, as AWS enforces conditional writes), and never
+deleted, so a leaked key cannot overwrite what was created, published or committed.
 
-Contract: plain IAM policy JSON (AWS IAM and MinIO read the same language); every key a role touches is
-built by RunKeys, so the prefixes here follow storage/keys.py; `allows(policy, action, bucket, key,
-if_none_match=...)` is the small evaluator the tests use to check a real run's requests against the policies
-(Allow statements; the condition operators StringLike, Null and Bool).
+Contract: plain IAM policy JSON (AWS IAM and MinIO read the same language), generated only from validated
+input (an S3 bucket name, a prefix without IAM's wildcards or variables, a run id, a learner name that is no
+role's); every key a role touches is built by RunKeys, so the prefixes here follow storage/keys.py;
+`allows(policy, action, bucket, key, if_none_match=...)` is the small evaluator the tests use to check a real
+run's requests against the policies (Allow and Deny statements, a Deny winning; the condition operators
+StringLike, Null and Bool).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import re
 from typing import Any
 
 from diloco.run.context import RunError
-from diloco.storage.keys import RunKeys, validate_learner_name
+from diloco.storage.keys import RunKeys, validate_new_learner_name
 
 ROLES = ("merger", "evaluator", "operator")
 READ, WRITE, DELETE, LIST = "s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"
@@ -27,14 +31,32 @@ CREATE = "create"  # in _grants: PutObject only as an exclusive create (the keys
 # apart (s3:ObjectCreationOperation is false for them), and the upload's completion needs the header again
 ONCE = {"Null": {"s3:if-none-match": "false"}}
 PARTS = {"Bool": {"s3:ObjectCreationOperation": "false"}}
+# what is history, for every role: a whole object's creation (not a multipart part) without If-None-Match is
+# denied
+NOT_ONCE = {"Null": {"s3:if-none-match": "true"}, "Bool": {"s3:ObjectCreationOperation": "true"}}
+HISTORY = ["run.json", "versions/*", "deltas/*.delta", "fragments/*/versions/*", "fragments/*/deltas/*.delta"]
+# S3's bucket names (3-63 of a-z 0-9 . -, a letter or digit at each end); a prefix's segments: no IAM wildcard
+# (* ?), no policy variable ($), no `.` or `..`, nothing a key of the run would not hold
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9._=+@,-]+")
 
 
 def split_s3(storage: str) -> tuple[str, str]:
-    """s3://bucket/prefix -> (bucket, "prefix/" or ""); RunError for any other URL."""
+    """s3://bucket/prefix -> (bucket, "prefix/" or ""); RunError for any other URL, and for a bucket or prefix
+    that would make an ARN match more than the run (`s3://rt*/runs` would grant every bucket starting with
+    `rt`)."""
     if not storage.startswith("s3://") or not storage[5:].split("/")[0]:
         raise RunError(f"--storage {storage!r}: bucket policies are for s3://bucket/prefix storage")
     bucket, _, prefix = storage[5:].partition("/")
+    if not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
+        raise RunError(f"--storage {storage!r}: {bucket!r} is not an S3 bucket name (3-63 of a-z 0-9 . -, "
+                       "no `..`, no wildcard): a policy names exactly one bucket")
     prefix = prefix.strip("/")
+    for segment in prefix.split("/") if prefix else []:
+        if not _SEGMENT_RE.fullmatch(segment) or segment in (".", ".."):
+            bad = next((c for c in segment if not _SEGMENT_RE.fullmatch(c)), segment)
+            raise RunError(f"--storage {storage!r}: the prefix segment {segment!r} may not hold {bad!r} "
+                           "(no * ? $, no empty, . or .. segment: its ARNs name exactly the run's keys)")
     return bucket, f"{prefix}/" if prefix else ""
 
 
@@ -43,11 +65,14 @@ def _grants(role: str, learner: str | None, run: str) -> dict[str, list[str]]:
     reads = ["run.json", "versions/*", "global/*", "control/*"]
     if learner is not None:
         own = [f"deltas/{learner}/*", f"learners/{learner}/*", f"events/{learner}/*"]
-        return {READ: reads + own[:2] + ["spec/*"], CREATE: [f"deltas/{learner}/*.delta"],
+        # learners/*/status.json: its peers' speeds (inner.dylu paces the learner by the fastest)
+        return {READ: reads + own[:2] + ["spec/*", "learners/*/status.json"],
+                CREATE: [f"deltas/{learner}/*.delta"],
                 WRITE: [f"deltas/{learner}/*.sig", *own[1:]],  # a signature lands first, by a plain put
                 LIST: ["versions/*", f"deltas/{learner}/*", "control/*", f"learners/{learner}/*"]}
     if role == "merger":
-        return {READ: reads + ["deltas/*"], CREATE: ["versions/*"], WRITE: ["global/*", "events/merger*"],
+        return {READ: reads + ["deltas/*"], CREATE: ["versions/*"],
+                WRITE: ["global/*", "events/merger/*", "events/merger-*"],  # merger-s<k>: its shards
                 LIST: ["versions/*", "deltas/*", "control/*", "global/*"]}
     if role == "evaluator":
         return {READ: reads + ["evals/*", "spec/*"], WRITE: ["evals/*", "events/evaluator/*"],
@@ -59,7 +84,7 @@ def policy_for(storage: str, run_id: str, *, learner: str | None = None, role: s
     """The IAM policy document of one learner (`learner`) or one role (merger, evaluator, operator)."""
     keys = RunKeys(run_id)
     if learner is not None:
-        validate_learner_name(learner)
+        validate_new_learner_name(learner)  # a role's name would share the role's events and grants
     elif role not in ROLES:
         raise RunError(f"--role {role!r} must be one of {', '.join(ROLES)} (or give --learner NAME)")
     bucket, prefix = split_s3(storage)
@@ -78,22 +103,29 @@ def policy_for(storage: str, run_id: str, *, learner: str | None = None, role: s
                            "Condition": PARTS})
     statements.append({"Sid": "ListTheRun", "Effect": "Allow", "Action": [LIST], "Resource": [f"arn:aws:s3:::{bucket}"],
                        "Condition": {"StringLike": {"s3:prefix": [f"{run}{p}" for p in grants[LIST]]}}})
+    history = [f"arn:aws:s3:::{bucket}/{run}{p}" for p in HISTORY]  # whatever the grants above say
+    statements.append({"Sid": "HistoryWrittenOnce", "Effect": "Deny", "Action": [WRITE], "Resource": history,
+                       "Condition": NOT_ONCE})
+    if DELETE in grants:
+        statements.append({"Sid": "HistoryKept", "Effect": "Deny", "Action": [DELETE], "Resource": history})
     return {"Version": "2012-10-17", "Statement": statements}
 
 
 def allows(policy: dict[str, Any], action: str, bucket: str, key: str, *, if_none_match: bool = False,
            part: bool = False) -> bool:
-    """Whether an Allow statement grants `action` on `key` (for ListBucket: `key` is the listed prefix) to a request
-    that carries If-None-Match or not, and is a multipart upload's part (`part`) or a whole object's creation."""
+    """Whether an Allow statement and no Deny statement matches `action` on `key` (for ListBucket: `key` is
+    the listed prefix) for a request that carries If-None-Match or not, and is a multipart upload's part
+    (`part`) or a whole object's creation."""
     context = {"s3:prefix": key if action == LIST else None, "s3:if-none-match": "*" if if_none_match else None,
                "s3:ObjectCreationOperation": None if action != WRITE else "false" if part else "true"}
-    for st in policy["Statement"]:
-        if st["Effect"] != "Allow" or action not in st["Action"]:
-            continue
-        resource = f"arn:aws:s3:::{bucket}" if action == LIST else f"arn:aws:s3:::{bucket}/{key}"
-        if any(fnmatch.fnmatchcase(resource, r) for r in st["Resource"]) and _holds(st.get("Condition", {}), context):
-            return True
-    return False
+    resource = f"arn:aws:s3:::{bucket}" if action == LIST else f"arn:aws:s3:::{bucket}/{key}"
+    def matches(st: dict[str, Any]) -> bool:
+        return action in st["Action"] and any(fnmatch.fnmatchcase(resource, r) for r in st["Resource"]) and \
+            _holds(st.get("Condition", {}), context)
+
+    statements = policy["Statement"]
+    return any(st["Effect"] == "Allow" and matches(st) for st in statements) and \
+        not any(st["Effect"] == "Deny" and matches(st) for st in statements)
 
 
 def _holds(condition: dict[str, dict[str, Any]], context: dict[str, str | None]) -> bool:

@@ -161,6 +161,9 @@ BAD = [
     (["set", "run.num_learners=3"], "cannot change during a run"),
     (["set", "merger.quorum=0"], "merger.quorum"),
     (["set", "merger.quorum"], "not key=value"),
+    (["set", "merger.quorum=true"], "must be an integer"),  # issue #44: no bool is a quorum, no inf a timeout
+    (["set", "merger.quorum_timeout_s=.inf"], "must be a finite number"),
+    (["admit-learner", "--learner", "evaluator"], "is reserved"),
     (["fork", "--at-version", "99", "--new-run-id", "f"], "has no version 99"),
     (["fork", "--at-version", "1", "--new-run-id", "trust"], "must differ"),
     (["fork", "--at-version", "1", "--new-run-id", "Bad!"], "run id"),

@@ -14,7 +14,7 @@ import pytest
 
 from diloco.run.context import RunError
 from diloco.storage.keys import RunKeys, parse_delta_key, parse_op_key
-from diloco.trust.bucket_policy import DELETE, LIST, READ, WRITE, allows, policy_for
+from diloco.trust.bucket_policy import DELETE, LIST, READ, ROLES, WRITE, allows, policy_for
 from diloco.trust.signing import SigningError, learner_key, load_keyring, new_key, parse_keyring, sign, verify
 
 KEY, OTHER = new_key().encode(), new_key().encode()
@@ -123,6 +123,32 @@ def test_the_merger_evaluator_and_operator() -> None:
         policy_for("file://runs", "r", role="merger")
     with pytest.raises(RunError, match="--role"):
         policy_for(URL, "r", role="root")
+
+
+def test_history_is_written_once_and_kept_by_every_role() -> None:
+    """Issue #44: run.json, the manifests and the deltas (every fragment's too) are written only by an
+    exclusive create, whatever a role's grants say (a Deny on a whole object's creation without
+    If-None-Match), and the operator, who may delete, never deletes them; a stop flag and gc's orphans it
+    still may."""
+    history = ["runs/r/run.json", "runs/r/versions/00000000000000000001.json",
+               "runs/r/deltas/us-east-0/000000000001.delta",
+               "runs/r/fragments/0001/versions/00000000000000000001.json",
+               "runs/r/fragments/0001/deltas/us-east-0/000000000001.delta"]
+    policies = [policy_for(URL, "r", learner="us-east-0"), *(policy_for(URL, "r", role=r) for r in ROLES)]
+    for policy in policies:
+        assert not any(allows(policy, WRITE, B, k) for k in history)
+        assert not any(allows(policy, DELETE, B, k) for k in history)
+    operator = policies[-1]
+    assert all(allows(operator, WRITE, B, k, if_none_match=True) for k in history)  # creating the run, a fork
+    assert all(allows(operator, WRITE, B, k, part=True) for k in history)  # a large object's parts
+    for key in ("runs/r/control/stop", "runs/r/global/x.params"):  # a stop cleared, gc's orphans
+        assert allows(operator, DELETE, B, key) and allows(operator, WRITE, B, key)
+    assert allows(policies[0], READ, B, "runs/r/learners/eu-west-0/status.json")  # DyLU: its peers' speeds
+    assert not allows(policies[0], READ, B, "runs/r/learners/eu-west-0/checkpoint/state")
+    merger = policies[1]
+    assert allows(merger, WRITE, B, "runs/r/events/merger/1.jsonl")
+    assert allows(merger, WRITE, B, "runs/r/events/merger-s1/1.jsonl")
+    assert not allows(merger, WRITE, B, "runs/r/events/mergers-0/1.jsonl")  # a learner's, not the merger's
 
 
 def test_learners_and_the_evaluator_read_the_spec_files_and_the_merger_does_not() -> None:

@@ -153,6 +153,24 @@ def test_a_silent_learner_is_killed_and_restarted(ctx: RunContext, sup: Supervis
     assert job.restarts == 1 and job.handle is not None and sup.backend.started.count("a") == 2
 
 
+def test_a_heartbeat_from_the_future_is_no_sign_of_life(ctx: RunContext, sup: Supervisor) -> None:
+    """Issue #44: a status whose `t` is far ahead of the supervisor's clock (a learner's key may write its own
+    status) is ignored, and said in the kill's reason; a beat a few seconds ahead (two honest clocks) still
+    counts."""
+    job = sup.jobs["a"]
+    sup.heal()  # seen running
+    job.running_since = time.time() - 60
+    status = LearnerStatus(learner="a", state="training", t=time.time() + 5, pid=1, seq=0, base_version=0,
+                           step=10, cursor=10, loss=3.0, bytes_published=100)
+    write_record(ctx.store, ctx.keys.status("a"), status)
+    sup.heal()
+    assert sup.backend.killed == []
+    write_record(ctx.store, ctx.keys.status("a"), status.model_copy(update={"t": time.time() + 3 * 86400}))
+    sup.heal()
+    ((name, why),) = sup.backend.killed
+    assert name == "a" and why.startswith("heartbeat from the future (259") and why.endswith("ignored")
+
+
 def test_a_refused_start_is_not_a_restart_and_endless_refusals_end_the_run(sup: Supervisor) -> None:
     job = sup.jobs["a"]
     sup.backend.ended["a"] = 1
