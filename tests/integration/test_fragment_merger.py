@@ -161,3 +161,36 @@ def test_a_count_the_model_cannot_fill_creates_nothing(tmp_path):
     with pytest.raises(ConfigError, match=r"fragments.count \(1000\)"):
         create_run(store, "toomany", cfg)
     assert store.list("toomany/") == []
+
+
+def test_a_fork_of_a_fragmented_run_starts_every_chain_at_its_version_v(tmp_path):
+    """Each fragment's version V (params and outer state, byte for byte) is the fork's version 0 of that fragment;
+    the fork's root holds the whole model at V; it audits, and its shards merge on from there."""
+    from diloco.run.context import RunError
+    from diloco.run.fork import fork_run
+
+    store = open_store(f"file://{tmp_path}")
+    ctx = create_run(store, "parent", _cfg(4, 2))
+    deltas = _full_deltas(_params(ctx, ctx.keys, 0), 3)
+    for seq in range(2):
+        _publish_round(ctx, deltas[seq], seq, seq)
+        assert sum(len(ShardMerger(ctx, s).poll_once()) for s in range(2)) == 4
+    child = fork_run(store, "parent", 1, "child")
+    assert len(child.fragments) == 4 and fragment_versions(child) == [0] * 4 and run_version(child) == 0
+    for index in range(4):
+        theirs = read_manifest(store, ctx.keys.for_fragment(index), 1)
+        ours = read_manifest(store, child.keys.for_fragment(index), 0)
+        assert store.get(ours.params_key) == store.get(theirs.params_key)
+        assert store.get(ours.outer_key) == store.get(theirs.outer_key)
+        assert ours.tokens_total == theirs.tokens_total and ours.controls[0].kind == "fork"
+    whole, parent_v1 = _params(child, child.keys, 0), _assembled(ctx, 1)
+    assert all(torch.equal(whole[k], parent_v1[k]) for k in parent_v1)
+    assert audit_run(child).ok
+    _publish_round(child, deltas[2], 0, 0)
+    assert sum(len(ShardMerger(child, s).poll_once()) for s in range(2)) == 4
+    report = audit_run(child)
+    assert report.ok and report.fragment_versions == [2] * 4, report.problems
+    with pytest.raises(RunError, match="keeps the parent's fragments"):
+        fork_run(store, "parent", 1, "child-2", cfg=_cfg(2, 1))
+    with pytest.raises(RunError, match="no run version 5"):
+        fork_run(store, "parent", 5, "child-3")
