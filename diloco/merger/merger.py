@@ -209,10 +209,13 @@ class Merger:
 
     def take_waiting(self) -> bool:
         """Make the deltas waiting now due at once, whatever the quorum and the grace window (a run's end: a
-        cohort's last ships below the quorum); False when no eligible learner has any."""
+        cohort's last ships below the quorum); False when no eligible learner has any, or merges are paused."""
         if manifest_exists(self.ctx.store, self.ctx.keys, self.version + 1):
             self.load()
-        policy, pending, now = self.refresh_policy(), self.pending(), time.time()
+        policy = self.refresh_policy()
+        if policy.state.paused:
+            return False
+        pending, now = self.pending(), time.time()
         if not any(seqs and policy.eligible(name) for name, seqs in pending.ready.items()):
             return False
         self.wait = wait = self.wait or Wait(now)

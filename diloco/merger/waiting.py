@@ -75,7 +75,7 @@ class Wait:
 
     @property
     def grace_waited_s(self) -> float:
-        return (self.ready_at or 0.0) - (self.quorum_at or 0.0) if self.ready_at else 0.0
+        return 0.0 if self.ready_at is None or self.quorum_at is None else self.ready_at - self.quorum_at
 
     def sleep_s(self, poll_s: float, now: float) -> float:
         """How long to sleep before the next look: a poll interval, less when the grace window ends sooner."""
