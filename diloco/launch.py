@@ -31,7 +31,7 @@ class Units:
 
     join: Callable[..., Any] | None = None  # (learner) -> version
     phase: Callable[..., Any] | None = None  # (learner, should_stop) -> PhaseStats
-    merge: Callable[..., Any] | None = None  # (merger, should_stop) -> Manifest | None
+    merge: Callable[..., Any] | None = None  # (a chain's merger, should_stop) -> Manifest | None, once it is due
     evaluate: Callable[..., Any] | None = None  # (evaluator, version) -> record
 
 
@@ -68,13 +68,14 @@ def make_learner(storage: str, run_id: str, name: str, world=None):
 
 
 def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
-    """The merger of the run (a chaos plan may order it to kill itself at a stage), and its context; for a
-    fragmented run the shard its id names (`merger` = 0, `merger-s<k>` = k: diloco.merger.shard)."""
+    """The merger of the run and its context: the chains its id owns (diloco.merger.loop.ShardMerger) — the root
+    chain of a whole-model run, or for a fragmented run the shard its id names (`merger` = 0, `merger-s<k>` = k);
+    a chaos plan may order it to kill itself at a stage."""
     from diloco.chaos.inprocess import MergerSaboteur, apply_chaos
-    from diloco.merger.merger import Merger
-    from diloco.merger.shard import ShardMerger, shard_of_id
+    from diloco.merger.loop import ShardMerger
     from diloco.run.context import open_run
     from diloco.run.events import EventLog
+    from diloco.run.fragments import shard_of_id
     from diloco.storage.keys import validate_learner_name
 
     validate_learner_name(merger_id)
@@ -84,10 +85,8 @@ def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
     events = EventLog(ctx.store, ctx.keys, merger_id)
     hook = MergerSaboteur(ctx, raw_store, merger_id, events) if control else None
     keyring = keyring_of_env() if ctx.cfg.learner.sign else None
-    if ctx.fragments:
-        return ShardMerger(ctx, shard_of_id(merger_id), merger_id, events=events, stage_hook=hook,
-                           keyring=keyring), ctx
-    return Merger(ctx, merger_id, events=events, stage_hook=hook, keyring=keyring), ctx
+    shard = shard_of_id(merger_id) if ctx.fragments else 0  # one chain: every id is its merger's (races included)
+    return ShardMerger(ctx, shard, merger_id, events=events, stage_hook=hook, keyring=keyring), ctx
 
 
 def load_secret(block_name: str) -> str:
@@ -164,14 +163,10 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
             record_learner_failure(storage, run_id, name or "", err, at_start=not started)
             raise
     if role == "merger":
-        from diloco.merger.merger import run_merger
-        from diloco.merger.shard import run_shard
+        from diloco.merger.loop import run_merger
         from diloco.run.signals import RoleStop
 
         merger, ctx = make_merger(storage, run_id, name or "merger")
-        if ctx.fragments:  # a shard runs as one long loop over its fragments
-            return run_shard(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
-                             target_tokens=ctx.cfg.run.num_tokens, should_stop=RoleStop(ctx))
         return run_merger(merger, max_merges=merges, target_version=ctx.cfg.run.num_versions,
                           target_tokens=ctx.cfg.run.num_tokens, should_stop=RoleStop(ctx), merge=units.merge)
     if role == "evaluator":
@@ -300,7 +295,7 @@ def warm_up() -> None:
     import diloco.evaluator.evaluator  # noqa: F401
     import diloco.learner.learner  # noqa: F401
     import diloco.learner.loop  # noqa: F401
-    import diloco.merger.merger  # noqa: F401
+    import diloco.merger.loop  # noqa: F401
     from diloco.configs import InnerConfig, ModelConfig
     from diloco.training.inner import InnerTrainer
     from diloco.training.model import build_model

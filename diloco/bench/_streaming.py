@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from diloco.configs import Config
 from diloco.learner.fragmented import FragmentLearner
-from diloco.merger.shard import ShardMerger
+from diloco.merger.loop import ShardMerger
 from diloco.run.create import create_run
 from diloco.run.fragments import read_run_version, run_version
 from diloco.specs.gpt import make_spec

@@ -274,8 +274,8 @@ def _run_version_curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float
 
 def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
     """One real run: learners forked from this process (torch already imported: a fork is fast), the merger here."""
+    from diloco.merger.loop import ShardMerger
     from diloco.merger.merger import Merger
-    from diloco.merger.shard import ShardMerger
     from diloco.run.create import create_run
     from diloco.specs.gpt import load_corpus
     from diloco.storage import open_store

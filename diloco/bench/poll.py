@@ -33,7 +33,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from diloco.merger.merger import deltas_after
+from diloco.merger.waiting import deltas_after
 from diloco.storage import RunKeys, Store, latest_version, open_store
 from diloco.storage.keys import parse_delta_key
 

@@ -102,12 +102,14 @@ def _merge_child(storage: str, run_id: str, queue: Any) -> None:
     """In a fresh process: one round by the real merger (all fragments), then read + decode the same deltas."""
     import gc
 
-    from diloco.merger.shard import ShardMerger
+    from diloco.merger.loop import ShardMerger
     from diloco.run.context import open_run
 
     torch.set_num_threads(1)
     ctx = open_run(storage, run_id)
-    shard = ShardMerger(ctx, 0)
+    # every chain read for its merge and released (a shard's fragment), at P = 1 too, so every row measures the same
+    # round (a whole-model run's merger keeps its state between merges instead: keep_state, not measured here)
+    shard = ShardMerger(ctx, 0, keep_state=False)
     gc.collect()
     before = reset_peak_rss()
     t0 = time.perf_counter()

@@ -1,7 +1,9 @@
 """`audit`: prove a run's history — contiguous manifests, checksums, at-most-once merging, every
-delta decided, and a bit-for-bit replay of every merge from the stored objects (the merged buffers too).
+delta decided, and a bit-for-bit replay of every merge from the stored objects (the merged buffers too) — on every
+chain of the run: the root chain of a whole-model run, or each fragment's (the root then holds version 0 only).
 
-Contract: read-only; returns every problem found rather than stopping at the first.
+Contract: read-only; returns every problem found rather than stopping at the first; one report over the chains
+(a fragment chain's problems name their fragment), `ok` only when every chain is.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from diloco.inspect.audit_trust import check_controls, replay_decisions
 from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
 from diloco.run.context import RunContext, direct_names
+from diloco.run.fragments import chain_contexts
 from diloco.run.objects import read_tensors
 from diloco.run.pin import note_pin, pin_state
 from diloco.storage import Manifest, StorageError, list_versions, read_manifest
@@ -38,9 +41,20 @@ class AuditReport:
     fragment_versions: list[int] = field(default_factory=list)  # a fragmented run: versions per fragment chain
     run_json: str = ""  # run.json against version 0's pin (diloco.run.pin)
 
+    COUNTS = ("deltas_merged", "deltas_rejected", "deltas_lost", "deltas_pending", "decisions_replayed",
+              "decisions_unreplayable", "controls_applied")
+
     def problem(self, text: str) -> None:
         self.ok = False
         self.problems.append(text)
+
+    def add(self, chain: AuditReport, prefix: str = "") -> None:
+        """Fold one chain's report into this one (its problems prefixed, e.g. with its fragment)."""
+        for name in self.COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(chain, name))
+        self.replay_ok = self.replay_ok and chain.replay_ok
+        for text in chain.problems:
+            self.problem(prefix + text)
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "num_versions": self.num_versions, "deltas_merged": self.deltas_merged,
@@ -208,15 +222,31 @@ def _compare_buffers(ctx: RunContext, prev: Manifest, m: Manifest, merged, repor
 
 
 def audit_run(ctx: RunContext, do_replay: bool = True, keyring: dict[str, list[bytes]] | None = None) -> AuditReport:
-    """Every check; `keyring` (learner -> keys) lets the replay verify signatures of a signed run."""
+    """Every check on every chain of the run; `keyring` (learner -> keys) lets the replay verify signatures of a
+    signed run. num_versions is the run's (the fewest any chain has); a fragmented run's report also lists each
+    fragment chain's (fragment_versions)."""
     pinned, pin = pin_state(ctx.store, ctx.keys, ctx.store.get(ctx.keys.run_json()))  # run.json as created
     do_replay = do_replay and pinned  # a changed run.json: replaying another config lists only differences
-    if ctx.fragments:  # every fragment's chain on its own (diloco.inspect.audit_fragments)
-        from diloco.inspect.audit_fragments import audit_fragments
-
-        return note_pin(audit_fragments(ctx, do_replay, keyring), pinned, pin)
     torch.set_num_threads(1)  # the merger's reduction order
     report = AuditReport(signatures_verified=keyring is not None and ctx.cfg.learner.sign)
+    if ctx.fragments:
+        root = list_versions(ctx.store, ctx.keys)
+        if root != [0]:
+            report.problem(f"root chain of a fragmented run must hold version 0 only, holds {root[:10]}")
+    versions = []
+    for index, chain in enumerate(chain_contexts(ctx)):
+        sub = AuditReport()
+        audit_chain(chain, sub, do_replay, keyring)
+        report.add(sub, f"fragment {index}: " if ctx.fragments else "")
+        versions.append(sub.num_versions)
+    report.num_versions = min(versions)
+    report.fragment_versions = versions if ctx.fragments else []
+    return note_pin(report, pinned, pin)
+
+
+def audit_chain(ctx: RunContext, report: AuditReport, do_replay: bool = True,
+                keyring: dict[str, list[bytes]] | None = None) -> None:
+    """Every check on one chain (`ctx`: its context, run/fragments.fragment_context), into `report`."""
     chain = load_chain(ctx, report)
     for m in chain:
         _check_object(ctx, m.params_key, m.params_checksum, f"version {m.version} params", report)
@@ -230,4 +260,3 @@ def audit_run(ctx: RunContext, do_replay: bool = True, keyring: dict[str, list[b
     check_controls(ctx, chain, report)
     if do_replay:
         replay(ctx, chain, report, keyring)
-    return note_pin(report, pinned, pin)

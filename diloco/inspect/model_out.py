@@ -22,43 +22,27 @@ from torch import nn
 
 from diloco.run.buffers import install_run_buffers, run_buffers
 from diloco.run.context import RunContext, RunError
-from diloco.run.objects import read_committed
-from diloco.storage import NotFound, latest_version, read_manifest
+from diloco.run.fragments import read_run_version, run_version
+from diloco.storage import NotFound
 from diloco.training.model import set_params
 from diloco.training.spec import SpecError, TrainSpec
 from diloco.training.tensors import Tensors
 
 
 def version_params(ctx: RunContext, version: int | None = None) -> tuple[int, Tensors]:
-    """(version, its parameters): the newest committed version by default; RunError if it is not committed.
-    A fragmented run's version is its run version: every fragment's version `version` put together."""
-    if ctx.fragments:
-        return _run_version_params(ctx, version)
-    newest = latest_version(ctx.store, ctx.keys)
-    version = newest if version is None else version
-    if version is None or version < 0 or (newest is not None and version > newest):
-        raise RunError(f"run {ctx.run_id!r} has no committed version {version} (newest: {newest})")
-    try:
-        manifest = read_manifest(ctx.store, ctx.keys, version)
-    except NotFound:
-        raise RunError(f"run {ctx.run_id!r} has no committed version {version}") from None
-    _, params = read_committed(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
-                               checksum=manifest.params_checksum, what=f"version {version}'s params")
-    return version, params
-
-
-def _run_version_params(ctx: RunContext, version: int | None) -> tuple[int, Tensors]:
-    from diloco.run.fragments import read_run_version, run_version
-
+    """(version, its parameters): the newest committed run version by default; RunError if it is not committed.
+    The run's version over its chains (run/fragments.py): the root chain's, or for a fragmented run every
+    fragment's version `version` put together."""
     newest = run_version(ctx)
     version = newest if version is None else version
+    what = "run version" if ctx.fragments else "version"
     if version is None or version < 0 or (newest is not None and version > newest):
-        raise RunError(f"run {ctx.run_id!r} has no committed run version {version} (newest: {newest}; "
-                       "a fragmented run's version is the oldest of its fragments' newest)")
+        why = "; a fragmented run's version is the oldest of its fragments' newest" if ctx.fragments else ""
+        raise RunError(f"run {ctx.run_id!r} has no committed {what} {version} (newest: {newest}{why})")
     try:
         params, _, _ = read_run_version(ctx, version)
     except NotFound:
-        raise RunError(f"run {ctx.run_id!r} has no committed run version {version}") from None
+        raise RunError(f"run {ctx.run_id!r} has no committed {what} {version}") from None
     return version, params
 
 

@@ -1,50 +1,43 @@
-"""The outer merger: wait for a quorum of learners, a grace window, validate, merge, commit.
+"""The outer merger of one chain (the root's, or a fragment's): wait for a quorum of learners and a grace window,
+validate, merge, commit.
 
-Contract (DESIGN §6): a delta is merged at most once (the manifest cursor), every delta is
-eventually merged, rejected or declared lost with a reason, a bad delta never stops the merge,
-and a lost commit race (Conflict) only means reloading the winner's state.
+Contract (DESIGN §6): a delta is merged at most once (the manifest cursor), every delta is eventually merged,
+rejected or declared lost with a reason, a bad delta never stops the merge, and a lost commit race (Conflict) only
+means reloading the winner's state. `due()` looks at the chain without blocking (one HEAD, the listings after the
+cursors); `merge_once()` waits until it is due, then merges: the unit a Prefect flow wraps as a task. The loop
+over a merger's chains is diloco.merger.loop.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from diloco.merger.inplace import outer_step_in_place
-from diloco.merger.step import (
-    GradientStream,
-    LearnerGroup,
-    OuterState,
-    gradient_stream,
-    outer_optimizer,
-)
+from diloco.merger.plan import MergePlan
+from diloco.merger.step import GradientStream, LearnerGroup, OuterState, gradient_stream, outer_optimizer
 from diloco.merger.version_state import VersionState
+from diloco.merger.waiting import Pending, Wait, deltas_after
 from diloco.run.buffers import version_buffers
 from diloco.run.context import RunContext, direct_names
 from diloco.run.controls import read_ops
 from diloco.run.events import EventLog
 from diloco.run.heap import release_freed_memory
 from diloco.run.objects import put_checksummed, verify_written, write_state
-from diloco.run.target import Target
 from diloco.storage import (
     Conflict,
     DeltaDecision,
     Manifest,
     NotFound,
-    RunKeys,
     StorageError,
-    Store,
     commit,
     manifest_exists,
     read_latest,
 )
-from diloco.storage.errors import Backoff
-from diloco.storage.keys import InvalidName, new_nonce, parse_delta_key
+from diloco.storage.keys import new_nonce
 from diloco.training.tensors import Tensors
 from diloco.trust.guard import Policy, entry_of, fold, gate, policy_after, state_of
 from diloco.trust.judge import Judge
@@ -53,52 +46,22 @@ from diloco.trust.signing import SigningError
 log = logging.getLogger("diloco.merger")
 CONTROLS_EVERY_S = 1.0  # control ops (pause, set, admit, ...) are listed at most this often while waiting
 EMA = 0.3  # weight of the newest observation in the grace-window moving averages
-STORAGE_BACKOFF_S = (0.5, 10.0)  # first wait, cap (doubled per failed merge) while the bucket is in trouble
-
-
-@dataclass
-class Pending:
-    """Deltas the merger may take now: per learner, the contiguous seqs after its cursor."""
-
-    ready: dict[str, list[int]] = field(default_factory=dict)
-    lost: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def num_learners(self) -> int:
-        return sum(1 for seqs in self.ready.values() if seqs)
-
-
-def deltas_after(store: Store, keys: RunKeys, cursors: dict[str, int]) -> dict[str, list[int]]:
-    """Per learner, the seqs of its deltas after its cursor (sorted; a learner without any: absent). One listing of
-    the learners' folders, then one per learner from its cursor's key on (S3's StartAfter): O(learners + new
-    deltas) a poll, not O(every delta of the run). A folder that is not a learner's name holds no delta."""
-    found: dict[str, list[int]] = {}
-    for learner in store.folders(keys.deltas_prefix()):
-        try:
-            prefix = keys.deltas_prefix(learner)
-        except InvalidName:
-            continue
-        cursor = cursors.get(learner, -1)
-        for key in store.list(prefix, keys.delta(learner, cursor) if cursor >= 0 else ""):
-            parsed = parse_delta_key(key)
-            if parsed and parsed[0] == learner and parsed[1] > cursor:
-                found.setdefault(learner, []).append(parsed[1])
-    return found
 
 
 class Merger:
-    """Drive with load() once, then merge_once() in a loop."""
-
-    keep_state = True  # keep the new params and outer state after a commit (False: freed while written)
+    """One chain's merger: load() once, then merge_once() in a loop (or due() and merge_once() once it is)."""
 
     def __init__(self, ctx: RunContext, merger_id: str = "merger", events: EventLog | None = None,
                  stage_hook: Callable[[str], None] | None = None,
-                 keyring: dict[str, list[bytes]] | None = None) -> None:
+                 keyring: dict[str, list[bytes]] | None = None, keep_state: bool = True) -> None:
         self.ctx, self.base_cfg, self.merger_id = ctx, ctx.cfg, merger_id
         self.cfg = ctx.cfg  # the live config of the next merge (run.json's + `diloco set`), see refresh_policy
         self.keyring = keyring  # learner -> keys, when learner.sign is on (trust/signing.py)
         if self.cfg.learner.sign and keyring is None:
             raise SigningError("learner.sign is on: the merger needs a keyring (DILOCO_KEYRING or DILOCO_KEYRING_BLOCK)")
+        # keep the new params and outer state after a commit (the whole model's chain: read once, at load); False:
+        # the chain's state is read for each merge and freed while it is written (a fragment's, in a shard)
+        self.keep_state = keep_state
         self._controls_at = 0.0
         torch.set_num_threads(1)  # reductions in one fixed order: `audit` replays them bit for bit
         self.events = events or EventLog(None, None, merger_id)
@@ -106,17 +69,29 @@ class Merger:
         self.gap_seen: dict[tuple[str, int], float] = {}
         self.ema = {"phase_s": 0.0, "quorum_s": 0.0, "merge_s": 0.0}
         self.state = VersionState(ctx)  # the version's params and outer state, read when a merge needs them
+        self.manifest: Manifest | None = None  # the chain's newest version (load)
+        self.wait: Wait | None = None  # the wait for the next merge, from the first look after a commit or load
+        self._paused = False  # the pause was reported (event, log)
+
+    @property
+    def chain(self) -> str:
+        """`fragment <p>`, or `the root chain`: how logs and errors name it."""
+        fragment = self.ctx.keys.fragment
+        return "the root chain" if fragment is None else f"fragment {fragment}"
 
     # ---- state ---------------------------------------------------------------------------
     def load(self) -> int:
-        """Read the newest manifest and the bytes of its outer state (their header carries the grace
-        window's moving averages); the params and the outer state are decoded when a merge needs them."""
+        """Read the newest manifest and the bytes of its outer state (their header carries the grace window's
+        moving averages); the params and the outer state are decoded when a merge needs them. A chain that does
+        not keep its state holds none of it after this (its merge reads it again)."""
         manifest = read_latest(self.ctx.store, self.ctx.keys)
         if manifest is None:
-            raise RuntimeError(f"run {self.ctx.run_id} has no version 0")
-        self.manifest = manifest
+            raise RuntimeError(f"run {self.ctx.run_id} ({self.chain}) has no version 0")
+        self.manifest, self.wait = manifest, None
         self.ema.update({k: v for k, v in self.state.reset(manifest).items() if k in self.ema})
-        if not self.ctx.layout:  # a run without a layout: its params are the layout, read now
+        if not self.keep_state:
+            self.state.forget()
+        elif not self.ctx.layout:  # a run without a layout: its params are the layout, read now
             _ = self.state.params
         self.policy = Policy(state_of(manifest, self.ctx.learners), [], self.base_cfg)
         self._controls_at = 0.0
@@ -153,19 +128,7 @@ class Merger:
         self.cfg = self.policy.cfg
         return self.policy
 
-    def wait_while_paused(self, should_stop: Callable[[], bool]) -> bool:
-        """Block while merges are paused (`diloco pause-merges`); False when stopped meanwhile."""
-        if self.policy.state.paused:
-            log.info("merges of run %s are paused", self.ctx.run_id)
-            self.events.emit("paused", version=self.version)
-        while self.policy.state.paused:
-            if should_stop():
-                return False
-            time.sleep(min(CONTROLS_EVERY_S, self.cfg.merger.poll_interval_s * 5))
-            self.refresh_policy(force=False)
-        return True
-
-    # ---- discovery -----------------------------------------------------------------------
+    # ---- waiting -------------------------------------------------------------------------
     def pending(self) -> Pending:
         """List deltas (never cached); per learner the contiguous seqs after the cursor; old gaps lost."""
         found = deltas_after(self.ctx.store, self.ctx.keys, self.manifest.cursors)
@@ -188,68 +151,100 @@ class Merger:
             out.ready[learner] = run
         return out
 
-    def wait_for_quorum(self, should_stop: Callable[[], bool]) -> tuple[Pending, float] | None:
-        t0 = time.time()
-        while not should_stop():
-            if manifest_exists(self.ctx.store, self.ctx.keys, self.version + 1):
-                return None  # another merger moved on: reload first
-            policy, cfg = self.refresh_policy(force=False), self.cfg.merger
-            if policy.state.paused:
-                return None
-            quorum = min(cfg.quorum, max(1, len(policy.state.members)))
-            pending = self.pending()
-            ready = sum(1 for name, seqs in pending.ready.items() if seqs and policy.eligible(name))
-            waited = time.time() - t0
-            if ready >= quorum or (ready and waited >= cfg.quorum_timeout_s):
-                return pending, waited
-            time.sleep(cfg.poll_interval_s)
-        return None
-
     def grace_s(self) -> float:
         """Adaptive grace window: gamma * (phase - quorum wait - merge time), clamped to [0, cap]."""
         cfg = self.cfg.merger
         slack = self.ema["phase_s"] - self.ema["quorum_s"] - self.ema["merge_s"]
         return min(max(cfg.grace_gamma * slack, 0.0), cfg.grace_cap_s)
 
-    def grace_window(self, pending: Pending) -> tuple[float, Pending]:
-        """Wait up to grace_s() for more deltas, listing them every poll interval; over at once when every
-        learner that may publish (the members, less the removed and quarantined) has a delta pending: nobody
-        is left to wait for. Returns (seconds waited, what is pending at its end)."""
-        limit, t0 = self.grace_s(), time.time()
-        state = self.policy.state
+    def due(self) -> bool:
+        """One look at the chain, never blocking (a HEAD of the next version, the control ops at most once a
+        second, the listings after the cursors): whether its next merge should run now. The wait starts at the
+        first look after a commit or a load; another merger's commit reloads (and the wait starts again), a pause
+        ends it. Due once a quorum of eligible learners has deltas pending (or any has, quorum_timeout_s into the
+        wait), then once the grace window after the quorum is over or every learner that may publish (the
+        members, less the removed and quarantined) has a delta pending: nobody is left to wait for."""
+        now = time.time()
+        if self.wait is None:
+            self.wait = Wait(now)
+            self.refresh_policy()  # the guard state of the version just committed or loaded, and the ops since
+            self.stage_hook("listing")
+        wait = self.wait
+        if wait.ready is not None:
+            return True
+        if manifest_exists(self.ctx.store, self.ctx.keys, self.version + 1):
+            self.load()  # another merger moved on: wait again, on top of its version
+            return False
+        policy, cfg = self.refresh_policy(force=False), self.cfg.merger
+        if policy.state.paused:
+            self._note_pause(wait, now)
+            return False
+        self._paused = False
+        pending = self.pending()
+        if wait.quorum_at is None:
+            eligible = sum(1 for name, seqs in pending.ready.items() if seqs and policy.eligible(name))
+            if not wait.quorum_reached(eligible, min(cfg.quorum, max(1, len(policy.state.members))),
+                                       cfg.quorum_timeout_s, now):
+                return False
+            wait.grace_s = self.grace_s()
+        state = policy.state
         expected = set(state.members or self.ctx.learners) - set(state.removed) - set(state.quarantined)
-        while not (expected and expected <= set(pending.ready)):
-            left = limit - (time.time() - t0)
-            if left <= 0:
-                break
-            time.sleep(min(self.cfg.merger.poll_interval_s, left))
-            pending = self.pending()
-        return time.time() - t0, pending
+        if (expected and expected <= set(pending.ready)) or wait.grace_over(now):
+            wait.end(pending, now)
+            return True
+        return False
+
+    def _note_pause(self, wait: Wait, now: float) -> None:
+        """Merges are paused (`diloco pause-merges`): said once per pause; the wait starts again after it."""
+        wait.since, wait.quorum_at = now, None
+        if not self._paused:
+            self._paused = True
+            log.info("merges of run %s are paused", self.ctx.run_id)
+            self.events.emit("paused", version=self.version)
+
+    def sleep_s(self) -> float:
+        """How long to sleep before the next look at the chain."""
+        poll_s = self.cfg.merger.poll_interval_s
+        return poll_s if self.wait is None else self.wait.sleep_s(poll_s, time.time())
+
+    def take_waiting(self) -> bool:
+        """Make the deltas waiting now due at once, whatever the quorum and the grace window (a run's end: a
+        cohort's last ships below the quorum); False when no eligible learner has any, or merges are paused."""
+        if manifest_exists(self.ctx.store, self.ctx.keys, self.version + 1):
+            self.load()
+        policy = self.refresh_policy()
+        if policy.state.paused:
+            return False
+        pending, now = self.pending(), time.time()
+        if not any(seqs and policy.eligible(name) for name, seqs in pending.ready.items()):
+            return False
+        self.wait = wait = self.wait or Wait(now)
+        wait.quorum_at = wait.quorum_at or now
+        wait.end(pending, now)
+        return True
 
     # ---- one merge -----------------------------------------------------------------------
     def merge_once(self, should_stop: Callable[[], bool] = lambda: False) -> Manifest | None:
-        """One outer step; None when stopped or when another merger committed first (reloaded)."""
-        if manifest_exists(self.ctx.store, self.ctx.keys, self.version + 1):
-            self.load()
-            return None
-        self.refresh_policy()
-        if not self.wait_while_paused(should_stop):
-            return None
-        self.stage_hook("listing")
-        got = self.wait_for_quorum(should_stop)
-        if got is None:
-            if not should_stop() and not self.policy.state.paused:
-                self.load()
-            return None
-        pending, quorum_wait = got
-        grace, pending = self.grace_window(pending)
+        """Wait until the chain is due (due()), then one outer step; None when stopped, or when another merger
+        committed first (reloaded). Called once the chain is due, it merges at once."""
+        version = self.version
+        while not should_stop():
+            if self.due():
+                return self._merge(self.wait)
+            if self.version != version:
+                return None
+            time.sleep(self.sleep_s())
+        return None
+
+    def _merge(self, wait: Wait) -> Manifest | None:
+        self.wait = None  # whatever happens next, the next merge waits anew
         # the ops read after the deltas were listed: a writer admitted just before its first delta (op, then
         # delta) is admitted in this merge, never rejected as unknown by a policy read before its op landed
         if self.refresh_policy().state.paused:
             return None
         t0 = time.time()
         policy = self.policy  # frozen for this merge: the ops it applies, the config it merges by
-        decisions, stream, phase_times, judge = self._decide(pending, policy)
+        decisions, stream, phase_times, judge = self._decide(wait.ready, policy)
         optimizer = outer_optimizer(policy.cfg, len(self.ctx.learners))
         judge.scratch.release()
         finished = stream.finish()  # the fp64 sums become the fp32 pseudo-gradient before the params are read
@@ -262,11 +257,12 @@ class Merger:
                 d.weight = result.weights.get(d.learner, 0.0)
         guard, newly = fold(policy.state, decisions, self.version + 1, policy.cfg)
         median = judge.median()
-        trust = {"guard": guard, "controls": policy.entries,
-                 "stats": {} if median is None else {"outlier_median": median,
-                                                     "outlier_bound": median * policy.cfg.merger.outlier_threshold}}
-        manifest = self._write_and_commit(decisions, len(stream.weights), result, quorum_wait, grace, t0,
-                                          phase_times, trust)
+        stats = {} if median is None else {"outlier_median": median,
+                                           "outlier_bound": median * policy.cfg.merger.outlier_threshold}
+        plan = MergePlan(decisions=decisions, result=result, num_learners=len(stream.weights),
+                         quorum_wait_s=wait.quorum_wait_s, grace_s=wait.grace_waited_s, started_at=t0,
+                         phase_times=phase_times, guard=guard, controls=policy.entries, stats=stats)
+        manifest = self._write_and_commit(plan)
         if manifest is not None:
             for name in newly:
                 self.events.emit("quarantine", learner=name, version=manifest.version, reason=guard.quarantined[name])
@@ -325,8 +321,10 @@ class Merger:
         except NotFound:
             return None
 
-    def _write_and_commit(self, decisions, num_groups, result, quorum_wait, grace, t0, phase_times, trust):
-        keys, store, version = self.ctx.keys, self.ctx.store, self.version + 1
+    def _write_and_commit(self, plan: MergePlan) -> Manifest | None:
+        """Write the version's objects under a fresh nonce (the update read back first), then commit its manifest
+        by exclusive create; None (reloaded) when another merger committed the version first."""
+        keys, store, version, result = self.ctx.keys, self.ctx.store, self.version + 1, plan.result
         nonce = new_nonce()
         self.stage_hook("writing")
         params_key, update_key, outer_key = keys.params(version, nonce), keys.update(version, nonce), keys.outer(version, nonce)
@@ -338,8 +336,8 @@ class Merger:
             self.state.forget()
         _, params_sum = write_state(store, params_key, result.params, kind="params",
                                     fingerprint=self.ctx.fingerprint, consume=consume)
-        merge_s = time.time() - t0
-        ema = self._next_ema(phase_times, quorum_wait, merge_s)
+        merge_s = time.time() - plan.started_at
+        ema = self._next_ema(plan.phase_times, plan.quorum_wait_s, merge_s)
         outer_tensors = result.outer.to_tensors()
         if consume:
             result.outer = OuterState({}, {})
@@ -348,25 +346,13 @@ class Merger:
         del outer_tensors
         buffers = version_buffers(self.ctx, self.manifest, result.buffers, version, nonce)  # {}: the run has none
         self.stage_hook("before_manifest")
-        cursors = dict(self.manifest.cursors)
-        for d in decisions:
-            cursors[d.learner] = max(cursors.get(d.learner, -1), d.seq)
-        merged_tokens = sum(d.tokens for d in decisions if d.status == "merged")
-        manifest = Manifest(
-            run_id=self.ctx.run_id, version=version, parent=self.version, created_at=time.time(),
-            merger_id=self.merger_id, params_key=params_key, params_checksum=params_sum,
-            update_key=update_key, update_checksum=update_sum,
-            outer_key=outer_key, outer_checksum=outer_sum, decisions=decisions, cursors=cursors,
-            tokens_total=self.manifest.tokens_total + merged_tokens,
-            timing={"quorum_wait_s": quorum_wait, "grace_s": grace, "merge_s": merge_s},
-            stats={"update_norm": result.update_norm, "num_learners": float(num_groups), "round_share": result.scale,
-                   "update_bytes": float(update_bytes), **trust["stats"]},
-            guard=trust["guard"], controls=trust["controls"], **buffers,
-        )
+        objects = {"params_key": params_key, "params_checksum": params_sum, "update_key": update_key,
+                   "update_checksum": update_sum, "outer_key": outer_key, "outer_checksum": outer_sum, **buffers}
+        manifest = plan.manifest(self.manifest, self.merger_id, objects, merge_s, update_bytes)
         try:
             commit(store, keys, manifest)
         except Conflict:
-            log.info("merger %s lost the race for version %d; reloading", self.merger_id, version)
+            log.info("merger %s lost the race for version %d of %s; reloading", self.merger_id, version, self.chain)
             self.events.emit("commit_conflict", version=version)
             self.load()
             return None
@@ -377,7 +363,7 @@ class Merger:
         else:
             self.state.forget(manifest)
         self.events.emit("merge", version=version, merged=[f"{d.learner}/{d.seq}" for d in manifest.merged()],
-                         rejected=len(manifest.rejected()), tokens=merged_tokens, merge_s=merge_s)
+                         rejected=len(manifest.rejected()), tokens=plan.merged_tokens, merge_s=merge_s)
         return manifest
 
     def _next_ema(self, phase_times: list[float], quorum_wait: float, merge_s: float) -> dict[str, float]:
@@ -388,39 +374,3 @@ class Merger:
         for k, v in obs.items():
             ema[k] = v if ema[k] == 0.0 else (1 - EMA) * ema[k] + EMA * v
         return ema
-
-
-def run_merger(merger: Merger, *, max_merges: int | None = None, target_version: int | None = None,
-               target_tokens: int = 0, should_stop: Callable[[], bool] = lambda: False,
-               on_merge: Callable[[Manifest], None] | None = None,
-               merge: Callable[[Merger, Callable[[], bool]], Manifest | None] | None = None) -> int:
-    """Merge until stopped, the target version is committed (or `target_tokens` > 0 merged), or max_merges
-    merges were made.
-    `merge` is the unit a Prefect flow wraps as a task (default: Merger.merge_once)."""
-    merge = merge or (lambda m, stop: m.merge_once(stop))
-    merges, backoff = 0, Backoff(*STORAGE_BACKOFF_S)
-    merger.load()
-    target = None if target_version is None else Target(target_version, target_tokens)
-    while not should_stop():
-        if target is not None and target.reached_by(merger.manifest):
-            break
-        if max_merges is not None and merges >= max_merges:
-            break
-        try:
-            manifest = merge(merger, should_stop)
-            backoff.reset()
-        except StorageError as err:
-            wait_s = backoff.next_s()
-            log.warning("merge failed on storage (%s); retrying in %.1fs", err, wait_s)
-            merger.events.emit("storage_error", reason=str(err))
-            time.sleep(wait_s)
-            with contextlib.suppress(StorageError):
-                merger.load()
-            continue
-        if manifest is not None:
-            merges += 1
-            if on_merge:
-                on_merge(manifest)
-        merger.events.flush()
-    merger.events.flush()
-    return merges

@@ -1,5 +1,7 @@
 """`diloco fork`: a new run whose version 0 is another run's version V — its parameters, outer optimizer
-state and merged buffers, byte for byte — with the provenance in the new run's run.json. Rollback is a fork at an earlier version.
+state and merged buffers, byte for byte, on every chain (a fragmented run's run version V: each fragment's version V
+becomes that fragment's version 0) — with the provenance in the new run's run.json. Rollback is a fork at an
+earlier version.
 
 Contract: the parent run is only read, never written; every input (the version, the new id, a config that
 would change the model's layout) is checked before anything is written; the new run's objects are written
@@ -12,31 +14,40 @@ from __future__ import annotations
 import socket
 import time
 
+import torch
+
 from diloco import __version__
 from diloco.configs import Config, config_from_record
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.controls import operator_identity, read_op, write_op
-from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, latest_version, read_manifest
+from diloco.run.fragments import chain_contexts, num_fragments, run_version
+from diloco.run.objects import decode_tensors, write_state
+from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, read_manifest
 from diloco.storage.codec import object_checksum
 from diloco.storage.keys import new_nonce, validate_run_id
 from diloco.storage.manifest import ControlEntry, GuardState
 from diloco.storage.records import RunRecord, read_record, write_record
 from diloco.storage.store import Store
+from diloco.training.fragments import put_
+from diloco.training.tensors import Tensors
 
 
-def _copy(store: Store, source: str, checksum: str, target: str) -> None:
+def _copy(store: Store, source: str, checksum: str, target: str) -> bytes:
     data = store.get(source)
     if object_checksum(data) != checksum:
         raise RunError(f"{source}: checksum does not match its manifest; not forking from a damaged version")
     store.put(target, data)
+    return data
 
 
-def _parent_version(parent: RunContext, version: int) -> Manifest:
+def _parent_version(parent: RunContext, version: int) -> list[Manifest]:
+    """Version `version` of every chain of the parent (a fragmented run's: its run version, on every fragment)."""
     try:
-        return read_manifest(parent.store, parent.keys, version)
+        return [read_manifest(parent.store, chain.keys, version) for chain in chain_contexts(parent)]
     except NotFound:
-        latest = latest_version(parent.store, parent.keys)
-        raise RunError(f"run {parent.run_id!r} has no version {version} (its newest is {latest})") from None
+        newest = run_version(parent)
+        what = "run version" if parent.fragments else "version"
+        raise RunError(f"run {parent.run_id!r} has no {what} {version} (its newest is {newest})") from None
 
 
 def _copy_spec_files(store: Store, parent: RunContext, keys: RunKeys) -> None:
@@ -48,13 +59,17 @@ def _copy_spec_files(store: Store, parent: RunContext, keys: RunKeys) -> None:
 
 def fork_config(parent: RunContext, m: Manifest, cfg: Config | None) -> Config:
     """The fork's config: the parent's run.json config with the live settings in force at V, or `cfg` —
-    which must keep the model (the same fingerprint)."""
+    which must keep the model (the same fingerprint) and its fragments (each chain forks into its own)."""
     if cfg is None:
         record = read_record(parent.store, parent.keys.run_json(), RunRecord)
         cfg = config_from_record(record.config).with_overrides(m.guard.settings if m.guard else {})
     from diloco.run.create import fingerprint_of
     from diloco.run.spec import StagedFiles
 
+    count = num_fragments(parent)
+    if cfg.fragments.count != count:
+        raise RunError(f"a fork keeps the parent's fragments: run {parent.run_id!r} has fragments.count {count}, "
+                       f"this config {cfg.fragments.count} (each chain's version becomes the fork's version 0)")
     # the parent's spec files, staged and never flushed: the parent is only read
     fingerprint = fingerprint_of(cfg, StagedFiles(parent.store, parent.keys))
     if fingerprint != parent.fingerprint:
@@ -63,9 +78,38 @@ def fork_config(parent: RunContext, m: Manifest, cfg: Config | None) -> Config:
     return cfg
 
 
+def _chain_objects(store: Store, m: Manifest, keys: RunKeys, nonce: str, buffers: bool) -> tuple[dict, bytes]:
+    """Copy one chain's objects at V (params, outer state, and its buffers when the fork merges them) to version 0
+    of the same chain of the fork; (the version-0 manifest's fields for them, the params' bytes)."""
+    fields = {"params_key": keys.params(0, nonce), "params_checksum": m.params_checksum}
+    params = _copy(store, m.params_key, m.params_checksum, fields["params_key"])
+    if m.outer_key:
+        fields.update(outer_key=keys.outer(0, nonce), outer_checksum=m.outer_checksum)
+        _copy(store, m.outer_key, m.outer_checksum, fields["outer_key"])
+    if buffers:
+        fields.update(buffers_key=keys.buffers(0, nonce), buffers_checksum=m.buffers_checksum)
+        _copy(store, m.buffers_key, m.buffers_checksum, fields["buffers_key"])
+    return fields, params
+
+
+def _write_whole_model(store: Store, parent: RunContext, keys: RunKeys, whole: Tensors, nonce: str,
+                       buffers_of: Manifest | None) -> dict:
+    """A fragmented fork's root chain, version 0: the whole model at V (every fragment's params put together, and
+    fragment 0's buffers), as a created run's root holds its initial model; the manifest's fields for it."""
+    key = keys.params(0, nonce)
+    _, checksum = write_state(store, key, whole, kind="params", fingerprint=parent.fingerprint)
+    fields = {"params_key": key, "params_checksum": checksum}
+    if buffers_of is not None:
+        fields.update(buffers_key=keys.buffers(0, nonce), buffers_checksum=buffers_of.buffers_checksum)
+        _copy(store, buffers_of.buffers_key, buffers_of.buffers_checksum, fields["buffers_key"])
+    return fields
+
+
 def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: Config | None = None,
              by: str | None = None) -> RunContext:
-    """Create run `new_run_id` from run `run_id` at `at_version`; returns its context."""
+    """Create run `new_run_id` from run `run_id` at `at_version`, its run version: every chain's version
+    `at_version` becomes version 0 of the same chain of the new run (the root's, or each fragment's, buffers
+    included); returns its context."""
     parent = open_run(store, run_id)
     validate_run_id(new_run_id)
     if new_run_id == run_id:
@@ -73,29 +117,37 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
     keys = RunKeys(new_run_id)
     if store.exists(keys.run_json()):
         raise RunError(f"run {new_run_id!r} already exists in {store.url}; choose another --new-run-id")
-    if parent.fragments or (cfg is not None and cfg.fragments.count > 1):
-        raise RunError("fork of a fragmented run (fragments.count > 1) is not supported yet")
-    m = _parent_version(parent, at_version)
+    heads = _parent_version(parent, at_version)
+    m = heads[0]  # the root chain's, or fragment 0's: the live settings, members and buffers ride with it
     cfg = fork_config(parent, m, cfg)
     by = by or operator_identity()
     learners = list(m.guard.members) if m.guard and m.guard.members else list(parent.learners)
-    nonce = new_nonce()
-    params_key, outer_key = keys.params(0, nonce), (keys.outer(0, nonce) if m.outer_key else "")
-    _copy(store, m.params_key, m.params_checksum, params_key)
-    if m.outer_key:
-        _copy(store, m.outer_key, m.outer_checksum, outer_key)
     # the parent's buffers at V, when it merges them and the fork does too (outer.buffers "mean")
     merges_buffers = bool(parent.buffers and m.buffers_key and cfg.outer.buffers == "mean")
-    buffers = {"buffers_key": keys.buffers(0, nonce), "buffers_checksum": m.buffers_checksum} if merges_buffers else {}
-    if merges_buffers:
-        _copy(store, m.buffers_key, m.buffers_checksum, buffers["buffers_key"])
+    nonce = new_nonce()
+    chains = [keys.for_fragment(index) if parent.fragments else keys for index in range(len(heads))]
+    whole = {e["name"]: torch.zeros(e["shape"], dtype=torch.float32) for e in parent.layout} if parent.fragments else None
+    objects = []
+    for index, (chain, head) in enumerate(zip(chains, heads, strict=True)):
+        fields, data = _chain_objects(store, head, chain, nonce, buffers=merges_buffers and index == 0)
+        objects.append(fields)
+        if whole is not None:
+            put_(whole, parent.fragments[index], decode_tensors(data, fingerprint=parent.fingerprint)[1])
+        del data
+    root = None if whole is None else _write_whole_model(store, parent, keys, whole, nonce,
+                                                         m if merges_buffers else None)
+    del whole
     _copy_spec_files(store, parent, keys)
     provenance = {"run_id": run_id, "storage": store.url, "version": at_version, "params_checksum": m.params_checksum,
-                  "outer_checksum": m.outer_checksum, "tokens_total": m.tokens_total, "by": by, "t": time.time()}
+                  "outer_checksum": m.outer_checksum, "tokens_total": min(h.tokens_total for h in heads), "by": by,
+                  "t": time.time(),
+                  **({"fragments": [{"params_checksum": h.params_checksum, "outer_checksum": h.outer_checksum}
+                                    for h in heads]} if parent.fragments else {})}
     record = RunRecord(run_id=new_run_id, created_at=time.time(), created_by=socket.gethostname(),
                        diloco_version=__version__, fingerprint=parent.fingerprint, learners=learners,
                        config=cfg.model_dump(mode="json"), layout=list(parent.layout), forked_from=provenance,
-                       buffers=list(parent.buffers) if merges_buffers else None)
+                       buffers=list(parent.buffers) if merges_buffers else None,
+                       fragments=list(parent.fragments))
     try:
         write_record(store, keys.run_json(), record, exclusive=True)
     except Conflict:
@@ -104,9 +156,12 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
     op = write_op(store, keys, "fork", values={"from_run": run_id, "at_version": at_version}, by=by,
                   reason=f"fork of {run_id} at version {at_version}")
     entry = ControlEntry(name=op, **read_op(store, keys, op).model_dump())
-    guard = GuardState(members=sorted(learners), norms=list(m.guard.norms) if m.guard else [], ops_cursor=op)
-    commit(store, keys, Manifest(run_id=new_run_id, version=0, created_at=time.time(), merger_id="fork",
-                                 params_key=params_key, params_checksum=m.params_checksum, outer_key=outer_key,
-                                 outer_checksum=m.outer_checksum, tokens_total=m.tokens_total, guard=guard,
-                                 controls=[entry], **buffers))
+    if root is not None:  # the whole model first, as create_run commits it
+        guard = GuardState(members=sorted(learners), ops_cursor=op)
+        commit(store, keys, Manifest(run_id=new_run_id, version=0, created_at=time.time(), merger_id="fork",
+                                     tokens_total=provenance["tokens_total"], guard=guard, controls=[entry], **root))
+    for chain, head, fields in zip(chains, heads, objects, strict=True):
+        guard = GuardState(members=sorted(learners), norms=list(head.guard.norms) if head.guard else [], ops_cursor=op)
+        commit(store, chain, Manifest(run_id=new_run_id, version=0, created_at=time.time(), merger_id="fork",
+                                      tokens_total=head.tokens_total, guard=guard, controls=[entry], **fields))
     return ctx

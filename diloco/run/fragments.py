@@ -9,6 +9,7 @@ minimum over its fragments' versions: every fragment has merged at least that ma
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
@@ -36,6 +37,18 @@ def shard_merger_id(shard: int) -> str:
     return "merger" if shard == 0 else f"merger-s{shard}"
 
 
+_SHARD_ID_RE = re.compile(r"merger(?:-[0-9]+)?|merger-s([1-9][0-9]*|0)(?:-[a-z0-9]+)?")
+
+
+def shard_of_id(merger_id: str) -> int:
+    """The shard a merger id names: `merger` (or `merger-<n>`, a second process of it, as a chaos plan's
+    second_merger) -> 0; `merger-s<k>` (or `merger-s<k>-<tag>`) -> k; ValueError naming the id otherwise."""
+    match = _SHARD_ID_RE.fullmatch(merger_id)
+    if match is None:
+        raise ValueError(f"merger id {merger_id!r} names no shard: it must be merger[-<n>] or merger-s<k>[-<tag>]")
+    return int(match.group(1) or 0)
+
+
 def merger_ids(ctx: RunContext) -> list[str]:
     """The run's mergers, one per shard: `merger` alone, or merger, merger-s1, ... for a fragmented run."""
     return [shard_merger_id(s) for s in range(ctx.cfg.merger.shards if ctx.fragments else 1)]
@@ -56,6 +69,12 @@ def fragment_context(ctx: RunContext, index: int) -> RunContext:
         raise ValueError(f"run {ctx.run_id} has {len(ctx.fragments)} fragments; there is no fragment {index}")
     return dataclasses.replace(ctx, keys=ctx.keys.for_fragment(index), layout=fragment_layout(ctx.fragments[index]),
                                fragments=[], buffers=ctx.buffers if index == 0 else [])
+
+
+def chain_contexts(ctx: RunContext) -> list[RunContext]:
+    """Every version chain of the run, in fragment order: the root chain alone (P = 1), or each fragment's (the root
+    chain of a fragmented run holds version 0 only: the whole initial model)."""
+    return [fragment_context(ctx, index) for index in range(num_fragments(ctx))]
 
 
 def manifests(ctx: RunContext) -> list[Manifest]:

@@ -1,4 +1,5 @@
-"""Merge task: one outer step, and its table artifact (who was merged, weights, staleness, bytes)."""
+"""Merge task: one outer step of one chain (the root's, or a fragment's), and its table artifact (who was merged,
+weights, staleness, bytes). The merger's loop calls it once the chain is due: a task per merge, never per poll."""
 
 from __future__ import annotations
 
@@ -50,9 +51,11 @@ def merge_task(merger: Merger, should_stop: Callable[[], bool]) -> Manifest | No
     if manifest is not None:
         from diloco.tasks.common import artifact_key
 
+        fragment = merger.ctx.keys.fragment
         create_table_artifact(
             merge_table(manifest), key=artifact_key("merge", merger.ctx.run_id),
-            description=f"run {merger.ctx.run_id}: version {manifest.version}, "
+            description=f"run {merger.ctx.run_id}{'' if fragment is None else f' fragment {fragment}'}: "
+                        f"version {manifest.version}, "
                         f"{len(manifest.merged())} merged, {len(manifest.rejected())} rejected",
         )
     return manifest

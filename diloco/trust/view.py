@@ -14,7 +14,7 @@ from diloco.run.controls import read_ops
 from diloco.storage import Manifest, read_latest
 from diloco.trust.guard import Policy, entry_of, initial_state, policy_after, state_of, window_median
 
-# the merger reads these within a second (merger.wait_while_paused), not at its next merge: in effect, never pending
+# the merger reads these within a second (Merger.due, while it waits), not at its next merge: in effect, never pending
 AT_ONCE = ("pause-merges", "resume-merges")
 
 

@@ -15,8 +15,8 @@ from diloco.configs import load_config
 from diloco.inspect.audit import audit_run
 from diloco.learner.fragmented import FragmentLearner
 from diloco.learner.learner import Learner
+from diloco.merger.loop import ShardMerger
 from diloco.merger.merger import Merger
-from diloco.merger.shard import ShardMerger
 from diloco.run.create import create_run
 from diloco.run.events import EventLog, read_events
 from diloco.run.fragments import manifests

@@ -30,8 +30,8 @@ from diloco.inspect.audit import audit_run
 from diloco.inspect.model_out import export_safetensors, load_model
 from diloco.learner.fragmented import FragmentLearner
 from diloco.learner.learner import Learner
+from diloco.merger.loop import ShardMerger
 from diloco.merger.merger import Merger
-from diloco.merger.shard import ShardMerger
 from diloco.run.buffers import run_buffers
 from diloco.run.context import open_run
 from diloco.run.create import create_run

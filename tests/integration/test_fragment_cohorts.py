@@ -22,7 +22,7 @@ from diloco.configs import ConfigError, load_config
 from diloco.learner import fragmented
 from diloco.learner.fragmented import FragmentLearner
 from diloco.learner.prefetch import fetch_global
-from diloco.merger.shard import ShardMerger
+from diloco.merger.loop import ShardMerger
 from diloco.run.create import create_run
 from diloco.run.fragments import fragment_context
 from diloco.run.objects import read_tensors
@@ -104,7 +104,7 @@ def test_prefetched_lanes_install_the_merged_fragment_bit_for_bit(tmp_path, corp
     learners[0].run_phase(num_steps=H)  # ships every fragment once
     learners[0].drain()
     merged, deadline = [], time.time() + 30
-    while len(merged) < COUNT and time.time() < deadline:  # as run_shard polls (a pass may find one not due yet)
+    while len(merged) < COUNT and time.time() < deadline:  # as run_merger polls (a pass may find one not due yet)
         merged += shard.poll_once()
     assert sorted(m.version for m in merged) == [1] * COUNT
     reader = learners[1]

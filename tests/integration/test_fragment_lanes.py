@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from diloco.configs import load_config
 from diloco.learner.fragmented import FragmentLearner
-from diloco.merger.shard import ShardMerger, run_shard
+from diloco.merger.loop import ShardMerger, run_merger
 from diloco.run.create import create_run
 from diloco.run.fragments import fragment_versions, run_version
 from diloco.run.objects import decode_tensors, read_tensors
@@ -160,7 +160,7 @@ def test_sync_mode_installs_each_fragment_tau_steps_after_shipping(corpus):
     learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.join()
     stop = threading.Event()
-    shards = [threading.Thread(target=run_shard, args=(ShardMerger(ctx, s),), kwargs={"should_stop": stop.is_set})
+    shards = [threading.Thread(target=run_merger, args=(ShardMerger(ctx, s),), kwargs={"should_stop": stop.is_set})
               for s in range(2)]
     for t in shards:
         t.start()

@@ -1,6 +1,7 @@
 """Fragment chains and the sharded merger on file://: synthetic deltas per fragment merged by the real
 ShardMerger; fragmenting does not change the math (mean rule: the assembled fragments equal the whole-model
-merge bit for bit; P = 1 through the shard path equals today's merger bit for bit); racing mergers on one
+merge bit for bit; P = 1 with its state read for each merge and released, as a fragment's is, equals the merger
+that keeps it, bit for bit); racing mergers on one
 shard commit exactly once per fragment version; a killed shard stalls only its fragments; audit replays
 every fragment chain; gc collects a fragment chain's orphans.
 
@@ -15,10 +16,9 @@ import torch
 from diloco.configs import ConfigError, load_config
 from diloco.inspect.audit import audit_run
 from diloco.inspect.gc import collect_orphans
-from diloco.merger.merger import Merger, run_merger
-from diloco.merger.shard import ShardMerger, run_shard, shard_merger_id, shard_of_id
+from diloco.merger.loop import ShardMerger, run_merger
 from diloco.run.create import create_run
-from diloco.run.fragments import fragment_versions, run_version
+from diloco.run.fragments import fragment_versions, run_version, shard_merger_id, shard_of_id
 from diloco.run.objects import encode_tensors, read_tensors
 from diloco.storage import list_versions, open_store, read_latest, read_manifest
 from diloco.training.fragments import put_, take
@@ -84,7 +84,7 @@ def test_fragments_equal_the_whole_model_merge_bit_for_bit(tmp_path):
     for seq, deltas in enumerate(rounds):
         _publish_round(whole, deltas, seq, seq)
         _publish_round(frag, deltas, seq, seq)
-        assert run_merger(Merger(whole), max_merges=1) == 1
+        assert run_merger(ShardMerger(whole), max_merges=1) == 1
         shards = [ShardMerger(frag, s) for s in range(2)]
         assert sum(len(s.poll_once()) for s in shards) == 4
         assert fragment_versions(frag) == [seq + 1] * 4
@@ -95,15 +95,15 @@ def test_fragments_equal_the_whole_model_merge_bit_for_bit(tmp_path):
     assert report.num_versions == 3 and report.fragment_versions == [3, 3, 3, 3] and report.deltas_merged == 16
 
 
-def test_one_fragment_through_the_shard_path_is_todays_merger(tmp_path):
+def test_one_chain_released_after_each_merge_commits_what_the_kept_one_does(tmp_path):
     store = open_store(f"file://{tmp_path}")
     old, new = create_run(store, "old", _cfg(1)), create_run(store, "new", _cfg(1))
     assert new.fragments == [] and open_store(f"file://{tmp_path}").exists("new/versions/" + "0" * 20 + ".json")
     for seq, deltas in enumerate(_full_deltas(_params(old, old.keys, 0), 3)):
         _publish_round(old, deltas, seq, seq)
         _publish_round(new, deltas, seq, seq)
-        assert run_merger(Merger(old), max_merges=1) == 1
-        assert len(ShardMerger(new, 0).poll_once()) == 1
+        assert run_merger(ShardMerger(old), max_merges=1) == 1
+        assert len(ShardMerger(new, 0, keep_state=False).poll_once()) == 1  # as a fragment is merged
     for v in (1, 2, 3):
         a, b = read_manifest(store, old.keys, v), read_manifest(store, new.keys, v)
         assert (a.params_checksum, a.update_checksum) == (b.params_checksum, b.update_checksum)
@@ -122,7 +122,7 @@ def test_racing_mergers_on_one_shard_commit_once_per_version(tmp_path):
     def hook(stage: str) -> None:  # the rival commits fragment 0's version 1 while we are about to
         if stage == "before_manifest" and not fired:
             fired.append(stage)
-            assert rival.merge_fragment(0, lambda: False) is not None
+            assert rival.merge_chain(0, lambda: False) is not None
 
     ours = ShardMerger(ctx, 0, "merger", stage_hook=hook)
     merged = ours.poll_once()
@@ -143,13 +143,13 @@ def test_a_killed_shard_stalls_only_its_fragments_and_a_restart_resumes(tmp_path
     deltas = _full_deltas(_params(ctx, ctx.keys, 0), 2)
     _publish_round(ctx, deltas[0], 0, 0)
     survivor = ShardMerger(ctx, 1, "merger-s1")  # shard 0 is down
-    assert run_shard(survivor, target_version=1) == 2
+    assert run_merger(survivor, target_version=1) == 2
     assert fragment_versions(ctx) == [0, 1, 0, 1] and run_version(ctx) == 0
     _publish_round(ctx, deltas[1], 1, 1, only=[1, 3])
-    assert run_shard(survivor, target_version=2) == 2
+    assert run_merger(survivor, target_version=2) == 2
     assert fragment_versions(ctx) == [0, 2, 0, 2]
     restarted = ShardMerger(ctx, 0)
-    assert run_shard(restarted, target_version=1) == 2
+    assert run_merger(restarted, target_version=1) == 2
     assert fragment_versions(ctx) == [1, 2, 1, 2] and run_version(ctx) == 1
     assert read_latest(ctx.store, ctx.keys).version == 0  # the root chain keeps only version 0
     assert audit_run(ctx).ok
@@ -161,3 +161,36 @@ def test_a_count_the_model_cannot_fill_creates_nothing(tmp_path):
     with pytest.raises(ConfigError, match=r"fragments.count \(1000\)"):
         create_run(store, "toomany", cfg)
     assert store.list("toomany/") == []
+
+
+def test_a_fork_of_a_fragmented_run_starts_every_chain_at_its_version_v(tmp_path):
+    """Each fragment's version V (params and outer state, byte for byte) is the fork's version 0 of that fragment;
+    the fork's root holds the whole model at V; it audits, and its shards merge on from there."""
+    from diloco.run.context import RunError
+    from diloco.run.fork import fork_run
+
+    store = open_store(f"file://{tmp_path}")
+    ctx = create_run(store, "parent", _cfg(4, 2))
+    deltas = _full_deltas(_params(ctx, ctx.keys, 0), 3)
+    for seq in range(2):
+        _publish_round(ctx, deltas[seq], seq, seq)
+        assert sum(len(ShardMerger(ctx, s).poll_once()) for s in range(2)) == 4
+    child = fork_run(store, "parent", 1, "child")
+    assert len(child.fragments) == 4 and fragment_versions(child) == [0] * 4 and run_version(child) == 0
+    for index in range(4):
+        theirs = read_manifest(store, ctx.keys.for_fragment(index), 1)
+        ours = read_manifest(store, child.keys.for_fragment(index), 0)
+        assert store.get(ours.params_key) == store.get(theirs.params_key)
+        assert store.get(ours.outer_key) == store.get(theirs.outer_key)
+        assert ours.tokens_total == theirs.tokens_total and ours.controls[0].kind == "fork"
+    whole, parent_v1 = _params(child, child.keys, 0), _assembled(ctx, 1)
+    assert all(torch.equal(whole[k], parent_v1[k]) for k in parent_v1)
+    assert audit_run(child).ok
+    _publish_round(child, deltas[2], 0, 0)
+    assert sum(len(ShardMerger(child, s).poll_once()) for s in range(2)) == 4
+    report = audit_run(child)
+    assert report.ok and report.fragment_versions == [2] * 4, report.problems
+    with pytest.raises(RunError, match="keeps the parent's fragments"):
+        fork_run(store, "parent", 1, "child-2", cfg=_cfg(2, 1))
+    with pytest.raises(RunError, match="no run version 5"):
+        fork_run(store, "parent", 5, "child-3")

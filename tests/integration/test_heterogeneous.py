@@ -14,7 +14,7 @@ import pytest
 from diloco.configs import load_config
 from diloco.learner.learner import Learner
 from diloco.learner.loop import run_learner
-from diloco.merger.merger import Merger, run_merger
+from diloco.merger.loop import ShardMerger, run_merger
 from diloco.run.create import create_run
 from diloco.run.fragments import manifests
 from diloco.run.signals import StopSignal, request_stop
@@ -39,7 +39,7 @@ def test_fast_learners_never_wait_and_everyone_counts():
                                 kwargs={"should_stop": StopSignal(ctx, None, every_s=0.1),
                                         "on_phase": phases[lr.name].append})
                for lr in learners]
-    merger = Merger(ctx)
+    merger = ShardMerger(ctx)
     deadline = time.time() + 90
 
     def enough() -> bool:

@@ -21,7 +21,7 @@ from diloco.api.operate import fork, pause_merges, prepare_resume, resume_merges
 from diloco.cli import app
 from diloco.inspect.audit import audit_run
 from diloco.learner.learner import Learner
-from diloco.merger.merger import run_merger
+from diloco.merger.loop import ShardMerger, run_merger
 from diloco.run.context import RunError, open_run
 from diloco.run.controls import list_ops
 from diloco.run.events import EventLog, read_events
@@ -42,7 +42,8 @@ def _wait(check, timeout_s: float = 20.0):
 def test_pause_and_resume_merges_while_learners_publish(tmp_path: Path) -> None:
     ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 1})
     stop = threading.Event()
-    thread = threading.Thread(target=run_merger, args=(merger,), kwargs={"should_stop": stop.is_set}, daemon=True)
+    shard = ShardMerger(ctx, events=merger.events)  # the run's one merger loop over its one chain
+    thread = threading.Thread(target=run_merger, args=(shard,), kwargs={"should_stop": stop.is_set}, daemon=True)
     thread.start()
     try:
         publish_all(learners)

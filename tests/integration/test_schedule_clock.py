@@ -16,8 +16,8 @@ import pytest
 from diloco.configs import load_config
 from diloco.learner.fragmented import FragmentLearner
 from diloco.learner.learner import Learner
+from diloco.merger.loop import ShardMerger
 from diloco.merger.merger import Merger
-from diloco.merger.shard import ShardMerger
 from diloco.run.create import create_run
 from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store
