@@ -35,7 +35,9 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
             typer.echo(f"audit {verdict}: {report.num_versions} versions, {report.deltas_merged} deltas merged, "
                        f"{report.deltas_rejected} rejected, {report.deltas_lost} lost, "
                        f"{report.deltas_pending} pending, replay {'ok' if report.replay_ok else 'FAILED'}; "
-                       f"{report.decisions_replayed} decisions replayed, {report.controls_applied} control ops")
+                       f"{report.decisions_replayed} decisions replayed, {report.controls_applied} control ops"
+                       + (f"; {report.deltas_ignored} keys ignored (no member's, or too far ahead)"
+                          if report.deltas_ignored else ""))
             for p in report.problems:
                 typer.echo(f"  - {p}")
             if report.run_json.startswith("not"):

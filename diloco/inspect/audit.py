@@ -15,6 +15,7 @@ import torch
 
 from diloco.inspect.audit_trust import check_controls, replay_decisions
 from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
+from diloco.merger.waiting import plausible_ahead
 from diloco.run.context import RunContext, direct_names
 from diloco.run.fragments import chain_contexts
 from diloco.run.objects import read_tensors
@@ -32,6 +33,7 @@ class AuditReport:
     deltas_rejected: int = 0
     deltas_lost: int = 0
     deltas_pending: int = 0  # published after the last merge of a run that has ended
+    deltas_ignored: int = 0  # keys no merge decides: a name never admitted, a seq further ahead than a learner can be
     decisions_replayed: int = 0  # decisions recomputed from the stored objects and found equal
     decisions_unreplayable: int = 0  # rejected deltas whose object changed or vanished since, or signatures without keys
     signatures_verified: bool = False  # a keyring was at hand (learner.sign runs)
@@ -41,8 +43,8 @@ class AuditReport:
     fragment_versions: list[int] = field(default_factory=list)  # a fragmented run: versions per fragment chain
     run_json: str = ""  # run.json against version 0's pin (diloco.run.pin)
 
-    COUNTS = ("deltas_merged", "deltas_rejected", "deltas_lost", "deltas_pending", "decisions_replayed",
-              "decisions_unreplayable", "controls_applied")
+    COUNTS = ("deltas_merged", "deltas_rejected", "deltas_lost", "deltas_pending", "deltas_ignored",
+              "decisions_replayed", "decisions_unreplayable", "controls_applied")
 
     def problem(self, text: str) -> None:
         self.ok = False
@@ -59,7 +61,8 @@ class AuditReport:
     def to_json(self) -> dict:
         return {"ok": self.ok, "num_versions": self.num_versions, "deltas_merged": self.deltas_merged,
                 "deltas_rejected": self.deltas_rejected, "deltas_lost": self.deltas_lost,
-                "deltas_pending": self.deltas_pending, "decisions_replayed": self.decisions_replayed,
+                "deltas_pending": self.deltas_pending, "deltas_ignored": self.deltas_ignored,
+                "decisions_replayed": self.decisions_replayed,
                 "decisions_unreplayable": self.decisions_unreplayable, "signatures_verified": self.signatures_verified,
                 "controls_applied": self.controls_applied, "replay_ok": self.replay_ok, "problems": self.problems,
                 "run_json": self.run_json,
@@ -98,13 +101,21 @@ def load_chain(ctx: RunContext, report: AuditReport) -> list[Manifest]:
 
 def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
     decided: dict[tuple[str, int], int] = {}
+    ranges: dict[str, list[tuple[int, int]]] = {}  # learner -> (first, last) of each range one decision decided
     cursors: dict[str, int] = {}
     for m in chain:
         for d in m.decisions:
             key = (d.learner, d.seq)
-            if key in decided:
+            stranger = d.check == "admission" and d.learner not in cursors  # decided again by a restarted merger
+            if key in decided and not stranger:
                 report.problem(f"delta {d.learner}/{d.seq} decided twice (versions {decided[key]} and {m.version})")
             decided[key] = m.version
+            if d.seq_last is not None:  # one decision for a range: a gap declared lost, a stranger's keys
+                ranges.setdefault(d.learner, []).append((d.seq, d.seq_last))
+                report.deltas_lost += (d.seq_last - d.seq) if d.status == "lost" else 0
+                if d.seq_last < d.seq or not (d.status == "lost" or stranger):
+                    report.problem(f"delta {d.learner}/{d.seq}: a range to {d.seq_last} that is neither lost nor "
+                                   "a stranger's")
             if d.status == "merged":
                 report.deltas_merged += 1
                 if d.seq <= cursors.get(d.learner, -1):
@@ -120,14 +131,21 @@ def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport)
             if seq < cursors.get(learner, -1):
                 report.problem(f"version {m.version}: cursor of {learner} went backwards")
         cursors = dict(m.cursors)
+    members = set(chain[-1].guard.members if chain and chain[-1].guard else ctx.learners)
+    ahead = plausible_ahead(ctx.cfg.learner.max_unmerged)
     for key in ctx.store.list(ctx.keys.deltas_prefix()):
         parsed = parse_delta_key(key)
         if parsed is None or parsed in decided:
             continue
-        if parsed[1] > cursors.get(parsed[0], -1):
+        learner, seq = parsed
+        if any(first <= seq <= last for first, last in ranges.get(learner, ())):
+            continue  # decided with its range: declared lost (its object came after), or a stranger's
+        if learner not in members and learner not in cursors or seq >= cursors.get(learner, -1) + 1 + ahead:
+            report.deltas_ignored += 1  # a stranger's key, or one further ahead than a learner can be: no delta
+        elif seq > cursors.get(learner, -1):
             report.deltas_pending += 1
         else:
-            report.problem(f"delta {parsed[0]}/{parsed[1]} is at or below the cursor but was never decided")
+            report.problem(f"delta {learner}/{seq} is at or below the cursor but was never decided")
 
 
 def _parent_state(ctx: RunContext, prev: Manifest):

@@ -106,8 +106,8 @@ def replay_decisions(ctx: RunContext, prev: Manifest, m: Manifest, params, repor
     stream = gradient_stream(params, prev.version, policy.cfg.outer, direct_names(ctx, params), ctx.buffers)
     group: LearnerGroup | None = None
     for d in m.decisions:
-        if d.status == "lost":
-            continue  # declared by time (a gap that waited), not by content
+        if d.status == "lost" or d.seq_last is not None:
+            continue  # declared by time (a gap that waited) or by listing (a stranger's keys), not by content
         redo, header, delta = _redo(ctx, judge, policy, d, m.version, report)
         if redo is None:
             continue

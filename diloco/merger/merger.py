@@ -20,7 +20,7 @@ from diloco.merger.inplace import outer_step_in_place
 from diloco.merger.plan import MergePlan
 from diloco.merger.step import GradientStream, LearnerGroup, OuterState, gradient_stream, outer_optimizer
 from diloco.merger.version_state import VersionState
-from diloco.merger.waiting import Pending, Wait, deltas_after
+from diloco.merger.waiting import Pending, Wait, deltas_after, plausible_ahead
 from diloco.run.buffers import version_buffers
 from diloco.run.context import RunContext, direct_names
 from diloco.run.controls import read_ops
@@ -67,6 +67,8 @@ class Merger:
         self.events = events or EventLog(None, None, merger_id)
         self.stage_hook = stage_hook or (lambda stage: None)  # chaos: kill at a named stage
         self.gap_seen: dict[tuple[str, int], float] = {}
+        self._ignored_said: set[str] = set()  # learners whose implausible keys were reported (once a process)
+        self._strangers: set[str] = set()  # never-admitted names already rejected: their folders are not listed
         self.ema = {"phase_s": 0.0, "quorum_s": 0.0, "merge_s": 0.0}
         self.state = VersionState(ctx)  # the version's params and outer state, read when a merge needs them
         self.manifest: Manifest | None = None  # the chain's newest version (load)
@@ -130,17 +132,33 @@ class Merger:
 
     # ---- waiting -------------------------------------------------------------------------
     def pending(self) -> Pending:
-        """List deltas (never cached); per learner the contiguous seqs after the cursor; old gaps lost."""
-        found = deltas_after(self.ctx.store, self.ctx.keys, self.manifest.cursors)
+        """List deltas (never cached); per learner the contiguous seqs after the cursor; an old gap lost, as one
+        range. Admission first, and bounded work per key: a name that is no member's (never admitted) and a seq
+        further past its member's cursor than it can be (waiting.plausible_ahead) are ignored, each reported once
+        (an `ignored` event), never decided one by one, never given a cursor."""
+        found = deltas_after(self.ctx.store, self.ctx.keys, self.manifest.cursors, self._strangers)
         out, now = Pending(), time.time()
+        state, ahead = self.policy.state, plausible_ahead(self.cfg.learner.max_unmerged)
+        known = {*state.members, *state.removed, *self.manifest.cursors}  # a removed member's are still decided
+        self._strangers -= known  # admitted since: listed and decided as every member's
         for learner, seqs in sorted(found.items()):
             seqs.sort()
+            if learner not in known:  # never admitted: one rejection for all its keys, then never listed again
+                out.strangers[learner] = (seqs[0], seqs[-1])
+                continue
             expected = self.manifest.cursors.get(learner, -1) + 1
+            far = [s for s in seqs if s >= expected + ahead]
+            if far:
+                out.ignored[learner] = far
+                self._report_ignored(learner, far, expected + ahead)
+                seqs = [s for s in seqs if s < expected + ahead]
+                if not seqs:
+                    continue
             if seqs[0] > expected:
                 first_seen = self.gap_seen.setdefault((learner, expected), now)
                 if now - first_seen < self.cfg.merger.gap_timeout_s:
                     continue  # a gap waits ...
-                out.lost[learner] = list(range(expected, seqs[0]))  # ... then is declared lost
+                out.lost[learner] = (expected, seqs[0] - 1)  # ... then is declared lost: one range
                 expected = seqs[0]
             run = []
             for s in seqs:
@@ -150,6 +168,16 @@ class Merger:
                 expected += 1
             out.ready[learner] = run
         return out
+
+    def _report_ignored(self, learner: str, seqs: list[int], limit: int) -> None:
+        """Say once per merger process and learner what it ignores (a log line and an `ignored` event)."""
+        if learner in self._ignored_said:
+            return
+        self._ignored_said.add(learner)
+        why = f"seq {seqs[0]} is past {limit - 1}: further ahead of its cursor than a learner can be"
+        log.warning("ignoring %d delta key(s) of %s: %s", len(seqs), learner, why)
+        self.events.emit("ignored", learner=learner, seqs=seqs[:8], count=len(seqs), reason=why,
+                         version=self.version)
 
     def grace_s(self) -> float:
         """Adaptive grace window: gamma * (phase - quorum wait - merge time), clamped to [0, cap]."""
@@ -280,11 +308,16 @@ class Merger:
         stream = gradient_stream(layout, self.version, policy.cfg.outer, direct_names(self.ctx, layout), self.ctx.buffers)
         judge = Judge(self.ctx.run_id, self.ctx.fingerprint, self.version, layout, policy, self.keyring, buffers=self.ctx.buffers)
         phase_times: list[float] = []
-        for learner, seqs in sorted(pending.lost.items()):
-            for seq in seqs:
-                decisions.append(DeltaDecision(
-                    learner=learner, seq=seq, status="lost",
-                    reason=f"seq {seq} missing for over {policy.cfg.merger.gap_timeout_s:g}s while later seqs arrived"))
+        for learner, (first, last) in sorted(pending.strangers.items()):  # one decision, no cursor, never again
+            self._strangers.add(learner)
+            decisions.append(DeltaDecision(learner=learner, seq=first, seq_last=last if last != first else None,
+                                           status="rejected", check="admission",
+                                           reason=gate(policy, learner, first).reason))  # its keys not read
+        for learner, (first, last) in sorted(pending.lost.items()):
+            seqs = f"seq {first}" if first == last else f"seqs {first}..{last}"
+            decisions.append(DeltaDecision(
+                learner=learner, seq=first, seq_last=last if last != first else None, status="lost",
+                reason=f"{seqs} missing for over {policy.cfg.merger.gap_timeout_s:g}s while later seqs arrived"))
         for learner, seqs in sorted(pending.ready.items()):
             group = LearnerGroup(learner)
             for seq in seqs:
@@ -313,7 +346,15 @@ class Merger:
         except NotFound:
             return DeltaDecision(learner=learner, seq=seq, status="lost", reason="object vanished after listing"), \
                 None, None
-        return judge.judge(learner, seq, size, data, signature)
+        try:
+            return judge.judge(learner, seq, size, data, signature)
+        except StorageError:
+            raise  # the bucket's trouble, not the delta's: the loop backs off and retries
+        except Exception as err:  # noqa: BLE001 - no delta may stop the merge loop (a MemoryError included)
+            log.error("judging %s/%d failed: %s: %s; rejected", learner, seq, type(err).__name__, err)
+            reason = f"judging it failed: {type(err).__name__}: {err}"[:500]
+            return DeltaDecision(learner=learner, seq=seq, status="rejected", check="error", reason=reason), \
+                None, None
 
     def _signature(self, learner: str, seq: int) -> bytes | None:
         try:

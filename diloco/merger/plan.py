@@ -38,7 +38,9 @@ class MergePlan:
         """The record of version parent + 1; `objects`: its keys and checksums (params, update, outer, buffers)."""
         cursors = dict(parent.cursors)
         for d in self.decisions:
-            cursors[d.learner] = max(cursors.get(d.learner, -1), d.seq)
+            if d.check == "admission" and d.learner not in cursors:
+                continue  # a name never admitted gets no cursor: manifests do not carry strangers on
+            cursors[d.learner] = max(cursors.get(d.learner, -1), d.last_seq)
         result = self.result
         return Manifest(
             run_id=parent.run_id, version=parent.version + 1, parent=parent.version, created_at=time.time(),

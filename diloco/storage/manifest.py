@@ -38,11 +38,20 @@ class DeltaDecision(BaseModel):
     weight: float = 0.0  # normalised weight in the combine (sums to 1 over merged deltas)
     bytes: int = 0
     checksum: str = ""
-    # which check decided a rejection: admission, quarantine, signature, codec, invalid, stale, outlier ("" when
+    # which check decided a rejection: admission, quarantine, signature, codec, invalid, stale, outlier, error (judging
+    # raised: not counted against the learner) ("" when
     # merged or lost; old manifests have none); norm: the delta's L2 norm (fp64 over the decoded tensors)
     check: str = ""
     norm: float | None = None
     clip_scale: float | None = None  # outlier_rule clip: the factor the delta was scaled by
+    # a range: seqs seq..seq_last decided by one decision, however long (never one decision per seq): a gap
+    # declared lost, or every key of a name never admitted (rejected for admission)
+    seq_last: int | None = None
+
+    @property
+    def last_seq(self) -> int:
+        """The highest seq this decision decides (seq_last of a lost range, else seq)."""
+        return self.seq if self.seq_last is None else self.seq_last
 
 
 class ControlEntry(BaseModel):
@@ -117,6 +126,9 @@ class Manifest(BaseModel):
         for name in ("buffers_key", "buffers_checksum", "run_json_checksum"):
             if not fields[name]:
                 del fields[name]
+        for decision in fields["decisions"]:  # only a lost range has one: the bytes of every other are as before
+            if decision["seq_last"] is None:
+                del decision["seq_last"]
         return json.dumps(fields, sort_keys=True, indent=1).encode()
 
     @classmethod

@@ -108,7 +108,8 @@ def decisions(run: ChaosRun) -> dict[tuple[str, int], list[tuple[int, str, str]]
     out: dict[tuple[str, int], list[tuple[int, str, str]]] = {}
     for m in run.chain:
         for d in m.decisions:
-            out.setdefault((d.learner, d.seq), []).append((m.version, d.status, d.reason))
+            for seq in range(d.seq, d.last_seq + 1):  # a range (a lost gap) decides each of its seqs
+                out.setdefault((d.learner, seq), []).append((m.version, d.status, d.reason))
     return out
 
 

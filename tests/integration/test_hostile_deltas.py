@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 
 import torch
 
@@ -167,3 +168,55 @@ def test_the_size_bound_is_the_models_own_when_the_run_sets_none(tmp_path):
     decided = {d.learner: d for d in merger.merge_once().decisions}
     assert decided["local-0"].status == "merged"
     assert decided["evil-big"].check == "size" and "the model's largest delta" in decided["evil-big"].reason
+
+
+def test_keys_no_learner_can_have_written_cost_one_look_each(tmp_path, monkeypatch):
+    """Issue #44, invariant 1, planted into a live run: a 4-byte key at seq 999,999,999,999 under a name never admitted
+    is one rejection (no cursor, never listed again); the same key under a member's name is further ahead than a
+    learner can be: ignored, never a gap to materialise; a real gap is one `lost` decision for its whole range; a
+    delta whose judging raises (even a MemoryError) is rejected and the merge goes on."""
+    from trust_helpers import one_round, tiny_run
+
+    from diloco.inspect.audit import audit_run
+    from diloco.trust import judge as judge_module
+
+    ctx, learners, merger = tiny_run(tmp_path, **{"merger.gap_timeout_s": 0.01})
+    one_round(learners, merger)
+    huge = 999_999_999_999
+    ctx.store.put(ctx.keys.delta("junk-x", huge), b"junk")
+    ctx.store.put(ctx.keys.delta("local-0", huge), b"junk")
+    first = one_round(learners, merger)
+    strangers = [d for d in first.decisions if d.learner == "junk-x"]
+    assert [(d.seq, d.status, d.check) for d in strangers] == [(huge, "rejected", "admission")]
+    assert "junk-x" not in first.cursors and first.cursors["local-0"] < 10
+    assert not [d for d in first.decisions if d.learner == "local-0" and d.seq == huge]
+    second = one_round(learners, merger)
+    assert not [d for d in second.decisions if d.learner == "junk-x"] and "junk-x" not in second.cursors
+    assert len(second.to_bytes()) < 20_000  # no materialised gap, no stranger carried on
+
+    # a real gap of 3 seqs (a learner whose uploads were lost): one decision for the range, once it waited
+    seq = learners[0].state.seq
+    learners[0].state.seq = seq + 3  # (within learner.max_unmerged: it is not held back)
+    rounds = [one_round(learners, merger)]  # the gap seen first ...
+    time.sleep(0.05)
+    rounds.append(one_round(learners, merger))  # ... waited out: declared lost
+    lost = [d for m in rounds for d in m.decisions if d.status == "lost"]
+    assert [(d.learner, d.seq, d.seq_last) for d in lost] == [("local-0", seq, seq + 2)]
+
+    # judging that raises rejects the delta, never the merge
+    real = judge_module.Judge.judge
+
+    def exploding(self, learner, seq, *args, **kwargs):
+        if learner == "local-1":
+            raise MemoryError("a delta too big to judge")
+        return real(self, learner, seq, *args, **kwargs)
+
+    monkeypatch.setattr(judge_module.Judge, "judge", exploding)
+    fourth = one_round(learners, merger)
+    (bad,) = [d for d in fourth.decisions if d.learner == "local-1"]
+    assert bad.status == "rejected" and "MemoryError: a delta too big to judge" in bad.reason
+    monkeypatch.setattr(judge_module.Judge, "judge", real)
+    for learner in learners:
+        learner.close()
+    report = audit_run(ctx, do_replay=False)
+    assert report.ok and report.deltas_ignored == 1 and report.deltas_lost == 3, report.problems

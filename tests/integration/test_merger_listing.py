@@ -56,7 +56,7 @@ def test_a_poll_lists_only_the_deltas_after_each_cursor(s3_url):
     plant(ctx, "stranger", 0, base_version=3)  # never admitted: found, and rejected unread
     store.log.clear()
     pending = merger.pending()
-    assert pending.ready == {ctx.learners[0]: [3], "stranger": [0]}
+    assert pending.ready == {ctx.learners[0]: [3]} and pending.strangers == {"stranger": (0, 0)}  # one decision
     deltas = [(prefix, after, n) for prefix, after, n in store.log if "/deltas/" in prefix]
     assert sorted(deltas) == sorted([
         (ctx.keys.deltas_prefix(ctx.learners[0]), ctx.keys.delta(ctx.learners[0], 2), 1),  # seqs 0-2 not listed
