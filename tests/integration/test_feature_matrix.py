@@ -33,9 +33,7 @@ pytestmark = pytest.mark.slow
 PARTS = [1, 3]  # the whole model, and three fragments
 # cells the engine still refused or dropped when this matrix was written (issue #40 folds the twins so each works);
 # strict: a cell that starts working fails here until its mark is removed
-NOT_YET = {"ranks": "learner.ranks > 1 with fragments", "local_state": "local state with fragments",
-           "checkpoints": "bucket checkpoints with fragments", "task_units": "a shard's merges as task units",
-           "fork": "fork of a fragmented run"}
+NOT_YET = {"task_units": "a shard's merges as task units", "fork": "fork of a fragmented run"}
 
 
 def parts(option: str) -> list:
