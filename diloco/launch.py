@@ -60,8 +60,6 @@ def make_learner(storage: str, run_id: str, name: str, world=None):
     slowdown = control.slowdown.get(name) if control else None
     # events are kept and flushed again on failure: one quick retry, so an outage does not stall each phase
     events = EventLog(ctx.store.with_retries(1), ctx.keys, name)
-    if ctx.fragments:  # fragments.count > 1: ship-and-carry per fragment (diloco.learner.fragmented)
-        from diloco.learner.fragmented import FragmentLearner as Learner
     learner = Learner(ctx, name, events=events, slowdown=slowdown, world=world, signing_key=key)
     # watched: the training thread asks between phases and at every probe, and must never wait on the bucket
     return learner, RoleStop(ctx, ctx.cfg.run.num_versions, learner=name).watch()

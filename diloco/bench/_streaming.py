@@ -25,7 +25,7 @@ import time
 from dataclasses import replace
 
 from diloco.configs import Config
-from diloco.learner.fragmented import FragmentLearner
+from diloco.learner.learner import Learner
 from diloco.merger.loop import ShardMerger
 from diloco.run.create import create_run
 from diloco.run.fragments import read_run_version, run_version
@@ -37,7 +37,7 @@ from diloco.training.fragments import due_offset
 
 
 def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
-    """Learners (FragmentLearner) and one merger shard in this process on a file:// store."""
+    """Learners (over fragment lanes) and one merger shard in this process on a file:// store."""
     from diloco.bench._quality_runs import active_learners, quorum_of, tokens_per_phase
 
     t0, m = time.time(), cfg.run.num_learners
@@ -58,7 +58,7 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
         store = open_store(f"file://{tmp}")
         ctx = create_run(store, f"q-{method.name}-s{cfg.data.seed}", cfg)
         counters = [CountingStore(store) for _ in ctx.learners]
-        learners = [FragmentLearner(replace(ctx, store=c), n, make_spec(ctx.cfg, corpus))
+        learners = [Learner(replace(ctx, store=c), n, make_spec(ctx.cfg, corpus))
                     for c, n in zip(counters, ctx.learners, strict=True)]
         for learner, counter in zip(learners, counters, strict=True):
             learner.join()
@@ -93,7 +93,7 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
         return _result(ctx, method, learners, counters, curve, tokens, merges, t0)
 
 
-def _drive_clock(ctx, learners: list[FragmentLearner], shard: ShardMerger, held, target: int, schedule: str,
+def _drive_clock(ctx, learners: list[Learner], shard: ShardMerger, held, target: int, schedule: str,
                  dylu: bool = False):
     """Every learner computes at once, one step a tick (a learner of speed s < 1, the slow half under
     "concurrent-hetero", on a fraction s of the ticks): each steps (shipping what is due on its own staggered

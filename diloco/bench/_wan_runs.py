@@ -31,7 +31,7 @@ class WanRun:
     """One method behind one link: `mode` sync (quorum M, learners wait) or carry (the recipe's quorum and
     grace window; learners never wait). `cohorts`: odd learners start with half a phase (two cohorts half a
     phase apart, quorum M/2, no grace: the cohorts of bench quality's "alternate" schedule, computing at once).
-    `fragments` > 1: FragmentLearners ship fragment p at step p*H/P of every phase into its own chain and a merger shard merges each
+    `fragments` > 1: learners ship fragment p at step p*H/P of every phase into its own chain and a merger shard merges each
     fragment once a quorum of its deltas is there (M in step; M/2 in cohorts: fragments.cohorts 2, the odd learners'
     schedule half a phase later); with the recipe's learner.prefetch each lane fetches its fragment's versions in
     the background."""
@@ -128,7 +128,6 @@ def phase_plan(steps: int, h: int, half_first: bool) -> list[int]:
 def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: bool, corpus, barrier, out) -> None:
     """One learner process (forked: `corpus` is the parent's): join through its link, wait for everyone,
     then steps / H phases."""
-    from diloco.learner.fragmented import FragmentLearner
     from diloco.learner.learner import Learner
     from diloco.run.context import open_run
     from diloco.specs.gpt import make_spec
@@ -140,7 +139,7 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
         counting = CountingStore(ThrottledStore(open_store(url), run.link))
         ctx = open_run(counting, run_id)
         fragmented = bool(ctx.fragments)
-        learner = (FragmentLearner if fragmented else Learner)(ctx, name, make_spec(ctx.cfg, corpus))
+        learner = Learner(ctx, name, make_spec(ctx.cfg, corpus))
         padded = PaddedSteps(learner.trainer, run.step_time_s)
         learner.join()
         joined_link = counting.inner.link.snapshot()

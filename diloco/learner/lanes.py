@@ -1,5 +1,6 @@
-"""Learner lanes: ship-and-carry per fragment. Each fragment has its own base version, global, reference,
-seq and unshipped steps/tokens, and ships on its own staggered schedule (fragment p at step p*H/P + k*H).
+"""Learner lanes: ship-and-carry per chain. Each lane has its own base version, global, reference, seq and
+unshipped steps/tokens (a LearnerState), and with fragments ships on its own staggered schedule (fragment p at
+step p*H/P + k*H). The whole model is one lane holding every tensor whole.
 
 Contract (DESIGN §5, per fragment): for every fragment, shipped + carried = all local progress on its
 tensors. Shipping p: delta = r_p - theta_p, r_p -= dequantize(delta). Installing p at G_p:
@@ -15,47 +16,66 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.learner.state import LearnerState
 from diloco.training.fragments import due_offset, put_, take
 from diloco.training.tensors import Tensors, add_
 
 
 @dataclass
-class Lane:
-    index: int
-    fragment: dict
-    base: int = -1
-    seq: int = 0  # the next delta's seq in this fragment's chain
-    glob: Tensors = field(default_factory=dict)
-    ref: Tensors = field(default_factory=dict)
-    steps: int = 0  # unshipped steps and tokens in r_p - theta_p
-    tokens: int = 0
-    shipped_at: int = -(1 << 62)  # the learner step of the last ship (tau counts from it)
-    merged: int = -1  # own seqs up to this one decided by version `base` (its manifest's cursor)
+class Lane(LearnerState):
+    """One chain's LearnerState, the fragment it holds, and the learner step of its last ship."""
 
-    def unmerged(self) -> int:
-        """Own deltas shipped into this fragment's chain and not decided by version `base`."""
-        return max(self.seq - 1 - self.merged, 0)
+    index: int = 0
+    fragment: dict = field(default_factory=dict)
+    shipped_at: int = -(1 << 62)  # the learner step of the last ship (tau counts from it)
+
+    @property
+    def steps(self) -> int:
+        """The unshipped steps in r_p - theta_p (steps_since_publish)."""
+        return self.steps_since_publish
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.steps_since_publish = value
+
+    @property
+    def tokens(self) -> int:
+        """The tokens of the unshipped steps (tokens_since_publish)."""
+        return self.tokens_since_publish
+
+    @tokens.setter
+    def tokens(self, value: int) -> None:
+        self.tokens_since_publish = value
 
 
 class Lanes:
     """The P lanes of one learner. `offset(p)` = p*H/P; `H` = inner.steps_per_phase; `tau` = overlap_steps."""
 
     def __init__(self, fragments: list[dict], steps_per_phase: int, tau: int, mode: str = "carry") -> None:
-        self.lanes = [Lane(i, f) for i, f in enumerate(fragments)]
+        self.lanes = [Lane(index=i, fragment=f, merged=-1) for i, f in enumerate(fragments)]
         self.steps_per_phase, self.tau, self.mode = steps_per_phase, tau, mode
         self.shift = 0  # the schedule's place: lane p ships when (step + shift) % H = p*H/P (retime moves it)
 
     def __len__(self) -> int:
         return len(self.lanes)
 
-    def join(self, index: int, version: int, glob: Tensors, next_seq: int, theta: Tensors, merged: int = -1) -> None:
-        """Lane `index` starts at `version` (`merged`: the learner's cursor in it): theta_p = r_p = G_p, nothing
-        unshipped."""
+    def join(self, index: int, version: int, glob: Tensors, next_seq: int, theta: Tensors,
+             merged: int = -1) -> None:
+        """Lane `index` starts at `version` (`merged`: the learner's cursor in it): theta_p = r_p = G_p,
+        nothing unshipped."""
         lane = self.lanes[index]
         lane.base, lane.seq, lane.glob, lane.ref = version, next_seq, glob, _on(glob, _device(theta))
         lane.merged = merged
         lane.steps = lane.tokens = 0
         put_(theta, lane.fragment, glob)
+
+    def adopt(self, index: int, state: LearnerState, device: torch.device) -> None:
+        """Lane `index` takes a resumed chain state (theta is set apart): r_p on `device`."""
+        lane = self.lanes[index]
+        lane.base, lane.seq, lane.glob = state.base, state.seq, state.glob
+        lane.ref = _on(state.ref, device, copy=False)
+        lane.steps, lane.tokens = state.steps_since_publish, state.tokens_since_publish
+        lane.merged = state.merged
 
     def stepped(self, tokens: int) -> None:
         """One inner step: its progress is unshipped in every lane."""
@@ -64,16 +84,17 @@ class Lanes:
             lane.tokens += tokens
 
     def due(self, step: int) -> list[int]:
-        """The lanes to ship after learner step `step` (1-based steps since join): p when step + shift = offset(p)
-        mod H."""
+        """The lanes to ship after learner step `step` (1-based steps since join): p when step + shift =
+        offset(p) mod H."""
         count, h = len(self.lanes), self.steps_per_phase
         return [lane.index for lane in self.lanes
                 if lane.steps > 0 and (step + self.shift) % h == due_offset(lane.index, count, h) % h]
 
     def retime(self, steps_per_phase: int, step: int) -> None:
-        """H = `steps_per_phase` from learner step `step` on (inner.dylu): the schedule keeps its place in the cycle,
-        scaled (a learner 40% into its cycle goes on 40% into the new one, so a cohort's ships stay together in
-        wall time). Only when lanes ship changes: every lane's unshipped progress ships at its next due step."""
+        """H = `steps_per_phase` from learner step `step` on (inner.dylu): the schedule keeps its place in the
+        cycle, scaled (a learner 40% into its cycle goes on 40% into the new one, so a cohort's ships stay
+        together in wall time). Only when lanes ship changes: every lane's unshipped progress ships at its
+        next due step."""
         old = self.steps_per_phase
         place = (step + self.shift) % old * steps_per_phase // old
         self.shift = (place - step) % steps_per_phase
@@ -83,7 +104,7 @@ class Lanes:
         """r_p - theta_p: what lane `index` ships now."""
         lane = self.lanes[index]
         part = take(theta, lane.fragment, copy=False)
-        return {k: (lane.ref[k] - part[k].float()).cpu() for k in lane.ref}
+        return _to_host({k: lane.ref[k] - part[k].float() for k in lane.ref})
 
     def take(self, index: int, step: int) -> tuple[int, int, int]:
         """The delta r_p - theta_p just read ships as the next seq: (seq, steps, tokens) it holds; nothing is
@@ -104,11 +125,12 @@ class Lanes:
         """tau steps after a ship, not before: the overlap a fragment's merge has to arrive in."""
         return step - self.lanes[index].shipped_at >= self.tau
 
-    def install(self, index: int, version: int, glob: Tensors, theta: Tensors, merged: int | None = None) -> None:
+    def install(self, index: int, version: int, glob: Tensors, theta: Tensors,
+                merged: int | None = None) -> None:
         """Move lane `index` to `version` in `theta` (whole-model tensors, e.g. the model's own parameters,
         on any device; written in place): carry the unshipped. `merged`: the learner's cursor in `version`."""
         lane = self.lanes[index]
-        ref = _on(glob, _device(theta))  # r_p = G_p: on the device, and a copy of `glob` (kept as the lane's G_p)
+        ref = _on(glob, _device(theta))  # r_p = G_p: on the device, a copy of `glob` (kept as the lane's G_p)
         if self.mode == "overwrite":
             new = ref
         else:
@@ -129,6 +151,22 @@ class Lanes:
 
 def _device(tensors: Tensors) -> torch.device:
     return next(iter(tensors.values())).device if tensors else torch.device("cpu")
+
+
+def _to_host(tensors: Tensors) -> Tensors:
+    """fp32 CPU tensors: as they are on the CPU; from an accelerator one transfer of all of them (pinned),
+    split."""
+    if not tensors or _device(tensors).type == "cpu":
+        return tensors
+    with torch.no_grad():
+        flat = torch.cat([t.reshape(-1) for t in tensors.values()])
+        host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(flat)
+    out, offset = {}, 0
+    for k, t in tensors.items():
+        out[k] = host[offset:offset + t.numel()].view(t.shape).clone()
+        offset += t.numel()
+    return out
 
 
 def _on(tensors: Tensors, device: torch.device, copy: bool = True) -> Tensors:

@@ -1,7 +1,8 @@
 """Background publishing: deltas (then the checkpoint that follows them) uploaded in seq order.
 
 Contract: the next phase computes while uploads run; a delta is retried until it lands or the
-publisher is closed; time the caller waits for a full queue is returned as stall.
+publisher is closed; time the caller waits for a full queue is returned as stall. A checkpoint may also be
+queued on its own (`submit_checkpoint`): it never waits for room, and one waits at most (a newer replaces it).
 """
 
 from __future__ import annotations
@@ -26,41 +27,54 @@ class Publisher:
     """One upload thread per learner; FIFO, so deltas land in seq order."""
 
     def __init__(self, store: Store, events: EventLog, max_backoff_s: float = 5.0,
-                 on_landed: Callable[[int], None] | None = None) -> None:
+                 on_landed: Callable[[int, int | None], None] | None = None) -> None:
         self.store, self.events, self.max_backoff_s = store, events, max_backoff_s
-        self.on_landed = on_landed  # called with a delta's seq once it has landed (the local spool drops it)
+        # called with a delta's (seq, fragment) once it has landed (the local spool drops it)
+        self.on_landed = on_landed
         self._queue: queue.Queue = queue.Queue()
-        self._room = threading.Condition()  # guards _in_flight: deltas submitted, not landed (or given up) yet
+        self._room = threading.Condition()  # guards _in_flight: deltas submitted, not landed (or given up)
         self._in_flight = 0
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
         self.bytes_published = 0
         self.fenced = threading.Event()  # another process published one of our seqs: we must stop
+        self._checkpoint_alone: tuple[str, Callable[[], bytes]] | None = None  # guarded by _room
 
     def full(self, coming: int = 0) -> bool:
-        """MAX_PENDING deltas are waiting (storage down or slow), counting `coming` more the caller will submit
-        (a fragmented learner's deltas still being encoded): a new one would stall the caller."""
+        """MAX_PENDING deltas are waiting (storage down or slow), counting `coming` more the caller will
+        submit (a fragmented learner's deltas still being encoded): a new one would stall the caller."""
         with self._room:
             return self._in_flight + coming >= MAX_PENDING
 
     def submit(self, key: str, data: bytes, *, seq: int,
                checkpoint: tuple[str, Callable[[], bytes]] | None = None,
-               sidecar: tuple[str, bytes] | None = None) -> float:
+               sidecar: tuple[str, bytes] | None = None, fragment: int | None = None) -> float:
         """Queue a delta (and the checkpoint to write after it: its key, and a function this thread
-        calls to encode it; and its signature, written before it); returns seconds stalled waiting for room."""
+        calls to encode it; and its signature, written before it; `fragment`: its chain, None for the root's);
+        returns seconds stalled waiting for room."""
         t0 = time.time()
         with self._room:
             self._room.wait_for(lambda: self._in_flight < MAX_PENDING)
             self._in_flight += 1
         stall = time.time() - t0
-        self._queue.put((key, data, seq, checkpoint, True, sidecar))
+        self._queue.put((key, data, seq, checkpoint, True, sidecar, fragment))
         return stall
 
-    def requeue(self, key: str, data: bytes, *, seq: int, sidecar: tuple[str, bytes] | None = None) -> None:
+    def requeue(self, key: str, data: bytes, *, seq: int, sidecar: tuple[str, bytes] | None = None,
+                fragment: int | None = None) -> None:
         """Queue a delta of a previous process (the local spool at a resume) without waiting for room:
         it was already counted against the queue's bound before the crash."""
-        self._queue.put((key, data, seq, None, False, sidecar))
+        self._queue.put((key, data, seq, None, False, sidecar, fragment))
+
+    def submit_checkpoint(self, key: str, encode: Callable[[], bytes]) -> None:
+        """Queue a checkpoint on its own (after everything queued before it; `encode` is called on this
+        thread), without waiting for room: a fragmented learner's, when the delta it would follow waits. One
+        waits at most: a newer one replaces it (in an outage a checkpoint a cycle never piles up)."""
+        with self._room:
+            waiting, self._checkpoint_alone = self._checkpoint_alone is not None, (key, encode)
+        if not waiting:
+            self._queue.put(("checkpoint",))
 
     def drain(self, timeout_s: float = 600.0) -> bool:
         """Wait until everything queued has landed."""
@@ -86,15 +100,25 @@ class Publisher:
             if item is None:
                 self._queue.task_done()
                 return
-            key, data, seq, checkpoint, counted, sidecar = item
+            if item == ("checkpoint",):
+                with self._room:
+                    alone, self._checkpoint_alone = self._checkpoint_alone, None
+                try:
+                    if alone is not None:
+                        self._put_with_retry(alone[0], alone[1](), attempts=3)
+                finally:
+                    self._queue.task_done()
+                continue
+            key, data, seq, checkpoint, counted, sidecar, fragment = item
             try:
                 # the signature lands first (a plain put: it is not history), so the merger never sees the
                 # delta without it
-                if (sidecar is None or self._put_with_retry(*sidecar)) and self._put_with_retry(key, data, exclusive=True):
+                signed = sidecar is None or self._put_with_retry(*sidecar)
+                if signed and self._put_with_retry(key, data, exclusive=True):
                     self.bytes_published += len(data)
                     self.events.emit("published", key=key, seq=seq, bytes=len(data))
                     if self.on_landed is not None:
-                        self.on_landed(seq)
+                        self.on_landed(seq, fragment)
                     if checkpoint is not None:
                         self._put_with_retry(checkpoint[0], checkpoint[1](), attempts=3)
             finally:
@@ -140,10 +164,10 @@ class Publisher:
 
 
 def deferral(publisher: Publisher, unmerged: int, cfg, coming: int = 0) -> str | None:
-    """Why a due delta should wait (its progress ships with a later one), or None: "uploading" when MAX_PENDING
-    deltas are in flight (counting `coming` the caller will submit), "unmerged" when `unmerged` of the learner's
-    deltas (on this chain) are shipped and not decided yet by the version it holds: learner.max_unmerged
-    (`cfg`: the learner config), the back-pressure of a merger that cannot keep up."""
+    """Why a due delta should wait (its progress ships with a later one), or None: "uploading" when
+    MAX_PENDING deltas are in flight (counting `coming` the caller will submit), "unmerged" when `unmerged` of
+    the learner's deltas (on this chain) are shipped and not decided yet by the version it holds:
+    learner.max_unmerged (`cfg`: the learner config), the back-pressure of a merger that cannot keep up."""
     if publisher.full(coming):
         return "uploading"
     if cfg.max_unmerged and unmerged >= cfg.max_unmerged:

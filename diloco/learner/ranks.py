@@ -57,10 +57,6 @@ def make_trainer(ctx: RunContext, spec: TrainSpec, device: str, who: str,
     return model, trainer
 
 
-def build_trainer(learner: Learner, world: World | None) -> tuple[nn.Module, InnerTrainer]:
-    return make_trainer(learner.ctx, learner.spec, learner.device, f"learner {learner.name}", world)
-
-
 def _sync(world: World, word: int, model: nn.Module, trainer: InnerTrainer, cursor: int | None) -> int | None:
     """The broadcasts a control word announces (both sides call it); returns the cursor when FULL."""
     if word & (FULL | PARAMS):

@@ -13,7 +13,6 @@ import pytest
 
 from diloco.configs import load_config
 from diloco.inspect.audit import audit_run
-from diloco.learner.fragmented import FragmentLearner
 from diloco.learner.learner import Learner
 from diloco.merger.loop import ShardMerger
 from diloco.merger.merger import Merger
@@ -124,7 +123,7 @@ def test_a_resume_from_local_state_keeps_holding_back(tmp_path, corpus, monkeypa
 def test_a_fragment_lane_with_max_unmerged_deltas_ships_everything_later(tmp_path, corpus):
     ctx = _run(tmp_path, **{"learner.max_unmerged": 1, "fragments.count": 2, "fragments.overlap_steps": 0,
                             "inner.steps_per_phase": 4, "learner.codec": "fp32", "learner.prefetch": False})
-    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus), events=EventLog(ctx.store, ctx.keys, "local-0"))
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus), events=EventLog(ctx.store, ctx.keys, "local-0"))
     learner.join()
     learner.publisher.full = lambda *_: False  # uploads never hold a ship back here: only the unmerged
     learner.run_phase(num_steps=4)  # H = 4: fragment 0 ships at step 4, fragment 1 at step 2

@@ -28,7 +28,6 @@ from diloco.configs import load_config
 from diloco.evaluator.evaluator import Evaluator
 from diloco.inspect.audit import audit_run
 from diloco.inspect.model_out import export_safetensors, load_model
-from diloco.learner.fragmented import FragmentLearner
 from diloco.learner.learner import Learner
 from diloco.merger.loop import ShardMerger
 from diloco.merger.merger import Merger
@@ -161,7 +160,7 @@ def test_bad_buffers_are_rejected_and_a_merge_without_any_carries_them_forward(t
 
 def test_a_fragmented_run_carries_buffers_with_fragment_zero(tmp_path, spec_path) -> None:
     ctx = _create(tmp_path, spec_path, "frag", **{"fragments.count": 2, "fragments.overlap_steps": 1})
-    learners = [FragmentLearner(ctx, name) for name in ctx.learners]
+    learners = [Learner(ctx, name) for name in ctx.learners]
     for learner in learners:
         learner.publisher.full = lambda *_: False  # every fragment ships when due (these tests count merges)
         learner.join()

@@ -50,7 +50,6 @@ def machine() -> str:
 
 def _drive(tmp_path: Path, fragments: int) -> dict:
     """A run of ROUNDS rounds: each learner's phase in turn, then every waiting delta merged; the committed bits."""
-    from diloco.learner.fragmented import FragmentLearner
     from diloco.learner.learner import Learner
     from diloco.merger.loop import ShardMerger
 
@@ -58,8 +57,7 @@ def _drive(tmp_path: Path, fragments: int) -> dict:
     url = f"file://{tmp_path}/p{fragments}"
     create_run(open_store(url), "pinned", cfg)
     ctx = open_run(url, "pinned")
-    kind = FragmentLearner if ctx.fragments else Learner
-    learners = [kind(ctx, name) for name in ctx.learners]
+    learners = [Learner(ctx, name) for name in ctx.learners]
     for learner in learners:
         learner.publisher.full = lambda *_: False  # a due ship waits for room: slow storage would defer it
         learner.join()

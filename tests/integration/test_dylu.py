@@ -14,7 +14,6 @@ import uuid
 import pytest
 
 from diloco.configs import load_config
-from diloco.learner.fragmented import FragmentLearner
 from diloco.learner.learner import Learner
 from diloco.learner.loop import learner_step
 from diloco.learner.pace import Pace, phase_steps
@@ -66,9 +65,8 @@ def test_a_slow_learner_runs_its_share_of_h_and_the_fast_one_all_of_it(corpus, f
         "learner.local_state_every_steps": 0, "fragments.count": fragments, "fragments.overlap_steps": 1,
         "merger.shards": 1})
     ctx = create_run(open_store(f"memory://dylu-{uuid.uuid4().hex[:10]}"), "dylu", cfg)
-    kind = FragmentLearner if fragments > 1 else Learner
-    fast, slow = (kind(ctx, name, make_spec(ctx.cfg, corpus), events=EventLog(ctx.store, ctx.keys, name),
-                       slowdown=6.0 if k else None) for k, name in enumerate(ctx.learners))
+    fast, slow = (Learner(ctx, name, make_spec(ctx.cfg, corpus), events=EventLog(ctx.store, ctx.keys, name),
+                          slowdown=6.0 if k else None) for k, name in enumerate(ctx.learners))
     for learner in (fast, slow):
         learner.join()
         learner_step(learner, lambda: False)  # a phase of H: no speeds known yet

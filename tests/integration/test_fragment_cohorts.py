@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from diloco.configs import ConfigError, load_config
-from diloco.learner import fragmented
-from diloco.learner.fragmented import FragmentLearner
+from diloco.learner import install
+from diloco.learner.learner import Learner
 from diloco.learner.prefetch import fetch_global
 from diloco.merger.loop import ShardMerger
 from diloco.run.create import create_run
@@ -46,10 +46,10 @@ def _run(tmp_path, **overrides):
     return create_run(open_store(f"file://{tmp_path}/bucket"), f"c-{uuid.uuid4().hex[:6]}", cfg)
 
 
-def _learner(ctx, name: str, corpus) -> FragmentLearner:
+def _learner(ctx, name: str, corpus) -> Learner:
     """A learner that ships every fragment when due: slow storage would defer a ship (tested in
     test_fragment_lanes) and these tests count the ships."""
-    learner = FragmentLearner(ctx, name, make_spec(ctx.cfg, corpus))
+    learner = Learner(ctx, name, make_spec(ctx.cfg, corpus))
     learner.publisher.full = lambda *_: False  # a ship waits for room instead
     return learner
 
@@ -115,7 +115,7 @@ def test_prefetched_lanes_install_the_merged_fragment_bit_for_bit(tmp_path, corp
     def no_probe(*args, **kwargs):
         raise AssertionError("the training thread probed the bucket: a prefetched lane needs no request")
 
-    monkeypatch.setattr(fragmented, "manifest_exists", no_probe)
+    monkeypatch.setattr(install, "manifest_exists", no_probe)
     moved = reader.maybe_install()
     assert sorted(moved) == list(range(COUNT))
     for p in range(COUNT):

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diloco.configs import load_config
-from diloco.learner.fragmented import FragmentLearner
+from diloco.learner.learner import Learner
 from diloco.merger.loop import ShardMerger, run_merger
 from diloco.run.create import create_run
 from diloco.run.fragments import fragment_versions, run_version
@@ -67,7 +67,7 @@ def _assembled_global(ctx) -> dict:
 class Meter:
     """All local progress (the optimizer's own parameter changes) and all shipped (dequantized) deltas."""
 
-    def __init__(self, learner: FragmentLearner) -> None:
+    def __init__(self, learner: Learner) -> None:
         theta = learner.theta()
         self.total = {k: torch.zeros_like(v) for k, v in theta.items()}
         self.shipped = {k: torch.zeros_like(v) for k, v in theta.items()}
@@ -100,7 +100,7 @@ def _merge_all(ctx) -> int:
 def test_shipped_plus_carried_is_all_progress_per_fragment(corpus, ops, count, codec, tau, background):
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes",
                      _cfg(count, codec, tau, background))
-    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     assert (learner.encoder is not None) == background
     learner.join()
     theta0 = learner.theta()
@@ -129,7 +129,7 @@ def test_shipped_plus_carried_is_all_progress_per_fragment(corpus, ops, count, c
 
 def test_staggered_schedule_and_rejoin_at_the_newest_fragments(corpus):
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(4, "int8", 1))
-    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.publisher.full = lambda *_: False  # a due ship waits for room (slow storage would defer it)
     learner.join()
     shipped_at: list[tuple[int, int]] = []
@@ -142,7 +142,7 @@ def test_staggered_schedule_and_rejoin_at_the_newest_fragments(corpus):
     assert _merge_all(ctx) == 4 and fragment_versions(ctx) == [1, 1, 1, 1] and run_version(ctx) == 1
     learner.heartbeat(force=True, wait=True)
     learner.close()
-    again = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    again = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     again.join()
     assert (again.cursor, again.trainer.step) == (learner.cursor, learner.trainer.step) == (8, 8)  # data, lr
     assert again.lanes.meta()["bases"] == [1, 1, 1, 1] and again.state.base == 1
@@ -157,7 +157,7 @@ def test_sync_mode_installs_each_fragment_tau_steps_after_shipping(corpus):
     compact (int8) updates and hold exactly the committed params' bits."""
     cfg = _cfg(2, "int8", 1).with_overrides({"learner.mode": "sync", "outer.update_codec": "int8"})
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", cfg)
-    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.join()
     stop = threading.Event()
     shards = [threading.Thread(target=run_merger, args=(ShardMerger(ctx, s),), kwargs={"should_stop": stop.is_set})
@@ -181,7 +181,7 @@ def test_sync_mode_installs_each_fragment_tau_steps_after_shipping(corpus):
 
 def test_a_full_publisher_defers_a_lane_which_ships_everything_next_time(corpus):
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(2, "fp32", 0))
-    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.join()
     learner.publisher.full = lambda *_: True  # two deltas still uploading: storage slow or down
     learner.run_phase(num_steps=4)
@@ -201,7 +201,7 @@ def _train_ship_merge_install(corpus, background: bool) -> tuple[dict, dict, lis
     theta, the publish events in order)."""
     cfg = _cfg(4, "int4", 0, background).with_overrides({"learner.probe_every_steps": 1})
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", cfg)
-    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.publisher.full = lambda *_: False  # no deferral (it depends on upload timing): every due ship ships
     learner.join()
     for steps in (5, 3, 6, 2, 7):
@@ -231,10 +231,10 @@ def test_encoding_in_the_background_ships_the_same_bits(corpus):
 def _slow_encodes(monkeypatch, seconds: float, fail_seq: int | None = None, fragment: int | None = None) -> None:
     """Fragment deltas (every fragment's, or `fragment`'s) take `seconds` longer to encode (a 125 MB fragment on
     one core); the one of `fail_seq` (`fragment`'s, when given) fails as the codec does on a non-finite value."""
-    from diloco.learner import fragmented
+    from diloco.learner import ship as shipping
     from diloco.storage.codec import CodecError
 
-    encode = fragmented.encode_shipped
+    encode = shipping.encode_shipped
 
     def slow(delta, **kwargs):
         ours = fragment is None or kwargs["meta"]["fragment"] == fragment
@@ -244,7 +244,7 @@ def _slow_encodes(monkeypatch, seconds: float, fail_seq: int | None = None, frag
             raise CodecError("int4 cannot encode a non-finite value")
         return encode(delta, **kwargs)
 
-    monkeypatch.setattr(fragmented, "encode_shipped", slow)
+    monkeypatch.setattr(shipping, "encode_shipped", slow)
 
 
 def test_a_lane_ships_again_only_after_its_last_encode_completed(corpus, monkeypatch):
@@ -252,7 +252,7 @@ def test_a_lane_ships_again_only_after_its_last_encode_completed(corpus, monkeyp
     the last delta's error feedback is in r_p."""
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes",
                      _cfg(2, "int8", 0, True).with_overrides({"inner.steps_per_phase": 2}))
-    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.join()
     _slow_encodes(monkeypatch, 0.2)
     learner.publisher.full = lambda *_: False  # no deferral: every due ship happens, encodes or not
@@ -278,7 +278,7 @@ def test_an_outage_defers_ships_while_deltas_are_still_encoding(corpus, monkeypa
 
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(2, "fp32", 0, True))
     faulty = FaultyStore(ctx.store, [])
-    learner = FragmentLearner(dataclasses.replace(ctx, store=faulty), "local-0", make_spec(ctx.cfg, corpus))
+    learner = Learner(dataclasses.replace(ctx, store=faulty), "local-0", make_spec(ctx.cfg, corpus))
     learner.join()
     _slow_encodes(monkeypatch, 1.0)  # far longer than the steps between two ships, even on a loaded machine
     faulty.windows[:] = [StorageWindow(t0=time.time(), outage=True)]
@@ -304,7 +304,7 @@ def test_an_outage_defers_ships_while_deltas_are_still_encoding(corpus, monkeypa
 
 def test_a_failed_background_encode_ends_the_learner(corpus, monkeypatch):
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", _cfg(2, "int4", 0, True))
-    learner = FragmentLearner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.publisher.full = lambda *_: False  # every due ship ships: seq 1 is taken in every lane
     learner.join()
     # one delta fails: fragment 0's seq 1 would fail too, and still be queued when fragment 1's is raised if the
@@ -314,3 +314,29 @@ def test_a_failed_background_encode_ends_the_learner(corpus, monkeypatch):
         learner.run_phase(num_steps=12)
         learner.drain()
     learner.close()  # the failed delta is dropped: the others complete, and close does not raise it again
+
+
+def test_the_cycles_checkpoint_goes_alone_when_fragment_zeros_delta_waits(corpus):
+    """learner.checkpoint with fragments: written after fragment 0's delta, once a cycle; when that delta
+    waits (the publisher full), the checkpoint goes alone, and a learner on a new host resumes from it."""
+    cfg = _cfg(2, "fp32", 0).with_overrides({"learner.checkpoint": True})
+    ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", cfg)
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    learner.join()
+    learner.publisher.full = lambda *_: False
+    learner.run_phase(num_steps=4)  # fragment 1 at step 2, fragment 0 (and the checkpoint) at step 4
+    learner.drain()
+    key = ctx.keys.checkpoint("local-0", "state")
+    header, _ = read_tensors(ctx.store, key)
+    assert (header.meta["step"], header.meta["seq"]) == (4, 0)
+    learner.publisher.full = lambda *_: True  # storage slow: every due delta waits
+    learner.run_phase(num_steps=4)
+    learner.drain()
+    header, _ = read_tensors(ctx.store, key)
+    assert (header.meta["step"], header.meta["cursor"]) == (8, 8)
+    assert [lane.seq for lane in learner.lanes.lanes] == [1, 1]
+    learner.close()
+    again = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
+    again.join()
+    assert again.trainer.step == 8 and again.cursor == 8
+    again.close()

@@ -301,3 +301,42 @@ def test_a_landed_deltas_spool_file_stays_until_a_state_on_disk_counts_it(tmp_pa
     local.flush()
     assert local.load().meta["next_seq"] == 8 and not spool.exists()
     worker.close()
+
+
+def test_a_fragmented_learner_resumes_from_its_local_state_with_each_chains_spool(tmp_path, corpus):
+    """Fragments (P = 2): the state holds every lane; a delta of each chain kept from landing by an outage is
+    uploaded from its chain's spool after the restart, the very bytes, and the run audits clean."""
+    from diloco.merger.loop import ShardMerger
+
+    ctx = new_run(tmp_path, **{"fragments.count": 2, "fragments.overlap_steps": 0, "inner.steps_per_phase": 4,
+                               "learner.local_state_every_steps": 2})
+    faulty = FaultyStore(ctx.store, [])
+    learner_ctx = dataclasses.replace(ctx, store=faulty)
+    first = learner(learner_ctx, corpus)
+    first.join()
+    faulty.windows[:] = [StorageWindow(t0=time.time(), outage=True)]
+    first.run_phase()  # H = 4: fragment 1 ships at step 2, fragment 0 at step 4; neither can land
+    first.publish()
+    time.sleep(0.3)
+    first.publisher.abandon()  # the crash, during the outage
+    first.local.flush()
+    spooled = {p: first.local.spooled(p) for p in (0, 1)}
+    assert {p: [seq for seq, _ in kept] for p, kept in spooled.items()} == {0: [0], 1: [0]}
+    assert first.local.spooled() == []  # the root chain has none
+
+    second = learner(learner_ctx, corpus)
+    second.join()  # the bucket is unreachable: resumes unchecked from the local state
+    assert second.lanes.meta()["seqs"] == [1, 1] and second.cursor == 4 and second.trainer.step == 4
+    faulty.windows.clear()  # storage is back
+    assert second.publisher.drain(timeout_s=60)
+    for p in (0, 1):
+        assert ctx.store.get(ctx.keys.for_fragment(p).delta("local-0", 0)) == spooled[p][0][1]
+    second.local.flush()
+    assert second.local.spooled(0) == second.local.spooled(1) == []
+    assert any(e.get("local") and e.get("requeued") == [[0, 0], [1, 0]] for e in joins(ctx, second))
+    assert sum(len(ShardMerger(ctx, 0).poll_once()) for _ in range(4)) >= 2
+    second.run_phase()
+    second.drain()
+    second.close()
+    assert sum(len(ShardMerger(ctx, 0).poll_once()) for _ in range(4)) >= 2
+    assert audit_run(ctx).ok

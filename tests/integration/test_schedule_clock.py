@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from diloco.configs import load_config
-from diloco.learner.fragmented import FragmentLearner
 from diloco.learner.learner import Learner
 from diloco.merger.loop import ShardMerger
 from diloco.merger.merger import Merger
@@ -98,7 +97,7 @@ def test_run_clock_through_the_prefetcher(corpus):
 
 def test_run_clock_on_a_fragment_install(corpus):
     ctx = _ctx(**{"inner.schedule_clock": "run", "fragments.count": 2})
-    a, b = (FragmentLearner(ctx, name, make_spec(ctx.cfg, corpus)) for name in ("local-0", "local-1"))
+    a, b = (Learner(ctx, name, make_spec(ctx.cfg, corpus)) for name in ("local-0", "local-1"))
     a.join(), b.join()
     a.publisher.full = lambda *_: False  # a due ship waits for room (slow storage would defer it)
     a.run_phase()  # fragment 0 ships at step 0 of the stagger, fragment 1 at H/2: both shipped within H steps
