@@ -112,6 +112,7 @@ class LinkNet:
         self._old_handlers: dict[int, object] = {}
         self._lock = threading.Lock()  # cuts from a timer thread against teardown
         self._critical, self._pending = 0, 0  # a signal during a build or teardown waits for its end
+        self._helpers: tuple[int, ...] = ()
 
     # --- life ---
     def __enter__(self) -> LinkNet:
@@ -170,10 +171,15 @@ class LinkNet:
         if self._pending:
             self._raise(self._pending)
 
-    def _record(self) -> None:
+    def _record(self, helpers: tuple[int, ...] = ()) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        names = [self.bridge] + [f"{s.netns} {s.host_if}" for s in self.sites]
+        names = [self.bridge] + [f"{s.netns} {s.host_if}" for s in self.sites] + [f"pid {p}" for p in helpers]
         (STATE_DIR / self.tag).write_text(f"{os.getpid()}\n" + "\n".join(names) + "\n")
+
+    def adopt(self, pid: int) -> None:
+        """A helper process of this harness (the S3 server): the sweep ends it if the owner was killed outright."""
+        self._helpers = (*self._helpers, pid)
+        self._record(self._helpers)
 
     def _catch_signals(self) -> None:
         """SIGTERM / SIGHUP raise SystemExit (SIGINT: KeyboardInterrupt) in the main thread, so `with` tears down."""
@@ -282,6 +288,9 @@ def _ipv6_off(dev: str) -> None:
 
 def _teardown(bridge: str, sites: list[Site]) -> None:
     for site in sites:  # deleting either end of a veth deletes both, even with processes left in the namespace
+        for pid in _run("ip", "netns", "pids", site.netns, check=False).split():  # a child left in it (killed owner)
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
         _run("ip", "link", "del", site.host_if, check=False)
         _run("ip", "netns", "del", site.netns, check=False)
     _run("ip", "link", "del", bridge, check=False)
@@ -295,11 +304,21 @@ def sweep_stale() -> list[str]:
         with contextlib.suppress(ValueError, IndexError):
             if _alive(int(lines[0])):
                 continue
-            sites = [Site(i, *line.split(), "", "") for i, line in enumerate(x for x in lines[2:] if x)]
+            rest = [line.split() for line in lines[2:] if line]
+            for pid in (int(words[1]) for words in rest if words[0] == "pid"):
+                _end_helper(pid)
+            sites = [Site(i, *words, "", "") for i, words in enumerate(w for w in rest if w[0] != "pid")]
             _teardown(lines[1], sites)
         path.unlink(missing_ok=True)
         swept.append(path.name)
     return swept
+
+
+def _end_helper(pid: int) -> None:
+    """SIGKILL a helper left by a killed owner, if that pid is still the S3 server it was."""
+    with contextlib.suppress(OSError):
+        if b"moto.server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
