@@ -307,7 +307,7 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
                 rows[-1]["cut"] = _cut_record(real, runs, rows[-1], d_cfg.inner.steps_per_phase)
         return rows
 
-    links_record, model_record = None, None
+    links_record, model_record, record_step_s = None, None, step_time_s
     if links == "real":
         from diloco.bench._wan_real import REAL_MODEL, REAL_PREFETCH_POLL_S, RealLinks
 
@@ -323,11 +323,11 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
                 f"{', '.join(f'{c:.4g}' for c in caps)} MB/s ({time.time() - t_start:.0f}s)")
             rows = rows_at(caps, real)
             links_record = real.record()
-            model_record = REAL_MODEL
+            model_record, record_step_s = REAL_MODEL, real.dp["compute_step_s"] * shrink  # the cap's arithmetic
     else:
         rows = rows_at([base_cap * f for f in cap_factors])
     result = {**{k: v for k, v in rows[0].items() if k != "methods"}, "methods": rows[0]["methods"], "rows": rows,
-              "targets": REAL_TARGETS if links == "real" else TARGETS, "config": _config_record(cfg, steps, step_time_s, rtt_ms, num_params, base_cap,
+              "targets": REAL_TARGETS if links == "real" else TARGETS, "config": _config_record(cfg, steps, record_step_s, rtt_ms, num_params, base_cap,
                                                              link_mb_s is None, peer_run, time.time() - t_start)}
     result["config"].update(link_mode=links, links=links_record)
     if model_record is not None:
