@@ -43,6 +43,13 @@ class WanRun:
     steps: int  # inner steps per learner
     cohorts: bool = False
     fragments: int = 1  # > 1: streaming (fragments.count, tau = fragments.overlap_steps), one merger shard
+    # real links (bench/links.py): the bucket's URL (a real S3 server), the LinkNet whose site i learner i enters
+    # (its link then the kernel's, `link` only counts), steps unpadded when `pad` is False, and a cut (site, at
+    # s after the clock's start, down s)
+    storage_url: str | None = None
+    sites: Any = None
+    pad: bool = True
+    cut: tuple[int, float, float] | None = None
 
 
 @dataclass
@@ -57,6 +64,7 @@ class LearnerReport:
     link: dict[str, float]
     sent: dict[str, int]
     received: dict[str, int]
+    phase_ends_s: list[float] = field(default_factory=list)  # from the run's clock: when each phase ended
 
     @property
     def busy(self) -> float:
@@ -72,6 +80,7 @@ class WanResult:
     wall_s: float
     learners: list[LearnerReport] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    kernel: list[dict[str, int]] | None = None  # real links: per learner, what its veth counted from the clock's start
 
 
 class PaddedSteps:
@@ -125,7 +134,8 @@ def phase_plan(steps: int, h: int, half_first: bool) -> list[int]:
     return plan
 
 
-def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: bool, corpus, barrier, out) -> None:
+def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: bool, corpus, barrier, out,
+                  site: int = 0) -> None:
     """One learner process (forked: `corpus` is the parent's): join through its link, wait for everyone,
     then steps / H phases."""
     from diloco.learner.learner import Learner
@@ -134,29 +144,33 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
     from diloco.storage import open_store
     from diloco.storage.throttle import ThrottledStore
 
+    if run.sites is not None:
+        run.sites.enter(site)  # before any socket: every byte to the bucket crosses its capped link
     torch.set_num_threads(1)
     try:
         counting = CountingStore(ThrottledStore(open_store(url), run.link))
         ctx = open_run(counting, run_id)
         fragmented = bool(ctx.fragments)
         learner = Learner(ctx, name, make_spec(ctx.cfg, corpus))
-        padded = PaddedSteps(learner.trainer, run.step_time_s)
+        padded = PaddedSteps(learner.trainer, run.step_time_s if run.pad else 0.0)
         learner.join()
-        joined_link = counting.inner.link.snapshot()
-        counting.reset()
         t0 = barrier_wait(barrier)
-        start, installs = time.time() - t0, 0
+        joined_link = counting.inner.link.snapshot()  # from the clock's start, as the parent reads the kernel's
+        counting.reset()
+        start, installs, phase_ends = time.time() - t0, 0, []
         for num_steps in phase_plan(run.steps, ctx.cfg.inner.steps_per_phase, half_first and not fragmented):
             stats = learner.run_phase(num_steps)
             seq = learner.publish(stats)
             if seq is not None and run.mode == "sync":
                 learner.wait_for_decision(seq, timeout_s=ctx.cfg.merger.quorum_timeout_s)
             installs += len(stats.installs)
+            phase_ends.append(time.time() - t0)
         end = time.time() - t0
         learner.close()
         link = {k: v - joined_link.get(k, 0) for k, v in counting.inner.link.snapshot().items()}
         out.put(("ok", name, LearnerReport(name, padded.compute_s, padded.real_s, padded.steps, start, end,
-                                           installs, link, dict(counting.sent), dict(counting.received))))
+                                           installs, link, dict(counting.sent), dict(counting.received),
+                                           phase_ends)))
     except BaseException as err:  # reported to the parent, which raises it: a bench must not hang on a dead child
         out.put(("error", name, f"{type(err).__name__}: {err}"))
         raise
@@ -210,7 +224,13 @@ _EVAL: dict[str, Any] = {}  # in a forked evaluator: the run's context and the h
 
 
 def _start_evaluator(ctx, held: HeldOut) -> None:
+    import dataclasses
+
+    from diloco.storage import open_store
+
     torch.set_num_threads(1)
+    if not ctx.store.url.startswith("file://"):  # an S3 client is not fork-safe: each evaluator opens its own
+        ctx = dataclasses.replace(ctx, store=open_store(ctx.store.url))
     _EVAL.update(ctx=ctx, held=held)
 
 
@@ -286,11 +306,11 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
     torch.set_num_threads(1)
     ctx_mp = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="diloco-wan-") as tmp:
-        url = f"file://{tmp}"
+        url = run.storage_url or f"file://{tmp}"
         ctx = create_run(open_store(url), f"wan-{run.name}", cfg)
         barrier, out, corpus = ctx_mp.Barrier(m + 1), ctx_mp.Queue(), load_corpus(cfg.data)
         half_first = [run.cohorts and i % 2 == 1 for i in range(m)]  # two cohorts half a phase apart
-        procs = [ctx_mp.Process(target=_learner_main, args=(url, ctx.run_id, name, run, half_first[i], corpus, barrier, out),
+        procs = [ctx_mp.Process(target=_learner_main, args=(url, ctx.run_id, name, run, half_first[i], corpus, barrier, out, i),
                                 name=f"wan-{name}", daemon=True) for i, name in enumerate(ctx.learners)]
         for p in procs:
             p.start()
@@ -301,6 +321,8 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
             merger.load()
         barrier.wait(JOIN_TIMEOUT_S)
         t0 = time.time()
+        kernel0 = run.sites.counters() if run.sites is not None else None
+        cut = run.sites.cut(run.cut[0], run.cut[2], run.cut[1]) if run.cut else None
         reports: dict[str, Any] = {}
 
         def drain() -> dict[str, Any]:
@@ -311,9 +333,14 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
 
         expected_s = run.steps * run.step_time_s
         until_done = _merge_fragments_until_done if ctx.fragments else _merge_until_done
-        until_done(merger, procs, drain, deadline_s=max(600.0, 20 * expected_s))
+        until_done(merger, procs, drain, deadline_s=max(600.0, 20 * expected_s + (run.cut[2] if run.cut else 0)))
         for p in procs:
             p.join(30)
+        kernel = None
+        if kernel0 is not None:  # every learner has closed: nothing of theirs is on the links any more
+            kernel = [{k: v - a[k] for k, v in b.items()} for a, b in zip(kernel0, run.sites.counters(), strict=True)]
+        if cut is not None:
+            cut.join(run.cut[1] + run.cut[2] + 30)
         errors = {k: v for k, (s, v) in reports.items() if s != "ok"}
         if errors or len(reports) < m:
             raise RuntimeError(f"{run.name}: learners failed: {errors or 'no report'}")
@@ -321,6 +348,8 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
         curve = _curve(ctx, held, t0)
         versions = curve[-1][2]
     wall = curve[-1][0]  # the clock's start to the last commit
-    return WanResult([(t, loss) for t, loss, _ in curve], curve[-1][1], curve[-1][2], wall, learners,
-                     {"versions_per_phase": versions / max(1, run.steps // h)})
+    extra: dict[str, Any] = {"versions_per_phase": versions / max(1, run.steps // h)}
+    if cut is not None:
+        extra["cut_window_s"] = [t - t0 for t in cut.times] if cut.times else None
+    return WanResult([(t, loss) for t, loss, _ in curve], curve[-1][1], curve[-1][2], wall, learners, extra, kernel)
 

@@ -98,14 +98,20 @@ def _bench_wan(
     fragments: int = typer.Option(8, "--fragments", help="Decoupled learners stream this many fragments (each shipped "
                                                          "every H steps, staggered, tau 2; one merger shard); 1: "
                                                          "whole-model deltas."),
+    links: str = typer.Option("modelled", "--links", help="real: every learner and DP's gloo ranks in network "
+                                                          "namespaces behind tbf-capped veth links to a real S3 "
+                                                          "server (needs CAP_NET_ADMIN); modelled: a store wrapper "
+                                                          "delays requests, DP's time is computed."),
+    cut_s: float = typer.Option(0.0, "--cut-s", help="With --links real: learner 0's link goes down for this many "
+                                                     "seconds mid-run (first cap) and across DP's steps."),
 ) -> None:
-    """Time to a target loss behind a capped link: DP (modelled), sync and decoupled DiLoCo (real), torchft."""
+    """Time to a target loss behind a capped link: DP, sync and decoupled DiLoCo, torchft; links modelled or real."""
     from diloco.bench.wan import bench_wan, parse_cap_factors
 
     with user_errors():
         bench_wan(json_path=json_path, link_mb_s=link_mb_s, steps=steps, rtt_ms=rtt_ms, config=config, quick=quick,
                   peer=peer, seed=seed, tokens_factor=tokens_factor, cap_factors=parse_cap_factors(caps),
-                  cohorts=cohorts, fragments=fragments,
+                  cohorts=cohorts, fragments=fragments, links=links, cut_s=cut_s,
                   **({} if step_time_s is None else {"step_time_s": step_time_s}))
 
 @bench.command("merge")

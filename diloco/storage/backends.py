@@ -126,9 +126,14 @@ class FsspecBackend:
         return f"{self.root}/{key}" if self.root else key
 
     def read(self, key: str) -> bytes:
+        if self.protocol in _ATOMIC_CREATE_PROTOCOLS:  # one GET: s3fs's concurrent read first HEADs every object
+            return bytes(self.fs.cat_file(self._path(key), max_concurrency=1))
         return bytes(self.fs.cat_file(self._path(key)))
 
     def size(self, key: str) -> int:
+        if self.protocol in _ATOMIC_CREATE_PROTOCOLS:  # one HEAD: s3fs's info() adds a listing when it misses
+            bucket, _, path = self._path(key).lstrip("/").partition("/")
+            return int(self.fs.call_s3("head_object", Bucket=bucket, Key=path)["ContentLength"])
         info = self.fs.info(self._path(key))
         if info.get("type") != "file":
             raise FileNotFoundError(errno.ENOENT, "not an object", key)
