@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from diloco.cli import app
 from diloco.inspect.audit import audit_run
-from diloco.merger.merger import run_merger
+from diloco.merger.loop import ShardMerger, run_merger
 from diloco.run.context import open_run
 from diloco.run.controls import list_ops
 from diloco.storage import Manifest, latest_version, read_manifest
@@ -62,7 +62,7 @@ def _cli(ctx, *args: str):
 def test_inputs_that_broke_a_live_run_are_refused_and_honest_ones_round_trip(tmp_path: Path) -> None:
     ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 1})
     stop = threading.Event()
-    thread = threading.Thread(target=run_merger, args=(merger,), kwargs={"should_stop": stop.is_set},
+    thread = threading.Thread(target=run_merger, args=(ShardMerger(ctx),), kwargs={"should_stop": stop.is_set},
                               daemon=True)
     thread.start()
     try:
