@@ -131,6 +131,11 @@ class MergerConfig(_Strict):
     outlier_window: int = Field(32, ge=1, le=4096)  # merged deltas the running median is taken over
     outlier_min_samples: int = Field(8, ge=1)  # the rule applies once the window holds this many
     quarantine_after: int = Field(3, ge=0)  # this many integrity rejections in a row quarantine a learner; 0 = never
+    # a learner's steps in one merge count up to this many phases (inner.steps_per_phase) in its weight and the round
+    # share, its tokens up to 1.25x its counted steps x run.json's tokens per step: an admitted learner cannot buy
+    # weight with its counters (a liar's share of a K-learner merge <= 3.1 / (K + 2.1)); an honest learner's deltas
+    # piled up behind a slow merger (back-pressure) count up to 2 phases (docs/TRUST.md, "Counters")
+    max_phases_per_merge: float = Field(2.0, ge=1.0)
     # merger processes, shard s merging the fragments p with p % shards == s (1 <= shards <= fragments.count);
     # one box need not hold or merge the whole model
     shards: int = Field(1, ge=1, le=1024)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco.merger.step import GradientStream, LearnerGroup, gradient_stream
+from diloco.merger.step import GradientStream, LearnerGroup, counter_bounds, gradient_stream
 from diloco.run.context import RunContext, direct_names
 from diloco.run.controls import list_ops, read_op
 from diloco.storage import DeltaDecision, Manifest, NotFound
@@ -103,7 +103,8 @@ def replay_decisions(ctx: RunContext, prev: Manifest, m: Manifest, params, repor
         report.problem(f"version {m.version}: the control ops replay differently than recorded")
     judge = Judge(ctx.run_id, ctx.fingerprint, prev.version, params, policy,
                   keyring if ctx.cfg.learner.sign else None, buffers=ctx.buffers)
-    stream = gradient_stream(params, prev.version, policy.cfg.outer, direct_names(ctx, params), ctx.buffers)
+    stream = gradient_stream(params, prev.version, policy.cfg.outer, direct_names(ctx, params), ctx.buffers,
+                             counter_bounds(policy.cfg, ctx.tokens_per_step))
     group: LearnerGroup | None = None
     for d in m.decisions:
         if d.status == "lost" or d.seq_last is not None:
@@ -124,14 +125,14 @@ def replay_decisions(ctx: RunContext, prev: Manifest, m: Manifest, params, repor
             group.add(d.seq, header, delta)
     if group is not None:
         stream.add(group)
-    _check_stats(judge, policy, prev, m, report)
+    _check_stats(judge, policy, prev, m, report, ctx.trust_rules)
     return stream, policy.cfg
 
 
-def _check_stats(judge: Judge, policy: Policy, prev: Manifest, m: Manifest, report: Any) -> None:
+def _check_stats(judge: Judge, policy: Policy, prev: Manifest, m: Manifest, report: Any, rules: int) -> None:
     median = judge.median()
     if m.stats.get("outlier_median") != median and not (median is None and "outlier_median" not in m.stats):
         report.problem(f"version {m.version}: outlier median {m.stats.get('outlier_median')!r} != replayed {median!r}")
-    guard, _ = fold(policy.state, m.decisions, m.version, policy.cfg)
+    guard, _ = fold(policy.state, m.decisions, m.version, policy.cfg, rules)
     if guard != m.guard:
         report.problem(f"version {m.version}: the guard state differs on replay (parent v{prev.version})")

@@ -18,7 +18,14 @@ import torch
 
 from diloco.merger.inplace import outer_step_in_place
 from diloco.merger.plan import MergePlan
-from diloco.merger.step import GradientStream, LearnerGroup, OuterState, gradient_stream, outer_optimizer
+from diloco.merger.step import (
+    GradientStream,
+    LearnerGroup,
+    OuterState,
+    counter_bounds,
+    gradient_stream,
+    outer_optimizer,
+)
 from diloco.merger.version_state import VersionState
 from diloco.merger.waiting import Pending, Wait, deltas_after, plausible_ahead
 from diloco.run.buffers import version_buffers
@@ -283,7 +290,7 @@ class Merger:
         for d in decisions:
             if d.status == "merged":
                 d.weight = result.weights.get(d.learner, 0.0)
-        guard, newly = fold(policy.state, decisions, self.version + 1, policy.cfg)
+        guard, newly = fold(policy.state, decisions, self.version + 1, policy.cfg, self.ctx.trust_rules)
         median = judge.median()
         stats = {} if median is None else {"outlier_median": median,
                                            "outlier_bound": median * policy.cfg.merger.outlier_threshold}
@@ -305,7 +312,8 @@ class Merger:
         with the number of learners); a learner that may not publish is rejected without a read."""
         decisions: list[DeltaDecision] = []
         layout = self.state.layout()
-        stream = gradient_stream(layout, self.version, policy.cfg.outer, direct_names(self.ctx, layout), self.ctx.buffers)
+        stream = gradient_stream(layout, self.version, policy.cfg.outer, direct_names(self.ctx, layout), self.ctx.buffers,
+                                 counter_bounds(policy.cfg, self.ctx.tokens_per_step))
         judge = Judge(self.ctx.run_id, self.ctx.fingerprint, self.version, layout, policy, self.keyring, buffers=self.ctx.buffers)
         phase_times: list[float] = []
         for learner, (first, last) in sorted(pending.strangers.items()):  # one decision, no cursor, never again

@@ -9,6 +9,7 @@ each learner's newest ones are merged on their own (diloco.training.buffers.Buff
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -53,9 +54,42 @@ class LearnerGroup:
         else:
             add_(self.total, delta)
 
-    def weight(self, version: int, staleness_power: float) -> float:
+    def counted(self, bounds: CounterBounds | None) -> tuple[int, int]:
+        """(tokens, steps) the merge counts for this group: its headers' sums, within `bounds` (None: as claimed)."""
+        if bounds is None:
+            return self.tokens, self.steps
+        steps = min(self.steps, bounds.max_steps)
+        tokens = self.tokens if bounds.max_tokens_per_step is None else \
+            min(self.tokens, math.floor(steps * bounds.max_tokens_per_step))
+        return tokens, steps
+
+    def weight(self, version: int, staleness_power: float, bounds: CounterBounds | None = None) -> float:
         staleness = max(0, version - self.min_base)
-        return delta_weight(self.tokens, self.steps, staleness, staleness_power)
+        tokens, steps = self.counted(bounds)
+        return delta_weight(tokens, steps, staleness, staleness_power)
+
+
+TOKENS_SLACK = 1.25  # a learner's tokens per step count up to this x the run's (batches of varying length)
+
+
+@dataclass(frozen=True)
+class CounterBounds:
+    """What one learner's counters can count for in one merge (its weight, the round share): the steps of
+    `merger.max_phases_per_merge` phases, and TOKENS_SLACK x run.json's tokens per step (None: an older run that did
+    not record it)."""
+
+    max_steps: int
+    max_tokens_per_step: float | None
+
+
+def counter_bounds(cfg: Config, tokens_per_step: int | None) -> CounterBounds | None:
+    """The bounds of the run's merges (`cfg`: the live config, `tokens_per_step`: RunContext.tokens_per_step); None
+    for a run created before run.json recorded its tokens per step (its merges counted the counters as claimed, and
+    audit replays them so)."""
+    if tokens_per_step is None:
+        return None
+    return CounterBounds(max(1, math.floor(cfg.merger.max_phases_per_merge * cfg.inner.steps_per_phase)),
+                         TOKENS_SLACK * tokens_per_step)
 
 
 @dataclass
@@ -76,8 +110,8 @@ class GradientStream:
     chain merges (run.json's): each group's newest are folded by its tokens."""
 
     def __init__(self, version: int, merge_rule: str, staleness_power: float, direct: tuple[str, ...] = (),
-                 buffers: list[dict] = ()) -> None:
-        self.version, self.staleness_power = version, staleness_power
+                 buffers: list[dict] = (), bounds: CounterBounds | None = None) -> None:
+        self.version, self.staleness_power, self.bounds = version, staleness_power, bounds
         self.combiner = Combiner(merge_rule, direct=direct)
         self.buffer_merge = BufferMerge(list(buffers)) if buffers else None
         self.weights: dict[str, float] = {}
@@ -85,14 +119,14 @@ class GradientStream:
         self.steps = 0  # merged: the outer optimizer's round share counts these
 
     def add(self, group: LearnerGroup) -> None:
-        weight = group.weight(self.version, self.staleness_power)
+        weight = group.weight(self.version, self.staleness_power, self.bounds)
         self.weights[group.learner] = weight
         self.tokens += group.tokens
-        self.steps += group.steps
+        self.steps += group.counted(self.bounds)[1]
         self.combiner.add(group.total, weight)
         group.total = None  # released: the combiner holds all that is needed
         if group.buffers is not None and self.buffer_merge is not None:
-            self.buffer_merge.add(group.tokens, group.buffers)  # weights tokens / all merged tokens (no staleness)
+            self.buffer_merge.add(group.counted(self.bounds)[0], group.buffers)  # tokens / all merged (no staleness)
         group.buffers = None
 
     def merged_buffers(self) -> Tensors | None:
@@ -109,13 +143,16 @@ class GradientStream:
 
 
 def gradient_stream(params: Tensors, version: int, outer: OuterConfig,
-                    direct: tuple[str, ...] | None = None, buffers: list[dict] = ()) -> GradientStream:
+                    direct: tuple[str, ...] | None = None, buffers: list[dict] = (),
+                    bounds: CounterBounds | None = None) -> GradientStream:
     """The stream of the merge on top of `version`, with the run's merge rule and staleness power; `direct`:
     the tensors averaged directly (the run's layout marks its embeddings; None: the built-in GPT's); `buffers`:
-    the buffers the chain merges (RunContext.buffers)."""
+    the buffers the chain merges (RunContext.buffers); `bounds`: what a learner's counters count for
+    (counter_bounds; None: as claimed, the merges of runs made before the bound)."""
     if direct is None:
         direct = tuple(k for k in params if k in LEGACY_DIRECT)  # the paper averages embeddings directly
-    return GradientStream(version, outer.merge_rule, outer.staleness_power, direct=direct, buffers=buffers)
+    return GradientStream(version, outer.merge_rule, outer.staleness_power, direct=direct, buffers=buffers,
+                          bounds=bounds)
 
 
 def outer_optimizer(cfg: Config, num_learners: int) -> OuterOptimizer:

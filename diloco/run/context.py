@@ -34,6 +34,8 @@ class RunContext:
     buffers: list[dict] = field(default_factory=list)  # run.json's buffers the run merges ([]: none; per chain: see fragments)
     data_source: str = ""  # what the spec read (TrainSpec.data_source), where create_run built it; "" from run.json
     pin: str = ""  # run.json against version 0's pin (diloco.run.pin): "pinned by version 0", or why not
+    tokens_per_step: int | None = None  # run.json's: the tokens of one of the spec's batches (None: an older run)
+    trust_rules: int = 1  # run.json's: the rules its merges judge by (trust/guard.py TRUST_RULES)
 
     @property
     def run_id(self) -> str:
@@ -64,7 +66,8 @@ def open_run(store: Store | str, run_id: str, *, check_pin: bool = True) -> RunC
     if overrides:
         cfg = cfg.with_overrides(overrides)
     return RunContext(store, keys, cfg, record.fingerprint, list(record.learners), record.created_at,
-                      list(record.layout), list(record.fragments), list(record.buffers or []), pin=pin)
+                      list(record.layout), list(record.fragments), list(record.buffers or []), pin=pin,
+                      tokens_per_step=record.tokens_per_step, trust_rules=record.trust_rules or 1)
 
 
 LEGACY_DIRECT = ("wte.weight", "wpe.weight")  # the built-in GPT's embeddings, for runs made before layouts

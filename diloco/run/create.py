@@ -21,7 +21,7 @@ from diloco.run.pin import PINNED, pin_of
 from diloco.run.spec import SpecFiles, StagedFiles, build_model, probe, spec_of
 from diloco.storage import Conflict, Manifest, RunKeys, commit, manifest_exists
 from diloco.storage.keys import new_nonce, validate_new_learner_name
-from diloco.storage.records import RunRecord, write_record
+from diloco.storage.records import TRUST_RULES, RunRecord, write_record
 from diloco.storage.store import Store
 from diloco.training.buffers import get_buffers
 from diloco.training.fragments import take
@@ -41,12 +41,13 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
     model = build_model(spec, cfg.data.seed)  # version 0, and its layout
     buffers, warnings = plan_buffers(model, cfg.outer.buffers)
     initial = get_buffers(model, buffers)  # before the probe's forward pass moves running statistics
-    probe(spec, model, {cfg.learner.ranks, *cfg.learner.ranks_per_learner.values()})
+    tokens_per_step = probe(spec, model, {cfg.learner.ranks, *cfg.learner.ranks_per_learner.values()})
     layout = model_layout(model)
     fragments = plan_for(cfg.fragments.count, layout)  # before anything is written: a bad count creates nothing
     record = RunRecord(run_id=run_id, created_at=time.time(), created_by=socket.gethostname(),
                        diloco_version=__version__, fingerprint=layout_fingerprint(layout), learners=learners,
-                       config=cfg.model_dump(mode="json"), layout=layout, fragments=fragments, buffers=buffers or None)
+                       config=cfg.model_dump(mode="json"), layout=layout, fragments=fragments, buffers=buffers or None,
+                       tokens_per_step=tokens_per_step, trust_rules=TRUST_RULES)
     files.flush()  # before run.json: a process that sees the run finds its spec files
     try:
         write_record(store, keys.run_json(), record, exclusive=True)
@@ -61,7 +62,7 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
         return ctx
     warn_once(warnings)  # the run is new: said once, not by every process that joins it
     ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout, fragments, buffers,
-                     spec.data_source, pin=PINNED)
+                     spec.data_source, pin=PINNED, tokens_per_step=tokens_per_step, trust_rules=TRUST_RULES)
     params = get_flat_params(model)
     _commit_version_zero(ctx, params, initial, pin_of(record.to_bytes()))  # the bytes written: pinned
     for index, fragment in enumerate(fragments):  # every fragment's chain starts at its pieces of version 0

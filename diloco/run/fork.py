@@ -147,7 +147,8 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
                        diloco_version=__version__, fingerprint=parent.fingerprint, learners=learners,
                        config=cfg.model_dump(mode="json"), layout=list(parent.layout), forked_from=provenance,
                        buffers=list(parent.buffers) if merges_buffers else None,
-                       fragments=list(parent.fragments))
+                       fragments=list(parent.fragments), tokens_per_step=parent.tokens_per_step,
+                       trust_rules=parent.trust_rules if parent.trust_rules > 1 else None)
     try:
         write_record(store, keys.run_json(), record, exclusive=True)
     except Conflict:

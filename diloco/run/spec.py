@@ -114,9 +114,10 @@ def check_layout(ctx: RunContext, model: nn.Module, who: str) -> None:
         raise RunError(f"{who}: the spec builds another model than run {ctx.run_id!r}: {diff}")
 
 
-def probe(spec: TrainSpec, model: nn.Module, ranks: set[int] = frozenset({1})) -> None:
+def probe(spec: TrainSpec, model: nn.Module, ranks: set[int] = frozenset({1})) -> int:
     """Run the spec's functions once on CPU (a batch and its loss, the held-out batches; the batch split in
-    equal slices for every rank count of the run's learners): SpecError early."""
+    equal slices for every rank count of the run's learners): SpecError early. Returns the batch's tokens (what the
+    run records as its tokens per step: the merge bounds a delta's counters with it)."""
     try:
         batch = next(iter(itertools.islice(spec.batches(0, 1, 0), 1)), None)
     except Exception as err:  # noqa: BLE001 - user code
@@ -129,11 +130,12 @@ def probe(spec: TrainSpec, model: nn.Module, ranks: set[int] = frozenset({1})) -
         except ValueError as err:
             raise SpecError(str(err)) from None
     with torch.no_grad():
-        check_loss(_call(spec.loss, model, batch, what="loss"))
+        _, tokens = check_loss(_call(spec.loss, model, batch, what="loss"))
     if spec.eval_batches is not None:
         held = _call(spec.eval_batches, what="eval_batches")
         if not held:
             raise SpecError("eval_batches() returned no batches")
+    return tokens
 
 
 def _call(fn, *args, what: str):

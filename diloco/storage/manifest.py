@@ -79,6 +79,8 @@ class GuardState(BaseModel):
     quarantined: dict[str, str] = {}  # learner -> why, since which version
     streaks: dict[str, int] = {}  # learner -> integrity rejections in a row
     norms: list[float] = []  # norm per step of the last merged (unclipped) deltas, oldest first
+    # whose each sample is (trust rules 2: one per learner per merge); [] in runs made before: samples of nobody
+    norm_learners: list[str] = []
     settings: dict[str, Any] = {}  # live settings in force (`diloco set`): dotted key -> value
     paused: bool = False
     ops_cursor: str = ""  # the name of the last control op applied

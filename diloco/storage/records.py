@@ -56,6 +56,9 @@ class Record(BaseModel):
         """A record's own check before validation (schema versions)."""
 
 
+TRUST_RULES = 2  # the rules a new run's merges judge by (RunRecord.trust_rules; trust/guard.py)
+
+
 class RunRecord(Record):
     """run.json: the resolved config and the model fingerprint every process of the run reads."""
 
@@ -76,6 +79,13 @@ class RunRecord(Record):
     buffers: list[dict[str, Any]] | None = None
     # fragments.count > 1: the fragment layout (diloco.training.fragments.plan_fragments), fixed at creation
     fragments: list[dict[str, Any]] = []
+    # tokens in one batch of the spec, as the run was created (None in runs made before): a delta's tokens per step
+    # are counted up to TOKENS_SLACK x this in the merge (merger/step.py CounterBounds)
+    tokens_per_step: int | None = None
+    # the rules the merge judges by (trust/guard.py TRUST_RULES): 2 = the outlier window takes one sample per learner
+    # per merge and its median is over learners, the last eligible members are never quarantined; None (runs made
+    # before): 1, as their manifests were folded
+    trust_rules: int | None = None
     forked_from: dict[str, Any] | None = None  # `diloco fork`: run_id, storage, version, checksums, by, t
 
     @classmethod

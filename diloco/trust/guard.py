@@ -118,36 +118,64 @@ def policy_after(state: GuardState, entries: list[ControlEntry], base: Config) -
     return Policy(state, applied, check_settings(base, state.settings))
 
 
-def window_median(state: GuardState, cfg: Config) -> float | None:
-    """The median norm per step of the window, once it holds outlier_min_samples (else None: no rule yet)."""
-    norms = state.norms[-cfg.merger.outlier_window:]
-    if len(norms) < cfg.merger.outlier_min_samples:
-        return None
-    ordered = sorted(norms)
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
-def fold(state: GuardState, decisions: list[DeltaDecision], version: int, cfg: Config) -> tuple[GuardState, list[str]]:
-    """The state after a merge's decisions: streaks, new quarantines, the window; (state, newly quarantined)."""
+def window_median(state: GuardState, cfg: Config) -> float | None:
+    """The median norm per step of the window, once it holds outlier_min_samples (else None: no rule yet). With
+    whose each sample is (trust rules 2): the median over learners of each learner's median, so no learner moves it
+    by sending more deltas, or more extreme ones, than the others."""
+    norms = state.norms[-cfg.merger.outlier_window:]
+    if len(norms) < cfg.merger.outlier_min_samples:
+        return None
+    owners = state.norm_learners[-cfg.merger.outlier_window:]
+    if len(owners) != len(norms):  # a run made before: samples of nobody
+        return _median(norms)
+    per_learner: dict[str, list[float]] = {}
+    for owner, value in zip(owners, norms, strict=True):
+        per_learner.setdefault(owner, []).append(value)
+    return _median([_median(values) for values in per_learner.values()])
+
+
+def fold(state: GuardState, decisions: list[DeltaDecision], version: int, cfg: Config,
+         rules: int = 1) -> tuple[GuardState, list[str]]:
+    """The state after a merge's decisions: streaks, new quarantines, the window; (state, newly quarantined).
+    `rules` (RunContext.trust_rules): 2 = one window sample per learner per merge (its last merged, unclipped delta,
+    owner recorded), and the last eligible members are never quarantined: the merges pause instead (an operator
+    looks: `diloco readmit`, `resume-merges`); 1 = as runs made before were folded."""
     state = state.model_copy(deep=True)
     newly: list[str] = []
     limit = cfg.merger.quarantine_after
+    samples: dict[str, float] = {}  # rules 2: learner -> its sample of this merge (the last one)
     for d in decisions:
         if d.status == "merged" and d.clip_scale is None:
             state.streaks.pop(d.learner, None)
             if d.norm is not None and d.steps > 0:
-                state.norms.append(d.norm / d.steps)
+                if rules >= 2:
+                    samples[d.learner] = d.norm / d.steps
+                else:
+                    state.norms.append(d.norm / d.steps)
             continue
         if not (d.check in INTEGRITY_CHECKS or d.clip_scale is not None):
             continue
         streak = state.streaks.get(d.learner, 0) + 1
         state.streaks[d.learner] = streak
         if limit and streak >= limit and d.learner not in state.quarantined and d.learner in state.members:
+            eligible = set(state.members) - set(state.quarantined) - {d.learner}
+            if rules >= 2 and not eligible:  # nobody left to merge: stop and let an operator look, never empty
+                state.paused = True
+                continue
             state.quarantined[d.learner] = (f"since version {version}: {streak} integrity rejections in a row, "
                                             f"the last: {d.reason[:160]}")
             newly.append(d.learner)
+    for learner, value in samples.items():  # in decision order: the merge's learner order
+        state.norms.append(value)
+        state.norm_learners.append(learner)
     state.norms = state.norms[-cfg.merger.outlier_window:]
+    state.norm_learners = state.norm_learners[-cfg.merger.outlier_window:] if state.norm_learners else []
     state.streaks = dict(sorted(state.streaks.items()))
     state.quarantined = dict(sorted(state.quarantined.items()))
     return state, newly

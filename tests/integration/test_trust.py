@@ -13,11 +13,12 @@ import json
 import shutil
 from pathlib import Path
 
-from trust_helpers import decision, one_round, plant, tiny_run
+from trust_helpers import decision, install_all, one_round, plant, publish_all, tiny_run
 
 from diloco.api.operate import admit_learner, readmit, remove_learner, set_settings
 from diloco.inspect.audit import audit_run
 from diloco.run.context import open_run
+from diloco.run.objects import encode_tensors, read_tensors
 from diloco.storage import list_versions, open_store, read_manifest
 from diloco.trust.outliers import ratios, summarize
 from diloco.trust.signing import new_key, sign
@@ -164,3 +165,66 @@ def _repacked_lz4(data: bytes) -> bytes:
               "block_size": head.block_size, "shuffle": head.shuffle, "fingerprint": head.fingerprint,
               "meta": head.meta, "tensors": entries, "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload)}
     return pack_header(fields) + payload
+
+
+def test_an_admitted_learner_cannot_buy_weight_with_its_counters(tmp_path: Path) -> None:
+    """Issue #44, invariant 5, planted in a live run: an admitted learner whose deltas claim 1000x the steps and tokens
+    of an honest phase got weight 0.9986 of every merge it joined. Now a learner's counters count up to
+    merger.max_phases_per_merge phases and 1.25x the run's tokens per step: its share of a 3-learner merge is at most
+    3.125 / (3.125 + 2) (the honest two count one phase each), and audit replays it."""
+    ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 3})
+    assert ctx.tokens_per_step == ctx.cfg.data.batch_size * ctx.cfg.model.ctx_len  # recorded at creation
+    admit_learner(ctx, None, "liar-0")
+    one_round(learners, merger)
+    for _ in range(3):
+        publish_all(learners)
+        like = ("local-0", learners[0].state.seq - 1)
+        header, delta = read_tensors(ctx.store, ctx.keys.delta(*like))
+        seq = max([d.last_seq for m in [merger.manifest] for d in m.decisions if d.learner == "liar-0"], default=-1) + 1
+        meta = {**header.meta, "learner": "liar-0", "seq": seq, "tokens": header.meta["tokens"] * 1000,
+                "steps": header.meta["steps"] * 1000}
+        ctx.store.put(ctx.keys.delta("liar-0", seq), encode_tensors(delta, codec_name="fp32", kind="delta",
+                                                                    fingerprint=ctx.fingerprint, meta=meta))
+        m = merger.merge_once()
+        install_all(learners, m.version)
+        weights = {d.learner: d.weight for d in m.merged()}
+        assert set(weights) == {"local-0", "local-1", "liar-0"}, m.decisions
+        assert weights["liar-0"] <= 3.125 / 5.125 + 1e-9, weights  # was 0.9986
+    for learner in learners:
+        learner.close()
+    report = audit_run(ctx)
+    assert report.ok and report.replay_ok, report.problems
+
+
+def test_the_judged_cannot_steer_the_outlier_window(tmp_path: Path) -> None:
+    """Issue #44, invariant 6, planted in a live run: an admitted learner sent three deltas a merge just under the
+    bound (0.9x, scaled up each time) and ratcheted the median 17x in 10 versions. Now the window takes one sample per
+    learner per merge and its median is over learners: with two honest learners the median stays theirs, and no
+    honest delta is rejected or clipped."""
+    ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 3, "merger.outlier_min_samples": 4})
+    assert ctx.trust_rules == 2
+    admit_learner(ctx, None, "steer-0")
+    for _ in range(4):  # the window fills with the honest learners' samples
+        one_round(learners, merger)
+    honest = merger.manifest.stats["outlier_median"]
+    seq = 0
+    for _ in range(10):
+        publish_all(learners)
+        bound = ctx.cfg.merger.outlier_threshold * merger.manifest.stats["outlier_median"]
+        like = ("local-0", learners[0].state.seq - 1)
+        header, delta = read_tensors(ctx.store, ctx.keys.delta(*like))
+        norm = float(sum((v.double() ** 2).sum() for v in delta.values()) ** 0.5) / header.meta["steps"]
+        for _ in range(3):  # three a merge, each at 0.9x the bound the last manifest published
+            meta = {**header.meta, "learner": "steer-0", "seq": seq}
+            ctx.store.put(ctx.keys.delta("steer-0", seq), encode_tensors(
+                {k: v * (0.9 * bound / norm) for k, v in delta.items()}, codec_name="fp32", kind="delta",
+                fingerprint=ctx.fingerprint, meta=meta))
+            seq += 1
+        m = merger.merge_once()
+        install_all(learners, m.version)
+        assert all(d.status == "merged" and d.clip_scale is None for d in m.decisions if d.learner != "steer-0")
+    assert merger.manifest.stats["outlier_median"] < 3 * honest, (honest, merger.manifest.stats["outlier_median"])
+    for learner in learners:
+        learner.close()
+    report = audit_run(ctx)
+    assert report.ok and report.replay_ok, report.problems

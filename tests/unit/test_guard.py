@@ -163,3 +163,17 @@ def test_a_manifest_written_before_the_guard_still_parses() -> None:
                           "staleness": 9, "tokens": 0, "steps": 0, "weight": 0.0, "bytes": 10, "checksum": "k"}]}
     m = Manifest.from_bytes(json.dumps(old).encode())
     assert m.guard is None and m.controls == [] and m.decisions[0].check == "" and m.decisions[0].norm is None
+
+
+def test_the_last_eligible_members_are_never_quarantined_the_merges_pause() -> None:
+    """Trust rules 2 (issue #44, invariant 6): a quarantine that would leave nobody to merge pauses the merges instead
+    (an operator looks), and the window takes one sample per learner per merge with its owner."""
+    state = initial_state(["a", "b"])
+    state.quarantined["b"] = "since version 1: a test"
+    for seq in range(2):
+        state, newly = fold(state, [_d("a", seq, "rejected", "invalid")], 2, CFG, rules=2)
+    state, newly = fold(state, [_d("a", 2, "rejected", "invalid")], 3, CFG, rules=2)
+    assert newly == [] and "a" not in state.quarantined and state.paused
+    state, _ = fold(initial_state(["a", "b"]), [_d("a", 0), _d("a", 1, norm=30.0), _d("b", 0, norm=20.0)], 1, CFG,
+                    rules=2)
+    assert state.norms == [3.0, 2.0] and state.norm_learners == ["a", "b"]  # a's last, then b's
