@@ -17,7 +17,7 @@ import logging
 import time
 
 from diloco.storage import NotFound, StorageError
-from diloco.storage.records import FINAL_STATES, LearnerStatus, RecordError, read_record
+from diloco.storage.records import FINAL_STATES, LearnerStatus, RecordError, beat_age, read_record
 
 log = logging.getLogger("diloco.learner")
 DEAD_BAND = 0.9  # a learner at >= 90% of the fastest keeps H: one speed with noise is one H
@@ -72,7 +72,8 @@ class Pace:
             except (NotFound, RecordError, StorageError):
                 continue
             speed = status.compute_steps_per_s
-            if speed and status.state not in FINAL_STATES and now - status.t <= self.timeout_s:
+            age = beat_age(status.t, now)  # a beat from the future is no live peer (records.beat_age)
+            if speed and status.state not in FINAL_STATES and age is not None and age <= self.timeout_s:
                 fastest = speed if fastest is None else max(fastest, speed)
         self.peers_steps_per_s = fastest
         if fastest is None:  # no peer has reported a speed yet: read again after the next phase

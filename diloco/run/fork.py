@@ -22,6 +22,7 @@ from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.controls import operator_identity, read_op, write_op
 from diloco.run.fragments import chain_contexts, num_fragments, run_version
 from diloco.run.objects import decode_tensors, write_state
+from diloco.run.pin import pin_of
 from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, read_manifest
 from diloco.storage.codec import object_checksum
 from diloco.storage.keys import new_nonce, validate_run_id
@@ -153,16 +154,19 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
         write_record(store, keys.run_json(), record, exclusive=True)
     except Conflict:
         raise RunError(f"run {new_run_id!r} was created meanwhile; choose another --new-run-id") from None
-    ctx = open_run(store, new_run_id)
     op = write_op(store, keys, "fork", values={"from_run": run_id, "at_version": at_version}, by=by,
                   reason=f"fork of {run_id} at version {at_version}")
     entry = ControlEntry(name=op, **read_op(store, keys, op).model_dump())
     if root is not None:  # the whole model first, as create_run commits it
         guard = GuardState(members=sorted(learners), ops_cursor=op)
         commit(store, keys, Manifest(run_id=new_run_id, version=0, created_at=time.time(), merger_id="fork",
-                                     tokens_total=provenance["tokens_total"], guard=guard, controls=[entry], **root))
+                                     tokens_total=provenance["tokens_total"], guard=guard, controls=[entry],
+                                     run_json_checksum=pin_of(record.to_bytes()), **root))  # pinned as written
     for chain, head, fields in zip(chains, heads, objects, strict=True):
-        guard = GuardState(members=sorted(learners), norms=list(head.guard.norms) if head.guard else [], ops_cursor=op)
+        guard = GuardState(members=sorted(learners), norms=list(head.guard.norms) if head.guard else [],
+                           norm_learners=list(head.guard.norm_learners) if head.guard else [], ops_cursor=op)
+        pinned = {"run_json_checksum": pin_of(record.to_bytes())} if chain is keys else {}  # the root chain's
         commit(store, chain, Manifest(run_id=new_run_id, version=0, created_at=time.time(), merger_id="fork",
-                                      tokens_total=head.tokens_total, guard=guard, controls=[entry], **fields))
-    return ctx
+                                      tokens_total=head.tokens_total, guard=guard, controls=[entry], **fields,
+                                      **pinned))
+    return open_run(store, new_run_id)  # opened again: its version 0 (and run.json's pin) committed now

@@ -80,3 +80,16 @@ def test_a_run_created_before_the_pin_still_opens_and_says_so(tmp_path: Path) ->
     assert old.pin.startswith("not pinned") and audit_run(old).ok
     audited = _cli(ctx, "audit")
     assert audited.exit_code == 0 and "note: run.json not pinned" in audited.output, audited.output
+
+
+@pytest.mark.parametrize("fragments", [1, 3])
+def test_a_fork_is_pinned_as_it_is_written(tmp_path: Path, fragments: int) -> None:
+    from diloco.configs import load_config
+    from diloco.run.create import create_run
+    from diloco.run.fork import fork_run
+    from diloco.storage import open_store
+
+    parent = create_run(open_store(f"file://{tmp_path}/bucket"), "parent",
+                        load_config("tiny").with_overrides({"fragments.count": fragments}))
+    child = fork_run(parent.store, "parent", 0, "child")
+    assert child.pin == "pinned by version 0" and audit_run(child).run_json == "pinned by version 0"
