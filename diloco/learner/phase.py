@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 
 from diloco.learner.phase_stats import PhaseStats
 from diloco.learner.ranks import lead_step
@@ -60,7 +61,7 @@ class PhaseSection:
                 lead_step(self)
             batch = self._next_batch()
             try:
-                with stats.timed("compute_s"):
+                with stats.timed("compute_s"), self.gate.step() if self.gate is not None else nullcontext():
                     losses.append(self.trainer.train_step(batch))
             except FloatingPointError as err:
                 return self.abandon_phase(stats, t0, str(err))
@@ -107,11 +108,11 @@ class PhaseSection:
                 stats.installs.extend(installed)
 
     def _save_every(self, stats: PhaseStats, done: int, num_steps: int) -> None:
-        """learner.local_state_every_steps: a save every N steps, skipped while the last is still being
-        written (at 124M parameters a save is ~2.5 GB: a GPU learner's 10 steps take far less than writing
-        it). The whole model's phase end is saved by publish()."""
+        """learner.local_state_every_steps: a save every N steps, skipped while the last save's time is more than
+        a tenth of the time since (LocalState.due: at 124M parameters a save writes 1.5 GB, and a GPU learner's
+        10 steps take far less). The whole model's phase end is saved by publish()."""
         every = self.cfg.learner.local_state_every_steps
-        if every and done % every == 0 and (done < num_steps or not self.whole) and not self.local.writing():
+        if every and done % every == 0 and (done < num_steps or not self.whole) and self.local.due():
             with stats.timed("save_s"):
                 self.save_local()
 
