@@ -282,17 +282,33 @@ class _Parts(Mapping[str, torch.Tensor]):
         return self._open[1]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        obj = self._part(self._where[name])
-        array = obj.array(name)
-        if name.partition("/")[0] in obj.header.meta.get("sqrt", []):
-            array = _square_up(array, obj.header.block_size)
-        return torch.from_numpy(array)
+        return moment(self._part(self._where[name]), name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+def moment(obj: LazyObject, name: str) -> torch.Tensor:
+    """State tensor `name` of a moments part, as the optimizer takes it (a sqrt-domain one squared, rounded up)."""
+    array = obj.array(name)
+    if name.partition("/")[0] in obj.header.meta.get("sqrt", []):
+        array = _square_up(array, obj.header.block_size)
+    return torch.from_numpy(array)
+
+
+def round_trip(tensors: Mapping[str, torch.Tensor], encoding: str, fingerprint: str = "moments") -> dict:
+    """What a resume reads back of these optimizer state tensors written with `encoding` (fp32 | int8), and the
+    bytes written: ({name: tensor}, bytes). For measurements and tests."""
+    writer = Checkpointer(RunKeys("x"), "x", fingerprint, 1, encoding)
+    out, size = {}, 0
+    for data, names in writer._encode_parts(iter(tensors.items()), {}):
+        obj = LazyObject(data, fingerprint=fingerprint)
+        size += len(data)
+        out.update({name: moment(obj, name) for name in names})
+    return {"tensors": out, "bytes": size}
 
 
 def _read_parts(store: Store, moments: MomentsRef, fingerprint: str) -> Mapping[str, torch.Tensor]:

@@ -161,6 +161,7 @@ class Learner(PhaseSection, ShipSection, InstallSection):
             self.world.pending |= FULL  # the other ranks take parameters, optimizer state, step and cursor
         self.events.emit("join", learner=self.name, version=self.state.base, seq=self.state.seq,
                          cursor=resumed.cursor, step=resumed.step, **resumed.extra,
+                         baseline_rss_bytes=self.baseline_rss_bytes, **self.memory(),
                          **({} if self.whole else self.lanes.meta()))
         self.heartbeat("joined", force=True, wait=True)  # the supervisor reads it to see the join
         if self.cfg.learner.checkpoint:  # the cadence counts from the join; the moments in the bucket stay named

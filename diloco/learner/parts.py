@@ -28,7 +28,7 @@ from diloco.learner.state import QUICK_RETRIES
 from diloco.learner.world import World
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
-from diloco.run.heap import map_large_blocks
+from diloco.run.heap import map_large_blocks, status_bytes
 from diloco.run.spec import load_run_spec
 from diloco.storage.store import Store
 from diloco.training.fragments import plan_fragments
@@ -59,6 +59,7 @@ class LearnerParts:
     publisher: Publisher  # uploads in seq order, off the training thread
     encoder: ThreadPoolExecutor | None  # learner.encode_in_background (fragments): deltas encoded off-thread
     checkpointer: Checkpointer  # the bucket checkpoint's cadence and encoder (learner.checkpoint_every)
+    baseline_rss_bytes: int | None  # the process's resident memory before the model was built (its imports)
 
 
 def wire(ctx: RunContext, name: str, spec: TrainSpec | None = None, *, events: EventLog | None = None,
@@ -70,6 +71,7 @@ def wire(ctx: RunContext, name: str, spec: TrainSpec | None = None, *, events: E
     device = pick_device(cfg.learner.device)
     torch.set_num_threads(cfg.learner.num_threads)  # one failure domain, one core by default
     map_large_blocks()  # freed gradients and temporaries go back to the OS (diloco.run.heap)
+    baseline = status_bytes("VmRSS")
     spec = spec or load_run_spec(ctx)
     events = events or EventLog(None, None, name)
     local = LocalState(ctx.store.url, ctx.run_id, name, ctx.created_at, ctx.fingerprint) \
@@ -96,4 +98,4 @@ def wire(ctx: RunContext, name: str, spec: TrainSpec | None = None, *, events: E
                         world=world, model=model, trainer=trainer, lanes=lanes, local=local, quick=quick,
                         courier=Courier(f"courier-{name}"), pace=pace, publisher=publisher, encoder=encoder,
                         checkpointer=Checkpointer(ctx.keys, name, ctx.fingerprint, cfg.learner.checkpoint_every,
-                                                  cfg.learner.checkpoint_moments))
+                                                  cfg.learner.checkpoint_moments), baseline_rss_bytes=baseline)

@@ -17,11 +17,14 @@ import logging
 import time
 from contextlib import nullcontext
 
+import torch
+
 from diloco.learner.phase_stats import PhaseStats
 from diloco.learner.ranks import lead_step
 from diloco.learner.resume import read_params
 from diloco.learner.world import PARAMS, RESET, slice_batch
 from diloco.run.buffers import install_buffers
+from diloco.run.heap import status_bytes
 from diloco.storage import read_latest
 from diloco.training.spec import SpecError
 
@@ -87,8 +90,18 @@ class PhaseSection:
         self.loss_ema = stats.loss
         self.events.emit("phase", learner=self.name, version=self.state.base, steps=stats.steps,
                          tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss,
-                         **stats.times())
+                         **stats.times(), **self.memory())
         return stats
+
+    def memory(self) -> dict[str, int]:
+        """This process's resident memory's high-water mark so far (VmHWM), and on CUDA the device's peak
+        allocation: what `diloco bench size` reports per parameter (absent where not measurable)."""
+        out = {}
+        if (peak := status_bytes("VmHWM")) is not None:
+            out["peak_rss_bytes"] = peak
+        if self.device.startswith("cuda"):
+            out["device_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        return out
 
     def _probe(self, stats: PhaseStats, done: int) -> None:
         """After step `done` of the phase: the sync waits due (fragments), or a probe for newer versions —

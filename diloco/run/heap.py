@@ -42,3 +42,16 @@ def release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int | None:
+    """A memory field of /proc/<pid>/status in bytes (VmRSS: resident now; VmHWM: its high-water mark), or None
+    (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
