@@ -298,10 +298,14 @@ def warm_up() -> None:
     from diloco.training.inner import InnerTrainer
     from diloco.training.model import build_model
 
+    from diloco.storage.codec import encode
+
     cfg = ModelConfig(n_layer=1, n_head=1, d_model=8, ctx_len=4)
     trainer = InnerTrainer(build_model(cfg), InnerConfig())
     tokens = torch.zeros(1, cfg.ctx_len, dtype=torch.long)
     trainer.train_step(tokens, tokens)
+    # the quantized codecs' zstd (pyarrow, ~25 MB of libraries) loaded now: a learner's baseline, not its first delta
+    encode({"w": trainer.model.lm_head.weight.detach().numpy()}, codec="int4", kind="delta", fingerprint="warm-up")
     _torch_warm = True
 
 

@@ -6,8 +6,8 @@ Contract: in-process and deterministic (one thread, fixed seed and batches): one
 the recipe, keeping its optimizer state every phase; from the parameters at that step, each variant trains `after`
 more steps on the same batches with its moments; prints a table and writes JSON {"rows": [{variant, age_phases,
 encoding, bytes_per_param, train_loss_after, gap_nats, steps_lost, heldout_after}], "config"}. steps_lost is the
-gap in mean training loss over the `after` steps divided by the exact run's loss decrease per step over the last
-phase before the cut: how many steps of the learner's progress the variant costs.
+gap in mean training loss over the `after` steps divided by the exact run's loss decrease per step before the cut (a
+least-squares line through its last 10 phases): how many steps of the learner's progress the variant costs.
 """
 
 from __future__ import annotations
@@ -41,6 +41,15 @@ def _losses(trainer: InnerTrainer, batches: list) -> list[float]:
     return [trainer.train_step(batch) for batch in batches]
 
 
+def _decrease_per_step(losses: list[float]) -> float:
+    """Minus the least-squares slope of `losses` against their step."""
+    n = len(losses)
+    mean_x, mean_y = (n - 1) / 2, sum(losses) / n
+    num = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(losses))
+    den = sum((i - mean_x) ** 2 for i in range(n))
+    return -num / den if den else 0.0
+
+
 def measure(cfg: Config, before: int, after: int, ages: tuple[int, ...] = AGES) -> dict[str, Any]:
     torch.set_num_threads(1)
     corpus = load_corpus(cfg.data)
@@ -58,7 +67,7 @@ def measure(cfg: Config, before: int, after: int, ages: tuple[int, ...] = AGES) 
         if (before - i) % h == 0 and (before - i) // h in ages:
             snapshots[(before - i) // h] = trainer.export_state()
     theta, step = get_flat_params(trainer.model), trainer.step
-    slope = (sum(curve[-2 * h:-h]) - sum(curve[-h:])) / h / h  # loss decrease per step over the last phase
+    slope = _decrease_per_step(curve[-10 * h:])
     n = sum(v.numel() for v in theta.values())
     rows = []
     ages = tuple(a for a in ages if a in snapshots)  # older than the run: none
