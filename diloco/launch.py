@@ -295,10 +295,9 @@ def warm_up() -> None:
     import diloco.learner.loop  # noqa: F401
     import diloco.merger.loop  # noqa: F401
     from diloco.configs import InnerConfig, ModelConfig
+    from diloco.storage.codec import encode
     from diloco.training.inner import InnerTrainer
     from diloco.training.model import build_model
-
-    from diloco.storage.codec import encode
 
     cfg = ModelConfig(n_layer=1, n_head=1, d_model=8, ctx_len=4)
     trainer = InnerTrainer(build_model(cfg), InnerConfig())

@@ -103,10 +103,10 @@ def _bucket(ctx, storage: str, n: int, versions: int) -> dict[str, Any]:
         return {"bucket_bytes_per_param_per_version": None}
     root = os.path.join(storage.removeprefix("file://"), ctx.run_id)
     initial = set()
-    for index in range(num_fragments(ctx)):
-        chain = fragment_context(ctx, index)
+    chains = [ctx.keys] + ([fragment_context(ctx, i).keys for i in range(num_fragments(ctx))] if ctx.fragments else [])
+    for keys in chains:  # the root chain's version 0, and every fragment chain's
         try:
-            m0 = read_manifest(ctx.store, chain.keys, 0)
+            m0 = read_manifest(ctx.store, keys, 0)
         except StorageError:
             continue
         initial |= {k.rsplit("/", 1)[-1] for k in (m0.params_key, m0.buffers_key) if k}

@@ -71,6 +71,8 @@ def wire(ctx: RunContext, name: str, spec: TrainSpec | None = None, *, events: E
     device = pick_device(cfg.learner.device)
     torch.set_num_threads(cfg.learner.num_threads)  # one failure domain, one core by default
     map_large_blocks()  # freed gradients and temporaries go back to the OS (diloco.run.heap)
+    if device.startswith("cuda"):  # the CUDA runtime's host memory is the process's, not the model's
+        torch.zeros(1, device=device)
     baseline = status_bytes("VmRSS")
     spec = spec or load_run_spec(ctx)
     events = events or EventLog(None, None, name)
