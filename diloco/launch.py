@@ -303,8 +303,10 @@ def warm_up() -> None:
     trainer = InnerTrainer(build_model(cfg), InnerConfig())
     tokens = torch.zeros(1, cfg.ctx_len, dtype=torch.long)
     trainer.train_step(tokens, tokens)
-    # the quantized codecs' zstd (pyarrow, ~25 MB of libraries) loaded now: a learner's baseline, not its first delta
-    encode({"w": trainer.model.lm_head.weight.detach().numpy()}, codec="int4", kind="delta", fingerprint="warm-up")
+    # the quantized codecs' zstd (pyarrow, ~25 MB of libraries) loaded now: a learner's baseline, not its
+    # first delta
+    encode({"w": trainer.model.lm_head.weight.detach().numpy()}, codec="int4", kind="delta",
+           fingerprint="warm-up")
     _torch_warm = True
 
 

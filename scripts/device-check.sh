@@ -3,11 +3,12 @@
 #  1. the demo recipe trained on one GPU (learners and evaluator on the device, bf16 autocast; merger on the
 #     CPU), audited, the held-out loss must fall;
 #  2. `diloco bench size --device cuda`: the 124M row of the CPU benchmark (docs/bench/size.md) on the GPU — a
-#     GPT-2-small-shaped model (12 layers, d_model 768, vocabulary 50257) trained end to end by `diloco run` with two
-#     GPU learners (bf16 autocast) sharing the device, int4 deltas and updates, one learner killed and restarted,
-#     as whole-model deltas and in 4 fragments (FRAGMENTS), each audited; it prints tokens/s, each learner's peak
-#     host memory (and beyond its baseline: the target is <= 8 B/param), the device's peak allocation and the
-#     merger's, per parameter, and writes $DIR/size.json; the GPU's utilisation and memory (nvidia-smi) beside;
+#     GPT-2-small-shaped model (12 layers, d_model 768, vocabulary 50257) trained end to end by `diloco run`
+#     with two GPU learners (bf16 autocast) sharing the device, int4 deltas and updates, one learner killed
+#     and restarted, as whole-model deltas and in 4 fragments (FRAGMENTS), each audited; it prints tokens/s,
+#     each learner's peak host memory (and beyond its baseline: the target is <= 8 B/param), the device's peak
+#     allocation and the merger's, per parameter, and writes $DIR/size.json; the GPU's utilisation and memory
+#     (nvidia-smi) beside;
 #  3. with >= 2 GPUs, `diloco bench ranks` with a 2-rank NCCL learner (skipped on one GPU).
 # Prints the figures and exits non-zero on any failure. About 6 minutes on one H200 (before step 3 existed).
 # Run from the repository root after `make setup` with a CUDA build of torch, or with PY=python3 where torch,
@@ -86,16 +87,18 @@ r = json.load(open(sys.argv[1]))
 for row in r["rows"]:
     def f(key, spec=".1f"):
         return "-" if row.get(key) is None else format(row[key], spec)
-    print(f"124M on GPU, P = {row['fragments']}: {row['model_params']:,} parameters, held-out {f('initial_eval_loss', '.3f')}"
-          f" -> {f('final_eval_loss', '.3f')}, {f('tokens_per_s', '.0f')} tokens/s merged; learner host peak "
-          f"{f('learner_peak_rss_bytes_per_param')} B/param ({f('learner_peak_rss_beyond_baseline_bytes_per_param')} "
-          f"beyond its baseline, target <= 8), device peak {f('device_peak_bytes_per_param')} B/param, merger "
+    beyond = row.get("learner_peak_rss_beyond_baseline_bytes_per_param")
+    print(f"124M on GPU, P = {row['fragments']}: {row['model_params']:,} parameters, held-out "
+          f"{f('initial_eval_loss', '.3f')} -> {f('final_eval_loss', '.3f')}, {f('tokens_per_s', '.0f')} "
+          f"tokens/s merged; learner host peak {f('learner_peak_rss_bytes_per_param')} B/param "
+          f"({f('learner_peak_rss_beyond_baseline_bytes_per_param')} beyond its baseline, target <= 8), "
+          f"device peak {f('device_peak_bytes_per_param')} B/param, merger "
           f"{f('merger_peak_rss_bytes_per_param')} B/param; upload / delta {f('upload_over_delta', '.3f')}; "
           f"rejoin {f('rejoin_s')} s; audit {'OK' if row['audit_ok'] else 'FAILED'}")
-    beyond = row.get("learner_peak_rss_beyond_baseline_bytes_per_param")
     assert row["audit_ok"] and (row["loss_drop"] or 0) > 0, row
     if beyond is not None and beyond > 8:
-        print(f"device check: the learner's host memory beyond its baseline is {beyond:.1f} B/param (target <= 8)")
+        print(f"device check: the learner's host memory beyond its baseline is {beyond:.1f} B/param "
+              "(target <= 8)")
 PYEOF
 
 if [ -s "$DIR/gpu.csv" ]; then

@@ -260,8 +260,8 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
 
 
 def traffic_of(counters: list[CountingStore]) -> tuple[list[int], list[int], dict[str, Any]]:
-    """Every byte each learner sent and received (deltas, checkpoints, statuses, manifests, updates, listings: all
-    a CountingStore counts), and the extra fields beside: per learner, by kind, the deltas alone."""
+    """Every byte each learner sent and received (deltas, checkpoints, statuses, manifests, updates, listings:
+    all a CountingStore counts), and the extra fields beside: per learner, by kind, the deltas alone."""
     m = max(1, len(counters))
     sent = [sum(c.sent.values()) for c in counters]
     received = [sum(c.received.values()) for c in counters]

@@ -105,9 +105,9 @@ class PaddedSteps:
 
 
 def engine_overrides(cfg: Config, run: WanRun) -> dict[str, Any]:
-    """Local state off (nothing restarts; it is this host's disk, not traffic); the bucket checkpoint at the engine's
-    defaults (its pointer and moments share the uplink and are counted with every other object); the merger polls
-    every 20 ms (a sync learner's wait is not a polling artefact)."""
+    """Local state off (nothing restarts; it is this host's disk, not traffic); the bucket checkpoint at the
+    engine's defaults (its pointer and moments share the uplink and are counted with every other object); the
+    merger polls every 20 ms (a sync learner's wait is not a polling artefact)."""
     m = cfg.run.num_learners
     out: dict[str, Any] = {
         "learner.mode": run.mode, "learner.local_state_every_steps": 0,

@@ -189,7 +189,8 @@ def _print(r: dict[str, Any]) -> None:
     for run, t in (r.get("traffic") or {}).items():
         if t.get("bytes_sent_per_learner") is not None:
             table.add_row(f"traffic ({run}): sent / received MB per learner",
-                          f"{t['bytes_sent_per_learner'] / 1e6:.2f} / {(t['bytes_received_per_learner'] or 0) / 1e6:.2f}")
+                          f"{t['bytes_sent_per_learner'] / 1e6:.2f} / "
+                          f"{(t['bytes_received_per_learner'] or 0) / 1e6:.2f}")
             table.add_row(f"traffic ({run}) vs DP, every byte (deltas only)",
                           f"{t['traffic_ratio_vs_dp'] or 0:.0f}x / {t['received_ratio_vs_dp'] or 0:.0f}x "
                           f"({t['delta_traffic_ratio_vs_dp'] or 0:.0f}x)")

@@ -1,13 +1,15 @@
-"""`diloco bench moments`: what a lost host's resume loses with each bucket checkpoint of its optimizer moments —
-exact, int8 (block int8 exp_avg, sqrt-domain int8 exp_avg_sq), C phases old, or none (fresh moments) — against the
-bytes each costs: the measurement behind learner.checkpoint_every and learner.checkpoint_moments.
+"""`diloco bench moments`: what a lost host's resume loses with each bucket checkpoint of its optimizer
+moments — exact, int8 (block int8 exp_avg, sqrt-domain int8 exp_avg_sq), C phases old, or none (fresh
+moments) — against the bytes each costs: the measurement behind learner.checkpoint_every and
+learner.checkpoint_moments.
 
-Contract: in-process and deterministic (one thread, fixed seed and batches): one learner trains `before` steps on
-the recipe, keeping its optimizer state every phase; from the parameters at that step, each variant trains `after`
-more steps on the same batches with its moments; prints a table and writes JSON {"rows": [{variant, age_phases,
-encoding, bytes_per_param, train_loss_after, gap_nats, steps_lost, heldout_after}], "config"}. steps_lost is the
-gap in mean training loss over the `after` steps divided by the exact run's loss decrease per step before the cut (a
-least-squares line through its last 10 phases): how many steps of the learner's progress the variant costs.
+Contract: in-process and deterministic (one thread, fixed seed and batches): one learner trains `before` steps
+on the recipe, keeping its optimizer state every phase; from the parameters at that step, each variant trains
+`after` more steps on the same batches with its moments; prints a table and writes JSON {"rows": [{variant,
+age_phases, encoding, bytes_per_param, train_loss_after, gap_nats, steps_lost, heldout_after}], "config"}.
+steps_lost is the gap in mean training loss over the `after` steps divided by the exact run's loss decrease
+per step before the cut (a least-squares line through its last 10 phases): how many steps of the learner's
+progress the variant costs.
 """
 
 from __future__ import annotations
@@ -71,8 +73,10 @@ def measure(cfg: Config, before: int, after: int, ages: tuple[int, ...] = AGES) 
     n = sum(v.numel() for v in theta.values())
     rows = []
     ages = tuple(a for a in ages if a in snapshots)  # older than the run: none
-    variants = [("exact", 0, "fp32")] + [(f"{e} moments {a} phases old", a, e) for a in ages for e in ("fp32", "int8")
-                                        if not (a == 0 and e == "fp32")] + [("fresh moments", None, "none")]
+    variants = [("exact", 0, "fp32")]
+    variants += [(f"{e} moments {a} phases old", a, e) for a in ages for e in ("fp32", "int8")
+                 if a or e == "int8"]
+    variants += [("fresh moments", None, "none")]
     for label, age, encoding in variants:
         run = _trainer(cfg, spec)
         set_params(run.model, theta)
@@ -101,13 +105,14 @@ def measure(cfg: Config, before: int, after: int, ages: tuple[int, ...] = AGES) 
 
 def bench_moments(json_path: Path | None = None, config: str = "bench", before: int = 2400, after: int = 80,
                   overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`overrides` default: a cosine horizon of 3x `before` steps, so the learner is still improving at the cut
-    (past the recipe's horizon its lr is at the floor and no variant loses anything measurable)."""
+    """`overrides` default: a cosine horizon of 3x `before` steps, so the learner is still improving at the
+    cut (past the recipe's horizon its lr is at the floor and no variant loses anything measurable)."""
     cfg = load_config(config).with_overrides({"inner.total_steps": 3 * before, **(overrides or {})})
     t0 = time.time()
     result = measure(cfg, before, after)
     result["wall_s"] = time.time() - t0
-    table = Table(title=f"bench moments: a lost host resumes with ... ({result['config']['params']:,} params, "
+    params = result["config"]["params"]
+    table = Table(title=f"bench moments: a lost host resumes with ... ({params:,} params, "
                         f"{before} steps, then {after})")
     for col in ("moments", "B/param", "train loss after", "gap nats", "steps lost", "held-out after"):
         table.add_column(col, justify="right")

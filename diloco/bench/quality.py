@@ -129,6 +129,11 @@ def _both_ways(ratios: dict[str, float]) -> bool:
             and min(ratios["traffic_ratio_vs_dp"], ratios["received_ratio_vs_dp"]) >= TARGET_TRAFFIC_RATIO)
 
 
+def _deltas_only(result: dict[str, Any]) -> str:
+    ratio = result.get("delta_traffic_ratio_vs_dp")
+    return f" (deltas only: {ratio:.0f}x sent)" if ratio else ""
+
+
 def _ratio_of(dp: dict[str, Any], row: dict[str, Any]) -> dict[str, float]:
     """Loss and traffic against DP: every byte sent and received (deltas, checkpoints, statuses, manifests,
     updates, listings), and beside it, labelled, the deltas alone."""
@@ -180,9 +185,9 @@ def _print_table(result: dict[str, Any]) -> None:
     if result.get("loss_ratio_vs_dp") is not None:
         Console().print(f"decoupled int4 / DP (cohorts taking turns): loss ratio {result['loss_ratio_vs_dp']:.4f} "
                         f"(target <= {TARGET_LOSS_RATIO}), traffic {result['traffic_ratio_vs_dp']:.0f}x less sent "
-                        f"(target >= {TARGET_TRAFFIC_RATIO:.0f}x), {result['received_ratio_vs_dp']:.0f}x less received, "
-                        "counting every byte" + (f" (deltas only: {result['delta_traffic_ratio_vs_dp']:.0f}x sent)"
-                                                 if result.get("delta_traffic_ratio_vs_dp") else ""))
+                        f"(target >= {TARGET_TRAFFIC_RATIO:.0f}x), "
+                        f"{result['received_ratio_vs_dp']:.0f}x less "
+                        "received, counting every byte" + _deltas_only(result))
     for key, _, what in CONCURRENT_ROWS:
         if result.get(key):
             c = result[key]

@@ -1,7 +1,7 @@
 """The figures of one `diloco bench size` row, read back from the run's bucket (and the watcher's peaks).
 
-Contract: read-only; per parameter where the issue asks it (peak memory, bucket growth); every learner byte counted
-(the summary's traffic by kind); a figure that cannot be measured is None, never guessed.
+Contract: read-only; per parameter where the issue asks it (peak memory, bucket growth); every learner byte
+counted (the summary's traffic by kind); a figure that cannot be measured is None, never guessed.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def figures(storage: str, run_id: str, peaks: dict[int, int], wall_s: float) -> 
         "merge_s_per_round": merge_s / versions, **rejoin,
         "deltas_merged": summary["deltas_merged"], "deltas_rejected": summary["deltas_rejected"],
         "audit_ok": audit_run(ctx).ok, "state": summary["state"],
-        "traffic_ratio_vs_dp": summary["traffic_ratio_vs_dp"], "received_ratio_vs_dp": summary["received_ratio_vs_dp"],
-        "delta_traffic_ratio_vs_dp": summary["delta_traffic_ratio_vs_dp"],
+        **{k: summary[k] for k in ("traffic_ratio_vs_dp", "received_ratio_vs_dp",
+                                   "delta_traffic_ratio_vs_dp")},
     }
 
 
@@ -51,8 +51,9 @@ def _per(value: float | None, n: int) -> float | None:
 
 
 def _memory(events: list[dict], peaks: dict[int, int], roles: dict[int, tuple], n: int) -> dict[str, Any]:
-    """Peak resident memory per parameter: every learner process (the watcher's marks and the learners' own, the
-    larger), beyond its baseline (its RSS before the model was built), the merger's; CUDA's device peak."""
+    """Peak resident memory per parameter: every learner process (the watcher's marks and the learners' own,
+    the larger), beyond its baseline (its RSS before the model was built), the merger's; CUDA's device
+    peak."""
     learner_peak: dict[int, int] = defaultdict(int)
     baseline: dict[int, int] = {}
     device = 0
@@ -98,12 +99,15 @@ def _traffic(summary: dict[str, Any], events: list[dict]) -> dict[str, Any]:
 
 
 def _bucket(ctx, storage: str, n: int, versions: int) -> dict[str, Any]:
-    """The run's bytes in the bucket per parameter per version (version 0's objects left out), by top folder."""
+    """The run's bytes in the bucket per parameter per version (version 0's objects left out), by top
+    folder."""
     if not storage.startswith("file://"):
         return {"bucket_bytes_per_param_per_version": None}
     root = os.path.join(storage.removeprefix("file://"), ctx.run_id)
     initial = set()
-    chains = [ctx.keys] + ([fragment_context(ctx, i).keys for i in range(num_fragments(ctx))] if ctx.fragments else [])
+    chains = [ctx.keys]
+    if ctx.fragments:
+        chains += [fragment_context(ctx, i).keys for i in range(num_fragments(ctx))]
     for keys in chains:  # the root chain's version 0, and every fragment chain's
         try:
             m0 = read_manifest(ctx.store, keys, 0)
@@ -122,8 +126,8 @@ def _bucket(ctx, storage: str, n: int, versions: int) -> dict[str, Any]:
 
 
 def _rejoin(ctx, events: list[dict]) -> dict[str, Any]:
-    """The killed learner: seconds from its restarted process's start to its join (rejoin_s), from the kill to the
-    join, and whether a delta it shipped after the join was merged (it contributes again)."""
+    """The killed learner: seconds from its restarted process's start to its join (rejoin_s), from the kill to
+    the join, and whether a delta it shipped after the join was merged (it contributes again)."""
     kills = [e for e in events if e.get("kind") == "fault" and e.get("fault") == "kill_learner"]
     if not kills:
         return {"rejoin_s": None, "kill_to_join_s": None, "rejoined_contributed": False}
@@ -142,4 +146,5 @@ def _rejoin(ctx, events: list[dict]) -> dict[str, Any]:
             contributed |= any(d.learner == name and d.seq >= first for m in chain for d in m.merged())
     return {"rejoin_s": None if join is None or start is None else join["t"] - start,
             "kill_to_join_s": None if join is None else join["t"] - kill["t"], "rejoined_learner": name,
-            "rejoined_from_local_state": bool(join and join.get("local")), "rejoined_contributed": contributed}
+            "rejoined_from_local_state": bool(join and join.get("local")),
+            "rejoined_contributed": contributed}

@@ -261,17 +261,19 @@ def _bench_moments(
 @bench.command("size")
 def _bench_size(
     json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
-    params: str = typer.Option("124m", "--params", help="Model size: 124m (GPT-2 small's shape), 10m or quick."),
-    learners: int = typer.Option(2, "--learners", min=1, help="Learners (one is killed mid-run and restarted)."),
+    params: str = typer.Option("124m", "--params", help="124m (GPT-2 small's shape), 10m or quick."),
+    learners: int = typer.Option(2, "--learners", min=1, help="Learners (one is killed and restarted)."),
     fragments: str = typer.Option("1,4", "--fragments", help="Fragment counts, one row each (e.g. 1,4)."),
     device: str = typer.Option("cpu", "--device", help="The learners' device: cpu, or cuda (the GPU check)."),
     steps: int = typer.Option(48, "--steps", min=8, help="Inner steps per learner: the token budget."),
     storage: str | None = typer.Option(None, "--storage", help="Where the runs live (default: a temp dir)."),
     time_limit_s: float = typer.Option(900.0, "--time-limit-s", min=30.0, help="Each run's time limit."),
     kill_at: int | None = typer.Option(None, "--kill-at-version", min=1,
-                                       help="Kill a learner once this version is committed (default: a third in)."),
+                                       help="Kill a learner once this version is committed (default: a "
+                                            "third in)."),
 ) -> None:
-    """A 124M model end to end through `diloco run`: memory per parameter, uploads against deltas, bucket growth."""
+    """A 124M model end to end through `diloco run`: memory per parameter, uploads against deltas, bucket
+    growth."""
     from diloco.bench.size import bench_size
 
     with user_errors():

@@ -20,7 +20,8 @@ app = typer.Typer()
 
 @app.command("runs", rich_help_panel=RUN_AND_INSPECT)
 def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
-    """List the runs in a storage URL: state, versions, last held-out loss, learners, traffic vs data-parallel."""
+    """List the runs in a storage URL: state, versions, last held-out loss, learners, traffic vs
+    data-parallel."""
     with user_errors():
         from rich.console import Console
         from rich.table import Table
@@ -38,7 +39,8 @@ def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
             return
         table = Table(title=f"runs in {store.url}")
         table.add_column("run id", no_wrap=True, min_width=max(len("run id"), *(len(r["run_id"]) for r in rows)))
-        for col in ("state", "versions", "held-out", "learners", "sent / recv MB per learner", "vs DP", "age"):
+        columns = ("state", "versions", "held-out", "learners", "sent / recv MB per learner", "vs DP", "age")
+        for col in columns:
             table.add_column(col, overflow="fold", min_width=min(len(col), 12))
         for r in rows:
             if r["state"] == "unreadable":
@@ -51,9 +53,10 @@ def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
             table.add_row(r["run_id"], r["state"], versions, loss, str(r["num_learners"]), *_traffic_cells(r),
                           _age(time.time() - r["created_at"]))
         Console().print(table)
-        Console().print("traffic: every object a learner put and got (deltas, checkpoints, statuses, events, updates, "
-                   "manifests, listings); vs DP: data-parallel's fp32 all-reduce bytes over them, sent / received "
-                   "(deltas only in brackets)")
+        Console().print("traffic: every object a learner put and got (deltas, checkpoints, statuses, events, "
+                        "updates, manifests, listings); vs DP: data-parallel's fp32 all-reduce bytes over "
+                        "them, "
+                        "sent / received (deltas only in brackets)")
 
 
 def _traffic_cells(r: dict) -> tuple[str, str]:

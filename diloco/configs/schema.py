@@ -142,9 +142,10 @@ class MergerConfig(_Strict):
 
 
 def checkpoint_cadence(value: int | str) -> tuple[int | None, float | None]:
-    """learner.checkpoint_every: (phases, None) for an int, (None, seconds) for '<n>s|m|h'; ValueError otherwise."""
+    """learner.checkpoint_every: (phases, None) for an int, (None, seconds) for '<n>s|m|h'; ValueError
+    otherwise."""
     if isinstance(value, bool):
-        raise ValueError(f"learner.checkpoint_every: {value!r} must be a phase count or a duration like '30m'")
+        raise ValueError(f"learner.checkpoint_every: {value!r} must be a phase count or a duration ('30m')")
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, int):
@@ -153,8 +154,8 @@ def checkpoint_cadence(value: int | str) -> tuple[int | None, float | None]:
         return value, None
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh])\s*", str(value))
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"learner.checkpoint_every: {value!r} must be a phase count or a duration like '30m', "
-                         "'600s', '2h'")
+        raise ValueError(f"learner.checkpoint_every: {value!r} must be a phase count or a duration "
+                         "like '30m', '600s', '2h'")
     return None, float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
@@ -200,10 +201,12 @@ class LearnerConfig(_Strict):
                 raise ValueError(f"learner.ranks_per_learner.{name}: {n!r} must be an int in [1, {MAX_RANKS}]")
         return v
     # the bucket checkpoint, for a lost host (a crashed process resumes from its local state): a small pointer
-    # (step, data cursor, seq) after each publish, naming the newest optimizer moments (docs/ENGINE.md, "Checkpoints")
+    # (step, data cursor, seq) after each publish, naming the newest optimizer moments (docs/ENGINE.md,
+    # "Checkpoints")
     checkpoint: bool = True
-    # the moments themselves every this many phases (an int) or this long ("30m", "600s", "2h"): they cost 8 B/param
-    # in fp32 (7.3 shuffled + lz4), 2 B/param in int8, against 0.45-0.95 B/param a phase of int4/int8 deltas
+    # the moments themselves every this many phases (an int) or this long ("30m", "600s", "2h"): they cost 8
+    # B/param in fp32 (7.3 shuffled + lz4), 2 B/param in int8, against 0.45-0.95 B/param a phase of int4/int8
+    # deltas
     checkpoint_every: int | str = 50
     # int8: block int8 exp_avg, sqrt-domain int8 exp_avg_sq (read back rounded up); fp32: exact
     checkpoint_moments: Literal["fp32", "int8"] = "int8"

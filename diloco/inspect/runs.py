@@ -1,5 +1,5 @@
-"""Every run in a storage URL, with where it stands: id, state, versions, last held-out loss, learners, and its
-traffic: bytes sent and received per learner counting every object, and their ratios to data-parallel.
+"""Every run in a storage URL, with where it stands: id, state, versions, last held-out loss, learners, and
+its traffic: bytes sent and received per learner counting every object, and their ratios to data-parallel.
 
 Contract: read-only; a run is a top-level folder with a run.json; one that cannot be read is listed with
 its problem rather than dropped; a run whose traffic cannot be read is listed without it.
@@ -37,7 +37,9 @@ def list_runs(store: Store) -> list[dict[str, Any]]:
             traffic = traffic_figures(ctx)
         except (RunError, StorageError, ValueError):
             traffic = {}
-        rows.append({**{k: v for k, v in traffic.items() if k != "bytes_by_kind"},"run_id": run_id, "state": state.word, "reason": state.reason, "version": state.version,
+        traffic.pop("bytes_by_kind", None)
+        rows.append({**traffic, "run_id": run_id, "state": state.word, "reason": state.reason,
+                     "version": state.version,
                      "target": state.target, "tokens": state.tokens, "token_budget": state.budget,
                      "last_eval_loss": last["loss"] if last else None,
                      "last_eval_version": last["version"] if last else None, "num_learners": len(ctx.learners),

@@ -1,15 +1,15 @@
-"""A learner's bucket checkpoint, for a lost host (a crashed process resumes from its local state instead): after
-every delta a small pointer (seq, inner step, data cursor, base version) naming the newest moments, and the
-optimizer's moments themselves every `learner.checkpoint_every` (C phases, or a time budget such as "30m"),
-under fresh keys, optionally quantized (`learner.checkpoint_moments: int8`: block int8 exp_avg, sqrt-domain int8
-exp_avg_sq read back rounded up, so a resumed step is never larger than the exact one).
+"""A learner's bucket checkpoint, for a lost host (a crashed process resumes from its local state instead):
+after every delta a small pointer (seq, inner step, data cursor, base version) naming the newest moments, and
+the optimizer's moments themselves every `learner.checkpoint_every` (C phases, or a time budget such as
+"30m"), under fresh keys, optionally quantized (`learner.checkpoint_moments: int8`: block int8 exp_avg,
+sqrt-domain int8 exp_avg_sq read back rounded up, so a resumed step is never larger than the exact one).
 
 Contract: the moments are encoded on the training thread from the live optimizer state, one state tensor at a
-time, into spool files on this host (a consistent snapshot, no copy held in memory); the publisher uploads them
-after the delta, then the pointer (the commit: a pointer names only parts that landed before it), then deletes
-parts older than the previous generation. Nothing is overwritten in place but the pointer (a few KB, read whole by
-one GET: never a mix of two versions). `read_checkpoint` follows the pointer (or, in a run made before, reads the
-single object `checkpoint/state`) and decodes the moments one part at a time.
+time, into spool files on this host (a consistent snapshot, no copy held in memory); the publisher uploads
+them after the delta, then the pointer (the commit: a pointer names only parts that landed before it), then
+deletes parts older than the previous generation. Nothing is overwritten in place but the pointer (a few KB,
+read whole by one GET: never a mix of two versions). `read_checkpoint` follows the pointer (or, in a run made
+before, reads the single object `checkpoint/state`) and decodes the moments one part at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from diloco.learner.spill import scratch_dir
 from diloco.run.events import EventLog
 from diloco.run.objects import decode_tensors, read_checked
 from diloco.storage import NotFound, StorageError
-from diloco.storage.codec import CodecError, Encoder, object_checksum
+from diloco.storage.codec import Encoder, object_checksum
 from diloco.storage.codec.lazy import LazyObject
 from diloco.storage.keys import RunKeys
 from diloco.storage.records import Record, RecordError, read_record
@@ -105,7 +105,8 @@ class CheckpointUpload:
                 return False
         finally:
             self.discard()
-        events.emit("checkpoint", learner=self.pointer.learner, seq=self.pointer.seq, pointer_bytes=len(pointer),
+        events.emit("checkpoint", learner=self.pointer.learner, seq=self.pointer.seq,
+                    pointer_bytes=len(pointer),
                     moments_bytes=moments_bytes, parts=len(self.spool),
                     moments=self.pointer.moments.encoding if self.spool and self.pointer.moments else None,
                     duration_s=round(time.time() - t0, 3))
@@ -167,13 +168,15 @@ class Checkpointer:
             tensors, meta = state()
             nonce = secrets.token_hex(4)
             parts = []
-            for index, (data, names) in enumerate(self._encode_parts(tensors, {"seq": seq, "learner": self.name})):
+            encoded = self._encode_parts(tensors, {"seq": seq, "learner": self.name})
+            for index, (data, names) in enumerate(encoded):
                 key = self.keys.checkpoint(self.name, f"m{seq:012d}-{nonce}.p{index:04d}")
                 path = self.spool_dir / f"ckpt-{os.getpid()}-{nonce}-{index}.bin"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
                 spool.append((key, path))
-                parts.append(MomentsPart(key=key, bytes=len(data), checksum=object_checksum(data), names=names))
+                parts.append(MomentsPart(key=key, bytes=len(data), checksum=object_checksum(data),
+                                         names=names))
                 del data
             self.previous = {p.key for p in self.current.parts} if self.current else set()
             self.current = MomentsRef(seq=seq, step=step, encoding=self.encoding, optimizer=meta, parts=parts,
@@ -240,8 +243,8 @@ def read_pointer(store: Store, keys: RunKeys, name: str) -> CheckpointPointer | 
 
 
 def read_checkpoint(store: Store, keys: RunKeys, name: str, fingerprint: str) -> Restored | None:
-    """The newest checkpoint of learner `name` (None: there is none). CodecError / StorageError / RecordError when
-    it cannot be read."""
+    """The newest checkpoint of learner `name` (None: there is none). CodecError / StorageError / RecordError
+    when it cannot be read."""
     try:
         pointer = read_record(store, keys.checkpoint(name, POINTER), CheckpointPointer)
     except NotFound:
@@ -250,7 +253,8 @@ def read_checkpoint(store: Store, keys: RunKeys, name: str, fingerprint: str) ->
     if moments is None:
         return Restored(pointer.step, pointer.cursor, pointer.seq, None, {}, pointer)
     tensors = _read_parts(store, moments, fingerprint)
-    return Restored(pointer.step, pointer.cursor, pointer.seq, tensors, moments.optimizer, pointer, moments.seq)
+    return Restored(pointer.step, pointer.cursor, pointer.seq, tensors, moments.optimizer, pointer,
+                    moments.seq)
 
 
 def _legacy(store: Store, keys: RunKeys, name: str, fingerprint: str) -> Restored | None:
@@ -266,8 +270,8 @@ def _legacy(store: Store, keys: RunKeys, name: str, fingerprint: str) -> Restore
 
 
 class _Parts(Mapping[str, torch.Tensor]):
-    """Every tensor of the moments' parts; each part read and checked when first touched, decoded one tensor at
-    a time (the int8 ones dequantized, the sqrt-domain ones squared, rounded up)."""
+    """Every tensor of the moments' parts; each part read and checked when first touched, decoded one tensor
+    at a time (the int8 ones dequantized, the sqrt-domain ones squared, rounded up)."""
 
     def __init__(self, store: Store, moments: MomentsRef, fingerprint: str) -> None:
         self.store, self.moments, self.fingerprint = store, moments, fingerprint
@@ -292,7 +296,8 @@ class _Parts(Mapping[str, torch.Tensor]):
 
 
 def moment(obj: LazyObject, name: str) -> torch.Tensor:
-    """State tensor `name` of a moments part, as the optimizer takes it (a sqrt-domain one squared, rounded up)."""
+    """State tensor `name` of a moments part, as the optimizer takes it (a sqrt-domain one squared, rounded
+    up)."""
     array = obj.array(name)
     if name.partition("/")[0] in obj.header.meta.get("sqrt", []):
         array = _square_up(array, obj.header.block_size)
@@ -300,8 +305,8 @@ def moment(obj: LazyObject, name: str) -> torch.Tensor:
 
 
 def round_trip(tensors: Mapping[str, torch.Tensor], encoding: str, fingerprint: str = "moments") -> dict:
-    """What a resume reads back of these optimizer state tensors written with `encoding` (fp32 | int8), and the
-    bytes written: ({name: tensor}, bytes). For measurements and tests."""
+    """What a resume reads back of these optimizer state tensors written with `encoding` (fp32 | int8), and
+    the bytes written: ({name: tensor}, bytes). For measurements and tests."""
     writer = Checkpointer(RunKeys("x"), "x", fingerprint, 1, encoding)
     out, size = {}, 0
     for data, names in writer._encode_parts(iter(tensors.items()), {}):
@@ -328,7 +333,3 @@ def _square_up(root: np.ndarray, block_size: int) -> np.ndarray:
     np.square(rows, out=rows)
     return padded[:n].reshape(shape).copy()
 
-
-def unreadable(err: Exception) -> bool:
-    """Whether `err` is one read_checkpoint raises for a checkpoint that cannot be used (then: fresh state)."""
-    return isinstance(err, CodecError | StorageError | RecordError | ValueError)

@@ -6,11 +6,12 @@ Contract (DESIGN §5, per fragment): for every fragment, shipped + carried = all
 tensors. Shipping p: delta = r_p - theta_p, r_p -= dequantize(delta). Installing p at G_p:
 theta_p = G_p + (theta_p - r_p) (carry) or G_p (overwrite), r_p = G_p. Every step runs tensor by tensor, so
 no whole-model copy is ever held beside theta.
-Where the tensors live: G_p is a spill file on the learner's own disk (diloco.learner.spill: read one tensor at
-a time, never held whole in memory); r_p is one too on a CPU learner (right after an install it *is* G_p's file,
-and each ship writes a new one), and lives on theta's device in fp32 on an accelerator (a GPU learner's ship and
-carry arithmetic runs there: one transfer of the delta out, one of G_p in). Every delta is fp32 CPU tensors.
-Each step is one elementwise fp32 operation, so the bits are the same on any device and in any of these homes.
+Where the tensors live: G_p is a spill file on the learner's own disk (diloco.learner.spill: read one tensor
+at a time, never held whole in memory); r_p is one too on a CPU learner (right after an install it *is* G_p's
+file, and each ship writes a new one), and lives on theta's device in fp32 on an accelerator (a GPU learner's
+ship and carry arithmetic runs there: one transfer of the delta out, one of G_p in). Every delta is fp32 CPU
+tensors. Each step is one elementwise fp32 operation, so the bits are the same on any device and in any of
+these homes.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class Lanes:
         return tensors if isinstance(tensors, Spilled) else self.spill.write(tensors.items(), tag=tag)
 
     def _reference(self, glob: Spilled, device: torch.device, given: Values | None = None) -> Values:
-        """r_p = `given` (default G_p): on a CPU learner a spill file (G_p's own when it is G_p), else fp32 copies on
-        `device`."""
+        """r_p = `given` (default G_p): on a CPU learner a spill file (G_p's own when it is G_p), else fp32
+        copies on `device`."""
         given = glob if given is None else given
         if device.type == "cpu":
             return glob if given is glob else self.spilled(given, "r")
@@ -140,8 +141,8 @@ class Lanes:
         return out
 
     def feedback(self, index: int, dequantized: Values) -> None:
-        """The delta taken went out as `dequantized`: r_p -= it (error feedback), tensor by tensor (a spilled r_p:
-        into a new file)."""
+        """The delta taken went out as `dequantized`: r_p -= it (error feedback), tensor by tensor (a spilled
+        r_p: into a new file)."""
         lane = self.lanes[index]
         if isinstance(lane.ref, Spilled):
             ref = lane.ref
@@ -158,8 +159,8 @@ class Lanes:
     def install(self, index: int, version: int, glob: Values, theta: Tensors,
                 merged: int | None = None) -> None:
         """Move lane `index` to `version` in `theta` (whole-model tensors, e.g. the model's own parameters,
-        on any device; written in place): carry the unshipped, tensor by tensor. `merged`: the learner's cursor
-        in `version`."""
+        on any device; written in place): carry the unshipped, tensor by tensor. `merged`: the learner's
+        cursor in `version`."""
         lane, device = self.lanes[index], _device(theta)
         glob = self.spilled(glob)
         part = take(theta, lane.fragment, copy=False)

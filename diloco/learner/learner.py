@@ -164,7 +164,7 @@ class Learner(PhaseSection, ShipSection, InstallSection):
                          baseline_rss_bytes=self.baseline_rss_bytes, **self.memory(),
                          **({} if self.whole else self.lanes.meta()))
         self.heartbeat("joined", force=True, wait=True)  # the supervisor reads it to see the join
-        if self.cfg.learner.checkpoint:  # the cadence counts from the join; the moments in the bucket stay named
+        if self.cfg.learner.checkpoint:  # the cadence counts from the join; the bucket's moments stay named
             self.checkpointer.joined(read_pointer(self.ctx.store, self.ctx.keys, self.name))
         self._start_prefetch()
         log.info("learner %s joined at version %d, next seq %d, data cursor %d, step %d %s", self.name,
@@ -216,7 +216,8 @@ class Learner(PhaseSection, ShipSection, InstallSection):
                 "optimizer": self.trainer.state_meta(), **self._lanes_meta()}
         self._saved_step = self.trainer.step
         self.local.save({"theta": self._live(), "ref": [lane.ref for lane in self.lanes.lanes],
-                         "glob": [lane.glob for lane in self.lanes.lanes], "opt": dict(self.trainer.state_tensors()),
+                         "glob": [lane.glob for lane in self.lanes.lanes],
+                         "opt": dict(self.trainer.state_tensors()),
                          "buffers": get_buffers(self.model, self.ctx.buffers)}, meta)
 
     def _lanes_meta(self) -> dict:

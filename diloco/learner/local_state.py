@@ -1,23 +1,23 @@
 """A learner's state on its own host: what a restarted learner process resumes from, bucket or not.
 
 Contract: the learner writes its whole state here at every publish and every `learner.local_state_every_steps`
-steps — theta, r, the installed global, the optimizer state, the model's buffers the run merges, next seq, base
-version, data cursor, the steps and tokens not shipped yet (per lane: the whole model's, or every fragment
-chain's) — and keeps each delta's bytes in a spool (per chain: `delta-<seq>.bin` on the root chain,
-`delta-f<p>-<seq>.bin` on fragment p's) until its upload has landed. A learner process restarted on the same host
-resumes from it: no download, no repeated phase, and no delta lost to a crash while the bucket was unreachable.
-It is a cache: the bucket stays the truth (the learner checks it, when it can, and drops a state the bucket has
-moved past), and it survives a process crash, not a lost host.
+steps — theta, r, the installed global, the optimizer state, the model's buffers the run merges, next seq,
+base version, data cursor, the steps and tokens not shipped yet (per lane: the whole model's, or every
+fragment chain's) — and keeps each delta's bytes in a spool (per chain: `delta-<seq>.bin` on the root chain,
+`delta-f<p>-<seq>.bin` on fragment p's) until its upload has landed. A learner process restarted on the same
+host resumes from it: no download, no repeated phase, and no delta lost to a crash while the bucket was
+unreachable. It is a cache: the bucket stays the truth (the learner checks it, when it can, and drops a state
+the bucket has moved past), and it survives a process crash, not a lost host.
 
 Written incrementally, in place of copies: r and G already live in spill files of this directory
 (diloco.learner.spill: written when they change, at a ship or an install), and a state names them; theta, the
 optimizer state and the buffers are streamed from the live tensors, one at a time, into `state.bin` (a spill
-file whose footer holds the meta) on the calling thread, after the spool writes queued before it — so a state is
-one consistent moment, and no copy of the model is held to write it. A temporary file, then a rename: a crash
-leaves the state before, never a torn one. A periodic save that took over a second is not repeated before 9x its
-time has passed (at most ~10% of the training thread: a 124M model's state is 1.5 GB). Spool writes and their
-landings run on a background thread, in order; a landed delta's spool file goes once a state on disk counts it as
-shipped.
+file whose footer holds the meta) on the calling thread, after the spool writes queued before it — so a state
+is one consistent moment, and no copy of the model is held to write it. A temporary file, then a rename: a
+crash leaves the state before, never a torn one. A periodic save that took over a second is not repeated
+before 9x its time has passed (at most ~10% of the training thread: a 124M model's state is 1.5 GB). Spool
+writes and their landings run on a background thread, in order; a landed delta's spool file goes once a state
+on disk counts it as shipped.
 
 Pickle-free; a state of another run (same run id, new run), another model layout or an unreadable file is
 ignored, never trusted. A state written before spill files (one codec object) is still read.
@@ -77,8 +77,8 @@ def _int(value: object) -> int:
 @dataclass
 class Saved:
     meta: dict
-    # theta / ref / glob: the model's params; opt: the optimizer state tensors; buffers. Each read on access; ref
-    # and glob of a whole-model state are its spill file itself when it names one
+    # theta / ref / glob: the model's params; opt: the optimizer state tensors; buffers. Each read on access;
+    # ref and glob of a whole-model state are its spill file itself when it names one
     parts: dict[str, Values]
 
 
@@ -131,10 +131,10 @@ class LocalState:
         # which run a state belongs to: a new run with the same id and storage has another created_at
         self.identity = {"storage": store_url, "run_id": run_id, "created_at": created_at}
         self.fingerprint = fingerprint
-        self.spill = SpillDir(self.dir, persist=True)  # the learner's r and G files live here, a state names them
+        self.spill = SpillDir(self.dir, persist=True)  # the learner's r and G files: a state names them
         self._writer = Courier(f"local-state-{name}")
         self._ops = 0  # each write its own courier key: run in order, none replaced by a later one
-        self._lock = threading.RLock()  # guards the counters and sets here (spool writes run on the writer thread)
+        self._lock = threading.RLock()  # guards the counters and sets (spool writes run on the writer thread)
         self._named: set[str] = set()  # the spill files the state on disk names
         self.last_save_s, self._last_end = 0.0, 0.0  # the time of the last save, and when it ended
         # per chain, the next seq of the newest state on disk (read or written): seqs below are shipped
@@ -161,9 +161,9 @@ class LocalState:
 
     # ---- state ---------------------------------------------------------------------------
     def save(self, parts: dict[str, Values | list[Values]], meta: dict) -> None:
-        """Write a state now, on this thread, after the spool writes queued before it. `parts`: name -> tensors
-        (read one at a time while it writes: live ones must not change meanwhile); "ref" and "glob" may be a list
-        (one per lane), and a spill file among them is named, not copied."""
+        """Write a state now, on this thread, after the spool writes queued before it. `parts`: name ->
+        tensors (read one at a time while it writes: live ones must not change meanwhile); "ref" and "glob"
+        may be a list (one per lane), and a spill file among them is named, not copied."""
         t0 = time.time()
         self.flush()
         files: dict[str, list[str]] = {}
@@ -188,8 +188,8 @@ class LocalState:
         self.last_save_s = self._last_end - t0
 
     def due(self) -> bool:
-        """Whether a periodic save may run now: the last one took under SAVE_FREE_S, or at most SAVE_SHARE of the
-        time since it began."""
+        """Whether a periodic save may run now: the last one took under SAVE_FREE_S, or at most SAVE_SHARE of
+        the time since it began."""
         return self.last_save_s < SAVE_FREE_S or \
             time.time() - self._last_end >= self.last_save_s * (1 / SAVE_SHARE - 1)
 
@@ -225,7 +225,8 @@ class LocalState:
         spilled = Spilled.open(path)
         meta = dict(spilled.meta)
         if meta.get("fingerprint") != self.fingerprint:
-            log.warning("local state %s ignored: another model (fingerprint %s)", path, meta.get("fingerprint"))
+            log.warning("local state %s ignored: another model (fingerprint %s)", path,
+                        meta.get("fingerprint"))
             return None
         parts: dict[str, Values] = {part: _Prefixed(spilled, part) for part in PARTS}
         try:
@@ -291,7 +292,7 @@ class LocalState:
     # the writer thread's bookkeeping (_landed also emptied by a save; _on_disk_next_seq also set by a load)
     def _spool_now(self, seq: int, data: bytes, fragment: int | None) -> None:
         with self._lock:
-            self._landed.discard((fragment, seq))  # a redone delta of a seq landed before a crash is a new one
+            self._landed.discard((fragment, seq))  # a redone delta of a seq landed before a crash: a new one
         self._write(spool_name(seq, fragment), data)
 
     def _landed_now(self, seq: int, fragment: int | None) -> None:

@@ -84,7 +84,8 @@ def wire(ctx: RunContext, name: str, spec: TrainSpec | None = None, *, events: E
                 timeout_s=cfg.run.heartbeat_timeout_s)
     publisher = Publisher(ctx.store, events, on_landed=local.unspool if local else None)
     model, trainer = make_trainer(ctx, spec, device, f"learner {name}", world)
-    # G (and on a CPU learner r) spilled to this host's disk: the local state's directory, which names the files
+    # G (and on a CPU learner r) spilled to this host's disk: the local state's directory, which names the
+    # files
     spill = local.spill if local is not None else SpillDir(scratch_dir(), persist=False)
     if ctx.fragments:
         tau = cfg.fragments.overlap_steps
@@ -99,5 +100,7 @@ def wire(ctx: RunContext, name: str, spec: TrainSpec | None = None, *, events: E
     return LearnerParts(ctx=ctx, name=name, cfg=cfg, spec=spec, device=device, events=events, signing_key=key,
                         world=world, model=model, trainer=trainer, lanes=lanes, local=local, quick=quick,
                         courier=Courier(f"courier-{name}"), pace=pace, publisher=publisher, encoder=encoder,
-                        checkpointer=Checkpointer(ctx.keys, name, ctx.fingerprint, cfg.learner.checkpoint_every,
-                                                  cfg.learner.checkpoint_moments), baseline_rss_bytes=baseline)
+                        checkpointer=Checkpointer(ctx.keys, name, ctx.fingerprint,
+                                                  cfg.learner.checkpoint_every,
+                                                  cfg.learner.checkpoint_moments),
+                        baseline_rss_bytes=baseline)

@@ -121,9 +121,9 @@ class PhaseSection:
                 stats.installs.extend(installed)
 
     def _save_every(self, stats: PhaseStats, done: int, num_steps: int) -> None:
-        """learner.local_state_every_steps: a save every N steps, skipped while the last save's time is more than
-        a tenth of the time since (LocalState.due: at 124M parameters a save writes 1.5 GB, and a GPU learner's
-        10 steps take far less). The whole model's phase end is saved by publish()."""
+        """learner.local_state_every_steps: a save every N steps, skipped while the last save's time is more
+        than a tenth of the time since (LocalState.due: at 124M parameters a save writes 1.5 GB, and a GPU
+        learner's 10 steps take far less). The whole model's phase end is saved by publish()."""
         every = self.cfg.learner.local_state_every_steps
         if every and done % every == 0 and (done < num_steps or not self.whole) and self.local.due():
             with stats.timed("save_s"):

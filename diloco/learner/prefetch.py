@@ -1,12 +1,13 @@
 """Fetching a newer global: the compact updates (or the full params when far behind), on the training
-thread (`fetch_global`, `fetch_spilled`) or ahead of it in a background thread (`Prefetcher`, `learner.prefetch`).
+thread (`fetch_global`, `fetch_spilled`) or ahead of it in a background thread (`Prefetcher`,
+`learner.prefetch`).
 
 Contract: fetch_global(base, glob, version) returns G_version with the exact bits every learner and the
-merger hold (G_v = G_{v-1} + decode(update_v)); inputs are not modified. fetch_spilled gives the same bits as a
-spill file (diloco.learner.spill), built one tensor at a time: the learner never holds a whole G in memory. A
-Prefetcher polls for version base+1, fetches everything up to the newest version and hands it over with `take()`
-— the very file it fetched, no second copy; it keeps it as the base of its next fetch — so the training
-thread installs without a single request to the bucket; storage trouble is logged and retried on the
+merger hold (G_v = G_{v-1} + decode(update_v)); inputs are not modified. fetch_spilled gives the same bits as
+a spill file (diloco.learner.spill), built one tensor at a time: the learner never holds a whole G in memory.
+A Prefetcher polls for version base+1, fetches everything up to the newest version and hands it over with
+`take()` — the very file it fetched, no second copy; it keeps it as the base of its next fetch — so the
+training thread installs without a single request to the bucket; storage trouble is logged and retried on the
 next poll, never raised; a corrupt committed object (CorruptObject) ends the thread and is raised by the next
 `take()`, on the training thread; `rebase` follows an install made another way (a sync wait, a resume).
 """
@@ -52,9 +53,9 @@ def fetch_global(ctx: RunContext, store: Store, base: int, glob: Tensors, versio
 
 
 class StepGate:
-    """A CPU learner's inner steps and its prefetchers' folds never overlap: a step's gradients and activations
-    and a fold's tensors (G's, the update's) would add up in memory. A step waits at most one tensor's fold; a
-    fold waits for the step (the download itself never waits)."""
+    """A CPU learner's inner steps and its prefetchers' folds never overlap: a step's gradients and
+    activations and a fold's tensors (G's, the update's) would add up in memory. A step waits at most one
+    tensor's fold; a fold waits for the step (the download itself never waits)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -76,11 +77,12 @@ class StepGate:
 
 
 def fetch_spilled(ctx: RunContext, store: Store, base: int, glob: Mapping[str, torch.Tensor], version: int,
-                  max_updates_behind: int, spill: SpillDir, gate: StepGate | None = None) -> tuple[Spilled, Manifest]:
+                  max_updates_behind: int, spill: SpillDir,
+                  gate: StepGate | None = None) -> tuple[Spilled, Manifest]:
     """fetch_global's (G_version, manifest), G as a spill file: each update base+1..version folded into the
-    previous G one tensor at a time (one update's bytes held at once; each tensor's fold inside `gate`), or, more
-    than `max_updates_behind` behind, fetch_global's full params written out. `glob` (a spill file or tensors) is
-    not modified."""
+    previous G one tensor at a time (one update's bytes held at once; each tensor's fold inside `gate`), or,
+    more than `max_updates_behind` behind, fetch_global's full params written out. `glob` (a spill file or
+    tensors) is not modified."""
     if version - base > max_updates_behind:
         params, manifest = fetch_global(ctx, store, base, glob, version, max_updates_behind)
         return spill.write(params.items(), tag="g"), manifest
@@ -111,22 +113,24 @@ def _fresh(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
 
 
 def _read_update(store: Store, key: str, checksum: str, fingerprint: str, what: str) -> LazyObject:
-    """A committed update, its checksum and the codec's checks passed, to decode one tensor at a time; read again
-    on a failed check, COMMITTED_READS in all, then CorruptObject (as read_committed)."""
+    """A committed update, its checksum and the codec's checks passed, to decode one tensor at a time; read
+    again on a failed check, COMMITTED_READS in all, then CorruptObject (as read_committed)."""
     for _ in range(COMMITTED_READS):
         try:
             return LazyObject(read_checked(store, key, checksum), fingerprint=fingerprint)
         except CodecError as err:
             failure = str(err).removeprefix(f"{key}: ")
-    raise CorruptObject(f"{what} {key} is corrupt ({failure}; read {COMMITTED_READS} times). A committed object "
-                        "never changes, so no retry or restart can fix this: `diloco audit` names every corrupt "
-                        "object, and `diloco fork --at-version V` continues the run from the last good version")
+    raise CorruptObject(f"{what} {key} is corrupt ({failure}; read {COMMITTED_READS} times). A committed "
+                        "object never changes, so no retry or restart can fix this: `diloco audit` names "
+                        "every corrupt object, and `diloco fork --at-version V` continues the run from the "
+                        "last good version")
 
 
 class Prefetcher:
     """A daemon thread that keeps the newest committed global fetched; `take()` hands it over once."""
 
-    def __init__(self, ctx: RunContext, store: Store, name: str, base: int, glob: Mapping[str, torch.Tensor], *,
+    def __init__(self, ctx: RunContext, store: Store, name: str, base: int,
+                 glob: Mapping[str, torch.Tensor], *,
                  poll_s: float, max_updates_behind: int, spill: SpillDir | None = None,
                  gate: StepGate | None = None) -> None:
         self.ctx, self.store, self.name = ctx, store, name
@@ -134,7 +138,8 @@ class Prefetcher:
         self.spill = spill or SpillDir(scratch_dir(), persist=False)
         self.gate = gate  # a CPU learner's: folds between its inner steps
         self._lock = threading.Lock()
-        # the newest version fetched (handed over or not): a spill file, never changed, shared with the learner
+        # the newest version fetched (handed over or not): a spill file, never changed, shared with the
+        # learner
         self._base, self._glob = base, glob
         self._ready: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._ready_manifest: Manifest | None = None  # the manifest of the version in _ready
@@ -158,8 +163,8 @@ class Prefetcher:
             return ready
 
     def rebase(self, base: int, glob: Mapping[str, torch.Tensor]) -> None:
-        """The learner moved to `base` by itself: fetch from there (drops an older fetch not taken yet). `glob`
-        (a spill file, which never changes) is shared, not copied."""
+        """The learner moved to `base` by itself: fetch from there (drops an older fetch not taken yet).
+        `glob` (a spill file, which never changes) is shared, not copied."""
         with self._lock:
             if base >= self._base:
                 self._base, self._glob = base, glob

@@ -2,9 +2,9 @@
 
 Contract: the next phase computes while uploads run; a delta is retried until it lands or the
 publisher is closed; time the caller waits for a full queue is returned as stall. A checkpoint
-(diloco.learner.checkpoint.CheckpointUpload: its moments' spool files, then its pointer) follows its delta, and
-only a delta that landed; it may also be queued on its own (`submit_checkpoint`): it never waits for room, and
-one waits at most (a newer replaces it, whose files are dropped).
+(diloco.learner.checkpoint.CheckpointUpload: its moments' spool files, then its pointer) follows its delta,
+and only a delta that landed; it may also be queued on its own (`submit_checkpoint`): it never waits for room,
+and one waits at most (a newer replaces it, whose files are dropped).
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ class Publisher:
                 self._queue.task_done()
 
     def _upload_checkpoint(self, checkpoint: CheckpointUpload) -> None:
-        checkpoint.upload(self.store, lambda key, data: self._put_with_retry(key, data, attempts=3), self.events)
+        checkpoint.upload(self.store, lambda key, data: self._put_with_retry(key, data, attempts=3),
+                          self.events)
 
     def _landed(self, key: str, data: bytes) -> bool:
         try:

@@ -106,8 +106,8 @@ def resume(ctx: RunContext, name: str, *, local: LocalState | None, events: Even
 
 
 def _whole(ctx: RunContext, globs: list[Tensors]) -> Tensors:
-    """The whole model's parameters from every chain's: the root's itself (set_theta copies them into the model),
-    or the fragments' together."""
+    """The whole model's parameters from every chain's: the root's itself (set_theta copies them into the
+    model), or the fragments' together."""
     if not ctx.fragments:
         return globs[0]
     theta = {e["name"]: torch.zeros(e["shape"], dtype=torch.float32) for e in ctx.layout}
@@ -196,9 +196,9 @@ def _last_position(ctx: RunContext, name: str, cursor: int, step: int) -> tuple[
 
 def _from_checkpoint(ctx: RunContext, name: str, events: EventLog,
                      import_optimizer: ImportOptimizer) -> tuple[int, int]:
-    """(optimizer step, data cursor) from the bucket checkpoint (diloco.learner.checkpoint: the pointer after the
-    last delta, the moments of up to learner.checkpoint_every before it); (0, 0) and a fresh optimizer without
-    one; the pointer's step and cursor with a fresh optimizer when it names no moments yet."""
+    """(optimizer step, data cursor) from the bucket checkpoint (diloco.learner.checkpoint: the pointer after
+    the last delta, the moments of up to learner.checkpoint_every before it); (0, 0) and a fresh optimizer
+    without one; the pointer's step and cursor with a fresh optimizer when it names no moments yet."""
     try:
         restored = read_checkpoint(ctx.store, ctx.keys, name, ctx.fingerprint)
         if restored is None:
@@ -209,6 +209,6 @@ def _from_checkpoint(ctx: RunContext, name: str, events: EventLog,
         log.warning("learner %s: checkpoint unreadable or does not fit (%s); starting fresh state", name, err)
         events.emit("checkpoint_unreadable", learner=name, reason=str(err))
         return 0, 0
-    events.emit("resume", learner=name, step=restored.step, cursor=restored.cursor, checkpoint_seq=restored.seq,
-                moments_seq=restored.moments_seq)
+    events.emit("resume", learner=name, step=restored.step, cursor=restored.cursor,
+                checkpoint_seq=restored.seq, moments_seq=restored.moments_seq)
     return restored.step, restored.cursor

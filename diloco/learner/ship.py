@@ -9,9 +9,9 @@ except in sync mode; with fragments the cycle's checkpoint then goes alone (the 
 delta). With learner.encode_in_background (fragments) a delta and its seq are taken at its step and encoded on
 the encoder's thread; the training thread completes it (settle) at a later step and before that lane's next
 ship or install reads r_p: the same bits as encoding inline. Inline, a delta is encoded one tensor at a time
-(r_p - theta_p of one tensor, its stream kept; the dequantized values it ships decoded from the streams for the
-error feedback), so no whole-model copy is made. An encode that fails ends the learner. No empty deltas: a lane
-with no step since its last delta ships nothing.
+(r_p - theta_p of one tensor, its stream kept; the dequantized values it ships decoded from the streams for
+the error feedback), so no whole-model copy is made. An encode that fails ends the learner. No empty deltas: a
+lane with no step since its last delta ships nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class Shipped(Mapping[str, torch.Tensor]):
     """The values a delta ships, decoded one tensor at a time from the streams its encoder made (what
     decode_tensors gives back from the delta, bit for bit): what the error feedback subtracts from r_p."""
 
-    def __init__(self, encoder: codec.Encoder, streams: dict[str, tuple[tuple[int, ...], np.ndarray]]) -> None:
+    def __init__(self, encoder: codec.Encoder,
+                 streams: dict[str, tuple[tuple[int, ...], np.ndarray]]) -> None:
         self.encoder, self.streams = encoder, streams
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -128,8 +129,9 @@ class ShipSection:
         else:  # taken now (training goes on), encoded on the encoder's thread
             encoded = None
             encode = functools.partial(encode_shipped, self.lanes.delta(index, self._live()),
-                                       codec_name=cfg.learner.codec, kind="delta", fingerprint=self.ctx.fingerprint,
-                                       meta=meta, shuffle=cfg.learner.shuffle, buffers=buffers)
+                                       codec_name=cfg.learner.codec, kind="delta",
+                                       fingerprint=self.ctx.fingerprint, meta=meta,
+                                       shuffle=cfg.learner.shuffle, buffers=buffers)
         seq, steps, tokens = self.lanes.take(index, self.steps_done)
         job = Shipping(index, seq, steps, tokens, lane.base, stats, started)
         if encoded is not None:
@@ -162,12 +164,14 @@ class ShipSection:
             self._complete(job, *encoded, stats or job.stats)
 
     def _encode_inline(self, index: int, meta: dict, buffers: Tensors | None) -> tuple[bytes, Shipped]:
-        """encode_shipped of lane `index`'s r_p - theta_p, one tensor at a time (the same bytes and values): each
-        tensor's difference made, encoded and dropped; its stream kept for the values shipped (Shipped)."""
+        """encode_shipped of lane `index`'s r_p - theta_p, one tensor at a time (the same bytes and values):
+        each tensor's difference made, encoded and dropped; its stream kept for the values shipped
+        (Shipped)."""
         cfg, lane = self.cfg.learner, self.lanes.lanes[index]
         part = take(self._live(), lane.fragment, copy=False)
-        encoder = codec.Encoder(codec=cfg.codec, kind="delta", fingerprint=self.ctx.fingerprint, shuffle=cfg.shuffle,
-                                meta={**meta, **({"buffers": len(buffers)} if buffers else {})})
+        counted = {"buffers": len(buffers)} if buffers else {}
+        encoder = codec.Encoder(codec=cfg.codec, kind="delta", fingerprint=self.ctx.fingerprint,
+                                shuffle=cfg.shuffle, meta={**meta, **counted})
         streams: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}
         for k in lane.ref:
             array = (lane.ref[k] - part[k].float()).detach().to("cpu", torch.float32).contiguous().numpy()
@@ -184,7 +188,8 @@ class ShipSection:
         self.lanes.feedback(job.index, shipped)
         del shipped
         keys = self.chain_keys(job.index)
-        checkpoint = self._checkpoint(job.seq, job.base) if self.cfg.learner.checkpoint and job.index == 0 else None
+        due = self.cfg.learner.checkpoint and job.index == 0
+        checkpoint = self._checkpoint(job.seq, job.base) if due else None
         if self.local is not None:  # until it lands: a crash while the bucket is away loses nothing
             self.local.spool(job.seq, data, keys.fragment)
         stall = self.publisher.submit(keys.delta(self.name, job.seq), data, seq=job.seq,
@@ -199,8 +204,9 @@ class ShipSection:
                          duration_s=round(time.time() - job.started, 4))
 
     def _checkpoint(self, seq: int, base: int) -> CheckpointUpload:
-        """The bucket checkpoint after delta `seq` (on version `base`): the pointer, and when learner.checkpoint_every
-        says so the moments, encoded now from the live optimizer state into spool files (the publisher uploads)."""
+        """The bucket checkpoint after delta `seq` (on version `base`): the pointer, and when
+        learner.checkpoint_every says so the moments, encoded now from the live optimizer state into spool
+        files (the publisher uploads)."""
         trainer = self.trainer
         return self.checkpointer.make(seq, trainer.step, self.cursor, base, self.checkpointer.due(),
                                       lambda: (trainer.state_tensors(), trainer.state_meta()))

@@ -1,16 +1,17 @@
-"""Tensors a learner keeps on its own disk instead of in memory: the installed global G of each lane (and, on a
-CPU learner, its reference r), the prefetcher's G, and the parts of its local state; each read back one tensor
-at a time.
+"""Tensors a learner keeps on its own disk instead of in memory: the installed global G of each lane (and, on
+a CPU learner, its reference r), the prefetcher's G, and the parts of its local state; each read back one
+tensor at a time.
 
 Contract: a spill file is written once, in one pass over its tensors (a temporary name, then a rename), and
-never changes; `Spilled` is a read-only mapping over it (name -> a fresh fp32 CPU tensor on every read), holding
-the file open, so a file unlinked while it is read still reads. Nothing here is trusted beyond its own checks
-(sizes, a magic and a footer): a spill file is this host's own cache, never bucket input. A `SpillDir` with
-`persist` off unlinks each file as soon as it is open (nothing is left on disk); with it on (local state), it
-keeps a file by name while its Spilled is alive or a state on disk names it, and `collect` unlinks the rest.
+never changes; `Spilled` is a read-only mapping over it (name -> a fresh fp32 CPU tensor on every read),
+holding the file open, so a file unlinked while it is read still reads. Nothing here is trusted beyond its own
+checks (sizes, a magic and a footer): a spill file is this host's own cache, never bucket input. A `SpillDir`
+with `persist` off unlinks each file as soon as it is open (nothing is left on disk); with it on (local
+state), it keeps a file by name while its Spilled is alive or a state on disk names it, and `collect` unlinks
+the rest.
 
-Format: the tensors' raw fp32 bytes one after another, then a JSON footer ({"entries": [[name, shape, offset]],
-"meta": ...}), its length (u64) and the magic.
+Format: the tensors' raw fp32 bytes one after another, then a JSON footer ({"entries": [[name, shape,
+offset]], "meta": ...}), its length (u64) and the magic.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class SpillError(ValueError):
 class Spilled(Mapping[str, torch.Tensor]):
     """A read-only name -> tensor mapping over one spill file (fp32 CPU tensors, read on every access)."""
 
-    def __init__(self, path: Path, entries: dict[str, tuple[tuple[int, ...], int]], meta: dict, fd: int) -> None:
+    def __init__(self, path: Path, entries: dict[str, tuple[tuple[int, ...], int]], meta: dict,
+                 fd: int) -> None:
         self.path, self.entries, self.meta = path, entries, meta
         self._fd = fd
         self._close = weakref.finalize(self, os.close, fd)
@@ -108,13 +110,14 @@ def write_spill(path: Path, items: Iterable[tuple[str, torch.Tensor]], meta: dic
 
 
 def scratch_dir() -> Path:
-    """Where a SpillDir without persistence writes (its files are unlinked once open): the system's temp dir."""
+    """Where a SpillDir without persistence writes (its files are unlinked once open): the system's temp
+    dir."""
     return Path(tempfile.gettempdir()) / "diloco-spill"
 
 
 class SpillDir:
-    """Where one learner process spills: `dir`, its files named <tag>-<pid>-<instance>-<n>.f32. `persist`: keep
-    files by name (a local state may name them) until `collect`; otherwise each is unlinked once open."""
+    """Where one learner process spills: `dir`, its files named <tag>-<pid>-<instance>-<n>.f32. `persist`:
+    keep files by name (a local state may name them) until `collect`; otherwise each is unlinked once open."""
 
     _instances = itertools.count()
 
@@ -127,7 +130,8 @@ class SpillDir:
         self._own: dict[str, weakref.ref] = {}  # file name -> its Spilled, for files this instance keeps
         self._copies: list[Spilled] = []
 
-    def write(self, items: Iterable[tuple[str, torch.Tensor]], tag: str = "t", meta: dict | None = None) -> Spilled:
+    def write(self, items: Iterable[tuple[str, torch.Tensor]], tag: str = "t",
+              meta: dict | None = None) -> Spilled:
         """A new spill file of `items` (see write_spill), open."""
         with self._lock:
             name = f"{tag}-{self._prefix}-{next(self._count)}.f32"
@@ -138,7 +142,7 @@ class SpillDir:
             with self._lock:
                 self._own[name] = weakref.ref(spilled)
         else:
-            path.unlink()  # the open file still reads: nothing is left behind, whatever happens to the process
+            path.unlink()  # the open file still reads: nothing is left behind, whatever happens
         return spilled
 
     def adopt(self, name: str) -> Spilled:
@@ -162,7 +166,8 @@ class SpillDir:
         return copy.path.name
 
     def collect(self, named: Iterable[str] = ()) -> None:
-        """Unlink this instance's files whose Spilled is gone and that `named` (a state on disk) does not name."""
+        """Unlink this instance's files whose Spilled is gone and that `named` (a state on disk) does not
+        name."""
         named = set(named)
         with self._lock:
             dead = [n for n, ref in self._own.items() if ref() is None and n not in named]
@@ -177,7 +182,8 @@ class SpillDir:
         live process of this host made (a crashed process's leftovers)."""
         named = set(named)
         for path in self.dir.glob("*.f32"):
-            if SPILL_RE.match(path.name) and path.name not in named and not _alive(int(path.name.split("-")[1])):
+            pid = int(path.name.split("-")[1]) if SPILL_RE.match(path.name) else None
+            if pid is not None and path.name not in named and not _alive(pid):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
 
@@ -219,7 +225,8 @@ def _footer(fd: int, path: Path) -> tuple[dict[str, tuple[tuple[int, ...], int]]
         raise SpillError(f"spill file {path} is not one (or is truncated)")
     try:
         footer = json.loads(os.pread(fd, length, size - TAIL.size - length))
-        entries = {str(name): (tuple(int(d) for d in shape), int(offset)) for name, shape, offset in footer["entries"]}
+        entries = {str(name): (tuple(int(d) for d in shape), int(offset))
+                   for name, shape, offset in footer["entries"]}
         meta = footer.get("meta") or {}
     except (ValueError, KeyError, TypeError) as err:
         raise SpillError(f"spill file {path}: unreadable footer ({err})") from None

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from diloco.storage.store import Store
 from diloco.storage.wrapper import WrapperStore
 
-KINDS = ("delta", "global", "manifest", "checkpoint", "status", "event", "control", "eval", "listing", "other")
+KINDS = ("delta", "global", "manifest", "checkpoint", "status", "event", "control", "eval", "listing",
+         "other")
 
 
 def object_kind(key: str) -> str:
-    """'delta' (and its signature), 'global' (params/update/outer/buffers), 'manifest', 'checkpoint' (a learner's
-    pointer and moments), 'status', 'event', 'control', 'eval', or 'other' (run.json, the spec's files, ...)."""
+    """'delta' (and its signature), 'global' (params/update/outer/buffers), 'manifest', 'checkpoint' (a
+    learner's pointer and moments), 'status', 'event', 'control', 'eval', or 'other' (run.json, the spec's
+    files, ...)."""
     parts = key.split("/")
     if "deltas" in parts:
         return "delta"
@@ -44,8 +46,8 @@ class Traffic:
     sent: Counter[str] = field(default_factory=Counter)
     received: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)  # the publisher thread puts while the learner gets
-    # which counters (a report sums the last figures of each: two learners run one after the other in one process
-    # are two sets of counters, not one)
+    # which counters (a report sums the last figures of each: two learners run one after the other in one
+    # process are two sets of counters, not one)
     id: str = field(default_factory=lambda: secrets.token_hex(4))
 
 

@@ -148,8 +148,8 @@ class InnerTrainer:
         self._set_lr()
         self.opt.step()
         # the gradients are not needed until the next backward pass (which starts from none): freed now, so
-        # between steps (ships, installs, saves) the learner holds theta and the optimizer's state, not 4 B/param
-        # more (docs/ENGINE.md, "Learner memory")
+        # between steps (ships, installs, saves) the learner holds theta and the optimizer's state, not 4
+        # B/param more (docs/ENGINE.md, "Learner memory")
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         return loss_value
@@ -160,8 +160,8 @@ class InnerTrainer:
         return optim_state.export_state(self.opt, self.named, self.step)
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The optimizer state's live tensors ("<key>/<param>"), one at a time, copied nothing: what a checkpoint
-        or a save streams (the caller does not step meanwhile)."""
+        """The optimizer state's live tensors ("<key>/<param>"), one at a time, copied nothing: what a
+        checkpoint or a save streams (the caller does not step meanwhile)."""
         return optim_state.state_tensors(self.opt, self.named)
 
     def state_meta(self) -> dict:

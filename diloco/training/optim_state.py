@@ -34,13 +34,15 @@ def param_names(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter]) -> d
 
 def export_state(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter], step: int) -> tuple[dict, dict]:
     """(tensors, json-able meta) of the optimizer's state and the trainer's step (fp32 CPU copies)."""
-    tensors = {key: value.detach().to("cpu", torch.float32).clone() for key, value in state_tensors(opt, named)}
+    tensors = {key: value.detach().to("cpu", torch.float32).clone()
+               for key, value in state_tensors(opt, named)}
     return tensors, state_meta(opt, named, step)
 
 
-def state_tensors(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter]) -> Iterator[tuple[str, torch.Tensor]]:
-    """("<key>/<param>", the live tensor) of every tensor of the optimizer's state, one at a time, copying nothing:
-    what a checkpoint streams from (the caller must not step the optimizer meanwhile)."""
+def state_tensors(opt: torch.optim.Optimizer,
+                  named: dict[str, nn.Parameter]) -> Iterator[tuple[str, torch.Tensor]]:
+    """("<key>/<param>", the live tensor) of every tensor of the optimizer's state, one at a time, copying
+    nothing: what a checkpoint streams from (the caller must not step the optimizer meanwhile)."""
     names = param_names(opt, named)
     for p, state in opt.state.items():
         name = names[id(p)]
@@ -107,9 +109,9 @@ def _state(tensors: Mapping, meta: dict, named: dict[str, nn.Parameter]) -> dict
 def import_state(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter], tensors: Mapping, meta: dict,
                  copy: bool = True) -> int:
     """Restore what export_state gave (or format 1; `tensors` may read each tensor on access); returns the
-    trainer's step. ValueError, nothing changed, on an unknown format, name or shape. `copy=False`: the tensors
-    are fresh and the caller's own (read from a file): taken as they are when already on the parameter's device
-    and dtype, not cloned."""
+    trainer's step. ValueError, nothing changed, on an unknown format, name or shape. `copy=False`: the
+    tensors are fresh and the caller's own (read from a file): taken as they are when already on the
+    parameter's device and dtype, not cloned."""
     fmt, step = meta.get("format"), meta.get("step")
     if fmt not in (STATE_FORMAT, LEGACY_FORMAT):
         raise ValueError(f"optimizer state format {fmt!r}, expected {STATE_FORMAT} (or {LEGACY_FORMAT})")

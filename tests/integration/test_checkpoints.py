@@ -1,9 +1,9 @@
-"""Bucket checkpoints, for a lost host (learner.checkpoint_every, learner.checkpoint_moments): a pointer after every
-delta, the moments every C phases under fresh keys (generations before the previous one deleted, nothing
-overwritten but the pointer), int8 moments within their bound (exp_avg_sq never below the exact value), a resume on
-a new host from a C-phase-old checkpoint (the step and data cursor of the last delta, the moments of C phases
-before), a time budget, and a run made before pointers (its single checkpoint/state object is still read).
-Run: .venv/bin/pytest tests/integration/test_checkpoints.py -q
+"""Bucket checkpoints, for a lost host (learner.checkpoint_every, learner.checkpoint_moments): a pointer after
+every delta, the moments every C phases under fresh keys (generations before the previous one deleted, nothing
+overwritten but the pointer), int8 moments within their bound (exp_avg_sq never below the exact value), a
+resume on a new host from a C-phase-old checkpoint (the step and data cursor of the last delta, the moments of
+C phases before), a time budget, and a run made before pointers (its single checkpoint/state object is still
+read). Run: .venv/bin/pytest tests/integration/test_checkpoints.py -q
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _run(tmp_path, **overrides):
 
 
 def _learner(ctx, corpus) -> Learner:
-    return Learner(ctx, "local-0", make_spec(ctx.cfg, corpus), events=EventLog(ctx.store, ctx.keys, "local-0"))
+    events = EventLog(ctx.store, ctx.keys, "local-0")
+    return Learner(ctx, "local-0", make_spec(ctx.cfg, corpus), events=events)
 
 
 def test_moments_every_c_phases_under_fresh_keys_and_a_new_host_resumes_from_them(tmp_path, corpus):
@@ -57,8 +58,8 @@ def test_moments_every_c_phases_under_fresh_keys_and_a_new_host_resumes_from_the
     pointer = read_pointer(ctx.store, ctx.keys, "local-0")
     assert (pointer.seq, pointer.step, pointer.cursor) == (8, first.trainer.step, first.cursor)
     assert pointer.moments.seq == 8 and pointer.moments.encoding == "int8"
-    parts = sorted(k.rsplit("/", 1)[-1][:13] for k in ctx.store.list(ctx.keys.learner_prefix("local-0") + "checkpoint/")
-                   if "/m0" in k)
+    folder = ctx.keys.learner_prefix("local-0") + "checkpoint/"
+    parts = sorted(k.rsplit("/", 1)[-1][:13] for k in ctx.store.list(folder) if "/m0" in k)
     assert set(parts) == {"m000000000005", "m000000000008"}  # the newest and the previous generation only
     first.events.flush()
     written = [e for e in read_events(ctx.store, ctx.keys) if e["kind"] == "checkpoint"]
@@ -102,12 +103,13 @@ def test_a_run_made_before_pointers_resumes_from_its_single_checkpoint_object(tm
     first.publish(first.run_phase())
     first.publisher.drain()
     tensors, meta = first.trainer.export_state()
-    legacy = {"learner": "local-0", "seq": 0, "step": first.trainer.step, "cursor": first.cursor, "base_version": 0,
-              "optimizer": meta}
+    legacy = {"learner": "local-0", "seq": 0, "step": first.trainer.step, "cursor": first.cursor,
+              "base_version": 0, "optimizer": meta}
     first.close()
-    ctx.store.delete(ctx.keys.checkpoint("local-0", "pointer.json"))  # as a run made before pointers has none ...
-    ctx.store.put(ctx.keys.checkpoint("local-0", "state"),  # ... but this one object, the optimizer's state in fp32
-                  encode_tensors(tensors, codec_name="fp32", kind="state", fingerprint=ctx.fingerprint, meta=legacy))
+    # a run made before pointers has none, but this one object: the optimizer's state in fp32
+    ctx.store.delete(ctx.keys.checkpoint("local-0", "pointer.json"))
+    data = encode_tensors(tensors, codec_name="fp32", kind="state", fingerprint=ctx.fingerprint, meta=legacy)
+    ctx.store.put(ctx.keys.checkpoint("local-0", "state"), data)
     again = _learner(ctx, corpus)
     again.join()
     assert (again.trainer.step, again.cursor) == (legacy["step"], legacy["cursor"])

@@ -206,8 +206,8 @@ def test_an_outage_defers_shipping_not_training(tmp_path, corpus):
 
 
 def test_a_save_is_written_when_it_returns_after_the_spool_writes_and_names_r_and_g(tmp_path, corpus):
-    """A save runs on the calling thread, after the spool writes queued before it: when it returns the state is
-    on disk with the delta's spool file; r and G are named by their spill files, not copied into it."""
+    """A save runs on the calling thread, after the spool writes queued before it: when it returns the state
+    is on disk with the delta's spool file; r and G are named by their spill files, not copied into it."""
     ctx = new_run(tmp_path)
     worker = learner(ctx, corpus)
     worker.join()

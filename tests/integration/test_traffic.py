@@ -1,7 +1,7 @@
-"""Honest traffic: a learner's `traffic` figures count every byte it moved — deltas, its checkpoint pointer and
-moments, statuses, events, manifests, updates, params, listings' keys — checked against an independent recording
-store under its counting store; the summary's and `diloco runs`' ratios to data-parallel are over those totals, the
-deltas-only ratio beside them.
+"""Honest traffic: a learner's `traffic` figures count every byte it moved — deltas, its checkpoint pointer
+and moments, statuses, events, manifests, updates, params, listings' keys — checked against an independent
+recording store under its counting store; the summary's and `diloco runs`' ratios to data-parallel are over
+those totals, the deltas-only ratio beside them.
 Run: .venv/bin/pytest tests/integration/test_traffic.py -q
 """
 
@@ -65,8 +65,9 @@ class Recording(WrapperStore):
 
 
 def test_a_learners_traffic_counts_every_object_and_the_ratios_are_over_all_of_it(tmp_path):
-    cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
-                                              "learner.checkpoint_every": 2, "learner.local_state_every_steps": 0})
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "merger.quorum": 1,
+                                              "merger.grace_cap_s": 0.0, "learner.checkpoint_every": 2,
+                                              "learner.local_state_every_steps": 0})
     ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "traffic", cfg)
     recording = Recording(ctx.store)
     counting = CountingStore(recording)

@@ -1,8 +1,8 @@
 """An encoded object decoded one tensor at a time: what a reader that must not hold every tensor at once uses
 (a learner folding a compact update into its global tensor by tensor, a checkpoint imported part by part).
 
-Contract: the same checks as codec.decode before any tensor is decoded (header, sizes, fingerprint, the payload's
-crc32), then `array(name)` gives exactly what decode() gives for that tensor (a fresh f32 array).
+Contract: the same checks as codec.decode before any tensor is decoded (header, sizes, fingerprint, the
+payload's crc32), then `array(name)` gives exactly what decode() gives for that tensor (a fresh f32 array).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class LazyObject:
         if zlib.crc32(self._payload) != layout.payload_crc32:
             raise CodecError("payload checksum mismatch: the payload is corrupt")
         self.header: Header = layout.header
-        self._where: dict[str, tuple[int, list[int], int]] = {}  # name -> (offset, stored frames, tensor index)
+        self._where: dict[str, tuple[int, list[int], int]] = {}  # name -> (offset, stored frames, index)
         pos = 0
         for index, (spec, stored) in enumerate(zip(self.header.tensors, layout.frames, strict=True)):
             self._where[spec.name] = (pos, stored, index)
@@ -48,7 +48,8 @@ class LazyObject:
         spec = self.header.tensors[index]
         codec = codec_of(self.header, spec)
         raw = stream_bytes(codec, elements_of(spec.shape), self.header.block_size)
-        stream = unframe_stream(self._payload[pos:pos + sum(stored)], stored, raw, spec.name, self.header.compression)
+        stream = unframe_stream(self._payload[pos:pos + sum(stored)], stored, raw, spec.name,
+                                self.header.compression)
         return decode_stream(stream, codec, self.header.shuffle, self.header.block_size, spec)
 
     def arrays(self) -> Iterator[tuple[str, np.ndarray]]:

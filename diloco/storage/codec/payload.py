@@ -221,8 +221,8 @@ def _zstd():
 
 @functools.cache
 def _pool():
-    """The C allocator for zstd's buffers (copied into bytes at once): pyarrow's default pool (mimalloc) keeps what
-    it freed, measured 0.7x a 50 MB model's bytes resident in a learner after encoding one int4 delta."""
+    """The C allocator for zstd's buffers (copied into bytes at once): pyarrow's default pool (mimalloc) keeps
+    what it freed, measured 0.7x a 50 MB model's bytes resident in a learner after encoding one int4 delta."""
     import pyarrow as pa
 
     return pa.system_memory_pool()
