@@ -205,8 +205,8 @@ class LearnerConfig(_Strict):
     # "Checkpoints")
     checkpoint: bool = True
     # the moments themselves every this many phases (an int) or this long ("30m", "600s", "2h"): 7.3 B/param
-    # in fp32, 1.6-1.7 in int8, against 0.45-0.95 B/param a phase of int4/int8 deltas. 50: moments 50 phases old
-    # resumed as well as exact ones, none cost ~225 steps (`diloco bench moments`); 0.034 B/param a phase
+    # in fp32, 1.6-1.7 in int8, against 0.45-0.95 B/param a phase of int4/int8 deltas. 50: moments 50 phases
+    # old resumed as well as exact ones, none cost ~225 steps (`diloco bench moments`); 0.034 B/param a phase
     checkpoint_every: int | str = 50
     # int8: block int8 exp_avg, sqrt-domain int8 exp_avg_sq (read back rounded up); fp32: exact
     checkpoint_moments: Literal["fp32", "int8"] = "int8"
