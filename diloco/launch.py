@@ -295,6 +295,7 @@ def warm_up() -> None:
     import diloco.learner.loop  # noqa: F401
     import diloco.merger.loop  # noqa: F401
     from diloco.configs import InnerConfig, ModelConfig
+    from diloco.storage.codec import encode
     from diloco.training.inner import InnerTrainer
     from diloco.training.model import build_model
 
@@ -302,6 +303,10 @@ def warm_up() -> None:
     trainer = InnerTrainer(build_model(cfg), InnerConfig())
     tokens = torch.zeros(1, cfg.ctx_len, dtype=torch.long)
     trainer.train_step(tokens, tokens)
+    # the quantized codecs' zstd (pyarrow, ~25 MB of libraries) loaded now: a learner's baseline, not its
+    # first delta
+    encode({"w": trainer.model.lm_head.weight.detach().numpy()}, codec="int4", kind="delta",
+           fingerprint="warm-up")
     _torch_warm = True
 
 

@@ -2,23 +2,27 @@
 # The GPU check, for a machine with CUDA (docs/RANKS.md, "The GPU path"; figures in docs/bench/gpu.md):
 #  1. the demo recipe trained on one GPU (learners and evaluator on the device, bf16 autocast; merger on the
 #     CPU), audited, the held-out loss must fall;
-#  2. a GPT-2-small-shaped model (124M parameters: 12 layers, d_model 768, vocabulary 50257) trained by two GPU
-#     learners sharing the device, in 4 fragments merged by 2 merger shards (int4 deltas), audited bit for bit;
-#     its tokens/s, each learner's busy share and the GPU's memory and utilisation (nvidia-smi, when present) are
-#     printed;
-#  3. the same model as whole-model deltas (fragments.count 1, the engine's default, with its local state;
-#     WHOLE=0 skips it: it has never run on a GPU);
-#  4. with >= 2 GPUs, `diloco bench ranks` with a 2-rank NCCL learner (skipped on one GPU).
+#  2. `diloco bench size --device cuda`: the 124M row of the CPU benchmark (docs/bench/size.md) on the GPU — a
+#     GPT-2-small-shaped model (12 layers, d_model 768, vocabulary 50257) trained end to end by `diloco run`
+#     with two GPU learners (bf16 autocast) sharing the device, int4 deltas and updates, one learner killed
+#     and restarted, as whole-model deltas and in 4 fragments (FRAGMENTS), each audited; it prints tokens/s,
+#     each learner's peak host memory (and beyond its baseline: the target is <= 8 B/param), the device's peak
+#     allocation and the merger's, per parameter, and writes $DIR/size.json; the GPU's utilisation and memory
+#     (nvidia-smi) beside;
+#  3. with >= 2 GPUs, `diloco bench ranks` with a 2-rank NCCL learner (skipped on one GPU).
 # Prints the figures and exits non-zero on any failure. About 6 minutes on one H200 (before step 3 existed).
 # Run from the repository root after `make setup` with a CUDA build of torch, or with PY=python3 where torch,
 # the project's other dependencies and the repo (PYTHONPATH) are importable: prefect and s3fs are not needed.
-# Knobs: DEVICE_CHECK_DIR (where the bucket and the figures go), DEMO_S, BIG_S (each run's time limit), WHOLE.
+# Knobs: DEVICE_CHECK_DIR (where the bucket and the figures go), DEMO_S (the demo's time limit), BIG_S (each
+# 124M run's), FRAGMENTS (the 124M rows' fragment counts, default 1,4), SIZE_STEPS (inner steps per learner).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DIR=${DEVICE_CHECK_DIR:-out/device-check}
 DEMO_S=${DEMO_S:-150}
-BIG_S=${BIG_S:-180}
+BIG_S=${BIG_S:-600}
+FRAGMENTS=${FRAGMENTS:-1,4}
+SIZE_STEPS=${SIZE_STEPS:-96}
 mkdir -p "$DIR"
 STORE="file://$(cd "$DIR" && pwd)/runs"
 "$PY" - <<'PYEOF'
@@ -69,15 +73,33 @@ run_and_audit() {  # $1: run id, $2: time limit, $3: label, then the run's own o
 
 STAMP=$(date +%Y%m%d-%H%M%S)
 run_and_audit "demo-$STAMP" "$DEMO_S" "demo on GPU" --config demo --versions 20
-GPT124M="-o model.n_layer=12 -o model.n_head=12 -o model.d_model=768 -o model.ctx_len=512 -o model.vocab_size=50257
-    -o inner.lr=0.0006 -o learner.codec=int4 -o eval.num_batches=4"
-# shellcheck disable=SC2086  # the overrides split on purpose
-run_and_audit "gpt124m-$STAMP" "$BIG_S" "124M, 4 fragments, 2 merger shards, on GPU" --config demo --versions 8 \
-    $GPT124M -o fragments.count=4 -o merger.shards=2
-if [ "${WHOLE:-1}" = 1 ]; then  # the engine's default shape at 124M: whole-model deltas, local state every 10 steps
-    # shellcheck disable=SC2086
-    run_and_audit "gpt124m-whole-$STAMP" "$BIG_S" "124M, whole-model deltas, on GPU" --config demo --versions 8 $GPT124M
+
+# the 124M rows: the same command as the CPU benchmark, its learners on CUDA; it exits non-zero if a run fails
+if ! "$PY" -m diloco.cli bench size --device cuda --fragments "$FRAGMENTS" --steps "$SIZE_STEPS" \
+        --time-limit-s "$BIG_S" --storage "$STORE" --json "$DIR/size.json"; then
+    for log in .diloco/logs/size-*/*.log; do echo "== $log"; tail -n 25 "$log"; done
+    echo "device check: bench size --device cuda failed"
+    exit 1
 fi
+"$PY" - "$DIR/size.json" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for row in r["rows"]:
+    def f(key, spec=".1f"):
+        return "-" if row.get(key) is None else format(row[key], spec)
+    beyond = row.get("learner_peak_rss_beyond_baseline_bytes_per_param")
+    print(f"124M on GPU, P = {row['fragments']}: {row['model_params']:,} parameters, held-out "
+          f"{f('initial_eval_loss', '.3f')} -> {f('final_eval_loss', '.3f')}, {f('tokens_per_s', '.0f')} "
+          f"tokens/s merged; learner host peak {f('learner_peak_rss_bytes_per_param')} B/param "
+          f"({f('learner_peak_rss_beyond_baseline_bytes_per_param')} beyond its baseline, target <= 8), "
+          f"device peak {f('device_peak_bytes_per_param')} B/param, merger "
+          f"{f('merger_peak_rss_bytes_per_param')} B/param; upload / delta {f('upload_over_delta', '.3f')}; "
+          f"rejoin {f('rejoin_s')} s; audit {'OK' if row['audit_ok'] else 'FAILED'}")
+    assert row["audit_ok"] and (row["loss_drop"] or 0) > 0, row
+    if beyond is not None and beyond > 8:
+        print(f"device check: the learner's host memory beyond its baseline is {beyond:.1f} B/param "
+              "(target <= 8)")
+PYEOF
 
 if [ -s "$DIR/gpu.csv" ]; then
     "$PY" - "$DIR/gpu.csv" <<'PYEOF'

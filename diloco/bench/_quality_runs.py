@@ -9,6 +9,7 @@ from __future__ import annotations
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -227,8 +228,8 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
     t0, m = time.time(), cfg.run.num_learners
     concurrent = method.schedule.startswith("concurrent")
     cfg = cfg.with_overrides({
-        "learner.codec": method.codec, "learner.mode": method.mode, "learner.checkpoint": False,
-        "learner.local_state_every_steps": 0,  # no restarts here: no state files on this host
+        "learner.codec": method.codec, "learner.mode": method.mode,
+        "learner.local_state_every_steps": 0,  # no restarts here: no state files on this host (not traffic)
         "learner.prefetch": False,  # the probe fetches: deterministic (a prefetch is a tick late on the clock)
         "learner.device": "cpu", "merger.grace_cap_s": 0.0,
         # on the clock the bench decides when a quorum is there; the merger takes what is pending
@@ -253,12 +254,23 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
         from diloco.trust.outliers import guard_figures
 
         guard = guard_figures(ctx)  # the outlier rule over honest deltas: 0 rejections expected (docs/ENGINE.md)
-    sent = [c.sent["delta"] for c in counters]
-    received = [c.received["global"] for c in counters]
-    extra = {"versions": versions, "deltas_merged": sum(merged), "guard": guard, "sent_per_learner": sent,
-             "received_per_learner": received, "manifest_bytes_read_per_learner": sum(
-                 c.received["manifest"] for c in counters) / m}
+    sent, received, extra = traffic_of(counters)
+    extra.update({"versions": versions, "deltas_merged": sum(merged), "guard": guard})
     return RunResult(curve[-1][1], curve, tokens, sum(sent) / m, sum(received) / m, time.time() - t0, extra)
+
+
+def traffic_of(counters: list[CountingStore]) -> tuple[list[int], list[int], dict[str, Any]]:
+    """Every byte each learner sent and received (deltas, checkpoints, statuses, manifests, updates, listings:
+    all a CountingStore counts), and the extra fields beside: per learner, by kind, the deltas alone."""
+    m = max(1, len(counters))
+    sent = [sum(c.sent.values()) for c in counters]
+    received = [sum(c.received.values()) for c in counters]
+    by_kind = [{"sent": dict(c.sent), "received": dict(c.received)} for c in counters]
+    return sent, received, {
+        "sent_per_learner": sent, "received_per_learner": received, "traffic_by_kind": by_kind,
+        "delta_bytes_sent_per_learner": sum(c.sent["delta"] for c in counters) / m,
+        "global_bytes_received_per_learner": sum(c.received["global"] for c in counters) / m,
+        "manifest_bytes_read_per_learner": sum(c.received["manifest"] for c in counters) / m}
 
 
 def run_method(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps: int, seed: int) -> RunResult:

@@ -43,7 +43,7 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
     t0, m = time.time(), cfg.run.num_learners
     clock = method.schedule.startswith("concurrent")
     cfg = cfg.with_overrides({
-        "learner.codec": method.codec, "learner.mode": method.mode, "learner.checkpoint": False,
+        "learner.codec": method.codec, "learner.mode": method.mode,
         "learner.local_state_every_steps": 0, "learner.prefetch": False, "learner.device": "cpu",
         "merger.grace_cap_s": 0.0, "merger.quorum": quorum_of(method.schedule, m), "fragments.count": method.fragments,
         "merger.shards": 1, "inner.dylu": method.dylu,
@@ -144,8 +144,9 @@ def _result(ctx, method, learners, counters, curve, tokens: int, merges: int, t0
     for learner in learners:
         learner.close()
     versions, m = run_version(ctx), len(learners)
-    sent = [c.sent["delta"] for c in counters]
-    received = [c.received["global"] for c in counters]
-    extra = {"versions": versions, "fragment_merges": merges, "fragments": method.fragments,
-             "overlap_steps": ctx.cfg.fragments.overlap_steps, "sent_per_learner": sent, "received_per_learner": received}
+    from diloco.bench._quality_runs import traffic_of
+
+    sent, received, extra = traffic_of(counters)
+    extra.update({"versions": versions, "fragment_merges": merges, "fragments": method.fragments,
+                  "overlap_steps": ctx.cfg.fragments.overlap_steps})
     return RunResult(curve[-1][1], curve, tokens, sum(sent) / m, sum(received) / m, time.time() - t0, extra)

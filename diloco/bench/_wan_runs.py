@@ -105,11 +105,12 @@ class PaddedSteps:
 
 
 def engine_overrides(cfg: Config, run: WanRun) -> dict[str, Any]:
-    """Checkpoints and local state off (nothing restarts; a bucket checkpoint would also share the uplink);
-    the merger polls every 20 ms (a sync learner's wait is not a polling artefact)."""
+    """Local state off (nothing restarts; it is this host's disk, not traffic); the bucket checkpoint at the
+    engine's defaults (its pointer and moments share the uplink and are counted with every other object); the
+    merger polls every 20 ms (a sync learner's wait is not a polling artefact)."""
     m = cfg.run.num_learners
     out: dict[str, Any] = {
-        "learner.mode": run.mode, "learner.checkpoint": False, "learner.local_state_every_steps": 0,
+        "learner.mode": run.mode, "learner.local_state_every_steps": 0,
         "learner.device": "cpu", "merger.poll_interval_s": 0.02, "inner.total_steps": run.steps,
         "run.num_versions": 1 << 30,
     }

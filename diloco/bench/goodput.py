@@ -110,6 +110,7 @@ def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
     from diloco.chaos.goodput import compute_goodput, per_learner
     from diloco.inspect.audit import audit_run
     from diloco.inspect.report import manifests
+    from diloco.inspect.summary import traffic_figures
     from diloco.run.events import read_events
     from diloco.trust.outliers import guard_figures
 
@@ -131,6 +132,9 @@ def measure(chaos_ctx, clean_ctx, checkpoint_cost_s: float) -> dict[str, Any]:
         "deltas_applied_twice": _applied_twice(chain), "audit_ok": audit.ok,
         "final_eval_loss": loss, "no_fault_eval_loss": clean_loss,
         "guard": {"chaos": guard_figures(chaos_ctx), "no_fault": guard_figures(clean_ctx)},
+        # every object the learners moved (deltas, checkpoints, statuses, ...) against data-parallel, each run
+        "traffic": {"chaos": traffic_figures(chaos_ctx, events),
+                    "no_fault": traffic_figures(clean_ctx, read_events(clean_ctx.store, clean_ctx.keys))},
         "detail": {
             "chaos_run": chaos_ctx.run_id, "no_fault_run": clean_ctx.run_id, "wall_s": g.wall_s,
             "num_learner_failures": g.num_failures, "num_faults": len(faults),
@@ -182,6 +186,14 @@ def _print(r: dict[str, Any]) -> None:
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     for name, ok in r["targets"].items():
         table.add_row(f"target: {name}", "met" if ok else "NOT met")
+    for run, t in (r.get("traffic") or {}).items():
+        if t.get("bytes_sent_per_learner") is not None:
+            table.add_row(f"traffic ({run}): sent / received MB per learner",
+                          f"{t['bytes_sent_per_learner'] / 1e6:.2f} / "
+                          f"{(t['bytes_received_per_learner'] or 0) / 1e6:.2f}")
+            table.add_row(f"traffic ({run}) vs DP, every byte (deltas only)",
+                          f"{t['traffic_ratio_vs_dp'] or 0:.0f}x / {t['received_ratio_vs_dp'] or 0:.0f}x "
+                          f"({t['delta_traffic_ratio_vs_dp'] or 0:.0f}x)")
     Console().print(table)
 
 

@@ -11,7 +11,9 @@ data-parallel's tokens, their schedules over that length: their time to data-par
 measured past equal tokens, reported as speedup_vs_dp_past_equal_tokens, and speedup_vs_dp (equal tokens)
 is null. `--links real` (bench/_wan_real.py) runs every learner and data-parallel's gloo ranks in network namespaces
 behind tbf-capped veth links to a real S3 server, unpadded; the JSON then says "link_mode": "real", counts bytes
-with the kernel (kernel_bytes_sent/received per learner) and times DP for real (dp_step_s_measured).
+with the kernel (kernel_bytes_sent/received per learner) and times DP for real (dp_step_s_measured). Modelled
+links count every byte through them (every object and listing, the bucket checkpoint at the engine's
+defaults); "delta_traffic_ratio_vs_dp" beside is the deltas alone.
 """
 
 from __future__ import annotations
@@ -176,7 +178,11 @@ def _row(cap_mb_s: float, link: LinkSpec, dp: list[tuple[int, float]], runs: dic
         "dp_step_s_measured": dp_m["step_s"] if real is not None else None,
         "traffic_ratio_vs_dp": {way: dp_m[counted.format(way)] / dec[counted.format(way)]
                                 for way in ("sent", "received")},
-        "traffic_counted_by": "application" if real is None else "kernel (veth counters)",
+        # every object (deltas, the checkpoint's pointer and moments, statuses, manifests, updates, listings)
+        "traffic_counted_by": "kernel (veth counters)" if real is not None else
+                              "application: every object and listing",
+        "delta_traffic_ratio_vs_dp": (dp_m[counted.format("sent")] / dec["delta_bytes_sent_per_learner"]
+                                      if dec.get("delta_bytes_sent_per_learner") else None),
         "final_loss": {k: v["final_loss"] for k, v in methods.items()},
         "busy": {k: v["busy_mean"] for k, v in methods.items()}, "decoupled_busy_min": dec["busy_min"],
         "methods": methods,

@@ -242,3 +242,40 @@ def _bench_startup(
 
     with user_errors():
         bench_startup(config=config, prefect=prefect, json_path=json_path, imports=imports, prepared=prepared)
+
+
+@bench.command("moments")
+def _bench_moments(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    config: str = typer.Option("bench", "--config", help="The recipe."),
+    before: int = typer.Option(2400, "--before", min=2, help="Steps trained before the host is lost."),
+    after: int = typer.Option(80, "--after", min=1, help="Steps trained after the resume, each variant."),
+) -> None:
+    """What a lost host's resume loses with exact, int8, C-phase-old or no checkpointed moments, per byte."""
+    from diloco.bench.moments import bench_moments
+
+    with user_errors():
+        bench_moments(json_path=json_path, config=config, before=before, after=after)
+
+
+@bench.command("size")
+def _bench_size(
+    json_path: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    params: str = typer.Option("124m", "--params", help="124m (GPT-2 small's shape), 10m or quick."),
+    learners: int = typer.Option(2, "--learners", min=1, help="Learners (one is killed and restarted)."),
+    fragments: str = typer.Option("1,4", "--fragments", help="Fragment counts, one row each (e.g. 1,4)."),
+    device: str = typer.Option("cpu", "--device", help="The learners' device: cpu, or cuda (the GPU check)."),
+    steps: int = typer.Option(48, "--steps", min=8, help="Inner steps per learner: the token budget."),
+    storage: str | None = typer.Option(None, "--storage", help="Where the runs live (default: a temp dir)."),
+    time_limit_s: float = typer.Option(900.0, "--time-limit-s", min=30.0, help="Each run's time limit."),
+    kill_at: int | None = typer.Option(None, "--kill-at-version", min=1,
+                                       help="Kill a learner once this version is committed (default: a "
+                                            "third in)."),
+) -> None:
+    """A 124M model end to end through `diloco run`: memory per parameter, uploads against deltas, bucket
+    growth."""
+    from diloco.bench.size import bench_size
+
+    with user_errors():
+        bench_size(json_path=json_path, params=params, learners=learners, fragments=fragments, device=device,
+                   storage=storage, steps=steps, time_limit_s=time_limit_s, kill_at=kill_at)

@@ -1,7 +1,8 @@
-"""Every run in a storage URL, with where it stands: id, state, versions, last held-out loss, learners.
+"""Every run in a storage URL, with where it stands: id, state, versions, last held-out loss, learners, and
+its traffic: bytes sent and received per learner counting every object, and their ratios to data-parallel.
 
 Contract: read-only; a run is a top-level folder with a run.json; one that cannot be read is listed with
-its problem rather than dropped.
+its problem rather than dropped; a run whose traffic cannot be read is listed without it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from diloco.evaluator.evaluator import read_evals
+from diloco.inspect.summary import traffic_figures
 from diloco.run.context import RunError, open_run
 from diloco.run.state import read_run_state
 from diloco.storage import StorageError
@@ -31,7 +33,13 @@ def list_runs(store: Store) -> list[dict[str, Any]]:
             rows.append({"run_id": run_id, "state": "unreadable", "problem": str(err)})
             continue
         last = evals[-1] if evals else None
-        rows.append({"run_id": run_id, "state": state.word, "reason": state.reason, "version": state.version,
+        try:
+            traffic = traffic_figures(ctx)
+        except (RunError, StorageError, ValueError):
+            traffic = {}
+        traffic.pop("bytes_by_kind", None)
+        rows.append({**traffic, "run_id": run_id, "state": state.word, "reason": state.reason,
+                     "version": state.version,
                      "target": state.target, "tokens": state.tokens, "token_budget": state.budget,
                      "last_eval_loss": last["loss"] if last else None,
                      "last_eval_version": last["version"] if last else None, "num_learners": len(ctx.learners),

@@ -56,18 +56,55 @@ def _chains_decided(ctx: RunContext, chain: list[Manifest]):
             for p, c in enumerate(fragment_chains(ctx))]
 
 
-def learner_traffic(ctx: RunContext, events: list[dict[str, Any]] | None = None) -> dict[str, dict[str, int]]:
-    """learner -> {"sent", "received"}: all bytes each of its processes put and got (the last `traffic`
-    event of each process: counters are per process), summed over its processes."""
-    last: dict[tuple[str, int], dict[str, Any]] = {}
+Traffic = dict[str, dict[str, dict[str, int]]]  # learner -> sent/received -> kind -> bytes
+
+
+def learner_traffic_by_kind(ctx: RunContext, events: list[dict[str, Any]] | None = None) -> Traffic:
+    """learner -> {"sent": {kind: bytes}, "received": {kind: bytes}}: what each of its processes put and got,
+    by object kind (diloco.storage.traffic: delta, checkpoint, status, event, manifest, global, listing, ...;
+    the last `traffic` event of each process: counters are per process), summed over its processes."""
+    last: dict[tuple[str, int, str], dict[str, Any]] = {}
     for event in read_events(ctx.store, ctx.keys) if events is None else events:
         if event.get("kind") == "traffic" and event.get("learner"):
-            last[(event["learner"], int(event.get("pid", 0)))] = event
-    out: dict[str, dict[str, int]] = defaultdict(lambda: {"sent": 0, "received": 0})
-    for (name, _pid), event in last.items():
-        out[name]["sent"] += sum(int(v) for v in (event.get("sent") or {}).values())
-        out[name]["received"] += sum(int(v) for v in (event.get("received") or {}).values())
-    return dict(out)
+            last[(event["learner"], int(event.get("pid", 0)), str(event.get("counters", "")))] = event
+    out: dict[str, dict[str, dict[str, int]]] = defaultdict(lambda: {"sent": defaultdict(int),
+                                                                     "received": defaultdict(int)})
+    for (name, _pid, _counters), event in last.items():
+        for way in ("sent", "received"):
+            for kind, value in (event.get(way) or {}).items():
+                out[name][way][kind] += int(value)
+    return {name: {way: dict(kinds) for way, kinds in ways.items()} for name, ways in out.items()}
+
+
+def learner_traffic(ctx: RunContext, events: list[dict[str, Any]] | None = None) -> dict[str, dict[str, int]]:
+    """learner -> {"sent", "received"}: all bytes each of its processes put and got, every kind summed."""
+    return {name: {way: sum(kinds.values()) for way, kinds in ways.items()}
+            for name, ways in learner_traffic_by_kind(ctx, events).items()}
+
+
+def traffic_figures(ctx: RunContext, events: list[dict[str, Any]] | None = None,
+                    base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's traffic against data-parallel in one place (`diloco runs`, bench goodput, bench size): bytes
+    sent and received per learner counting every object the learners' processes moved (and listings' keys),
+    the ratios to data-parallel of those totals, and beside them, labelled, the deltas-only ratio. None where
+    nothing was counted."""
+    base = base or summarize(ctx)
+    by_kind = learner_traffic_by_kind(ctx, events)
+    sent = [sum(ways["sent"].values()) for ways in by_kind.values()]
+    received = [sum(ways["received"].values()) for ways in by_kind.values()]
+    m = max(1, len(ctx.learners))
+    dp_total = base["dp_bytes_equivalent"]
+    kinds: dict[str, dict[str, int]] = {"sent": defaultdict(int), "received": defaultdict(int)}
+    for ways in by_kind.values():
+        for way in kinds:
+            for kind, value in ways[way].items():
+                kinds[way][kind] += value
+    return {"bytes_sent_per_learner": sum(sent) / m if sent else None,
+            "bytes_received_per_learner": sum(received) / m if received else None,
+            "traffic_ratio_vs_dp": _ratio(dp_total, sent), "received_ratio_vs_dp": _ratio(dp_total, received),
+            "delta_traffic_ratio_vs_dp": base["delta_traffic_ratio_vs_dp"],
+            "dp_bytes_each_way_per_learner": dp_total / m,
+            "bytes_by_kind": {way: dict(v) for way, v in kinds.items()}}
 
 
 def learner_busy(events: list[dict[str, Any]]) -> dict[str, float]:
@@ -94,7 +131,9 @@ def learner_busy(events: list[dict[str, Any]]) -> dict[str, float]:
 
 def _learner_rows(ctx: RunContext, chain: list[Manifest], pending: dict[str, list[tuple[int, int]]],
                   num_params: int, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    traffic, busy = learner_traffic(ctx, events), learner_busy(events)
+    by_kind, busy = learner_traffic_by_kind(ctx, events), learner_busy(events)
+    traffic = {name: {way: sum(kinds.values()) for way, kinds in ways.items()}
+               for name, ways in by_kind.items()}
     names = sorted({*ctx.learners, *pending, *traffic})
     m = max(1, len(ctx.learners))
     rows = []
@@ -108,6 +147,8 @@ def _learner_rows(ctx: RunContext, chain: list[Manifest], pending: dict[str, lis
             "deltas_pending": len(pending.get(name, [])),
             "delta_bytes": sum(d.bytes for d in mine if d.status != "lost") + sum(b for _, b in pending.get(name, [])),
             "bytes_sent": traffic.get(name, {}).get("sent"), "bytes_received": traffic.get(name, {}).get("received"),
+            "sent_by_kind": by_kind.get(name, {}).get("sent"),
+            "received_by_kind": by_kind.get(name, {}).get("received"),
             "steps_merged": steps, "dp_bytes_each_way": int(dp_bytes(num_params, steps, m)),
             "busy": None if name not in busy else round(busy[name], 4),
         })
@@ -224,7 +265,8 @@ def summary_markdown(s: dict[str, Any], sample: str | None = None) -> str:
     lines += ["", "| " + " | ".join(LEARNER_COLUMNS) + " |", "|" + "---|" * len(LEARNER_COLUMNS)]
     lines += ["| " + " | ".join(r) + " |" for r in learner_table_rows(s)]
     lines += ["", "Sent: every byte a learner's processes put (deltas, checkpoints, statuses, events); "
-              "received: every byte they got (updates, params, manifests, statuses). Data-parallel: ring all-reduce "
+              "received: every byte they got (updates, params, manifests, statuses, listings' keys). "
+              "Data-parallel: ring all-reduce "
               "of fp32 gradients, 2(M-1)/M x 4 bytes x params per step, each way, for the steps merged."]
     if s.get("continue"):
         lines += ["", f"`{s['continue'].removeprefix('continue with: ')}` continues it."]

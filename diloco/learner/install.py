@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from diloco.learner.prefetch import fetch_global
+from diloco.learner.prefetch import fetch_spilled
 from diloco.learner.world import PARAMS
 from diloco.storage import Manifest, StorageError, latest_version, manifest_exists, read_latest
 from diloco.storage.codec import CodecError
@@ -68,8 +68,8 @@ class InstallSection:
         lane = self.lanes.lanes[index]
         fetched_here = glob is None
         if fetched_here:
-            glob, manifest = fetch_global(self.chain(index), self.ctx.store, lane.base, lane.glob, version,
-                                          self.cfg.learner.max_updates_behind)
+            glob, manifest = fetch_spilled(self.chain(index), self.ctx.store, lane.base, lane.glob, version,
+                                           self.cfg.learner.max_updates_behind, self.lanes.spill)
         self._put_lane(index, version, glob, manifest)
         prefetcher = self.lane_prefetch.get(index)
         if fetched_here and prefetcher is not None:  # installed another way: its prefetcher fetches from here

@@ -4,21 +4,29 @@ step p*H/P + k*H). The whole model is one lane holding every tensor whole.
 
 Contract (DESIGN §5, per fragment): for every fragment, shipped + carried = all local progress on its
 tensors. Shipping p: delta = r_p - theta_p, r_p -= dequantize(delta). Installing p at G_p:
-theta_p = G_p + (theta_p - r_p) (carry) or G_p (overwrite), r_p = G_p. Pure tensors: no I/O here.
-r_p lives on theta's device in fp32 (a GPU learner's ship and carry arithmetic runs there: one transfer of the
-delta out, one of G_p in); G_p and every delta are fp32 CPU tensors. Each step is one elementwise fp32
-operation, so the bits are the same on any device.
+theta_p = G_p + (theta_p - r_p) (carry) or G_p (overwrite), r_p = G_p. Every step runs tensor by tensor, so
+no whole-model copy is ever held beside theta.
+Where the tensors live: G_p is a spill file on the learner's own disk (diloco.learner.spill: read one tensor
+at a time, never held whole in memory); r_p is one too on a CPU learner (right after an install it *is* G_p's
+file, and each ship writes a new one), and lives on theta's device in fp32 on an accelerator (a GPU learner's
+ship and carry arithmetic runs there: one transfer of the delta out, one of G_p in). Every delta is fp32 CPU
+tensors. Each step is one elementwise fp32 operation, so the bits are the same on any device and in any of
+these homes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from diloco.learner.spill import SpillDir, Spilled, scratch_dir
 from diloco.learner.state import LearnerState
 from diloco.training.fragments import due_offset, put_, take
-from diloco.training.tensors import Tensors, add_
+from diloco.training.tensors import Tensors
+
+Values = Mapping[str, torch.Tensor]  # a dict of tensors, or a Spilled (read one tensor at a time)
 
 
 @dataclass
@@ -51,10 +59,25 @@ class Lane(LearnerState):
 class Lanes:
     """The P lanes of one learner. `offset(p)` = p*H/P; `H` = inner.steps_per_phase; `tau` = overlap_steps."""
 
-    def __init__(self, fragments: list[dict], steps_per_phase: int, tau: int, mode: str = "carry") -> None:
+    def __init__(self, fragments: list[dict], steps_per_phase: int, tau: int, mode: str = "carry",
+                 spill: SpillDir | None = None) -> None:
         self.lanes = [Lane(index=i, fragment=f, merged=-1) for i, f in enumerate(fragments)]
         self.steps_per_phase, self.tau, self.mode = steps_per_phase, tau, mode
         self.shift = 0  # the schedule's place: lane p ships when (step + shift) % H = p*H/P (retime moves it)
+        # where G_p (and a CPU learner's r_p) are spilled: the learner's local state dir, or scratch space
+        self.spill = spill or SpillDir(scratch_dir(), persist=False)
+
+    def spilled(self, tensors: Values, tag: str = "g") -> Spilled:
+        """`tensors` as a spill file (itself when it is one)."""
+        return tensors if isinstance(tensors, Spilled) else self.spill.write(tensors.items(), tag=tag)
+
+    def _reference(self, glob: Spilled, device: torch.device, given: Values | None = None) -> Values:
+        """r_p = `given` (default G_p): on a CPU learner a spill file (G_p's own when it is G_p), else fp32
+        copies on `device`."""
+        given = glob if given is None else given
+        if device.type == "cpu":
+            return glob if given is glob else self.spilled(given, "r")
+        return {k: given[k].to(device=device, dtype=torch.float32, copy=True) for k in given}
 
     def __len__(self) -> int:
         return len(self.lanes)
@@ -64,16 +87,17 @@ class Lanes:
         """Lane `index` starts at `version` (`merged`: the learner's cursor in it): theta_p = r_p = G_p,
         nothing unshipped."""
         lane = self.lanes[index]
-        lane.base, lane.seq, lane.glob, lane.ref = version, next_seq, glob, _on(glob, _device(theta))
+        lane.glob = self.spilled(glob)
+        lane.base, lane.seq, lane.ref = version, next_seq, self._reference(lane.glob, _device(theta))
         lane.merged = merged
         lane.steps = lane.tokens = 0
-        put_(theta, lane.fragment, glob)
+        put_(theta, lane.fragment, lane.glob)
 
     def adopt(self, index: int, state: LearnerState, device: torch.device) -> None:
         """Lane `index` takes a resumed chain state (theta is set apart): r_p on `device`."""
         lane = self.lanes[index]
-        lane.base, lane.seq, lane.glob = state.base, state.seq, state.glob
-        lane.ref = _on(state.ref, device, copy=False)
+        lane.base, lane.seq, lane.glob = state.base, state.seq, self.spilled(state.glob)
+        lane.ref = self._reference(lane.glob, device, lane.glob if state.ref is state.glob else state.ref)
         lane.steps, lane.tokens = state.steps_since_publish, state.tokens_since_publish
         lane.merged = state.merged
 
@@ -116,27 +140,38 @@ class Lanes:
         lane.shipped_at = step
         return out
 
-    def feedback(self, index: int, dequantized: Tensors) -> None:
-        """The delta taken went out as `dequantized`: r_p -= it (error feedback)."""
+    def feedback(self, index: int, dequantized: Values) -> None:
+        """The delta taken went out as `dequantized`: r_p -= it (error feedback), tensor by tensor (a spilled
+        r_p: into a new file)."""
         lane = self.lanes[index]
-        add_(lane.ref, _on(dequantized, _device(lane.ref), copy=False), alpha=-1.0)
+        if isinstance(lane.ref, Spilled):
+            ref = lane.ref
+            lane.ref = self.spill.write(((k, ref[k].add_(dequantized[k], alpha=-1.0)) for k in ref), tag="r")
+            return
+        device = _device(lane.ref)
+        for k, v in lane.ref.items():
+            v.add_(dequantized[k].to(device=device), alpha=-1.0)
 
     def may_install(self, index: int, step: int) -> bool:
         """tau steps after a ship, not before: the overlap a fragment's merge has to arrive in."""
         return step - self.lanes[index].shipped_at >= self.tau
 
-    def install(self, index: int, version: int, glob: Tensors, theta: Tensors,
+    def install(self, index: int, version: int, glob: Values, theta: Tensors,
                 merged: int | None = None) -> None:
         """Move lane `index` to `version` in `theta` (whole-model tensors, e.g. the model's own parameters,
-        on any device; written in place): carry the unshipped. `merged`: the learner's cursor in `version`."""
-        lane = self.lanes[index]
-        ref = _on(glob, _device(theta))  # r_p = G_p: on the device, a copy of `glob` (kept as the lane's G_p)
-        if self.mode == "overwrite":
-            new = ref
-        else:
-            part = take(theta, lane.fragment, copy=False)
-            new = {k: ref[k] + (part[k].float() - lane.ref[k]) for k in ref}
-        put_(theta, lane.fragment, new)
+        on any device; written in place): carry the unshipped, tensor by tensor. `merged`: the learner's
+        cursor in `version`."""
+        lane, device = self.lanes[index], _device(theta)
+        glob = self.spilled(glob)
+        part = take(theta, lane.fragment, copy=False)
+        ref: Values = glob if device.type == "cpu" else {}
+        for k in glob:
+            g = glob[k].to(device=device, dtype=torch.float32)  # r_p = G_p (on an accelerator, kept as r_p)
+            new = g if self.mode == "overwrite" else g + (part[k].float() - lane.ref[k])
+            part[k].copy_(new)
+            if device.type != "cpu":
+                ref[k] = g
+            del new
         lane.base, lane.glob, lane.ref = version, glob, ref
         if merged is not None:
             lane.merged = merged
@@ -149,8 +184,10 @@ class Lanes:
         return {"bases": [lane.base for lane in self.lanes], "seqs": [lane.seq for lane in self.lanes]}
 
 
-def _device(tensors: Tensors) -> torch.device:
-    return next(iter(tensors.values())).device if tensors else torch.device("cpu")
+def _device(tensors: Values) -> torch.device:
+    if not tensors or isinstance(tensors, Spilled):
+        return torch.device("cpu")
+    return next(iter(tensors.values())).device
 
 
 def _to_host(tensors: Tensors) -> Tensors:
@@ -167,8 +204,3 @@ def _to_host(tensors: Tensors) -> Tensors:
         out[k] = host[offset:offset + t.numel()].view(t.shape).clone()
         offset += t.numel()
     return out
-
-
-def _on(tensors: Tensors, device: torch.device, copy: bool = True) -> Tensors:
-    """fp32 tensors on `device` (a copy unless `copy=False` and they are there already)."""
-    return {k: v.detach().to(device=device, dtype=torch.float32, copy=copy) for k, v in tensors.items()}

@@ -20,16 +20,17 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
 
 import torch
 
+from diloco.learner.checkpoint import read_pointer
 from diloco.learner.install import InstallSection
 from diloco.learner.parts import wire
 from diloco.learner.phase import PhaseSection
 from diloco.learner.phase_stats import PhaseStats
-from diloco.learner.prefetch import Prefetcher
+from diloco.learner.prefetch import Prefetcher, StepGate
 from diloco.learner.resume import resume
 from diloco.learner.ship import Shipping, ShipSection
 from diloco.learner.state import LearnerState
@@ -60,6 +61,8 @@ class Learner(PhaseSection, ShipSection, InstallSection):
         for part in fields(parts):  # ctx, name, cfg, model, trainer, lanes, publisher, ... (LearnerParts)
             setattr(self, part.name, getattr(parts, part.name))
         self.whole = not ctx.fragments  # one lane, the root chain's, shipped at the end of each phase
+        # a CPU learner's inner steps and its prefetchers' folds take turns (their temporaries would add up)
+        self.gate = StepGate() if self._device().type == "cpu" else None
         # heterogeneous hardware (a chaos plan's `slow` fault): steps take this x longer
         self.slowdown = slowdown or 1.0
         # whether the run has ended (diloco.run.signals.RoleStop; set by run_learner): checked at each probe,
@@ -158,8 +161,11 @@ class Learner(PhaseSection, ShipSection, InstallSection):
             self.world.pending |= FULL  # the other ranks take parameters, optimizer state, step and cursor
         self.events.emit("join", learner=self.name, version=self.state.base, seq=self.state.seq,
                          cursor=resumed.cursor, step=resumed.step, **resumed.extra,
+                         baseline_rss_bytes=self.baseline_rss_bytes, **self.memory(),
                          **({} if self.whole else self.lanes.meta()))
         self.heartbeat("joined", force=True, wait=True)  # the supervisor reads it to see the join
+        if self.cfg.learner.checkpoint:  # the cadence counts from the join; the bucket's moments stay named
+            self.checkpointer.joined(read_pointer(self.ctx.store, self.ctx.keys, self.name))
         self._start_prefetch()
         log.info("learner %s joined at version %d, next seq %d, data cursor %d, step %d %s", self.name,
                  self.state.base, self.state.seq, resumed.cursor, resumed.step,
@@ -178,8 +184,8 @@ class Learner(PhaseSection, ShipSection, InstallSection):
                 lane.shipped_at = int(at)
         self.pace.last_steps = self.lanes.steps_per_phase  # DyLU retimes from here
 
-    def _import_optimizer(self, tensors: Tensors, meta: dict) -> int:
-        self.trainer.import_state(tensors, meta)
+    def _import_optimizer(self, tensors: Mapping[str, torch.Tensor], meta: dict) -> int:
+        self.trainer.import_state(tensors, meta, copy=False)  # read for this (a local state, a checkpoint)
         return self.trainer.step
 
     def _start_prefetch(self) -> None:
@@ -192,7 +198,7 @@ class Learner(PhaseSection, ShipSection, InstallSection):
             who = self.name if self.whole else f"{self.name}-f{lane.index}"
             self.lane_prefetch[lane.index] = Prefetcher(
                 self.chain(lane.index), self.ctx.store, who, lane.base, lane.glob, poll_s=cfg.prefetch_poll_s,
-                max_updates_behind=cfg.max_updates_behind)
+                max_updates_behind=cfg.max_updates_behind, spill=self.lanes.spill, gate=self.gate)
 
     def _close_prefetch(self) -> None:
         for prefetcher in self.lane_prefetch.values():
@@ -200,20 +206,18 @@ class Learner(PhaseSection, ShipSection, InstallSection):
         self.lane_prefetch = {}
 
     # ---- local state ---------------------------------------------------------------------
-    def save_local(self, exported: tuple[Tensors, dict] | None = None) -> None:
-        """Snapshot the whole state (copies; `exported`: the optimizer state already copied) and queue
-        its write to this host (diloco.learner.local_state: encoded and written off the training thread)."""
+    def save_local(self) -> None:
+        """Write the whole state to this host now (diloco.learner.local_state): theta, the optimizer state and
+        the buffers streamed from the live tensors; each lane's r and G named by their spill files (on an
+        accelerator, r is written too). Nothing is copied whole in memory."""
         if self.local is None:
             return
-        opt, opt_meta = exported or self.trainer.export_state()
         meta = {"learner": self.name, "step": self.trainer.step, "cursor": self.cursor,
-                "optimizer": opt_meta, **self._lanes_meta()}
-        ref, glob = {}, {}
-        for lane in self.lanes.lanes:
-            ref.update(_host_copy(lane.ref))
-            glob.update(lane.glob)
+                "optimizer": self.trainer.state_meta(), **self._lanes_meta()}
         self._saved_step = self.trainer.step
-        self.local.save({"theta": self.theta(), "ref": ref, "glob": glob, "opt": opt,
+        self.local.save({"theta": self._live(), "ref": [lane.ref for lane in self.lanes.lanes],
+                         "glob": [lane.glob for lane in self.lanes.lanes],
+                         "opt": dict(self.trainer.state_tensors()),
                          "buffers": get_buffers(self.model, self.ctx.buffers)}, meta)
 
     def _lanes_meta(self) -> dict:
@@ -316,11 +320,8 @@ class Learner(PhaseSection, ShipSection, InstallSection):
             self.publisher.close(timeout_s)
             if self.local is not None:
                 self.local.close()
+            else:
+                self.lanes.spill.close()
             self.courier.close()
             self.events.emit("stop", learner=self.name, seq=self.state.seq, version=self.state.base)
             self.events.flush()
-
-
-def _host_copy(tensors: Tensors) -> Tensors:
-    """fp32 CPU copies (a lane's r_p may live on the learner's device)."""
-    return {k: v.detach().to(device="cpu", dtype=torch.float32, copy=True) for k, v in tensors.items()}

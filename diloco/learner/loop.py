@@ -37,7 +37,7 @@ def emit_traffic(learner: Learner) -> None:
         return
     with traffic.lock:
         sent, received = dict(traffic.sent), dict(traffic.received)
-    learner.events.emit("traffic", learner=learner.name, sent=sent, received=received)
+    learner.events.emit("traffic", learner=learner.name, sent=sent, received=received, counters=traffic.id)
 
 
 def learner_step(learner: Learner, should_stop: Callable[[], bool]) -> PhaseStats:

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
+
+import torch
 
 from diloco.learner.phase_stats import PhaseStats
 from diloco.learner.ranks import lead_step
 from diloco.learner.resume import read_params
 from diloco.learner.world import PARAMS, RESET, slice_batch
 from diloco.run.buffers import install_buffers
+from diloco.run.heap import status_bytes
 from diloco.storage import read_latest
 from diloco.training.spec import SpecError
 
@@ -60,7 +64,7 @@ class PhaseSection:
                 lead_step(self)
             batch = self._next_batch()
             try:
-                with stats.timed("compute_s"):
+                with stats.timed("compute_s"), self.gate.step() if self.gate is not None else nullcontext():
                     losses.append(self.trainer.train_step(batch))
             except FloatingPointError as err:
                 return self.abandon_phase(stats, t0, str(err))
@@ -86,8 +90,18 @@ class PhaseSection:
         self.loss_ema = stats.loss
         self.events.emit("phase", learner=self.name, version=self.state.base, steps=stats.steps,
                          tokens=stats.tokens, t_start=t0, duration_s=stats.phase_time_s, loss=stats.loss,
-                         **stats.times())
+                         **stats.times(), **self.memory())
         return stats
+
+    def memory(self) -> dict[str, int]:
+        """This process's resident memory's high-water mark so far (VmHWM), and on CUDA the device's peak
+        allocation: what `diloco bench size` reports per parameter (absent where not measurable)."""
+        out = {}
+        if (peak := status_bytes("VmHWM")) is not None:
+            out["peak_rss_bytes"] = peak
+        if self.device.startswith("cuda"):
+            out["device_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        return out
 
     def _probe(self, stats: PhaseStats, done: int) -> None:
         """After step `done` of the phase: the sync waits due (fragments), or a probe for newer versions —
@@ -107,11 +121,11 @@ class PhaseSection:
                 stats.installs.extend(installed)
 
     def _save_every(self, stats: PhaseStats, done: int, num_steps: int) -> None:
-        """learner.local_state_every_steps: a save every N steps, skipped while the last is still being
-        written (at 124M parameters a save is ~2.5 GB: a GPU learner's 10 steps take far less than writing
-        it). The whole model's phase end is saved by publish()."""
+        """learner.local_state_every_steps: a save every N steps, skipped while the last save's time is more
+        than a tenth of the time since (LocalState.due: at 124M parameters a save writes 1.5 GB, and a GPU
+        learner's 10 steps take far less). The whole model's phase end is saved by publish()."""
         every = self.cfg.learner.local_state_every_steps
-        if every and done % every == 0 and (done < num_steps or not self.whole) and not self.local.writing():
+        if every and done % every == 0 and (done < num_steps or not self.whole) and self.local.due():
             with stats.timed("save_s"):
                 self.save_local()
 

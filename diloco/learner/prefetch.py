@@ -1,23 +1,33 @@
 """Fetching a newer global: the compact updates (or the full params when far behind), on the training
-thread (`fetch_global`) or ahead of it in a background thread (`Prefetcher`, `learner.prefetch`).
+thread (`fetch_global`, `fetch_spilled`) or ahead of it in a background thread (`Prefetcher`,
+`learner.prefetch`).
 
 Contract: fetch_global(base, glob, version) returns G_version with the exact bits every learner and the
-merger hold (G_v = G_{v-1} + decode(update_v)); inputs are not modified. A Prefetcher polls for version
-base+1, fetches everything up to the newest version and hands it over with `take()` — the training
-thread installs without a single request to the bucket; storage trouble is logged and retried on the
+merger hold (G_v = G_{v-1} + decode(update_v)); inputs are not modified. fetch_spilled gives the same bits as
+a spill file (diloco.learner.spill), built one tensor at a time: the learner never holds a whole G in memory.
+A Prefetcher polls for version base+1, fetches everything up to the newest version and hands it over with
+`take()` — the very file it fetched, no second copy; it keeps it as the base of its next fetch — so the
+training thread installs without a single request to the bucket; storage trouble is logged and retried on the
 next poll, never raised; a corrupt committed object (CorruptObject) ends the thread and is raised by the next
 `take()`, on the training thread; `rebase` follows an install made another way (a sync wait, a resume).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
+from collections.abc import Iterator, Mapping
 
+import torch
+
+from diloco.learner.spill import SpillDir, Spilled, scratch_dir
 from diloco.run.context import RunContext
-from diloco.run.objects import CorruptObject, read_committed
+from diloco.run.objects import COMMITTED_READS, CorruptObject, read_checked, read_committed
 from diloco.storage import Manifest, StorageError, latest_version, manifest_exists, read_manifest
 from diloco.storage.codec import CodecError
+from diloco.storage.codec.lazy import LazyObject
 from diloco.storage.store import Store
 from diloco.training.tensors import Tensors, add_, clone
 
@@ -42,16 +52,96 @@ def fetch_global(ctx: RunContext, store: Store, base: int, glob: Tensors, versio
     return params, m
 
 
+class StepGate:
+    """A CPU learner's inner steps and its prefetchers' folds never overlap: a step's gradients and
+    activations and a fold's tensors (G's, the update's) would add up in memory. A step waits at most one
+    tensor's fold; a fold waits for the step (the download itself never waits)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wanted = threading.Event()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        self._wanted.set()
+        with self._lock:
+            self._wanted.clear()
+            yield
+
+    @contextlib.contextmanager
+    def fold(self) -> Iterator[None]:
+        while self._wanted.is_set():  # a step is waiting: it goes first
+            time.sleep(0.001)
+        with self._lock:
+            yield
+
+
+def fetch_spilled(ctx: RunContext, store: Store, base: int, glob: Mapping[str, torch.Tensor], version: int,
+                  max_updates_behind: int, spill: SpillDir,
+                  gate: StepGate | None = None) -> tuple[Spilled, Manifest]:
+    """fetch_global's (G_version, manifest), G as a spill file: each update base+1..version folded into the
+    previous G one tensor at a time (one update's bytes held at once; each tensor's fold inside `gate`), or,
+    more than `max_updates_behind` behind, fetch_global's full params written out. `glob` (a spill file or
+    tensors) is not modified."""
+    if version - base > max_updates_behind:
+        params, manifest = fetch_global(ctx, store, base, glob, version, max_updates_behind)
+        return spill.write(params.items(), tag="g"), manifest
+    current = glob
+    for v in range(base + 1, version + 1):
+        manifest = read_manifest(store, ctx.keys, v)
+        update = _read_update(store, manifest.update_key, manifest.update_checksum, ctx.fingerprint,
+                              f"version {v}'s update")
+        current = spill.write(_folded(current, update, gate), tag="g")
+        del update
+    return current, manifest
+
+
+def _folded(previous: Mapping[str, torch.Tensor], update: LazyObject,
+            gate: StepGate | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, G_{v-1}[name] + update_v[name]) one tensor at a time, each made and written inside `gate`."""
+    for k in previous:
+        with gate.fold() if gate is not None else contextlib.nullcontext():
+            value = _fresh(previous, k).add_(torch.from_numpy(update.array(k)))
+            yield k, value  # written before the next one is made
+            del value
+
+
+def _fresh(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Tensor `name` to add into: a spill file's read is fresh already; another mapping's is copied."""
+    value = tensors[name]
+    return value if isinstance(tensors, Spilled) else value.detach().clone()
+
+
+def _read_update(store: Store, key: str, checksum: str, fingerprint: str, what: str) -> LazyObject:
+    """A committed update, its checksum and the codec's checks passed, to decode one tensor at a time; read
+    again on a failed check, COMMITTED_READS in all, then CorruptObject (as read_committed)."""
+    for _ in range(COMMITTED_READS):
+        try:
+            return LazyObject(read_checked(store, key, checksum), fingerprint=fingerprint)
+        except CodecError as err:
+            failure = str(err).removeprefix(f"{key}: ")
+    raise CorruptObject(f"{what} {key} is corrupt ({failure}; read {COMMITTED_READS} times). A committed "
+                        "object never changes, so no retry or restart can fix this: `diloco audit` names "
+                        "every corrupt object, and `diloco fork --at-version V` continues the run from the "
+                        "last good version")
+
+
 class Prefetcher:
     """A daemon thread that keeps the newest committed global fetched; `take()` hands it over once."""
 
-    def __init__(self, ctx: RunContext, store: Store, name: str, base: int, glob: Tensors, *,
-                 poll_s: float, max_updates_behind: int) -> None:
+    def __init__(self, ctx: RunContext, store: Store, name: str, base: int,
+                 glob: Mapping[str, torch.Tensor], *,
+                 poll_s: float, max_updates_behind: int, spill: SpillDir | None = None,
+                 gate: StepGate | None = None) -> None:
         self.ctx, self.store, self.name = ctx, store, name
         self.poll_s, self.max_updates_behind = poll_s, max_updates_behind
+        self.spill = spill or SpillDir(scratch_dir(), persist=False)
+        self.gate = gate  # a CPU learner's: folds between its inner steps
         self._lock = threading.Lock()
-        self._base, self._glob = base, clone(glob)  # the newest version fetched (handed over or not)
-        self._ready: tuple[int, Tensors] | None = None
+        # the newest version fetched (handed over or not): a spill file, never changed, shared with the
+        # learner
+        self._base, self._glob = base, glob
+        self._ready: tuple[int, Mapping[str, torch.Tensor]] | None = None
         self._ready_manifest: Manifest | None = None  # the manifest of the version in _ready
         self.taken_manifest: Manifest | None = None  # ... of the version the last take() handed over
         self._stop = threading.Event()
@@ -60,7 +150,7 @@ class Prefetcher:
         self._thread = threading.Thread(target=self._run, name=f"prefetch-{name}", daemon=True)
         self._thread.start()
 
-    def take(self) -> tuple[int, Tensors] | None:
+    def take(self) -> tuple[int, Mapping[str, torch.Tensor]] | None:
         """(version, G_version) fetched since the last take, the newest only; None when nothing new.
         `taken_manifest` is then that version's manifest (the run's clock, the learner's cursor). CorruptObject
         when the thread met one."""
@@ -72,11 +162,12 @@ class Prefetcher:
                 self.taken_manifest = self._ready_manifest
             return ready
 
-    def rebase(self, base: int, glob: Tensors) -> None:
-        """The learner moved to `base` by itself: fetch from there (drops an older fetch not taken yet)."""
+    def rebase(self, base: int, glob: Mapping[str, torch.Tensor]) -> None:
+        """The learner moved to `base` by itself: fetch from there (drops an older fetch not taken yet).
+        `glob` (a spill file, which never changes) is shared, not copied."""
         with self._lock:
             if base >= self._base:
-                self._base, self._glob = base, clone(glob)
+                self._base, self._glob = base, glob
                 self._ready = None
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -103,10 +194,11 @@ class Prefetcher:
         latest = latest_version(self.store, self.ctx.keys)
         if latest is None or latest <= base:
             return
-        fetched, manifest = fetch_global(self.ctx, self.store, base, glob, latest, self.max_updates_behind)
+        fetched, manifest = fetch_spilled(self.ctx, self.store, base, glob, latest, self.max_updates_behind,
+                                          self.spill, self.gate)
         with self._lock:
             if self._base != base:  # rebased meanwhile: this fetch builds on an older chain
                 return
-            self._base, self._glob = latest, fetched
-            self._ready, self._ready_manifest = (latest, clone(fetched)), manifest
+            self._base, self._glob = latest, fetched  # handed over and kept: the same file, one G
+            self._ready, self._ready_manifest = (latest, fetched), manifest
             self.fetches += latest - base

@@ -1,8 +1,10 @@
 """Background publishing: deltas (then the checkpoint that follows them) uploaded in seq order.
 
 Contract: the next phase computes while uploads run; a delta is retried until it lands or the
-publisher is closed; time the caller waits for a full queue is returned as stall. A checkpoint may also be
-queued on its own (`submit_checkpoint`): it never waits for room, and one waits at most (a newer replaces it).
+publisher is closed; time the caller waits for a full queue is returned as stall. A checkpoint
+(diloco.learner.checkpoint.CheckpointUpload: its moments' spool files, then its pointer) follows its delta,
+and only a delta that landed; it may also be queued on its own (`submit_checkpoint`): it never waits for room,
+and one waits at most (a newer replaces it, whose files are dropped).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from diloco.learner.checkpoint import CheckpointUpload
 from diloco.run.events import EventLog
 from diloco.storage import Conflict, StorageError
 from diloco.storage.errors import Backoff
@@ -39,7 +42,7 @@ class Publisher:
         self._thread.start()
         self.bytes_published = 0
         self.fenced = threading.Event()  # another process published one of our seqs: we must stop
-        self._checkpoint_alone: tuple[str, Callable[[], bytes]] | None = None  # guarded by _room
+        self._checkpoint_alone: CheckpointUpload | None = None  # guarded by _room
 
     def full(self, coming: int = 0) -> bool:
         """MAX_PENDING deltas are waiting (storage down or slow), counting `coming` more the caller will
@@ -47,12 +50,10 @@ class Publisher:
         with self._room:
             return self._in_flight + coming >= MAX_PENDING
 
-    def submit(self, key: str, data: bytes, *, seq: int,
-               checkpoint: tuple[str, Callable[[], bytes]] | None = None,
+    def submit(self, key: str, data: bytes, *, seq: int, checkpoint: CheckpointUpload | None = None,
                sidecar: tuple[str, bytes] | None = None, fragment: int | None = None) -> float:
-        """Queue a delta (and the checkpoint to write after it: its key, and a function this thread
-        calls to encode it; and its signature, written before it; `fragment`: its chain, None for the root's);
-        returns seconds stalled waiting for room."""
+        """Queue a delta (and the checkpoint to write after it; and its signature, written before it;
+        `fragment`: its chain, None for the root's); returns seconds stalled waiting for room."""
         t0 = time.time()
         with self._room:
             self._room.wait_for(lambda: self._in_flight < MAX_PENDING)
@@ -67,13 +68,15 @@ class Publisher:
         it was already counted against the queue's bound before the crash."""
         self._queue.put((key, data, seq, None, False, sidecar, fragment))
 
-    def submit_checkpoint(self, key: str, encode: Callable[[], bytes]) -> None:
-        """Queue a checkpoint on its own (after everything queued before it; `encode` is called on this
-        thread), without waiting for room: a fragmented learner's, when the delta it would follow waits. One
-        waits at most: a newer one replaces it (in an outage a checkpoint a cycle never piles up)."""
+    def submit_checkpoint(self, checkpoint: CheckpointUpload) -> None:
+        """Queue a checkpoint on its own (after everything queued before it), without waiting for room: a
+        fragmented learner's, when the delta it would follow waits. One waits at most: a newer one replaces it
+        (in an outage a checkpoint a cycle never piles up; the replaced one's files are dropped)."""
         with self._room:
-            waiting, self._checkpoint_alone = self._checkpoint_alone is not None, (key, encode)
-        if not waiting:
+            waiting, self._checkpoint_alone = self._checkpoint_alone, checkpoint
+        if waiting is not None:
+            waiting.discard()
+        else:
             self._queue.put(("checkpoint",))
 
     def drain(self, timeout_s: float = 600.0) -> bool:
@@ -105,7 +108,7 @@ class Publisher:
                     alone, self._checkpoint_alone = self._checkpoint_alone, None
                 try:
                     if alone is not None:
-                        self._put_with_retry(alone[0], alone[1](), attempts=3)
+                        self._upload_checkpoint(alone)
                 finally:
                     self._queue.task_done()
                 continue
@@ -120,13 +123,20 @@ class Publisher:
                     if self.on_landed is not None:
                         self.on_landed(seq, fragment)
                     if checkpoint is not None:
-                        self._put_with_retry(checkpoint[0], checkpoint[1](), attempts=3)
+                        self._upload_checkpoint(checkpoint)
+                        checkpoint = None
             finally:
+                if checkpoint is not None:  # its delta did not land: nothing to point at
+                    checkpoint.discard()
                 if counted:
                     with self._room:
                         self._in_flight -= 1
                         self._room.notify()
                 self._queue.task_done()
+
+    def _upload_checkpoint(self, checkpoint: CheckpointUpload) -> None:
+        checkpoint.upload(self.store, lambda key, data: self._put_with_retry(key, data, attempts=3),
+                          self.events)
 
     def _landed(self, key: str, data: bytes) -> bool:
         try:

@@ -18,19 +18,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from diloco.learner.checkpoint import read_checkpoint
 from diloco.learner.local_state import LocalState, Saved
 from diloco.learner.state import QUICK_RETRIES, LearnerState
 from diloco.run.buffers import read_buffers
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.fragments import fragment_context, num_fragments
-from diloco.run.objects import read_committed, read_tensors
+from diloco.run.objects import read_committed
 from diloco.storage import Manifest, NotFound, StorageError, Store, read_latest
 from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
 from diloco.storage.records import LearnerStatus, RecordError, read_record
 from diloco.training.fragments import put_
-from diloco.training.tensors import Tensors, clone
+from diloco.training.tensors import Tensors
 
 log = logging.getLogger("diloco.learner")
 
@@ -105,9 +106,10 @@ def resume(ctx: RunContext, name: str, *, local: LocalState | None, events: Even
 
 
 def _whole(ctx: RunContext, globs: list[Tensors]) -> Tensors:
-    """The whole model's parameters from every chain's: the root's (a copy), or the fragments' together."""
+    """The whole model's parameters from every chain's: the root's itself (set_theta copies them into the
+    model), or the fragments' together."""
     if not ctx.fragments:
-        return clone(globs[0])
+        return globs[0]
     theta = {e["name"]: torch.zeros(e["shape"], dtype=torch.float32) for e in ctx.layout}
     for fragment, glob in zip(ctx.fragments, globs, strict=True):
         put_(theta, fragment, glob)
@@ -194,22 +196,19 @@ def _last_position(ctx: RunContext, name: str, cursor: int, step: int) -> tuple[
 
 def _from_checkpoint(ctx: RunContext, name: str, events: EventLog,
                      import_optimizer: ImportOptimizer) -> tuple[int, int]:
-    """(optimizer step, data cursor) from the bucket checkpoint; (0, 0) and a fresh optimizer without one."""
+    """(optimizer step, data cursor) from the bucket checkpoint (diloco.learner.checkpoint: the pointer after
+    the last delta, the moments of up to learner.checkpoint_every before it); (0, 0) and a fresh optimizer
+    without one; the pointer's step and cursor with a fresh optimizer when it names no moments yet."""
     try:
-        header, state = read_tensors(ctx.store, ctx.keys.checkpoint(name, "state"))
-    except NotFound:
-        return 0, 0
-    except (CodecError, StorageError) as err:
-        log.warning("learner %s: checkpoint unreadable (%s); starting fresh state", name, err)
+        restored = read_checkpoint(ctx.store, ctx.keys, name, ctx.fingerprint)
+        if restored is None:
+            return 0, 0
+        if restored.tensors is not None:
+            import_optimizer(restored.tensors, restored.optimizer)
+    except (CodecError, StorageError, RecordError, ValueError) as err:
+        log.warning("learner %s: checkpoint unreadable or does not fit (%s); starting fresh state", name, err)
         events.emit("checkpoint_unreadable", learner=name, reason=str(err))
         return 0, 0
-    meta = header.meta
-    try:
-        step = import_optimizer(state, meta.get("optimizer") or {})
-    except ValueError as err:
-        log.warning("learner %s: checkpoint does not fit (%s); starting fresh state", name, err)
-        events.emit("checkpoint_unreadable", learner=name, reason=str(err))
-        return 0, 0
-    events.emit("resume", learner=name, step=meta.get("step"), cursor=meta.get("cursor"),
-                checkpoint_seq=meta.get("seq"))
-    return step, int(meta.get("cursor", 0))
+    events.emit("resume", learner=name, step=restored.step, cursor=restored.cursor,
+                checkpoint_seq=restored.seq, moments_seq=restored.moments_seq)
+    return restored.step, restored.cursor

@@ -1,6 +1,6 @@
 """Shipping a learner's deltas (a section of diloco.learner.learner.Learner): lane p's `r_p - theta_p`
 encoded, its error feedback into r_p, its upload queued, and after fragment 0's delta (the whole model's: each
-phase's) the bucket checkpoint of the optimizer state, step and data cursor.
+phase's) the bucket checkpoint (diloco.learner.checkpoint: the pointer, and the moments when due).
 
 Contract: the whole model ships at the end of a phase (publish); with fragments lane p ships at its staggered
 step (ship_due) and publish ships nothing. A due delta waits (`publish_deferred`; its progress ships with the
@@ -8,25 +8,51 @@ lane's next one) while the publisher is full or learner.max_unmerged of the lane
 except in sync mode; with fragments the cycle's checkpoint then goes alone (the whole model's waits for its
 delta). With learner.encode_in_background (fragments) a delta and its seq are taken at its step and encoded on
 the encoder's thread; the training thread completes it (settle) at a later step and before that lane's next
-ship or install reads r_p: the same bits as encoding inline. An encode that fails ends the learner. No empty
-deltas: a lane with no step since its last delta ships nothing.
+ship or install reads r_p: the same bits as encoding inline. Inline, a delta is encoded one tensor at a time
+(r_p - theta_p of one tensor, its stream kept; the dequantized values it ships decoded from the streams for
+the error feedback), so no whole-model copy is made. An encode that fails ends the learner. No empty deltas: a
+lane with no step since its last delta ships nothing.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
+from diloco.learner.checkpoint import CheckpointUpload
 from diloco.learner.phase_stats import PhaseStats
 from diloco.learner.publisher import deferral
-from diloco.run.objects import encode_shipped, encode_tensors
-from diloco.storage import RunKeys
+from diloco.run.objects import encode_shipped
+from diloco.storage import RunKeys, codec
 from diloco.training.buffers import get_buffers
-from diloco.training.tensors import Tensors
+from diloco.training.fragments import take
+from diloco.training.tensors import Tensors, to_numpy
 from diloco.trust.signing import sign
+
+
+class Shipped(Mapping[str, torch.Tensor]):
+    """The values a delta ships, decoded one tensor at a time from the streams its encoder made (what
+    decode_tensors gives back from the delta, bit for bit): what the error feedback subtracts from r_p."""
+
+    def __init__(self, encoder: codec.Encoder,
+                 streams: dict[str, tuple[tuple[int, ...], np.ndarray]]) -> None:
+        self.encoder, self.streams = encoder, streams
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape, stream = self.streams[name]
+        return torch.from_numpy(self.encoder.shipped(name, shape, stream))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.streams)
+
+    def __len__(self) -> int:
+        return len(self.streams)
 
 
 @dataclass
@@ -83,8 +109,7 @@ class ShipSection:
             self.events.emit("publish_deferred", learner=self.name, **self.tag(index), seq=lane.seq,
                              steps=lane.steps, reason=reason, unmerged=lane.unmerged())
             if index == 0 and not self.whole and self.cfg.learner.checkpoint:  # the cycle's checkpoint, alone
-                encode = self._checkpoint(lane.seq - 1, lane.base, self.trainer.export_state())
-                self.publisher.submit_checkpoint(self.ctx.keys.checkpoint(self.name, "state"), encode)
+                self.publisher.submit_checkpoint(self._checkpoint(lane.seq - 1, lane.base))
         return reason
 
     def ship(self, index: int, stats: PhaseStats | None = None) -> int:
@@ -94,15 +119,19 @@ class ShipSection:
         cfg, lane = self.cfg, self.lanes.lanes[index]
         self.settle(index, stats=stats)  # the lane's last delta's error feedback is in r_p before r_p is read
         started = time.time()
-        delta = self.lanes.delta(index, self._live())
         meta = {"learner": self.name, "seq": lane.seq, "base_version": lane.base, "tokens": lane.tokens,
                 "steps": lane.steps, "phase_time_s": time.time() - self.phase_t0, "train_loss": self.loss_ema,
                 "created_at": time.time(), **self.tag(index)}
         buffers = get_buffers(self.model, self.ctx.buffers) if index == 0 else None  # its own, exactly
-        encode = functools.partial(encode_shipped, delta, codec_name=cfg.learner.codec, kind="delta",
-                                   fingerprint=self.ctx.fingerprint, meta=meta, shuffle=cfg.learner.shuffle,
-                                   buffers=buffers)
-        encoded = encode() if self.encoder is None else None  # inline: a failure leaves the lane as it was
+        encode = None
+        if self.encoder is None:  # inline, one tensor at a time: a failure leaves the lane as it was
+            encoded = self._encode_inline(index, meta, buffers)
+        else:  # taken now (training goes on), encoded on the encoder's thread
+            encoded = None
+            encode = functools.partial(encode_shipped, self.lanes.delta(index, self._live()),
+                                       codec_name=cfg.learner.codec, kind="delta",
+                                       fingerprint=self.ctx.fingerprint, meta=meta,
+                                       shuffle=cfg.learner.shuffle, buffers=buffers)
         seq, steps, tokens = self.lanes.take(index, self.steps_done)
         job = Shipping(index, seq, steps, tokens, lane.base, stats, started)
         if encoded is not None:
@@ -134,23 +163,39 @@ class ShipSection:
                                    f"{job.seq} failed: {type(err).__name__}: {err}") from err
             self._complete(job, *encoded, stats or job.stats)
 
-    def _complete(self, job: Shipping, data: bytes, shipped: Tensors, stats: PhaseStats | None) -> None:
+    def _encode_inline(self, index: int, meta: dict, buffers: Tensors | None) -> tuple[bytes, Shipped]:
+        """encode_shipped of lane `index`'s r_p - theta_p, one tensor at a time (the same bytes and values):
+        each tensor's difference made, encoded and dropped; its stream kept for the values shipped
+        (Shipped)."""
+        cfg, lane = self.cfg.learner, self.lanes.lanes[index]
+        part = take(self._live(), lane.fragment, copy=False)
+        counted = {"buffers": len(buffers)} if buffers else {}
+        encoder = codec.Encoder(codec=cfg.codec, kind="delta", fingerprint=self.ctx.fingerprint,
+                                shuffle=cfg.shuffle, meta={**meta, **counted})
+        streams: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}
+        for k in lane.ref:
+            array = (lane.ref[k] - part[k].float()).detach().to("cpu", torch.float32).contiguous().numpy()
+            streams[k] = (array.shape, encoder.add(k, array))
+            del array
+        for name, array in to_numpy(buffers or {}).items():
+            encoder.add(name, array, codec="fp32")
+        return encoder.finish(), Shipped(encoder, streams)
+
+    def _complete(self, job: Shipping, data: bytes, shipped: Mapping[str, torch.Tensor],
+                  stats: PhaseStats | None) -> None:
         """An encoded delta: its error feedback into r_p, its upload queued (spooled first with local state;
         the checkpoint after fragment 0's), the local state saved, its `publish` event."""
         self.lanes.feedback(job.index, shipped)
-        keys, checkpoint = self.chain_keys(job.index), None
-        # one copy of the optimizer state for both snapshots (encoders only read it)
-        ckpt = self.cfg.learner.checkpoint and job.index == 0
-        exported = self.trainer.export_state() if ckpt or self.local is not None else None
-        if ckpt:
-            checkpoint = (self.ctx.keys.checkpoint(self.name, "state"),
-                          self._checkpoint(job.seq, job.base, exported))
+        del shipped
+        keys = self.chain_keys(job.index)
+        due = self.cfg.learner.checkpoint and job.index == 0
+        checkpoint = self._checkpoint(job.seq, job.base) if due else None
         if self.local is not None:  # until it lands: a crash while the bucket is away loses nothing
             self.local.spool(job.seq, data, keys.fragment)
         stall = self.publisher.submit(keys.delta(self.name, job.seq), data, seq=job.seq,
                                       checkpoint=checkpoint, sidecar=self._signature(keys, job.seq, data),
                                       fragment=keys.fragment)
-        self.save_local(exported)
+        self.save_local()
         if stats is not None:
             stats.seq, stats.stall_s = job.seq, stats.stall_s + stall
             stats.delta_bytes += len(data)
@@ -158,14 +203,13 @@ class ShipSection:
                          bytes=len(data), tokens=job.tokens, steps=job.steps, stall_s=stall,
                          duration_s=round(time.time() - job.started, 4))
 
-    def _checkpoint(self, seq: int, base: int, exported: tuple[Tensors, dict]) -> Callable[[], bytes]:
-        """The bucket checkpoint after delta `seq` (on version `base`): the state copied now, encoded by the
-        publisher's thread."""
-        tensors, opt_meta = exported
-        meta = {"learner": self.name, "seq": seq, "step": self.trainer.step, "cursor": self.cursor,
-                "base_version": base, "optimizer": opt_meta}
-        return lambda: encode_tensors(tensors, codec_name="fp32", kind="state",
-                                      fingerprint=self.ctx.fingerprint, meta=meta)
+    def _checkpoint(self, seq: int, base: int) -> CheckpointUpload:
+        """The bucket checkpoint after delta `seq` (on version `base`): the pointer, and when
+        learner.checkpoint_every says so the moments, encoded now from the live optimizer state into spool
+        files (the publisher uploads)."""
+        trainer = self.trainer
+        return self.checkpointer.make(seq, trainer.step, self.cursor, base, self.checkpointer.due(),
+                                      lambda: (trainer.state_tensors(), trainer.state_meta()))
 
     def _signature(self, keys: RunKeys, seq: int, data: bytes) -> tuple[str, bytes] | None:
         """(key, bytes) of the delta's signature object when signing is on."""

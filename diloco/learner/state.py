@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.training.tensors import Tensors, clone
+from diloco.training.tensors import Tensors
 
 # probes and heartbeats on the training thread, and a resume's check of the bucket: one quick retry, then go
 # on (train on, the next probe soon; resume from local state)
@@ -41,9 +41,9 @@ class LearnerState:
     @classmethod
     def at_version(cls, version: int, params: Tensors, next_seq: int,
                    merged: int | None = None) -> LearnerState:
-        """Just joined at `version` (`merged`: this learner's cursor in it): r = the global, nothing
-        unshipped."""
-        return cls(base=version, seq=next_seq, glob=params, ref=clone(params), merged=merged)
+        """Just joined at `version` (`merged`: this learner's cursor in it): r = the global (the same tensors:
+        a lane adopting the state keeps r apart from G, diloco.learner.lanes), nothing unshipped."""
+        return cls(base=version, seq=next_seq, glob=params, ref=params, merged=merged)
 
     def meta(self) -> dict:
         """The JSON part of a save (the tensors glob and ref are saved beside it)."""

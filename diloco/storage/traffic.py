@@ -1,11 +1,14 @@
 """A store wrapper that counts the bytes one process actually writes and reads, by object kind.
 
-Contract: behaves exactly like the wrapped store; counts only successful get/put calls, in every
-view of it (with_retries shares the counters).
+Contract: behaves exactly like the wrapped store; counts only successful calls, in every view of it
+(with_retries shares the counters): the bytes of every object put and got, and of every listing its keys
+(received as kind `listing`: the keys' bytes, a lower bound of what an S3 listing's XML carries). HEAD-like
+calls (exists, get_size, modified) carry no body and count nothing.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -13,9 +16,14 @@ from dataclasses import dataclass, field
 from diloco.storage.store import Store
 from diloco.storage.wrapper import WrapperStore
 
+KINDS = ("delta", "global", "manifest", "checkpoint", "status", "event", "control", "eval", "listing",
+         "other")
+
 
 def object_kind(key: str) -> str:
-    """'delta', 'global' (params/update/outer), 'manifest', or 'other' (status, checkpoint, ...)."""
+    """'delta' (and its signature), 'global' (params/update/outer/buffers), 'manifest', 'checkpoint' (a
+    learner's pointer and moments), 'status', 'event', 'control', 'eval', or 'other' (run.json, the spec's
+    files, ...)."""
     parts = key.split("/")
     if "deltas" in parts:
         return "delta"
@@ -23,6 +31,11 @@ def object_kind(key: str) -> str:
         return "global"
     if "versions" in parts:
         return "manifest"
+    if "learners" in parts:
+        return "checkpoint" if "checkpoint" in parts else "status" if parts[-1] == "status.json" else "other"
+    for folder, kind in (("events", "event"), ("control", "control"), ("evals", "eval")):
+        if folder in parts:
+            return kind
     return "other"
 
 
@@ -33,6 +46,9 @@ class Traffic:
     sent: Counter[str] = field(default_factory=Counter)
     received: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)  # the publisher thread puts while the learner gets
+    # which counters (a report sums the last figures of each: two learners run one after the other in one
+    # process are two sets of counters, not one)
+    id: str = field(default_factory=lambda: secrets.token_hex(4))
 
 
 class CountingStore(WrapperStore):
@@ -74,3 +90,15 @@ class CountingStore(WrapperStore):
         self.inner.put_if_absent(key, data)
         with self.traffic.lock:
             self.traffic.sent[object_kind(key)] += len(data)
+
+    def list(self, prefix: str, after: str = "") -> list[str]:
+        keys = self.inner.list(prefix, after)
+        with self.traffic.lock:
+            self.traffic.received["listing"] += sum(len(k) + 1 for k in keys)
+        return keys
+
+    def folders(self, prefix: str) -> list[str]:
+        names = self.inner.folders(prefix)
+        with self.traffic.lock:
+            self.traffic.received["listing"] += sum(len(prefix) + len(n) + 2 for n in names)
+        return names

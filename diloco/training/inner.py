@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -147,6 +147,10 @@ class InnerTrainer:
         self.last_grad_norm, self.last_tokens = float(norm), tokens
         self._set_lr()
         self.opt.step()
+        # the gradients are not needed until the next backward pass (which starts from none): freed now, so
+        # between steps (ships, installs, saves) the learner holds theta and the optimizer's state, not 4
+        # B/param more (docs/ENGINE.md, "Learner memory")
+        self.opt.zero_grad(set_to_none=True)
         self.step += 1
         return loss_value
 
@@ -155,10 +159,20 @@ class InnerTrainer:
         (diloco.training.optim_state: "<key>/<param>" tensors, meta with "format", "step", "param_steps")."""
         return optim_state.export_state(self.opt, self.named, self.step)
 
-    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Restore what export_state gave, so training continues bit for bit.
-        Raises ValueError (and changes nothing) on an unknown format, name or shape."""
-        self.step = optim_state.import_state(self.opt, self.named, tensors, meta)
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The optimizer state's live tensors ("<key>/<param>"), one at a time, copied nothing: what a
+        checkpoint or a save streams (the caller does not step meanwhile)."""
+        return optim_state.state_tensors(self.opt, self.named)
+
+    def state_meta(self) -> dict:
+        """export_state's meta (format, step, the state's scalars)."""
+        return optim_state.state_meta(self.opt, self.named, self.step)
+
+    def import_state(self, tensors: Mapping[str, torch.Tensor], meta: dict, copy: bool = True) -> None:
+        """Restore what export_state gave, so training continues bit for bit (`copy=False`: the tensors are
+        fresh, read for this, and taken as they are). Raises ValueError (and changes nothing) on an unknown
+        format, name or shape."""
+        self.step = optim_state.import_state(self.opt, self.named, tensors, meta, copy=copy)
         self._set_lr()
 
     def reset_optimizer(self) -> None:

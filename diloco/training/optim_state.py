@@ -9,6 +9,7 @@ does not fit. Format 1 (AdamW's exp_avg / exp_avg_sq and per-parameter step coun
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,18 +33,36 @@ def param_names(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter]) -> d
 
 
 def export_state(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter], step: int) -> tuple[dict, dict]:
-    """(tensors, json-able meta) of the optimizer's state and the trainer's step."""
+    """(tensors, json-able meta) of the optimizer's state and the trainer's step (fp32 CPU copies)."""
+    tensors = {key: value.detach().to("cpu", torch.float32).clone()
+               for key, value in state_tensors(opt, named)}
+    return tensors, state_meta(opt, named, step)
+
+
+def state_tensors(opt: torch.optim.Optimizer,
+                  named: dict[str, nn.Parameter]) -> Iterator[tuple[str, torch.Tensor]]:
+    """("<key>/<param>", the live tensor) of every tensor of the optimizer's state, one at a time, copying
+    nothing: what a checkpoint streams from (the caller must not step the optimizer meanwhile)."""
     names = param_names(opt, named)
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
     for p, state in opt.state.items():
         name = names[id(p)]
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 if not value.is_floating_point():
                     raise ValueError(f"optimizer state {key}/{name} is {value.dtype}: only float tensors are saved")
-                tensors[f"{key}/{name}"] = value.detach().to("cpu", torch.float32).clone()
-            elif isinstance(value, torch.Tensor):
+                yield f"{key}/{name}", value.detach()
+
+
+def state_meta(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter], step: int) -> dict:
+    """The json-able part of export_state: format, the trainer's step, every scalar of the state."""
+    names = param_names(opt, named)
+    scalars: dict[str, dict[str, Any]] = {}
+    for p, state in opt.state.items():
+        name = names[id(p)]
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                continue
+            if isinstance(value, torch.Tensor):
                 scalars.setdefault(name, {})[key] = {"value": value.item(), "dtype": str(value.dtype)}
             elif isinstance(value, bool | int | float):
                 scalars.setdefault(name, {})[key] = value
@@ -53,7 +72,7 @@ def export_state(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter], ste
     steps = {n: s["step"] for n, s in scalars.items() if isinstance(s.get("step"), dict)}
     if steps:
         meta["param_steps"] = {n: int(s["value"]) for n, s in steps.items()}
-    return tensors, meta
+    return meta
 
 
 def _scalar(value: Any) -> Any:
@@ -62,7 +81,7 @@ def _scalar(value: Any) -> Any:
     return value
 
 
-def _legacy_state(tensors: dict, meta: dict, named: dict[str, nn.Parameter]) -> dict[str, dict[str, Any]]:
+def _legacy_state(tensors: Mapping, meta: dict, named: dict[str, nn.Parameter]) -> dict[str, dict[str, Any]]:
     state = {}
     for name, count in (meta.get("param_steps") or {}).items():
         if name not in named:
@@ -74,7 +93,7 @@ def _legacy_state(tensors: dict, meta: dict, named: dict[str, nn.Parameter]) -> 
     return state
 
 
-def _state(tensors: dict, meta: dict, named: dict[str, nn.Parameter]) -> dict[str, dict[str, Any]]:
+def _state(tensors: Mapping, meta: dict, named: dict[str, nn.Parameter]) -> dict[str, dict[str, Any]]:
     state: dict[str, dict[str, Any]] = {}
     for name, values in (meta.get("scalars") or {}).items():
         state.setdefault(name, {}).update({k: _scalar(v) for k, v in values.items()})
@@ -87,9 +106,12 @@ def _state(tensors: dict, meta: dict, named: dict[str, nn.Parameter]) -> dict[st
     return state
 
 
-def import_state(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter], tensors: dict, meta: dict) -> int:
-    """Restore what export_state gave (or format 1); returns the trainer's step. ValueError, nothing
-    changed, on an unknown format, name or shape."""
+def import_state(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter], tensors: Mapping, meta: dict,
+                 copy: bool = True) -> int:
+    """Restore what export_state gave (or format 1; `tensors` may read each tensor on access); returns the
+    trainer's step. ValueError, nothing changed, on an unknown format, name or shape. `copy=False`: the
+    tensors are fresh and the caller's own (read from a file): taken as they are when already on the
+    parameter's device and dtype, not cloned."""
     fmt, step = meta.get("format"), meta.get("step")
     if fmt not in (STATE_FORMAT, LEGACY_FORMAT):
         raise ValueError(f"optimizer state format {fmt!r}, expected {STATE_FORMAT} (or {LEGACY_FORMAT})")
@@ -104,8 +126,13 @@ def import_state(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter], ten
                 raise ValueError(f"optimizer state {key}/{name}: shape {tuple(value.shape)} differs from {tuple(p.shape)}")
             if value is None:
                 raise ValueError(f"optimizer state {key}/{name}: missing")
-        new_state[p] = {k: (v.detach().to(p.device, p.dtype).clone() if isinstance(v, torch.Tensor) and v.dim() > 0
-                            else v) for k, v in entry.items()}
+        new_state[p] = {k: (_placed(v, p, copy) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                        for k, v in entry.items()}
     opt.state.clear()
     opt.state.update(new_state)
     return step
+
+
+def _placed(value: torch.Tensor, p: torch.Tensor, copy: bool) -> torch.Tensor:
+    out = value.detach().to(p.device, p.dtype)
+    return out.clone() if copy else out

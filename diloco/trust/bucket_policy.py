@@ -69,6 +69,8 @@ def _grants(role: str, learner: str | None, run: str) -> dict[str, list[str]]:
         return {READ: reads + own[:2] + ["spec/*", "learners/*/status.json"],
                 CREATE: [f"deltas/{learner}/*.delta"],
                 WRITE: [f"deltas/{learner}/*.sig", *own[1:]],  # a signature lands first, by a plain put
+                # its own checkpoint's old moments (a pointer names the newest two generations; nothing else)
+                DELETE: [f"learners/{learner}/checkpoint/*"],
                 LIST: ["versions/*", f"deltas/{learner}/*", "control/*", f"learners/{learner}/*"]}
     if role == "merger":
         return {READ: reads + ["deltas/*"], CREATE: ["versions/*"],

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diloco.configs import load_config
+from diloco.learner.checkpoint import read_pointer
 from diloco.learner.learner import Learner
 from diloco.merger.loop import ShardMerger, run_merger
 from diloco.run.create import create_run
@@ -319,21 +320,20 @@ def test_a_failed_background_encode_ends_the_learner(corpus, monkeypatch):
 def test_the_cycles_checkpoint_goes_alone_when_fragment_zeros_delta_waits(corpus):
     """learner.checkpoint with fragments: written after fragment 0's delta, once a cycle; when that delta
     waits (the publisher full), the checkpoint goes alone, and a learner on a new host resumes from it."""
-    cfg = _cfg(2, "fp32", 0).with_overrides({"learner.checkpoint": True})
+    cfg = _cfg(2, "fp32", 0).with_overrides({"learner.checkpoint": True, "learner.checkpoint_every": 1})
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", cfg)
     learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.join()
     learner.publisher.full = lambda *_: False
     learner.run_phase(num_steps=4)  # fragment 1 at step 2, fragment 0 (and the checkpoint) at step 4
     learner.drain()
-    key = ctx.keys.checkpoint("local-0", "state")
-    header, _ = read_tensors(ctx.store, key)
-    assert (header.meta["step"], header.meta["seq"]) == (4, 0)
+    pointer = read_pointer(ctx.store, ctx.keys, "local-0")
+    assert (pointer.step, pointer.seq, pointer.moments.seq) == (4, 0, 0)
     learner.publisher.full = lambda *_: True  # storage slow: every due delta waits
     learner.run_phase(num_steps=4)
     learner.drain()
-    header, _ = read_tensors(ctx.store, key)
-    assert (header.meta["step"], header.meta["cursor"]) == (8, 8)
+    pointer = read_pointer(ctx.store, ctx.keys, "local-0")
+    assert (pointer.step, pointer.cursor) == (8, 8) and pointer.moments.step == 8
     assert [lane.seq for lane in learner.lanes.lanes] == [1, 1]
     learner.close()
     again = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))

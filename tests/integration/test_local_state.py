@@ -1,8 +1,8 @@
 """Local learner state: a learner process restarted on the same host resumes from its own disk —
 mid-phase, without the bucket, with the deltas an outage kept from landing — and never trusts a
-state that the bucket has moved past, that belongs to another run, or that is unreadable. However slow
-its disk, a learner holds at most two states (one being written, one waiting: a newer one replaces it,
-after the spool writes before it) and skips its periodic saves while one is being written.
+state that the bucket has moved past, that belongs to another run, or that is unreadable. A save is written
+on the training thread (after the spool writes before it), names r's and G's spill files instead of copying
+them, and periodic saves take at most a tenth of the training thread.
 Run: .venv/bin/pytest tests/integration/test_local_state.py -q
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import threading
 import time
 
 import pytest
@@ -206,99 +205,61 @@ def test_an_outage_defers_shipping_not_training(tmp_path, corpus):
     assert audit_run(ctx).ok
 
 
-def _blocked_writer(local, monkeypatch, entered: threading.Event | None = None):
-    """Hold local's writer in its next state write (setting `entered`) until the returned event is set; the
-    states it wrote."""
-    release, written = threading.Event(), []
-    save_now = local._save_now
-
-    def slow(parts, meta):
-        if entered is not None:
-            entered.set()
-        release.wait(30)
-        written.append(meta["tag"])
-        save_now(parts, meta)
-
-    monkeypatch.setattr(local, "_save_now", slow)
-    return release, written
-
-
-def test_a_newer_state_replaces_one_still_waiting_after_the_spool_writes(tmp_path, corpus, monkeypatch):
+def test_a_save_is_written_when_it_returns_after_the_spool_writes_and_names_r_and_g(tmp_path, corpus):
+    """A save runs on the calling thread, after the spool writes queued before it: when it returns the state
+    is on disk with the delta's spool file; r and G are named by their spill files, not copied into it."""
     ctx = new_run(tmp_path)
     worker = learner(ctx, corpus)
     worker.join()
     local = worker.local
-    local.flush()
-    entered = threading.Event()
-    release, written = _blocked_writer(local, monkeypatch, entered)
-    parts = {"theta": worker.theta(), "ref": worker.state.ref, "glob": worker.state.glob, "opt": {}}
-    meta = {**worker.state.meta(), "learner": "local-0", "step": 0, "cursor": 0, "optimizer": {}}
-    local.save(parts, {**meta, "tag": "a"})  # being written (blocked)
-    assert entered.wait(30)
-    local.save(parts, {**meta, "tag": "b"})  # waits ...
     local.spool(7, b"delta seven")
-    local.save(parts, {**meta, "tag": "c"})  # ... and is replaced by this one, queued after the spool write
-    assert local.writing() and local._saving == 2
-    order = list(local._writer._jobs)
-    assert len(order) == 2 and order[-1] == local._queued  # the spool write, then state c
-    release.set()
-    local.flush()
-    assert written == ["a", "c"] and not local.writing()
-    assert local.load().meta["tag"] == "c" and local.spooled() == [(7, b"delta seven")]
+    worker.save_local()  # no flush: written by now
+    assert local.spooled() == [(7, b"delta seven")] and not local.writing()
+    saved = local.load()
+    files = saved.meta["files"]
+    assert files["ref"] == files["glob"] == [worker.state.glob.path.name]  # r is G right after a join
+    assert (local.dir / files["glob"][0]).exists()
+    assert set(saved.parts["glob"]) == set(worker.theta())
+    theta_bytes = sum(4 * v.numel() for v in worker.theta().values())
+    assert (local.dir / "state.bin").stat().st_size < 4 * theta_bytes  # theta and the optimizer, not r or G
     worker.close()
+    assert (local.dir / files["glob"][0]).exists()  # the state on disk still names it
 
 
-def test_periodic_saves_are_skipped_while_one_is_being_written(tmp_path, corpus, monkeypatch):
+def test_periodic_saves_take_at_most_a_tenth_of_the_training_thread(tmp_path, corpus, monkeypatch):
     ctx = new_run(tmp_path, **{"learner.local_state_every_steps": 1})
     worker = learner(ctx, corpus)
     worker.join()
-    worker.local.flush()
-    release, written = _blocked_writer(worker.local, monkeypatch)
     saves = []
     save_local = worker.save_local
     monkeypatch.setattr(worker, "save_local", lambda *a: saves.append(worker.trainer.step) or save_local(*a))
-    monkeypatch.setattr(worker.local, "save", lambda parts, meta, save=worker.local.save: save(
-        parts, {**meta, "tag": len(saves)}))
-    stats = worker.run_phase(num_steps=6)  # a save due after every step: the first is still being written
-    assert saves == [1] and stats.save_s > 0
-    release.set()
-    worker.local.flush()
-    worker.run_phase(num_steps=3)  # written: the next due step saves again
-    assert saves[:2] == [1, 7] and written[0] == 1
+    worker.save_local()
+    worker.local.last_save_s = 3600.0  # the last save (just now) took an hour: the next may wait nine
+    saves.clear()
+    stats = worker.run_phase(num_steps=4)
+    assert saves == [] and stats.save_s == 0
+    worker.local.last_save_s = 0.5  # under a second: never skipped
+    stats = worker.run_phase(num_steps=3)
+    assert saves == [5, 6] and stats.save_s > 0  # the phase's last step: publish() saves it
     worker.close()
 
 
-def test_a_landed_deltas_spool_file_stays_until_a_state_on_disk_counts_it(tmp_path, corpus, monkeypatch):
-    """A state replaced while it waited is written after the landing of a delta it counted as shipped: the
-    spool file must outlive the older state on disk (a crash then, bucket away, must not lose the delta)."""
+def test_a_landed_deltas_spool_file_stays_until_a_state_on_disk_counts_it(tmp_path, corpus):
+    """A delta that landed before any state on disk counts it as shipped keeps its spool file (a crash then,
+    bucket away, must not lose it); the state that counts it removes it."""
     ctx = new_run(tmp_path)
     worker = learner(ctx, corpus)
     worker.join()
     local = worker.local
-    local.flush()
-    gates, entered, save_now = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()], \
-        local._save_now
-
-    def gated(parts, meta):
-        entered[meta["next_seq"] - 7].set()
-        gates[meta["next_seq"] - 7].wait(30)
-        save_now(parts, meta)
-
-    monkeypatch.setattr(local, "_save_now", gated)
     parts = {"theta": worker.theta(), "ref": worker.state.ref, "glob": worker.state.glob, "opt": {}}
     meta = {**worker.state.meta(), "learner": "local-0", "step": 0, "cursor": 0, "optimizer": {}}
     spool = local.dir / f"delta-{7:012d}.bin"
-    local.save(parts, {**meta, "next_seq": 7})  # being written (gate 0)
-    assert entered[0].wait(30)
+    local.save(parts, {**meta, "next_seq": 7})
     local.spool(7, b"delta seven")
-    local.save(parts, {**meta, "next_seq": 8})  # counts delta 7 as shipped: waits ...
     local.unspool(7)  # delta 7 landed
-    local.save(parts, {**meta, "next_seq": 8})  # ... replaced by this one, after the landing
-    gates[0].set()  # state 7, the spool write and the landing run; the newer state waits at gate 1
-    assert entered[1].wait(30)  # so the spool write and the landing, queued before it, have run
-    assert local.load().meta["next_seq"] == 7 and spool.exists()  # the state on disk does not count it yet
-    gates[1].set()
     local.flush()
+    assert local.load().meta["next_seq"] == 7 and spool.exists()  # the state on disk does not count it yet
+    local.save(parts, {**meta, "next_seq": 8})
     assert local.load().meta["next_seq"] == 8 and not spool.exists()
     worker.close()
 

@@ -103,12 +103,17 @@ def test_counting_store_counts_by_kind(tmp_path) -> None:
     store.put("run/learners/a-0/status.json", b"y" * 3)
     store.put("run/global/1-abc.update", b"z" * 7)
     assert store.get("run/global/1-abc.update") == b"z" * 7
-    assert store.sent["delta"] == 10 and store.sent["other"] == 3 and store.sent["global"] == 7
+    assert store.sent["delta"] == 10 and store.sent["status"] == 3 and store.sent["global"] == 7
     assert store.received["global"] == 7
-    assert store.exists("run/global/1-abc.update")  # delegated
+    assert store.exists("run/global/1-abc.update")  # delegated, and a HEAD counts nothing
+    assert store.list("run/global/") == ["run/global/1-abc.update"]
+    assert store.received["listing"] == len("run/global/1-abc.update") + 1  # a listing: its keys' bytes
     store.reset()
     assert sum(store.sent.values()) == 0
     assert object_kind("run/versions/00000000000000000001.json") == "manifest"
+    assert object_kind("run/learners/a-0/checkpoint/pointer.json") == "checkpoint"
+    assert object_kind("run/learners/a-0/checkpoint/m000000000003-0a1b2c3d.p0000") == "checkpoint"
+    assert object_kind("run/events/a-0/1-2-3.jsonl") == "event" and object_kind("run/run.json") == "other"
 
 
 
@@ -118,7 +123,7 @@ def test_counting_store_views_count_too(tmp_path) -> None:
     assert isinstance(quick, CountingStore) and quick.max_retries == 1 and store.max_retries == 5
     quick.put("run/learners/a-0/status.json", b"y" * 3)
     assert quick.get("run/learners/a-0/status.json") == b"y" * 3
-    assert store.sent["other"] == 3 and store.received["other"] == 3
+    assert store.sent["status"] == 3 and store.received["status"] == 3
     store.reset()
     assert sum(quick.sent.values()) == 0
 

@@ -85,6 +85,10 @@ def test_a_learner_writes_only_its_own_prefixes() -> None:
     assert allows(p, READ, B, "runs/r/global/x.params") and allows(p, READ, B, "runs/r/control/stop")
     assert not allows(p, READ, B, "runs/r/deltas/eu-west-0/000000000001.delta")
     assert not allows(p, DELETE, B, own[0])
+    old_moments = "runs/r/learners/us-east-0/checkpoint/m000000000004-0a1b2c3d.p0000"
+    assert allows(p, DELETE, B, old_moments)
+    assert not allows(p, DELETE, B, "runs/r/learners/us-east-0/status.json")
+    assert not allows(p, DELETE, B, "runs/r/learners/eu-west-0/checkpoint/m000000000004-0a1b2c3d.p0000")
     assert allows(p, LIST, B, "runs/r/versions/") and allows(p, LIST, B, "runs/r/deltas/us-east-0/")
     assert not allows(p, LIST, B, "runs/r/deltas/")
 

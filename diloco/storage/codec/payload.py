@@ -219,11 +219,20 @@ def _zstd():
     return pa.Codec("zstd", compression_level=1)
 
 
+@functools.cache
+def _pool():
+    """The C allocator for zstd's buffers (copied into bytes at once): pyarrow's default pool (mimalloc) keeps
+    what it freed, measured 0.7x a 50 MB model's bytes resident in a learner after encoding one int4 delta."""
+    import pyarrow as pa
+
+    return pa.system_memory_pool()
+
+
 def _compress_frame(raw: memoryview, compression: str | None) -> Any:
     if compression == "lz4":
         return lz4.block.compress(raw, store_size=False)
     if compression == "zstd":
-        packed = _zstd().compress(raw, asbytes=True)
+        packed = _zstd().compress(raw, asbytes=True, memory_pool=_pool())
         # decode refuses a frame claiming more than MAX_FRAME_RATIO x expansion (a bound on what a small object
         # can make a reader allocate); zstd shrinks a block of zeros far more, so such a frame is padded up to
         # the bound with a zstd skippable frame, which decompression passes over: lz4's best ratio, no better
@@ -253,7 +262,7 @@ def frame_stream(stream: np.ndarray, compression: str | None = "lz4") -> tuple[l
 def _decompress_frame(frame: memoryview, size: int, compression: str, name: str, i: int) -> Any:
     if compression == "zstd":
         try:
-            return _zstd().decompress(frame, decompressed_size=size, asbytes=True)
+            return _zstd().decompress(frame, decompressed_size=size, asbytes=True, memory_pool=_pool())
         except OSError as exc:  # pyarrow's ArrowIOError: corrupt, truncated, or not that many bytes
             raise CodecError(f"tensor {name!r}: zstd frame {i} is corrupt ({exc})") from None
     try:

@@ -1,0 +1,58 @@
+"""An encoded object decoded one tensor at a time: what a reader that must not hold every tensor at once uses
+(a learner folding a compact update into its global tensor by tensor, a checkpoint imported part by part).
+
+Contract: the same checks as codec.decode before any tensor is decoded (header, sizes, fingerprint, the
+payload's crc32), then `array(name)` gives exactly what decode() gives for that tensor (a fresh f32 array).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from diloco.storage.codec.header import CodecError, Header, codec_of, elements_of, read_layout, stream_bytes
+from diloco.storage.codec.payload import decode_stream, unframe_stream
+
+
+class LazyObject:
+    """`data` (an encoded object), checked now; tensors decoded on request, by name, in any order."""
+
+    def __init__(self, data: Any, *, fingerprint: str | None = None, max_bytes: int | None = None) -> None:
+        layout = read_layout(data, max_bytes, allow_partial=False)
+        if fingerprint is not None and layout.header.fingerprint != fingerprint:
+            raise CodecError(f"fingerprint mismatch: object has {layout.header.fingerprint!r}, "
+                             f"expected {fingerprint!r}")
+        view = memoryview(data).cast("B")
+        self._payload = view[layout.payload_offset:]
+        if zlib.crc32(self._payload) != layout.payload_crc32:
+            raise CodecError("payload checksum mismatch: the payload is corrupt")
+        self.header: Header = layout.header
+        self._where: dict[str, tuple[int, list[int], int]] = {}  # name -> (offset, stored frames, index)
+        pos = 0
+        for index, (spec, stored) in enumerate(zip(self.header.tensors, layout.frames, strict=True)):
+            self._where[spec.name] = (pos, stored, index)
+            pos += sum(stored)
+
+    def names(self) -> list[str]:
+        return [spec.name for spec in self.header.tensors]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def array(self, name: str) -> np.ndarray:
+        """Tensor `name`, decoded (KeyError when the object has none of that name)."""
+        pos, stored, index = self._where[name]
+        spec = self.header.tensors[index]
+        codec = codec_of(self.header, spec)
+        raw = stream_bytes(codec, elements_of(spec.shape), self.header.block_size)
+        stream = unframe_stream(self._payload[pos:pos + sum(stored)], stored, raw, spec.name,
+                                self.header.compression)
+        return decode_stream(stream, codec, self.header.shuffle, self.header.block_size, spec)
+
+    def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Every tensor in the object's order, one at a time."""
+        for spec in self.header.tensors:
+            yield spec.name, self.array(spec.name)
