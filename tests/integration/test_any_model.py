@@ -124,7 +124,8 @@ def test_a_learner_stops_on_a_corrupt_update_naming_it(tmp_path: Path, prefetch:
     _corrupt(ctx.store, manifest.update_key)  # the bucket damaged it after the commit (the writer checked it)
     # (the manifest's checksum is of the good bytes: a torn read would pass on a retry; this never will)
     with pytest.raises(CorruptObject, match=rf"version 2's update {manifest.update_key} is corrupt .*read 3 times"):
-        for _ in range(200):  # with a prefetcher the thread meets it first, and the training thread raises it
+        deadline = time.time() + 120  # with a prefetcher the thread meets it first (slowly on a loaded machine),
+        while time.time() < deadline:  # and the training thread raises it
             learner.maybe_install()
             if prefetch:
                 learner.prefetcher._thread.join(0.02)
