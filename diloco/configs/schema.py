@@ -197,6 +197,18 @@ class FragmentsConfig(_Strict):
     cohorts: int = Field(1, ge=1, le=64)
 
 
+class StateConfig(_Strict):
+    """How a chain's state is stored (docs/STORAGE.md, "The log and the checkpoints"): every version writes its
+    manifest and its compact update (the log); the full state (params + outer state, 12 B/param) only every
+    `checkpoint_every` versions, in the background, by the merger that owns the chain and holds it in memory."""
+
+    # K: a checkpoint every K versions. 10, the rule of thumb K ~ 1 + 4 / (update bytes per param) for int4 updates
+    # (0.43 B/param): the bucket grows by ~1.4 B/param a version (12 B/param / K zstd-packed to ~10, + the update)
+    # instead of 12.4, a rejoin reads at most ~2x one params object, a merger restarts from K - 1 replayed merges
+    # at most (docs/bench/scale.md: the measurements). With fp32 updates (3.7 B/param) K ~ 2 is the byte optimum.
+    checkpoint_every: int = Field(10, ge=1, le=100_000)
+
+
 class EvalConfig(_Strict):
     num_batches: int = Field(8, ge=1)  # fixed held-out batches, the same for every version
     batch_size: int = Field(32, ge=1)
@@ -242,6 +254,7 @@ class Config(_Strict):
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
     fragments: FragmentsConfig = FragmentsConfig()
+    state: StateConfig = StateConfig()
 
     @model_validator(mode="after")
     def _fragments_fit(self) -> Config:

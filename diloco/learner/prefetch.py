@@ -2,7 +2,8 @@
 thread (`fetch_global`) or ahead of it in a background thread (`Prefetcher`, `learner.prefetch`).
 
 Contract: fetch_global(base, glob, version) returns G_version with the exact bits every learner and the
-merger hold (G_v = G_{v-1} + decode(update_v)); inputs are not modified. A Prefetcher polls for version
+merger hold (G_v = G_{v-1} + decode(update_v); far behind: a checkpoint plus the updates after it); inputs are not
+modified. A Prefetcher polls for version
 base+1, fetches everything up to the newest version and hands it over with `take()` — the training
 thread installs without a single request to the bucket; storage trouble is logged and retried on the
 next poll, never raised; a corrupt committed object (CorruptObject) ends the thread and is raised by the next
@@ -14,32 +15,30 @@ from __future__ import annotations
 import logging
 import threading
 
+from diloco.run.chain_state import apply_updates, chain_params
 from diloco.run.context import RunContext
-from diloco.run.objects import CorruptObject, read_committed
-from diloco.storage import Manifest, StorageError, latest_version, manifest_exists, read_manifest
+from diloco.run.objects import CorruptObject
+from diloco.storage import Manifest, NotFound, StorageError, latest_version, manifest_exists, read_manifest
 from diloco.storage.codec import CodecError
 from diloco.storage.store import Store
-from diloco.training.tensors import Tensors, add_, clone
+from diloco.training.tensors import Tensors, clone
 
 log = logging.getLogger("diloco.learner")
 
 
 def fetch_global(ctx: RunContext, store: Store, base: int, glob: Tensors, version: int,
                  max_updates_behind: int) -> tuple[Tensors, Manifest]:
-    """(G_version, version's manifest) from (base, G_base): the updates base+1..version, or the full params when
-    more than `max_updates_behind` behind. StorageError / CodecError from the bucket."""
+    """(G_version, version's manifest) from (base, G_base): the updates base+1..version, or — when more than
+    `max_updates_behind` behind, or an update is gone (gc's retention) — the checkpoint at or before the version
+    and the updates after it (diloco.run.chain_state). StorageError / CodecError from the bucket."""
     if version - base <= max_updates_behind:
         out = clone(glob)
-        for v in range(base + 1, version + 1):
-            m = read_manifest(store, ctx.keys, v)
-            _, update = read_committed(store, m.update_key, fingerprint=ctx.fingerprint, checksum=m.update_checksum,
-                                       what=f"version {v}'s update")
-            add_(out, update)
-        return out, m
+        try:
+            return out, apply_updates(ctx, out, base + 1, version, store)
+        except NotFound:
+            del out
     m = read_manifest(store, ctx.keys, version)
-    _, params = read_committed(store, m.params_key, fingerprint=ctx.fingerprint, checksum=m.params_checksum,
-                               what=f"version {version}'s params")
-    return params, m
+    return chain_params(ctx, m, store=store), m
 
 
 class Prefetcher:
