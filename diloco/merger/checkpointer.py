@@ -143,3 +143,10 @@ class ChainCheckpoints:
     def wait(self) -> None:
         """Until the job in flight is done with the held tensors (a reload replaces them)."""
         self._free.wait()
+
+    def flush(self) -> CheckpointRef | None:
+        """Wait for the checkpoint in flight to land (or fail); the newest the chain can name."""
+        if self._job is not None:
+            self._job.exception()
+        self.landed()
+        return self.named

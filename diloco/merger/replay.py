@@ -21,7 +21,7 @@ import numpy as np
 from diloco.configs import Config
 from diloco.merger.inplace import outer_step_in_place
 from diloco.merger.step import LearnerGroup, OuterState, StepResult, gradient_stream, outer_optimizer
-from diloco.run.checkpoint import checkpoint_of, read_checkpoint
+from diloco.run.checkpoint import checkpoint_of, read_start
 from diloco.run.context import RunContext, direct_names
 from diloco.run.objects import CorruptObject, decode_tensors, read_checked, read_committed, read_tensors
 from diloco.storage import Manifest, StorageError, read_manifest
@@ -167,7 +167,8 @@ def recover(ctx: RunContext, manifest: Manifest, held: ChainState | None = None,
         state.checkpoint = ref
     else:
         held = None  # freed before the checkpoint is read
-        checkpoint = read_checkpoint(ctx, ref, outer=True)
+        checkpoint = read_start(ctx, manifest, outer=True, newest=newest)
+        ref = checkpoint.ref
         start = manifest if ref.version == manifest.version else read_manifest(ctx.store, ctx.keys, ref.version)
         state = ChainState(start, checkpoint.params, checkpoint.outer, checkpoint.ema, checkpoint=ref,
                            read_s=time.perf_counter() - t0)

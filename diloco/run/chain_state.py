@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from diloco.run.checkpoint import checkpoint_of, read_checkpoint
+from diloco.run.checkpoint import read_start
 from diloco.run.context import RunContext
 from diloco.run.objects import read_committed
 from diloco.storage import Manifest, NotFound, read_manifest
@@ -48,9 +48,9 @@ def chain_params(ctx: RunContext, manifest: Manifest, *, newest: bool = False, s
     if manifest.params_key:
         return read_committed(store, manifest.params_key, fingerprint=ctx.fingerprint,
                               checksum=manifest.params_checksum, what=f"{_name(ctx, manifest.version)}'s params")[1]
-    ref = checkpoint_of(ctx, manifest, newest=newest)
-    glob = read_checkpoint(ctx if store is ctx.store else _with_store(ctx, store), ref, outer=False).params
-    apply_updates(ctx, glob, ref.version + 1, manifest.version, store, last_manifest=manifest)
+    start = read_start(ctx if store is ctx.store else _with_store(ctx, store), manifest, outer=False, newest=newest)
+    glob = start.params
+    apply_updates(ctx, glob, start.version + 1, manifest.version, store, last_manifest=manifest)
     return glob
 
 

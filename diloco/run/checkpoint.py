@@ -27,7 +27,7 @@ from diloco.storage.codec import CodecError, Encoder, object_checksum
 from diloco.storage.codec.payload import zstd_available
 from diloco.storage.keys import new_nonce, parse_checkpoint_key
 from diloco.storage.manifest import CheckpointRef
-from diloco.storage.records import CheckpointPart, CheckpointRecord, RecordError
+from diloco.storage.records import CheckpointPart, CheckpointRecord, RecordError, RetentionRecord, read_record
 from diloco.training.outer import OuterState
 from diloco.training.tensors import Tensors
 
@@ -208,3 +208,22 @@ def checkpoint_of(ctx: RunContext, manifest: Manifest, *, newest: bool = False) 
         if found is not None:
             return found
     return manifest.checkpoint
+
+
+def read_start(ctx: RunContext, manifest: Manifest, *, outer: bool, newest: bool = False) -> ChainCheckpoint:
+    """The checkpoint a reader of `manifest`'s version (schema 2) starts from, read: the one it names (or, `newest`,
+    a newer one), or — when gc's retention removed that one — the chain's kept history's first checkpoint, if it is
+    at or before the version. NotFound when the version's history was removed."""
+    ref = checkpoint_of(ctx, manifest, newest=newest)
+    try:
+        return read_checkpoint(ctx, ref, outer=outer)
+    except NotFound:
+        try:
+            kept = read_record(ctx.store, ctx.keys.retention(), RetentionRecord)
+        except (NotFound, RecordError):
+            raise NotFound(f"{ref.key}: the checkpoint version {manifest.version} names is gone") from None
+        if not ref.version < kept.oldest <= manifest.version:
+            raise NotFound(f"version {manifest.version} of run {ctx.run_id}: removed by gc's retention (the chain's "
+                           f"history is kept from version {kept.oldest})") from None
+        start = CheckpointRef(version=kept.oldest, key=kept.checkpoint_key, checksum=kept.checkpoint_checksum)
+        return read_checkpoint(ctx, start, outer=outer)
