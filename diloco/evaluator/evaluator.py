@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from diloco.configs import checkpoint_every
 from diloco.run.buffers import install_run_buffers
 from diloco.run.context import RunContext, RunError
 from diloco.run.events import EventLog
@@ -49,7 +50,7 @@ class Evaluator:
         self.watch = ChainWatch(ctx)  # its 0.5 s poll lists what is new on each chain, not every version
         # each chain's params held and moved on by the updates since (u bytes a version, not a params read); a
         # version more than a checkpoint interval ahead is read from its checkpoint
-        self.followers = chain_followers(ctx, reach=ctx.cfg.state.checkpoint_every)
+        self.followers = chain_followers(ctx, reach=checkpoint_every(ctx.cfg))
 
     def evaluate_version(self, version: int) -> dict:
         # fragments: put together

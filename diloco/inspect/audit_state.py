@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from diloco.configs import checkpoint_every
 from diloco.merger.checkpointer import K_MAX_FACTOR
 from diloco.merger.inplace import outer_step_in_place
 from diloco.merger.replay import ChainState, recover, same_update
@@ -101,7 +102,7 @@ def check_state_objects(ctx: RunContext, chain: list[Manifest], start: int, repo
     invariants (at or before its version, never older than its parent's, at most K_MAX_FACTOR x K behind); returns
     the checked checkpoints by version."""
     checkpoints = listed_checkpoints(ctx, chain, start, report)
-    every, named = ctx.cfg.state.checkpoint_every, -1
+    every, named = checkpoint_every(ctx.cfg), -1
     for m in chain:
         if m.version < start:
             continue

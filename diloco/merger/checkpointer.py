@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from diloco.configs import checkpoint_every
 from diloco.run.checkpoint import manifest_checksum, write_checkpoint
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
@@ -60,7 +61,7 @@ class ChainCheckpoints:
     def __init__(self, ctx: RunContext, writer: CheckpointWriter, merger_id: str, events: EventLog,
                  stage_hook: Callable[[str], None] | None = None) -> None:
         self.ctx, self.writer, self.merger_id, self.events = ctx, writer, merger_id, events
-        self.every = ctx.cfg.state.checkpoint_every
+        self.every = checkpoint_every(ctx.cfg)
         self.stage_hook = stage_hook
         self.named: CheckpointRef | None = None  # what the chain's newest manifest names (or a newer one found)
         self._job: Future | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,19 +84,30 @@ def _delta(ctx: RunContext, m: Manifest, learner: str, seq: int, checksum: str, 
 def replay_merge(ctx: RunContext, prev: Manifest, m: Manifest, params: Tensors,
                  outer: OuterState | None) -> StepResult:
     """Merge m again on version prev's state (consumed: `params` becomes m's, `outer` is emptied) and check its
-    update against m's; ReplayMismatch when it differs, CorruptObject/StorageError when an input cannot be read."""
+    update against m's; ReplayMismatch when it differs, CorruptObject/StorageError when an input cannot be read.
+    The next delta is read, checked and decoded on a second thread while this one is folded (the same bits: the
+    fold's order is the recorded one)."""
     cfg = merge_config(ctx, m)
     layout = layout_of(ctx, params)
     stream = gradient_stream(layout, prev.version, cfg.outer, direct_names(ctx, layout), ctx.buffers)
     group: LearnerGroup | None = None
-    for d in m.merged():  # a learner's deltas are contiguous, in the merger's order
-        if group is not None and group.learner != d.learner:
-            stream.add(group)
-            group = None
-        header, delta = _delta(ctx, m, d.learner, d.seq, d.checksum, d.clip_scale)
-        group = group or LearnerGroup(d.learner)
-        group.add(d.seq, header, delta)
-        del header, delta
+    merged = m.merged()
+
+    def load(i: int):
+        d = merged[i]
+        return _delta(ctx, m, d.learner, d.seq, d.checksum, d.clip_scale)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-read") as pool:
+        ahead = pool.submit(load, 0) if merged else None
+        for i, d in enumerate(merged):  # a learner's deltas are contiguous, in the merger's order
+            header, delta = ahead.result()
+            ahead = pool.submit(load, i + 1) if i + 1 < len(merged) else None
+            if group is not None and group.learner != d.learner:
+                stream.add(group)
+                group = None
+            group = group or LearnerGroup(d.learner)
+            group.add(d.seq, header, delta)
+            del header, delta
     if group is not None:
         stream.add(group)
     finished = stream.finish()

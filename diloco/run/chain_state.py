@@ -11,6 +11,7 @@ read); StorageError passes through for the caller to retry; inputs are never mod
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 from diloco.run.checkpoint import read_start
 from diloco.run.context import RunContext
@@ -28,16 +29,29 @@ def _name(ctx: RunContext, version: int) -> str:
 def apply_updates(ctx: RunContext, glob: Tensors, first: int, last: int, store: Store | None = None,
                   last_manifest: Manifest | None = None) -> Manifest | None:
     """G += decode(update_j) for j = first..last, in place and in order; returns version last's manifest (None
-    when first > last). NotFound when an update is gone (retention removed it: start from a checkpoint)."""
+    when first > last). The next update is read, checked and decoded on a second thread while this one is added
+    (the adds stay in order: the same bits). NotFound when an update is gone (retention: start from a checkpoint)."""
     store = store or ctx.store
-    manifest = None
-    for v in range(first, last + 1):
-        manifest = last_manifest if last_manifest is not None and v == last_manifest.version else \
+
+    def fetch(v: int) -> tuple[Manifest, Tensors]:
+        m = last_manifest if last_manifest is not None and v == last_manifest.version else \
             read_manifest(store, ctx.keys, v)
-        _, update = read_committed(store, manifest.update_key, fingerprint=ctx.fingerprint,
-                                   checksum=manifest.update_checksum, what=f"{_name(ctx, v)}'s update")
+        return m, read_committed(store, m.update_key, fingerprint=ctx.fingerprint, checksum=m.update_checksum,
+                                 what=f"{_name(ctx, v)}'s update")[1]
+
+    if first > last:
+        return None
+    if first == last:  # the common case, a learner one version behind: no thread
+        manifest, update = fetch(first)
         add_(glob, update)
-        del update
+        return manifest
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="updates") as pool:
+        ahead = pool.submit(fetch, first)
+        for v in range(first, last + 1):
+            manifest, update = ahead.result()
+            ahead = pool.submit(fetch, v + 1) if v < last else None
+            add_(glob, update)
+            del update
     return manifest
 
 

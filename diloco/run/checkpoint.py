@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -143,19 +144,25 @@ def read_checkpoint(ctx: RunContext, ref: CheckpointRef, *, outer: bool = True) 
     wanted = {name for name in shapes if outer or name.startswith("params/")}
     out = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items() if name in wanted}
     filled = dict.fromkeys(out, 0)
-    for index, part in enumerate(record.parts):
-        if not any(name in wanted for name, _, _ in part.slices):
-            continue
-        _, got = read_committed(ctx.store, part.key, checksum=part.checksum, fingerprint=ctx.fingerprint,
-                                what=f"checkpoint {ref.key}'s part {index}")
-        names = [f"{name}[{start}:{stop}]" for name, start, stop in part.slices]
-        if list(got) != names:
-            raise CorruptObject(f"checkpoint {ref.key}'s part {index} holds {list(got)[:4]}, not {names[:4]}")
-        for (name, start, stop), value in zip(part.slices, got.values(), strict=True):
-            if name in out:
-                out[name].view(-1)[start:stop] = value.reshape(-1)
-                filled[name] += stop - start
-        del got
+    parts = [(i, part) for i, part in enumerate(record.parts) if any(name in wanted for name, _, _ in part.slices)]
+
+    def fetch(i: int, part: CheckpointPart) -> Tensors:
+        return read_committed(ctx.store, part.key, checksum=part.checksum, fingerprint=ctx.fingerprint,
+                              what=f"checkpoint {ref.key}'s part {i}")[1]
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-read") as pool:  # the next part ahead
+        ahead = pool.submit(fetch, *parts[0]) if parts else None
+        for n, (index, part) in enumerate(parts):
+            got = ahead.result()
+            ahead = pool.submit(fetch, *parts[n + 1]) if n + 1 < len(parts) else None
+            names = [f"{name}[{start}:{stop}]" for name, start, stop in part.slices]
+            if list(got) != names:
+                raise CorruptObject(f"checkpoint {ref.key}'s part {index} holds {list(got)[:4]}, not {names[:4]}")
+            for (name, start, stop), value in zip(part.slices, got.values(), strict=True):
+                if name in out:
+                    out[name].view(-1)[start:stop] = value.reshape(-1)
+                    filled[name] += stop - start
+            del got
     short = [n for n, count in filled.items() if count != out[n].numel()]
     if short:
         raise CorruptObject(f"checkpoint {ref.key}: its parts do not cover {short[:4]}")

@@ -15,11 +15,12 @@ from diloco.storage.wrapper import WrapperStore
 
 
 def object_kind(key: str) -> str:
-    """'delta', 'global' (params/update/outer), 'manifest', or 'other' (status, checkpoint, ...)."""
+    """'delta', 'global' (a version's state: update, a chain checkpoint's parts and JSON, params/outer objects of
+    runs before the log), 'manifest', or 'other' (status, a learner's checkpoint, ...)."""
     parts = key.split("/")
     if "deltas" in parts:
         return "delta"
-    if "global" in parts:
+    if "global" in parts or "checkpoints" in parts:
         return "global"
     if "versions" in parts:
         return "manifest"
