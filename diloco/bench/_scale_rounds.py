@@ -1,11 +1,12 @@
-"""The processes of one `diloco bench scale` row: the merger's rounds, a learner's rejoin, a merger's cold restart —
-each in a fresh spawned process on the file:// run the parent created (diloco/bench/scale.py).
+"""The processes of one `diloco bench scale` row: the merger's rounds, a learner's rejoin, a merger's cold
+restart — each in a fresh spawned process on the file:// run the parent created (diloco/bench/scale.py).
 
-Contract: every round's deltas are the same synthetic int4 deltas (one per fragment and learner, encoded once by the
-parent as templates) with the round's header (seq r, base version r), so the rows cost one encode, not one per
-round; a learner's deltas older than K rounds are deleted (the merges a restart replays are the last K - 1). The
-merger is the production path: one ShardMerger holding every owned chain's state, a checkpoint every K versions on
-its writer thread, which lands before the next round is timed (its time is `state_io_s`, per round).
+Contract: every round's deltas are the same synthetic int4 deltas (one per fragment and learner, encoded
+once by the parent as templates) with the round's header (seq r, base version r), so the rows cost one
+encode, not one per round; a learner's deltas older than K rounds are deleted (the merges a restart replays
+are the last K - 1). The merger is the production path: one ShardMerger holding every owned chain's state,
+a checkpoint every K versions on its writer thread, which lands before the next round is timed (its time is
+`state_io_s`, per round).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _chains(ctx) -> list:
 
 
 def publish_round(raw, ctx, r: int, keep_rounds: int) -> None:
-    """Round r's deltas (seq r on base version r) of every learner on every chain; those of round r - keep_rounds
-    deleted."""
+    """Round r's deltas (seq r on base version r) of every learner on every chain; those of round r -
+    keep_rounds deleted."""
     for index, chain in enumerate(_chains(ctx)):
         for name in ctx.learners:
             data = rehead(raw.get(template_key(index, name)), seq=r, base_version=r)
@@ -69,8 +70,9 @@ def _timed_writes(durations: list[float]) -> None:
 
 
 def rounds_child(storage: str, run_id: str, first: int, last: int, queue: Any) -> None:
-    """Rounds first..last (round r makes version r + 1) by one merger process: per round the merge time and the
-    growth of peak RSS over it; the bytes it wrote; the checkpoint writes' time; read + decode of the last round."""
+    """Rounds first..last (round r makes version r + 1) by one merger process: per round the merge time and
+    the growth of peak RSS over it; the bytes it wrote; the checkpoint writes' time; read + decode of the
+    last round."""
     from diloco.bench.scale import peak_rss_bytes, reset_peak_rss
     from diloco.merger.loop import ShardMerger
     from diloco.run.context import open_run
@@ -112,15 +114,16 @@ def rounds_child(storage: str, run_id: str, first: int, last: int, queue: Any) -
         for name in ctx.learners:
             decode_tensors(raw.get(chain.keys.delta(name, last)))
     read_decode_s = time.perf_counter() - t0
-    queue.put({"merge_s": merge_s, "peak_rss_bytes": peaks, "rss_high_bytes": highs, "read_decode_s": read_decode_s,
+    queue.put({"merge_s": merge_s, "peak_rss_bytes": peaks, "rss_high_bytes": highs,
+               "read_decode_s": read_decode_s,
                "sent_bytes": sum(counting.sent.values()), "sent": dict(counting.sent), "checkpoint_s": writes,
                "load_s": load_s, "replayed": replayed})
 
 
 def rejoin_child(storage: str, run_id: str, queue: Any) -> None:
-    """A learner from nothing at the newest version (its checkpoint and the updates after it, every chain: what
-    learner/resume.py reads), timed with the bytes it read; then today's full-params rejoin of the same version (one
-    fp32 params object per chain, written here first) for reference."""
+    """A learner from nothing at the newest version (its checkpoint and the updates after it, every chain:
+    what learner/resume.py reads), timed with the bytes it read; then today's full-params rejoin of the
+    same version (one fp32 params object per chain, written here first) for reference."""
     from diloco.learner.resume import read_params
     from diloco.run.context import open_run
     from diloco.run.objects import read_committed, write_state
@@ -142,7 +145,8 @@ def rejoin_child(storage: str, run_id: str, queue: Any) -> None:
     objects = []
     for index, (chain, params) in enumerate(zip(_chains(ctx), held, strict=True)):
         key = f"{chain.keys.global_prefix()}fullparams-{index}"
-        objects.append((key, write_state(counting.inner, key, params, kind="params", fingerprint=ctx.fingerprint)[1]))
+        _, checksum = write_state(counting.inner, key, params, kind="params", fingerprint=ctx.fingerprint)
+        objects.append((key, checksum))
     del held, params
     gc.collect()
     t0 = time.perf_counter()

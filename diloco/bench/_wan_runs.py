@@ -247,8 +247,8 @@ def _in_evaluators(ctx, held: HeldOut, fn, items: list) -> list:
 
 def _curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
     """Every version's held-out loss, evaluated after the run (its learners are gone) by EVAL_PROCS forked
-    processes, each a share of the versions (the same model, batches and bits as one process would use); a version's
-    parameters from its checkpoint and updates (read_run_version), at P = 1 as for fragments."""
+    processes, each a share of the versions (the same model, batches and bits as one process would use); a
+    version's parameters from its checkpoint and updates (read_run_version), at P = 1 as for fragments."""
     return _run_version_curve(ctx, held, t0)
 
 

@@ -1,8 +1,9 @@
-"""`diloco bandwidth`: the link speed between sites that keeps learners >= 95% busy, DP vs DiLoCo; and how fast
-the bucket grows (the log: an update a version, a checkpoint every K; against every version's full state).
+"""`diloco bandwidth`: the link speed between sites that keeps learners >= 95% busy, DP vs DiLoCo; and how
+fast the bucket grows (the log: an update a version, a checkpoint every K; against every version's full
+state).
 
-Contract: a closed-form traffic model (the one `bench quality` measures), no I/O but the optional
-JSON; codec sizes come from encoding a fixed synthetic delta with the real codec, a checkpoint's from encoding a
+Contract: a closed-form traffic model (the one `bench quality` measures), no I/O but the optional JSON;
+codec sizes come from encoding a fixed synthetic delta with the real codec, a checkpoint's from encoding a
 Gaussian fp32 tensor as a checkpoint part is encoded (shuffled, zstd).
 """
 
@@ -23,8 +24,8 @@ from diloco.storage.codec import CODECS, Encoder, encode
 
 FP32_BYTES = 4  # bytes per parameter of an uncompressed fp32 tensor
 _SAMPLE_PARAMS = 1 << 20  # a 1M-parameter Gaussian delta measures each codec's size (header included)
-STATE_TENSORS = 3  # a checkpoint's tensors per parameter: params, momentum, the update's residual (12 B/param raw)
-FORMAT1_STATE_BYTES = 12.0  # a version's state objects before the log: params (4) and outer state (8), raw fp32
+STATE_TENSORS = 3  # a checkpoint's tensors per parameter: params, momentum, the update's residual (12 B raw)
+FORMAT1_STATE_BYTES = 12.0  # a version's state objects before the log: params (4), outer state (8), raw fp32
 MANIFEST_BYTES = 5_000  # a manifest at 8 learners (docs/STORAGE.md: ~1.9 KB + ~380 B a decision)
 
 
@@ -49,9 +50,9 @@ def checkpoint_bytes_per_param() -> float:
 
 def bucket_growth(num_params: int, num_learners: int, versions_per_hour: float, codec: str, update_codec: str,
                   checkpoint_every: int | None = None) -> dict[str, Any]:
-    """Bytes a run stores a version and an hour (quorum = all: one delta per learner a version): the merger's side
-    (the update, the manifest, 1/K of a checkpoint) and the learners' deltas; and the same before the log (every
-    version's full state)."""
+    """Bytes a run stores a version and an hour (quorum = all: one delta per learner a version): the merger's
+    side (the update, the manifest, 1/K of a checkpoint) and the learners' deltas; and the same before the
+    log (every version's full state)."""
     k = checkpoint_every or CHECKPOINT_EVERY[update_codec]
     update = codec_bytes_per_param(update_codec) * num_params
     checkpoint = STATE_TENSORS * checkpoint_bytes_per_param() * num_params
@@ -59,11 +60,14 @@ def bucket_growth(num_params: int, num_learners: int, versions_per_hour: float, 
     deltas = num_learners * codec_bytes_per_param(codec) * num_params
     format1 = update + MANIFEST_BYTES + FORMAT1_STATE_BYTES * num_params
     return {"checkpoint_every": k, "checkpoint_bytes": checkpoint,
-            "bucket_merger_bytes_per_version": merger, "bucket_merger_bytes_per_param_per_version": merger / num_params,
-            "bucket_bytes_per_version": merger + deltas, "bucket_bytes_per_hour": (merger + deltas) * versions_per_hour,
+            "bucket_merger_bytes_per_version": merger,
+            "bucket_merger_bytes_per_param_per_version": merger / num_params,
+            "bucket_bytes_per_version": merger + deltas,
+            "bucket_bytes_per_hour": (merger + deltas) * versions_per_hour,
             "bucket_bytes_per_day": (merger + deltas) * versions_per_hour * 24,
             "bucket_format1_bytes_per_version": format1 + deltas,
-            "bucket_format1_bytes_per_hour": (format1 + deltas) * versions_per_hour, "versions_per_hour": versions_per_hour}
+            "bucket_format1_bytes_per_hour": (format1 + deltas) * versions_per_hour,
+            "versions_per_hour": versions_per_hour}
 
 
 def allreduce_bytes_per_step(num_params: int, num_learners: int, bytes_per_param: float = FP32_BYTES) -> float:
@@ -112,7 +116,8 @@ def bandwidth_model(num_params: int, step_time_s: float, num_learners: int, inne
     }
     out["reduction_overlapped"] = out["dp_gbps_overlapped"] / out["diloco_gbps_overlapped"]
     out["reduction_exposed"] = out["dp_gbps_exposed"] / out["diloco_gbps_overlapped"]
-    out.update(bucket_growth(num_params, num_learners, 3600.0 / phase_s, codec, update_codec, checkpoint_every))
+    out.update(bucket_growth(num_params, num_learners, 3600.0 / phase_s, codec, update_codec,
+                             checkpoint_every))
     return out
 
 
@@ -128,14 +133,16 @@ def _print(row: dict[str, Any]) -> None:
         f"{row['reduction_exposed']:.0f}x / {row['reduction_overlapped']:.0f}x",
     )  # fmt: skip
     Console().print(table)
-    growth = Table(title=f"bucket growth (a version per phase; a checkpoint every K = {row['checkpoint_every']} "
+    k = row["checkpoint_every"]
+    growth = Table(title=f"bucket growth (a version per phase; a checkpoint every K = {k} "
                          "versions; before the log: every version's full state)")
     for col in ("merger B/param/version", "stored per version", "per hour", "per day", "before: per version",
                 "before: per hour"):
         growth.add_column(col, justify="right")
-    growth.add_row(f"{row['bucket_merger_bytes_per_param_per_version']:.3f}", _size(row["bucket_bytes_per_version"]),
-                   _size(row["bucket_bytes_per_hour"]), _size(row["bucket_bytes_per_day"]),
-                   _size(row["bucket_format1_bytes_per_version"]), _size(row["bucket_format1_bytes_per_hour"]))
+    sizes = ("bytes_per_version", "bytes_per_hour", "bytes_per_day", "format1_bytes_per_version",
+             "format1_bytes_per_hour")
+    growth.add_row(f"{row['bucket_merger_bytes_per_param_per_version']:.3f}",
+                   *(_size(row[f"bucket_{k}"]) for k in sizes))
     Console().print(growth)
 
 

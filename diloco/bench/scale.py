@@ -1,15 +1,16 @@
-"""`diloco bench scale`: merge memory, merge time, bucket growth, a merger's restart, a learner's rejoin and peak
-upload against the number of fragments, at GPT-2 small's size (124M parameters), with M synthetic int4 deltas per
-fragment and round merged by the production merger: one process holding every chain's state, a checkpoint every K
-versions (`state.checkpoint_every`), over 3 K rounds.
+"""`diloco bench scale`: merge memory, merge time, bucket growth, a merger's restart, a learner's rejoin and
+peak upload against the number of fragments, at GPT-2 small's size (124M parameters), with M synthetic int4
+deltas per fragment and round merged by the production merger: one process holding every chain's state, a
+checkpoint every K versions (`state.checkpoint_every`), over 3 K rounds.
 
-Contract: each row runs its merger in fresh spawned processes on a file:// run the parent prepared (the VmHWM growth
-over a round is the merge's, not the state it holds): rounds 1..3K-1; then a learner rejoins from nothing at version
-3K - 1 (K - 1 versions past checkpoint 2K); then a merger starts cold there (checkpoint 2K + K - 1 replayed merges:
-`recovery_s`) and merges round 3K, whose checkpoint lands. The bytes are everything the merger side put in those 3K
-rounds; the upload figures come from the staggered schedule (fragment p due at step p*H/P) and the encoded sizes;
-prints a table, writes JSON. Each row also times, in the same process after its rounds, what the merge-time target
-is measured against (reading and decoding a round's deltas).
+Contract: each row runs its merger in fresh spawned processes on a file:// run the parent prepared (the
+VmHWM growth over a round is the merge's, not the state it holds): rounds 1..3K-1; then a learner rejoins
+from nothing at version 3K - 1 (K - 1 versions past checkpoint 2K); then a merger starts cold there
+(checkpoint 2K + K - 1 replayed merges: `recovery_s`) and merges round 3K, whose checkpoint lands. The
+bytes are everything the merger side put in those 3K rounds; the upload figures come from the staggered
+schedule (fragment p due at step p*H/P) and the encoded sizes; prints a table, writes JSON. Each row also
+times, in the same process after its rounds, what the merge-time target is measured against (reading and
+decoding a round's deltas).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ STEPS_PER_PHASE = 24  # the paper's H (= P at P = 24: one fragment out per step)
 DELTA_SCALE = 1e-3  # synthetic deltas: N(0, 1e-3), the size of an AdamW phase's movement at lr 3e-3
 
 
-def bench_config(size: str, num_learners: int, num_fragments: int, checkpoint_every: int | None = None) -> Config:
+def bench_config(size: str, num_learners: int, num_fragments: int,
+                 checkpoint_every: int | None = None) -> Config:
     return load_config("bench").with_overrides({"state.checkpoint_every": checkpoint_every,
         **SIZES[size], "run.num_learners": num_learners, "merger.quorum": num_learners, "merger.grace_cap_s": 0.0,
         "learner.codec": "int4", "inner.steps_per_phase": max(STEPS_PER_PHASE, num_fragments),
@@ -59,9 +61,9 @@ def _fragment_shapes(ctx) -> list[dict[str, list[int]]]:
 
 
 def _publish(cfg: Config, storage: str, run_id: str) -> tuple[list[int], list[int]]:
-    """Create the run and one int4 delta per (fragment, learner), one at a time (O(fragment) memory), kept as the
-    templates of every round's deltas (outside the run); returns (learner 0's encoded bytes per fragment, fp32 bytes
-    per fragment)."""
+    """Create the run and one int4 delta per (fragment, learner), one at a time (O(fragment) memory), kept as
+    the templates of every round's deltas (outside the run); returns (learner 0's encoded bytes per
+    fragment, fp32 bytes per fragment)."""
     from diloco.run.create import create_run
 
     ctx = create_run(open_store(storage), run_id, cfg)
@@ -137,7 +139,8 @@ def measure_row(size: str, num_learners: int, num_fragments: int,
             "_whole_bytes": sum(sizes), "read_decode_s": read_decode_s,
             "state_io_s": sum(first["checkpoint_s"] + last["checkpoint_s"]) / rounds,
             "merge_vs_read_decode": merge_s / read_decode_s,
-            "bucket_bytes_per_version": per_version, "bucket_bytes_per_param_per_version": per_version / params,
+            "bucket_bytes_per_version": per_version,
+            "bucket_bytes_per_param_per_version": per_version / params,
             "recovery_s": last["load_s"], "recovery_replayed": last["replayed"],
             "rejoin_s": rejoin["rejoin_s"], "rejoin_bytes": rejoin["rejoin_bytes"],
             "rejoin_full_params_s": rejoin["rejoin_full_params_s"],
@@ -164,7 +167,8 @@ def codec_speed(num_elements: int, repeats: int = 3) -> dict[str, float]:
 def _print(result: dict[str, Any]) -> None:
     rows = result["rows"]
     table = Table(title=f"bench scale: {result['model_params']:,} params, {result['learners']} learners, int4, "
-                        f"{rows[0]['rounds']} rounds merged by the production merger (K = {rows[0]['checkpoint_every']})")
+                        f"{rows[0]['rounds']} rounds merged by the production merger "
+                        f"(K = {rows[0]['checkpoint_every']})")
     for col in ("P", "largest frag MB", "merge peak RSS MB", "target MB", "merge s/round", "read+decode s",
                 "ckpt s/round", "publish MB", "peak upload vs P=1", "target"):
         table.add_column(col, justify="right")
@@ -174,16 +178,19 @@ def _print(result: dict[str, Any]) -> None:
                       f"{row['read_decode_s']:.2f}", f"{row['state_io_s']:.2f}", f"{row['publish_mb']:.2f}",
                       f"{row['peak_upload_ratio_vs_unfragmented']:.3f}", f"{1.4 / row['fragments']:.3f}")
     Console().print(table)
-    log = Table(title="the log: bucket growth, a merger's cold restart, a learner's rejoin (targets at 124M: <= 1.5 "
+    log = Table(title="the log: bucket growth, a merger's cold restart, a learner's rejoin (targets at 124M: "
+                      "<= 1.5 "
                       "B/param/version, <= 60 s, <= 2x the full-params rejoin)")
-    for col in ("P", "bucket MB/version", "B/param/version", "recovery s", "replayed", "rejoin s", "rejoin MB",
+    for col in ("P", "bucket MB/version", "B/param/version", "recovery s", "replayed", "rejoin s",
+                "rejoin MB",
                 "full-params rejoin s", "state held MB", "merger RSS MB"):
         log.add_column(col, justify="right")
     for row in rows:
         log.add_row(str(row["fragments"]), f"{row['bucket_bytes_per_version'] / 1e6:.1f}",
                     f"{row['bucket_bytes_per_param_per_version']:.3f}", f"{row['recovery_s']:.1f}",
-                    str(row["recovery_replayed"]), f"{row['rejoin_s']:.2f}", f"{row['rejoin_bytes'] / 1e6:.0f}",
-                    f"{row['rejoin_full_params_s']:.2f}", f"{row['state_held_mb']:.0f}", f"{row['merger_rss_mb']:.0f}")
+                    str(row["recovery_replayed"]), f"{row['rejoin_s']:.2f}",
+                    f"{row['rejoin_bytes'] / 1e6:.0f}", f"{row['rejoin_full_params_s']:.2f}",
+                    f"{row['state_held_mb']:.0f}", f"{row['merger_rss_mb']:.0f}")
     Console().print(log)
     codec = result["codec"]["int4"]
     Console().print(f"int4 codec: encode {codec['encode_mb_s']:.0f} MB/s, decode {codec['decode_mb_s']:.0f} MB/s")
@@ -205,8 +212,10 @@ def bench_scale(json_path: Path | None = None, params: str = "124m", learners: i
     for count in counts:
         rows.append(measure_row(size, learners, count, checkpoint_every))
         row = rows[-1]
-        print(f"  P={count}: merge {row['merge_s_per_round']:.2f}s, peak RSS +{row['merge_peak_rss_mb']:.0f} MB, "
-              f"{row['bucket_bytes_per_param_per_version']:.2f} B/param/version, recovery {row['recovery_s']:.1f}s, "
+        print(f"  P={count}: merge {row['merge_s_per_round']:.2f}s, "
+              f"peak RSS +{row['merge_peak_rss_mb']:.0f} MB, "
+              f"{row['bucket_bytes_per_param_per_version']:.2f} B/param/version, "
+              f"recovery {row['recovery_s']:.1f}s, "
               f"rejoin {row['rejoin_s']:.1f}s", file=sys.stderr)
     whole = next((r["_whole_bytes"] for r in rows if r["fragments"] == 1), None)
     params_count = rows[0]["_params"]

@@ -40,8 +40,8 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
                           if report.deltas_ignored else ""))
             if any(report.history_from):
                 typer.echo(f"  note: gc's retention kept the history from version {min(report.history_from)} "
-                           f"(per chain: {report.history_from}); the versions before it are not replayed, the "
-                           "kept ones are, from the checkpoint there")
+                           f"(per chain: {report.history_from}); the versions before it are not replayed, "
+                           "the kept ones are, from the checkpoint there")
             for p in report.problems:
                 typer.echo(f"  - {p}")
             if report.run_json.startswith("not"):
@@ -54,13 +54,14 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
 def gc(storage: str = STORAGE, run_id: str = RUN_ID,
        min_age_s: float = typer.Option(600.0, "--min-age-s", min=0, help="Only orphans older than this."),
        keep_versions: int | None = typer.Option(
-           None, "--keep-versions", min=1, help="Retention: keep the newest N versions rebuildable; remove the "
-           "checkpoints, updates and deltas only older versions need (off by default)."),
+           None, "--keep-versions", min=1, help="Retention: keep the newest N versions rebuildable; remove "
+           "the checkpoints, updates and deltas only older versions need (off by default)."),
        before: int | None = typer.Option(
            None, "--before", min=0, help="Retention: remove what only versions before V need."),
        dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted.")) -> None:
-    """Delete orphans (objects no manifest names, left by crashed merges); with --keep-versions or --before, also
-    the history no kept version needs (recorded in each chain's retention.json: audit then covers what is kept)."""
+    """Delete orphans (objects no manifest names, left by crashed merges); with --keep-versions or --before,
+    also the history no kept version needs (recorded in each chain's retention.json: audit then covers what
+    is kept)."""
     with user_errors():
         from diloco.inspect.gc import collect_orphans, retain
         from diloco.run.context import open_run

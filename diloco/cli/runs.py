@@ -48,8 +48,8 @@ def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
             versions = f"{r['version']}/{r['target']}"
             if r.get("token_budget"):  # a token budget ends the run: the version, and the share of the budget merged
                 versions = f"{r['version']} ({100.0 * r['tokens'] / r['token_budget']:.0f}%)"
-            table.add_row(r["run_id"], r["state"], versions, loss, str(r["num_learners"]), _bytes(r["bucket_bytes"]),
-                          _age(time.time() - r["created_at"]))
+            table.add_row(r["run_id"], r["state"], versions, loss, str(r["num_learners"]),
+                          _bytes(r["bucket_bytes"]), _age(time.time() - r["created_at"]))
         Console().print(table)
 
 

@@ -146,8 +146,9 @@ class LearnerConfig(_Strict):
     shuffle: bool = True  # byte-shuffle before lz4: a little more compression
     mode: Literal["carry", "overwrite", "sync"] = "carry"
     probe_every_steps: int = Field(10, ge=1)  # a cheap HEAD for version b+1 this often
-    # further behind: a checkpoint and the updates after it, not the updates from its base. ~K (state.checkpoint_every)
-    # at int4: 10 updates (4.3 B/param) cost about a checkpoint (3.4) and the updates after it (docs/bench/scale.md)
+    # further behind: a checkpoint and the updates after it, not the updates from its base. ~K
+    # (state.checkpoint_every) at int4: 10 updates (4.3 B/param) cost about a checkpoint (3.4) and the updates
+    # after it (docs/bench/scale.md)
     max_updates_behind: int = Field(10, ge=1)
     # back-pressure: with this many of its own deltas shipped and not yet decided by the newest version it installed,
     # a learner trains on and ships their progress with a later delta (one delta; a merger that cannot keep up gets
@@ -200,19 +201,22 @@ class FragmentsConfig(_Strict):
 
 
 class StateConfig(_Strict):
-    """How a chain's state is stored (docs/STORAGE.md, "The log and its checkpoints"): every version writes its
-    manifest and its compact update (the log); the full state (params + outer state, 12 B/param) only every
-    `checkpoint_every` versions, in the background, by the merger that owns the chain and holds it in memory."""
+    """How a chain's state is stored (docs/STORAGE.md, "The log and its checkpoints"): every version writes
+    its manifest and its compact update (the log); the full state (params + outer state, 12 B/param) only
+    every `checkpoint_every` versions, in the background, by the merger that owns the chain and holds it in
+    memory."""
 
-    # K, a checkpoint every K versions. None (the default): from the update codec, K = round(1 + 4 / u), u its bytes
-    # per parameter (CHECKPOINT_EVERY: int4 10, fp32 2). Reading a checkpoint costs ~4 B/param (its params), each
-    # update u: at this K a rejoin reads at most ~2 params objects' bytes and a version adds ~u + 10/K B/param to
-    # the bucket (12 B/param of state, zstd-packed) — 1.4 instead of 12.4 at int4 (docs/bench/scale.md: measured)
+    # K, a checkpoint every K versions. None (the default): from the update codec, K = round(1 + 4 / u), u its
+    # bytes per parameter (CHECKPOINT_EVERY: int4 10, fp32 2). Reading a checkpoint costs ~4 B/param (its
+    # params), each update u: at this K a rejoin reads at most ~2 params objects' bytes and a version adds ~u
+    # + 10/K B/param to the bucket (12 B/param of state, zstd-packed) — 1.4 instead of 12.4 at int4
+    # (docs/bench/scale.md: measured)
     checkpoint_every: int | None = Field(None, ge=1, le=100_000)
 
 
-# bytes per parameter of a Gaussian update in each codec (`diloco bandwidth`'s codec_bytes_per_param, 2026-12-06) and
-# the checkpoint interval it gives, round(1 + 4 / u): a fixed table, so every process of a run derives the same K
+# bytes per parameter of a Gaussian update in each codec (`diloco bandwidth`'s codec_bytes_per_param,
+# 2026-12-06) and the checkpoint interval it gives, round(1 + 4 / u): a fixed table, so every process of a run
+# derives the same K
 CHECKPOINT_EVERY = {"fp32": 2, "bf16": 3, "int8": 5, "int4": 10, "int3": 16, "int2": 20, "nf2": 17}
 
 

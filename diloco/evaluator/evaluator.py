@@ -1,8 +1,9 @@
 """The evaluator: the held-out loss of committed versions, written to evals/<version>.json.
 
 Contract: version 0 first, then the newest version on the eval cadence, and the final version at the end;
-storage trouble skips an evaluation (it is tried again), never ends the loop. It follows each chain's updates from
-the version it last evaluated (a checkpoint only when far behind): u bytes a version, not a params read.
+storage trouble skips an evaluation (it is tried again), never ends the loop. It follows each chain's
+updates from the version it last evaluated (a checkpoint only when far behind): u bytes a version, not a
+params read.
 """
 
 from __future__ import annotations

@@ -42,8 +42,9 @@ class AuditReport:
     problems: list[str] = field(default_factory=list)
     fragment_versions: list[int] = field(default_factory=list)  # a fragmented run: versions per fragment chain
     run_json: str = ""  # run.json against version 0's pin (diloco.run.pin)
-    # the log (docs/STORAGE.md): merges replayed, stored states (checkpoints, schema-1 objects) found equal to the
-    # replay, complete checkpoints that are no committed version's state; where the kept history starts (gc's
+    # the log (docs/STORAGE.md): merges replayed, stored states (checkpoints, schema-1 objects) found equal to
+    # the replay, complete checkpoints that are no committed version's state; where the kept history starts
+    # (gc's
     # retention: the oldest version whose state is kept, per chain; 0 = all of it)
     versions_replayed: int = 0
     checkpoints_compared: int = 0
@@ -75,7 +76,8 @@ class AuditReport:
                 "decisions_unreplayable": self.decisions_unreplayable, "signatures_verified": self.signatures_verified,
                 "controls_applied": self.controls_applied, "replay_ok": self.replay_ok, "problems": self.problems,
                 "run_json": self.run_json, "versions_replayed": self.versions_replayed,
-                "checkpoints_compared": self.checkpoints_compared, "checkpoints_unnamed": self.checkpoints_unnamed,
+                "checkpoints_compared": self.checkpoints_compared,
+                "checkpoints_unnamed": self.checkpoints_unnamed,
                 "history_from": self.history_from,
                 **({"fragment_versions": self.fragment_versions} if self.fragment_versions else {})}
 
@@ -99,8 +101,8 @@ def load_chain(ctx: RunContext, report: AuditReport) -> list[Manifest]:
 
 
 def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport, start: int = 0) -> None:
-    """At-most-once, cursors, every delta decided; a merged delta's object against its checksum (of the versions
-    after `start`: retention removed those merged at or before it)."""
+    """At-most-once, cursors, every delta decided; a merged delta's object against its checksum (of the
+    versions after `start`: retention removed those merged at or before it)."""
     decided: dict[tuple[str, int], int] = {}
     ranges: dict[str, list[tuple[int, int]]] = {}  # learner -> (first, last) of each range one decision decided
     cursors: dict[str, int] = {}
@@ -122,7 +124,8 @@ def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport,
                 if d.seq <= cursors.get(d.learner, -1):
                     report.problem(f"delta {d.learner}/{d.seq} merged at or below the cursor in version {m.version}")
                 if m.version > start:
-                    check_object(ctx, ctx.keys.delta(d.learner, d.seq), d.checksum, f"version {m.version}", report)
+                    key = ctx.keys.delta(d.learner, d.seq)
+                    check_object(ctx, key, d.checksum, f"version {m.version}", report)
             elif d.status == "rejected":
                 report.deltas_rejected += 1
                 if not d.reason:
@@ -168,9 +171,9 @@ def _legacy_stream(ctx: RunContext, prev: Manifest, m: Manifest, params):
 
 def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport, keyring=None, start: int = 0,
            checkpoints: dict | None = None) -> None:
-    """Recompute every version after `start` from the state replayed so far (from the checkpoint at `start`), the
-    parent's guard state, the recorded control ops and the stored deltas: the decisions, the outlier statistics,
-    the guard state and the bits — and the stored states (checkpoints) against the replay."""
+    """Recompute every version after `start` from the state replayed so far (from the checkpoint at `start`),
+    the parent's guard state, the recorded control ops and the stored deltas: the decisions, the outlier
+    statistics, the guard state and the bits — and the stored states (checkpoints) against the replay."""
     def step_inputs(prev: Manifest, m: Manifest, params):
         if m.guard is None:
             return _legacy_stream(ctx, prev, m, params)
@@ -223,14 +226,15 @@ def audit_run(ctx: RunContext, do_replay: bool = True, keyring: dict[str, list[b
 
 def audit_chain(ctx: RunContext, report: AuditReport, do_replay: bool = True,
                 keyring: dict[str, list[bytes]] | None = None) -> None:
-    """Every check on one chain (`ctx`: its context, run/fragments.fragment_context), into `report`: of the history
-    the chain keeps (from a retention record's `oldest`, gc's; from version 0 without one)."""
+    """Every check on one chain (`ctx`: its context, run/fragments.fragment_context), into `report`: of the
+    history the chain keeps (from a retention record's `oldest`, gc's; from version 0 without one)."""
     chain = load_chain(ctx, report)
     kept = read_retention(ctx, report)
     start = kept.oldest if kept is not None else 0
     report.history_from = [start]
     if kept is not None:
-        check_object(ctx, kept.checkpoint_key, kept.checkpoint_checksum, "the retention record's checkpoint", report)
+        what = "the retention record's checkpoint"
+        check_object(ctx, kept.checkpoint_key, kept.checkpoint_checksum, what, report)
     checkpoints = check_state_objects(ctx, chain, start, report)
     check_decisions(ctx, chain, report, start)
     check_controls(ctx, chain, report)

@@ -1,11 +1,12 @@
-"""The audit of a chain's state objects and of its replay: every checkpoint and update the chain keeps matches its
-checksums, the manifests name checkpoints by the log's invariants, and the replay of every merge from the oldest
-kept checkpoint reproduces every committed update — and, at every checkpoint, the params and outer state — bit for
-bit (docs/STORAGE.md, "Invariants").
+"""The audit of a chain's state objects and of its replay: every checkpoint and update the chain keeps matches
+its checksums, the manifests name checkpoints by the log's invariants, and the replay of every merge from
+the oldest kept checkpoint reproduces every committed update — and, at every checkpoint, the params and
+outer state — bit for bit (docs/STORAGE.md, "Invariants").
 
-Contract: read-only; problems go to the report (diloco.inspect.audit.AuditReport). The history before a retention
-record's `oldest` (`diloco gc --keep-versions`) is not checked: its objects may be gone; the record says where the
-kept history starts, and the replay starts at the checkpoint it names (checked against its recorded checksum).
+Contract: read-only; problems go to the report (diloco.inspect.audit.AuditReport). The history before a
+retention record's `oldest` (`diloco gc --keep-versions`) is not checked: its objects may be gone; the
+record says where the kept history starts, and the replay starts at the checkpoint it names (checked
+against its recorded checksum).
 """
 
 from __future__ import annotations
@@ -65,21 +66,24 @@ def _check_checkpoint(ctx: RunContext, ref: CheckpointRef, report: Any) -> bool:
         return False
     ok = record.version == ref.version and record.fingerprint == ctx.fingerprint
     if not ok:
-        report.problem(f"checkpoint {ref.key} says version {record.version}, fingerprint {record.fingerprint}")
+        report.problem(f"checkpoint {ref.key} says version {record.version}, "
+                       f"fingerprint {record.fingerprint}")
     for index, part in enumerate(record.parts):
-        ok = check_object(ctx, part.key, part.checksum, f"checkpoint {ref.version} part {index}", report) is not None \
-            and ok
+        what = f"checkpoint {ref.version} part {index}"
+        ok = check_object(ctx, part.key, part.checksum, what, report) is not None and ok
     return ok
 
 
-def listed_checkpoints(ctx: RunContext, chain: list[Manifest], start: int, report: Any) -> dict[int, CheckpointRef]:
-    """Every complete checkpoint of the chain at or after `start` (named by a manifest, or found by listing: one
-    that landed after the newest commit, or was never named), checked; version -> its reference."""
+def listed_checkpoints(ctx: RunContext, chain: list[Manifest], start: int,
+                       report: Any) -> dict[int, CheckpointRef]:
+    """Every complete checkpoint of the chain at or after `start` (named by a manifest, or found by listing:
+    one that landed after the newest commit, or was never named), checked; version -> its reference."""
     by_version = {m.version: m for m in chain}
     found: dict[int, CheckpointRef] = {}
     for key in ctx.store.list(ctx.keys.checkpoints_prefix()):
         parsed = parse_checkpoint_key(key)
-        if parsed is None or parsed[2] != "checkpoint.json" or parsed[0] < start or parsed[0] not in by_version:
+        if parsed is None or parsed[2] != "checkpoint.json" or not start <= parsed[0] or \
+                parsed[0] not in by_version:
             continue
         try:
             data = ctx.store.get(key)
@@ -90,17 +94,18 @@ def listed_checkpoints(ctx: RunContext, chain: list[Manifest], start: int, repor
         ref = CheckpointRef(version=parsed[0], key=key, checksum=object_checksum(data))
         named = any(m.checkpoint == ref for m in chain)
         if not named and record.manifest_checksum != manifest_checksum(ctx, parsed[0]):
-            report.checkpoints_unnamed += 1  # not the state of a committed version (a writer's leftover): unused
+            report.checkpoints_unnamed += 1  # no committed version's state (a writer's leftover): unused
             continue
         if _check_checkpoint(ctx, ref, report):
             found[ref.version] = ref
     return found
 
 
-def check_state_objects(ctx: RunContext, chain: list[Manifest], start: int, report: Any) -> dict[int, CheckpointRef]:
-    """Updates, schema-1 state objects and buffers of the kept history; every manifest's checkpoint reference by the
-    invariants (at or before its version, never older than its parent's, at most K_MAX_FACTOR x K behind); returns
-    the checked checkpoints by version."""
+def check_state_objects(ctx: RunContext, chain: list[Manifest], start: int,
+                        report: Any) -> dict[int, CheckpointRef]:
+    """Updates, schema-1 state objects and buffers of the kept history; every manifest's checkpoint reference
+    by the invariants (at or before its version, never older than its parent's, at most K_MAX_FACTOR x K
+    behind); returns the checked checkpoints by version."""
     checkpoints = listed_checkpoints(ctx, chain, start, report)
     every, named = checkpoint_every(ctx.cfg), -1
     for m in chain:
@@ -113,13 +118,14 @@ def check_state_objects(ctx: RunContext, chain: list[Manifest], start: int, repo
         if m.buffers_key:
             check_object(ctx, m.buffers_key, m.buffers_checksum, f"version {m.version} buffers", report)
         elif ctx.buffers:
-            report.problem(f"version {m.version}: no buffers object, where the run merges {len(ctx.buffers)} buffers")
+            report.problem(f"version {m.version}: no buffers object, where the run merges "
+                           f"{len(ctx.buffers)} buffers")
         ref = m.checkpoint
         if ref is None:
             continue
         if not named <= ref.version <= m.version:
-            report.problem(f"version {m.version} names checkpoint {ref.version}: not between its parent's ({named}) "
-                           "and itself")
+            report.problem(f"version {m.version} names checkpoint {ref.version}: not between its parent's "
+                           f"({named}) and itself")
         elif m.version - ref.version > K_MAX_FACTOR * every and named >= 0:
             report.problem(f"version {m.version} names checkpoint {ref.version}: more than {K_MAX_FACTOR} x "
                            f"state.checkpoint_every ({every}) behind")
@@ -170,10 +176,10 @@ def start_state(ctx: RunContext, m: Manifest, checkpoints: dict[int, CheckpointR
 
 def replay_chain(ctx: RunContext, chain: list[Manifest], start: int, checkpoints: dict[int, CheckpointRef],
                  report: Any, step_inputs: Callable) -> Iterator[tuple[Manifest, Manifest, Any]]:
-    """Every merge from `start` on, re-judged (`step_inputs(prev, m, params)`: the stream and config, audit_trust's)
-    and stepped on the replayed state; each update against the committed one, each stored state against the replay;
-    yields (parent, manifest, merged buffers) of every version replayed. After a difference the replay goes on from
-    the next version that stores its state."""
+    """Every merge from `start` on, re-judged (`step_inputs(prev, m, params)`: the stream and config,
+    audit_trust's) and stepped on the replayed state; each update against the committed one, each stored
+    state against the replay; yields (parent, manifest, merged buffers) of every version replayed. After a
+    difference the replay goes on from the next version that stores its state."""
     state: ChainState | None = None
     for index in range(start, len(chain)):
         m = chain[index]

@@ -80,13 +80,15 @@ def fork_config(parent: RunContext, m: Manifest, cfg: Config | None) -> Config:
     return cfg
 
 
-def _chain_version_zero(theirs: RunContext, m: Manifest, chain: RunContext, buffers: bool) -> tuple[dict, Tensors]:
-    """One chain's state at V (recovered from the parent's log: its checkpoint and the merges after it, replayed and
-    checked) as version 0's checkpoint of the same chain of the fork, and its buffers object copied when the fork
-    merges them; (the version-0 manifest's fields, the params)."""
+def _chain_version_zero(theirs: RunContext, m: Manifest, chain: RunContext,
+                        buffers: bool) -> tuple[dict, Tensors]:
+    """One chain's state at V (recovered from the parent's log: its checkpoint and the merges after it,
+    replayed and checked) as version 0's checkpoint of the same chain of the fork, and its buffers object
+    copied when the fork merges them; (the version-0 manifest's fields, the params)."""
     state = recover(theirs, m, newest=False)
-    fields: dict = {"checkpoint": write_checkpoint(chain, 0, state.params, state.outer, ema={}, manifest_checksum="",
-                                                   created_by="fork")}
+    ref = write_checkpoint(chain, 0, state.params, state.outer, ema={}, manifest_checksum="",
+                           created_by="fork")
+    fields: dict = {"checkpoint": ref}
     if buffers:
         nonce = new_nonce()
         fields.update(buffers_key=chain.keys.buffers(0, nonce), buffers_checksum=m.buffers_checksum)
@@ -126,7 +128,8 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
     # the parent's buffers at V, when it merges them and the fork does too (outer.buffers "mean")
     merges_buffers = bool(parent.buffers and m.buffers_key and cfg.outer.buffers == "mean")
     fork_ctx = RunContext(store, keys, cfg, parent.fingerprint, learners, layout=list(parent.layout),
-                          fragments=list(parent.fragments), buffers=list(parent.buffers) if merges_buffers else [])
+                          fragments=list(parent.fragments),
+                          buffers=list(parent.buffers) if merges_buffers else [])
     theirs, chains = chain_contexts(parent), chain_contexts(fork_ctx)
     whole = {e["name"]: torch.zeros(e["shape"], dtype=torch.float32) for e in parent.layout} if parent.fragments else None
     objects = []
@@ -162,15 +165,17 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
                                      tokens_total=provenance["tokens_total"], guard=guard, controls=[entry], **root))
     for chain, head, fields in zip(chains, heads, objects, strict=True):
         guard = GuardState(members=sorted(learners), norms=list(head.guard.norms) if head.guard else [], ops_cursor=op)
-        commit(store, chain.keys, Manifest(run_id=new_run_id, version=0, created_at=time.time(), merger_id="fork",
-                                           tokens_total=head.tokens_total, guard=guard, controls=[entry], **fields))
+        commit(store, chain.keys, Manifest(run_id=new_run_id, version=0, created_at=time.time(),
+                                           merger_id="fork", tokens_total=head.tokens_total, guard=guard,
+                                           controls=[entry], **fields))
     return ctx
 
 
 def fork(storage: str | Store, run_id: str, at_version: int, new_run_id: str, *, config: str | None = None,
          overrides: dict[str, Any] | None = None, by: str | None = None) -> RunContext:
-    """A new run whose version 0 is `run_id`'s version `at_version`; the parent is untouched. `config` (a recipe name
-    or a YAML path) and `overrides`: the fork's config instead of the parent's (the same model and fragments)."""
+    """A new run whose version 0 is `run_id`'s version `at_version`; the parent is untouched. `config` (a
+    recipe name or a YAML path) and `overrides`: the fork's config instead of the parent's (the same model
+    and fragments)."""
     cfg = None
     if config is not None or overrides:
         if config is None:

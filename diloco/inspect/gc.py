@@ -1,13 +1,14 @@
 """Garbage collection of a run's chains: orphans (always), and retention (`diloco gc --keep-versions N` or
 `--before V`, off by default) — what no kept version needs any more (docs/STORAGE.md, "Retention").
 
-Contract: orphans are objects no manifest names — under global/ (a crashed merge's or a race loser's update), and
-checkpoint folders that are neither complete nor the state of a committed version (a writer killed mid-part) —
-older than `min_age_s`, so a live merger's objects for the version it is about to commit (or a checkpoint it is
-writing) are never taken. Retention keeps the history from the checkpoint the oldest kept version names (every
-checkpoint, update and merged delta after it; every manifest), so the newest checkpoint's chain and every kept
-version's rebuild are never broken; it writes the chain's retention record (where the kept history starts) before it
-deletes anything, so `audit` covers what is kept, and a gc stopped half-way leaves only less to delete.
+Contract: orphans are objects no manifest names — under global/ (a crashed merge's or a race loser's
+update), and checkpoint folders that are neither complete nor the state of a committed version (a writer
+killed mid-part) — older than `min_age_s`, so a live merger's objects for the version it is about to commit
+(or a checkpoint it is writing) are never taken. Retention keeps the history from the checkpoint the oldest
+kept version names (every checkpoint, update and merged delta after it; every manifest), so the newest
+checkpoint's chain and every kept version's rebuild are never broken; it writes the chain's retention
+record (where the kept history starts) before it deletes anything, so `audit` covers what is kept, and a gc
+stopped half-way leaves only less to delete.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _referenced(ctx: RunContext, chain: list[Manifest]) -> set[str]:
 
 
 def _complete_checkpoints(ctx: RunContext, keys: list[str], referenced: set[str]) -> set[str]:
-    """The folders of the chain's checkpoints that are named, or complete and the state of a committed version."""
+    """The folders of the chain's checkpoints that are named, or complete and the state of a committed
+    version."""
     kept = set()
     for key in keys:
         parsed = parse_checkpoint_key(key)
@@ -100,10 +102,10 @@ def _collect_chain(ctx: RunContext, report: GcReport, min_age_s: float, dry_run:
     return report
 
 
-def retain(ctx: RunContext, *, keep_versions: int | None = None, before: int | None = None, dry_run: bool = False,
-           by: str | None = None) -> GcReport:
-    """Retention on every chain of the run: keep the newest `keep_versions` versions (or every version from `before`
-    on) rebuildable, and remove what only older ones need. ValueError for a bad bound."""
+def retain(ctx: RunContext, *, keep_versions: int | None = None, before: int | None = None,
+           dry_run: bool = False, by: str | None = None) -> GcReport:
+    """Retention on every chain of the run: keep the newest `keep_versions` versions (or every version from
+    `before` on) rebuildable, and remove what only older ones need. ValueError for a bad bound."""
     if (keep_versions is None) == (before is None):
         raise ValueError("retention needs exactly one of --keep-versions N (>= 1) or --before V (>= 0)")
     if (keep_versions is not None and keep_versions < 1) or (before is not None and before < 0):
@@ -114,8 +116,8 @@ def retain(ctx: RunContext, *, keep_versions: int | None = None, before: int | N
     return report
 
 
-def _retain_chain(ctx: RunContext, report: GcReport, keep_versions: int | None, before: int | None, dry_run: bool,
-                  by: str) -> None:
+def _retain_chain(ctx: RunContext, report: GcReport, keep_versions: int | None, before: int | None,
+                  dry_run: bool, by: str) -> None:
     chain = manifests(ctx)
     if not chain:
         return
@@ -138,20 +140,21 @@ def _retain_chain(ctx: RunContext, report: GcReport, keep_versions: int | None, 
     if dry_run:
         return
     ref = chain[first_kept].checkpoint if not chain[first_kept].params_key else None  # the one at `oldest`
+    removed = sum(sizes[k] for k in gone)
     record = RetentionRecord(oldest=oldest, checkpoint_key=ref.key if ref else chain[oldest].params_key,
                              checkpoint_checksum=ref.checksum if ref else chain[oldest].params_checksum,
                              t=time.time(), by=by,
                              removed_objects=(previous.removed_objects if previous else 0) + len(gone),
-                             removed_bytes=(previous.removed_bytes if previous else 0) + sum(sizes[k] for k in gone))
-    write_record(ctx.store, ctx.keys.retention(), record)  # first: audit starts there even if gc stops half-way
+                             removed_bytes=(previous.removed_bytes if previous else 0) + removed)
+    write_record(ctx.store, ctx.keys.retention(), record)  # first: audit starts there if gc stops half-way
     for key in gone:
         ctx.store.delete(key)
         report.deleted.append(key)
 
 
 def _doomed(ctx: RunContext, chain: list[Manifest], oldest: int) -> list[str]:
-    """What no version from `oldest` on needs: checkpoints before it, updates and per-version objects at or before it
-    (its own state is its checkpoint's), and the deltas (and signatures) decided at or before it."""
+    """What no version from `oldest` on needs: checkpoints before it, updates and per-version objects at or
+    before it (its own state is its checkpoint's), and the deltas (and signatures) decided at or before it."""
     out = []
     for key in ctx.store.list(ctx.keys.checkpoints_prefix()):
         parsed = parse_checkpoint_key(key)
@@ -159,9 +162,9 @@ def _doomed(ctx: RunContext, chain: list[Manifest], oldest: int) -> list[str]:
             out.append(key)
     decided: dict[str, list[tuple[int, int]]] = {}  # learner -> (first, last) seqs of each decision
     for m in chain[:oldest + 1]:
-        own = m.version == oldest  # version oldest's own objects stay (its state: a schema-1 version's; its buffers)
+        own = m.version == oldest  # version oldest's own objects stay (a schema-1 version's state; buffers)
         out += [k for k in (m.params_key, m.outer_key, m.buffers_key) if k and not own]
-        out += [m.update_key] if m.update_key else []  # every reader from `oldest` on starts at its checkpoint
+        out += [m.update_key] if m.update_key else []  # every reader from `oldest` on starts at a checkpoint
         for d in m.decisions:
             decided.setdefault(d.learner, []).append((d.seq, d.last_seq))
     for key in ctx.store.list(ctx.keys.deltas_prefix()):

@@ -43,7 +43,8 @@ def version_params(ctx: RunContext, version: int | None = None) -> tuple[int, Te
         params, _, _ = read_run_version(ctx, version)
     except NotFound as err:
         if "retention" in str(err):
-            raise RunError(f"run {ctx.run_id!r}: {what} {version} was removed by gc's retention; {err}") from None
+            raise RunError(f"run {ctx.run_id!r}: {what} {version} was removed by gc's retention; "
+                           f"{err}") from None
         raise RunError(f"run {ctx.run_id!r} has no committed {what} {version}") from None
     return version, params
 

@@ -1,5 +1,5 @@
-"""Every run in a storage URL, with where it stands: id, state, versions, last held-out loss, learners, and the bytes
-it holds in the bucket (one listing with sizes per run).
+"""Every run in a storage URL, with where it stands: id, state, versions, last held-out loss, learners, and
+the bytes it holds in the bucket (one listing with sizes per run).
 
 Contract: read-only; a run is a top-level folder with a run.json; one that cannot be read is listed with
 its problem rather than dropped.
@@ -22,7 +22,7 @@ def run_ids(store: Store) -> list[str]:
 
 
 def bucket_bytes(store: Store, run_id: str) -> int:
-    """Every byte the run holds in the bucket: one listing of its keys with their sizes (no HEAD per object)."""
+    """Every byte the run holds in the bucket: one listing of its keys with their sizes (no HEAD per key)."""
     return sum(store.sizes(f"{run_id}/").values())
 
 
@@ -41,5 +41,6 @@ def list_runs(store: Store) -> list[dict[str, Any]]:
                      "target": state.target, "tokens": state.tokens, "token_budget": state.budget,
                      "last_eval_loss": last["loss"] if last else None,
                      "last_eval_version": last["version"] if last else None, "num_learners": len(ctx.learners),
-                     "created_at": ctx.created_at, "recipe": ctx.cfg.name, "bucket_bytes": bucket_bytes(store, run_id)})
+                     "created_at": ctx.created_at, "recipe": ctx.cfg.name,
+                     "bucket_bytes": bucket_bytes(store, run_id)})
     return rows

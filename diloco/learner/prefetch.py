@@ -1,13 +1,13 @@
-"""Fetching a newer global: the compact updates (or the full params when far behind), on the training
-thread (`fetch_global`) or ahead of it in a background thread (`Prefetcher`, `learner.prefetch`).
+"""Fetching a newer global: the compact updates (or the full params when far behind), on the training thread
+(`fetch_global`) or ahead of it in a background thread (`Prefetcher`, `learner.prefetch`).
 
 Contract: fetch_global(base, glob, version) returns G_version with the exact bits every learner and the
-merger hold (G_v = G_{v-1} + decode(update_v); far behind: a checkpoint plus the updates after it); inputs are not
-modified. A Prefetcher polls for version
-base+1, fetches everything up to the newest version and hands it over with `take()` — the training
-thread installs without a single request to the bucket; storage trouble is logged and retried on the
-next poll, never raised; a corrupt committed object (CorruptObject) ends the thread and is raised by the next
-`take()`, on the training thread; `rebase` follows an install made another way (a sync wait, a resume).
+merger hold (G_v = G_{v-1} + decode(update_v); far behind: a checkpoint plus the updates after it); inputs
+are not modified. A Prefetcher polls for version base+1, fetches everything up to the newest version and
+hands it over with `take()` — the training thread installs without a single request to the bucket; storage
+trouble is logged and retried on the next poll, never raised; a corrupt committed object (CorruptObject)
+ends the thread and is raised by the next `take()`, on the training thread; `rebase` follows an install
+made another way (a sync wait, a resume).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ log = logging.getLogger("diloco.learner")
 def fetch_global(ctx: RunContext, store: Store, base: int, glob: Tensors, version: int,
                  max_updates_behind: int) -> tuple[Tensors, Manifest]:
     """(G_version, version's manifest) from (base, G_base): the updates base+1..version, or — when more than
-    `max_updates_behind` behind, or an update is gone (gc's retention) — the checkpoint at or before the version
-    and the updates after it (diloco.run.chain_state). StorageError / CodecError from the bucket."""
+    `max_updates_behind` behind, or an update is gone (gc's retention) — the checkpoint at or before the
+    version and the updates after it (diloco.run.chain_state). StorageError / CodecError from the bucket."""
     if version - base <= max_updates_behind:
         out = clone(glob)
         try:

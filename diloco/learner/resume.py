@@ -69,8 +69,8 @@ def next_seq(ctx: RunContext, name: str, manifest: Manifest | None, store: Store
 
 
 def read_params(ctx: RunContext, index: int, manifest: Manifest) -> Tensors:
-    """Chain `index`'s committed parameters at `manifest`, the newest version: the chain's newest checkpoint and the
-    updates after it (diloco.run.chain_state; CorruptObject names an object that fails its checks)."""
+    """Chain `index`'s committed parameters at `manifest`, the newest version: the chain's newest checkpoint
+    and the updates after it (diloco.run.chain_state; CorruptObject names an object that fails its checks)."""
     return chain_params(fragment_context(ctx, index), manifest, newest=True)
 
 

@@ -1,14 +1,15 @@
-"""The merger's one loop: a merger process owns a set of chains (a shard) and merges each chain once it is due,
-never letting one chain's wait hold back another's merge.
+"""The merger's one loop: a merger process owns a set of chains (a shard) and merges each chain once it is
+due, never letting one chain's wait hold back another's merge.
 
-Contract: shard s of `merger.shards` owns the fragments p with p % shards == s; a whole-model run (P = 1) has one
-chain, the root's, owned by its one merger (shard 0 of 1). Every chain waits by the same rule (Merger.due: quorum,
-timeout, grace window) and is merged by the one deterministic Merger on its own context (its keys, its layout); a
-commit is the exclusive create of that chain's next manifest, so two processes of one shard race safely (exactly
-one commit per version, the loser rebuilds the winner's state from the log), and a shard never touches another's
-chains. Memory: every chain keeps its params and outer state between merges (12 B per parameter it owns: shard s of S
-holds the state of its P/S fragments), rebuilt from the newest checkpoint and the merges after it at start; the
-process's one checkpoint thread writes each chain's state every `state.checkpoint_every` versions.
+Contract: shard s of `merger.shards` owns the fragments p with p % shards == s; a whole-model run (P = 1)
+has one chain, the root's, owned by its one merger (shard 0 of 1). Every chain waits by the same rule
+(Merger.due: quorum, timeout, grace window) and is merged by the one deterministic Merger on its own
+context (its keys, its layout); a commit is the exclusive create of that chain's next manifest, so two
+processes of one shard race safely (exactly one commit per version, the loser rebuilds the winner's state
+from the log), and a shard never touches another's chains. Memory: every chain keeps its params and outer
+state between merges (12 B per parameter it owns: shard s of S holds the state of its P/S fragments),
+rebuilt from the newest checkpoint and the merges after it at start; the process's one checkpoint thread
+writes each chain's state every `state.checkpoint_every` versions.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def merge_once(merger: Merger, should_stop: Callable[[], bool]) -> Manifest | No
 
 class ShardMerger:
     """The chains one merger process owns (`shard` of `merger.shards`; the root chain alone at P = 1), each
-    driven by its own Merger. Drive with poll_once() in a loop (run_merger), or merge_waiting() at a run's end;
-    close() waits for the checkpoints in flight."""
+    driven by its own Merger. Drive with poll_once() in a loop (run_merger), or merge_waiting() at a run's
+    end; close() waits for the checkpoints in flight."""
 
     def __init__(self, ctx: RunContext, shard: int = 0, merger_id: str | None = None,
                  events: EventLog | None = None, stage_hook: Callable[[str], None] | None = None,
@@ -108,8 +109,8 @@ class ShardMerger:
         chain = self.chain(index)
         manifest = (merge or merge_once)(chain, should_stop)
         # a merge leaves reference cycles holding its temporaries: free them before the next merge's. A full
-        # collection costs ~80 ms in a busy process (4/5 of a 30k-parameter fragment's merge in bench wan), so a
-        # small fragment's cycles are left to Python's own collections: they hold a few MB at most
+        # collection costs ~80 ms in a busy process (4/5 of a 30k-parameter fragment's merge in bench wan), so
+        # a small fragment's cycles are left to Python's own collections: they hold a few MB at most
         numel = self.ctx.fragments[index].get("numel") if self.ctx.fragments else None  # run.json's plan
         if numel is None or 4 * numel >= COLLECT_ABOVE_BYTES:
             gc.collect()

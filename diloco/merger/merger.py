@@ -1,13 +1,14 @@
-"""The outer merger of one chain (the root's, or a fragment's): wait for a quorum of learners and a grace window,
-validate, merge, commit.
+"""The outer merger of one chain (the root's, or a fragment's): wait for a quorum of learners and a grace
+window, validate, merge, commit.
 
-Contract (DESIGN §6): a delta is merged at most once (the manifest cursor), every delta is eventually merged,
-rejected or declared lost with a reason, a bad delta never stops the merge, and a lost commit race (Conflict) only
-means rebuilding the winner's state from the log. A version writes its update and its manifest; the chain's params
-and outer state stay in memory between merges and reach the bucket as a checkpoint every `state.checkpoint_every`
-versions, in the background (diloco.merger.checkpointer). `due()` looks at the chain without blocking (one HEAD, the
-listings after the cursors); `merge_once()` waits until it is due, then merges: the unit a Prefect flow wraps as a
-task. The loop over a merger's chains is diloco.merger.loop.
+Contract (DESIGN §6): a delta is merged at most once (the manifest cursor), every delta is eventually
+merged, rejected or declared lost with a reason, a bad delta never stops the merge, and a lost commit race
+(Conflict) only means rebuilding the winner's state from the log. A version writes its update and its
+manifest; the chain's params and outer state stay in memory between merges and reach the bucket as a
+checkpoint every `state.checkpoint_every` versions, in the background (diloco.merger.checkpointer). `due()`
+looks at the chain without blocking (one HEAD, the listings after the cursors); `merge_once()` waits until
+it is due, then merges: the unit a Prefect flow wraps as a task. The loop over a merger's chains is
+diloco.merger.loop.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class Merger:
 
     def __init__(self, ctx: RunContext, merger_id: str = "merger", events: EventLog | None = None,
                  stage_hook: Callable[[str], None] | None = None,
-                 keyring: dict[str, list[bytes]] | None = None, checkpoints: ChainCheckpoints | None = None) -> None:
+                 keyring: dict[str, list[bytes]] | None = None,
+                 checkpoints: ChainCheckpoints | None = None) -> None:
         self.ctx, self.base_cfg, self.merger_id = ctx, ctx.cfg, merger_id
         self.cfg = ctx.cfg  # the live config of the next merge (run.json's + `diloco set`), see refresh_policy
         self.keyring = keyring  # learner -> keys, when learner.sign is on (trust/signing.py)
@@ -97,10 +99,10 @@ class Merger:
 
     # ---- state ---------------------------------------------------------------------------
     def load(self) -> int:
-        """Hold the chain's newest version: its manifest, and its params and outer state — replayed from the version
-        held (another merger committed since), or rebuilt from the newest checkpoint and the merges after it (at
-        start, after a lost race or a failed commit), every replayed update checked against the committed one
-        (ReplayMismatch otherwise: the merger stops)."""
+        """Hold the chain's newest version: its manifest, and its params and outer state — replayed from the
+        version held (another merger committed since), or rebuilt from the newest checkpoint and the merges
+        after it (at start, after a lost race or a failed commit), every replayed update checked against
+        the committed one (ReplayMismatch otherwise: the merger stops)."""
         manifest = read_latest(self.ctx.store, self.ctx.keys)
         if manifest is None:
             raise RuntimeError(f"run {self.ctx.run_id} ({self.chain}) has no version 0")
@@ -120,7 +122,8 @@ class Merger:
         if candidate is None or newest.version < candidate[0]:
             return
         version, update_key, result, ema = candidate
-        committed = newest if newest.version == version else read_manifest(self.ctx.store, self.ctx.keys, version)
+        committed = newest if newest.version == version else \
+            read_manifest(self.ctx.store, self.ctx.keys, version)
         if committed.update_key == update_key:  # ours: the reply was lost, not the commit
             self.state.keep(committed, result.params, result.outer, ema)
 
@@ -305,7 +308,7 @@ class Merger:
         optimizer = outer_optimizer(policy.cfg, len(self.ctx.learners))
         judge.scratch.release()
         finished = stream.finish()  # the fp64 sums become the fp32 pseudo-gradient before the step
-        self.checkpoints.before_step(self.version + 1, self.state.snapshot)  # no checkpoint still copying the state
+        self.checkpoints.before_step(self.version + 1, self.state.snapshot)  # no checkpoint copying the state
         params, outer = self.state.take(judge.params)
         result = outer_step_in_place(params, outer, stream, self.ctx.fingerprint, optimizer, finished)
         del params, outer, finished
@@ -393,15 +396,18 @@ class Merger:
             return None
 
     def _write_and_commit(self, plan: MergePlan) -> Manifest | None:
-        """Write the version's update under a fresh nonce (read back first), then commit its manifest by exclusive
-        create, naming the newest checkpoint landed; None (the winner's state rebuilt) when another merger committed
-        the version first. The params and outer state are not written: they stay held for the next merge."""
+        """Write the version's update under a fresh nonce (read back first), then commit its manifest by
+        exclusive create, naming the newest checkpoint landed; None (the winner's state rebuilt) when
+        another merger committed the version first. The params and outer state are not written: they stay
+        held for the next merge."""
         keys, store, version, result = self.ctx.keys, self.ctx.store, self.version + 1, plan.result
         update_key = keys.update(version, new_nonce())
         self.stage_hook("writing")
         try:
-            update_sum, update_bytes = put_checksummed(store, update_key, result.update_bytes), len(result.update_bytes)
-            verify_written(store, update_key, update_sum, f"version {version}'s update")  # what every learner installs
+            update_bytes = len(result.update_bytes)
+            update_sum = put_checksummed(store, update_key, result.update_bytes)
+            # read back: what every learner installs
+            verify_written(store, update_key, update_sum, f"version {version}'s update")
             result.update_bytes = b""
             merge_s = time.time() - plan.started_at
             ema = self._next_ema(plan.phase_times, plan.quorum_wait_s, merge_s)
@@ -412,8 +418,8 @@ class Merger:
             manifest = plan.manifest(self.manifest, self.merger_id, objects, merge_s, update_bytes)
             commit(store, keys, manifest)
         except Conflict:
-            log.info("merger %s lost the race for version %d of %s; rebuilding the winner's state from the log",
-                     self.merger_id, version, self.chain)
+            log.info("merger %s lost the race for version %d of %s; rebuilding the winner's state from the "
+                     "log", self.merger_id, version, self.chain)
             self.events.emit("commit_conflict", version=version)
             del result
             plan.result = None

@@ -1,13 +1,14 @@
-"""Replaying a chain's merges from the log: how a merger that does not hold a version's state gets it back (at its
-start, after a lost commit race, after a failed commit), and how `fork` gets a version's outer state.
+"""Replaying a chain's merges from the log: how a merger that does not hold a version's state gets it back (at
+its start, after a lost commit race, after a failed commit), and how `fork` gets a version's outer state.
 
-Contract: `replay_merge(ctx, prev, m, params, outer)` merges manifest m again on the state of version m - 1 (consumed,
-in place, as the merger's own step): its merged deltas as recorded (each checked against its recorded checksum,
-scaled by its recorded clip), folded learner by learner in the recorded order, with the live settings m's merge went
-by — never judged again (audit does that) — and checks the update it makes against m's: the committed checksum, or
-the same header and values. A mismatch raises ReplayMismatch, and the merger stops: the outer step runs in place and
-cannot be undone, so it never merges on a state it could not reproduce. `recover(ctx, manifest)` = the newest
-checkpoint at or before the version (or a state the caller holds, when nearer) + every merge after it, replayed.
+Contract: `replay_merge(ctx, prev, m, params, outer)` merges manifest m again on the state of version m - 1
+(consumed, in place, as the merger's own step): its merged deltas as recorded (each checked against its
+recorded checksum, scaled by its recorded clip), folded learner by learner in the recorded order, with the
+live settings m's merge went by — never judged again (audit does that) — and checks the update it makes
+against m's: the committed checksum, or the same header and values. A mismatch raises ReplayMismatch, and
+the merger stops: the outer step runs in place and cannot be undone, so it never merges on a state it could
+not reproduce. `recover(ctx, manifest)` = the newest checkpoint at or before the version (or a state the
+caller holds, when nearer) + every merge after it, replayed.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ log = logging.getLogger("diloco.merger")
 
 
 class ReplayMismatch(CorruptObject):
-    """A replayed merge does not make the update its manifest committed: the log cannot reproduce the chain."""
+    """A replayed merge does not make the update its manifest committed: the log cannot make the chain."""
 
 
 @dataclass
@@ -53,12 +54,14 @@ class ChainState:
 
 
 def merge_config(ctx: RunContext, m: Manifest) -> Config:
-    """The live config m's merge went by: run.json's with the settings in force (its guard's; none before the guard)."""
+    """The live config m's merge went by: run.json's with the settings in force (its guard's; none before the
+    guard)."""
     return ctx.cfg if m.guard is None else check_settings(ctx.cfg, m.guard.settings)
 
 
 def layout_of(ctx: RunContext, params: Tensors) -> Tensors:
-    """What a merge checks deltas against: run.json's layout as meta tensors (the params for a run without one)."""
+    """What a merge checks deltas against: run.json's layout as meta tensors (the params for a run without
+    one)."""
     import torch
 
     if not ctx.layout:
@@ -72,8 +75,8 @@ def _delta(ctx: RunContext, m: Manifest, learner: str, seq: int, checksum: str, 
         data = read_checked(ctx.store, key, checksum)
         header, delta = decode_tensors(data, fingerprint=ctx.fingerprint)
     except CodecError as err:
-        raise ReplayMismatch(f"replaying version {m.version} of run {ctx.run_id}: merged delta {key} no longer "
-                             f"matches its manifest ({err})") from None
+        raise ReplayMismatch(f"replaying version {m.version} of run {ctx.run_id}: merged delta {key} no "
+                             f"longer matches its manifest ({err})") from None
     if clip is not None:  # the judge's clip: the parameters scaled, never the buffers after them
         names = list(delta)
         for name in names[:len(names) - int(header.meta.get("buffers", 0))]:
@@ -83,10 +86,10 @@ def _delta(ctx: RunContext, m: Manifest, learner: str, seq: int, checksum: str, 
 
 def replay_merge(ctx: RunContext, prev: Manifest, m: Manifest, params: Tensors,
                  outer: OuterState | None) -> StepResult:
-    """Merge m again on version prev's state (consumed: `params` becomes m's, `outer` is emptied) and check its
-    update against m's; ReplayMismatch when it differs, CorruptObject/StorageError when an input cannot be read.
-    The next delta is read, checked and decoded on a second thread while this one is folded (the same bits: the
-    fold's order is the recorded one)."""
+    """Merge m again on version prev's state (consumed: `params` becomes m's, `outer` is emptied) and check
+    its update against m's; ReplayMismatch when it differs, CorruptObject/StorageError when an input cannot
+    be read. The next delta is read, checked and decoded on a second thread while this one is folded (the
+    same bits: the fold's order is the recorded one)."""
     cfg = merge_config(ctx, m)
     layout = layout_of(ctx, params)
     stream = gradient_stream(layout, prev.version, cfg.outer, direct_names(ctx, layout), ctx.buffers)
@@ -111,13 +114,13 @@ def replay_merge(ctx: RunContext, prev: Manifest, m: Manifest, params: Tensors,
     if group is not None:
         stream.add(group)
     finished = stream.finish()
-    result = outer_step_in_place(params, outer, stream, ctx.fingerprint, outer_optimizer(cfg, len(ctx.learners)),
-                                 finished)
+    optimizer = outer_optimizer(cfg, len(ctx.learners))
+    result = outer_step_in_place(params, outer, stream, ctx.fingerprint, optimizer, finished)
     if not same_update(ctx, m, result.update_bytes):
         raise ReplayMismatch(
-            f"run {ctx.run_id}{_chain(ctx)}: the replay of version {m.version} makes another update than the one "
-            f"committed ({m.update_key}): the state rebuilt from the log is not the chain's. The merger stops rather "
-            "than merge on it; `diloco audit` replays and names the first version that differs")
+            f"run {ctx.run_id}{_chain(ctx)}: the replay of version {m.version} makes another update than the "
+            f"one committed ({m.update_key}): the state rebuilt from the log is not the chain's. The merger "
+            "stops rather than merge on it; `diloco audit` replays and names the first version that differs")
     return result
 
 
@@ -140,7 +143,8 @@ def same_update(ctx: RunContext, m: Manifest, replayed: bytes) -> bool:
 
 
 def _schema1_state(ctx: RunContext, manifest: Manifest) -> ChainState:
-    """A manifest that names its own params and outer state (schema 1, or version 0 of a run made before the log)."""
+    """A manifest that names its own params and outer state (schema 1, or version 0 of a run made before the
+    log)."""
     t0 = time.perf_counter()
     what = f"version {manifest.version}'s"
     _, params = read_committed(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
@@ -155,18 +159,19 @@ def _schema1_state(ctx: RunContext, manifest: Manifest) -> ChainState:
 
 
 def ema_of(ctx: RunContext, manifest: Manifest) -> dict[str, float]:
-    """The grace window's moving averages after `manifest`'s merge: its own (the log), else its outer object's."""
+    """The grace window's moving averages after `manifest`'s merge: its own (the log), else its outer
+    object's."""
     if manifest.ema or not manifest.outer_key:
         return dict(manifest.ema)
-    return {k: float(v) for k, v in read_header(read_checked(ctx.store, manifest.outer_key,
-                                                             manifest.outer_checksum)).meta.get("ema", {}).items()}
+    header = read_header(read_checked(ctx.store, manifest.outer_key, manifest.outer_checksum))
+    return {k: float(v) for k, v in header.meta.get("ema", {}).items()}
 
 
 def recover(ctx: RunContext, manifest: Manifest, held: ChainState | None = None, *,
             newest: bool = True) -> ChainState:
-    """The chain's state at `manifest`'s version: from `held` (a state at an older version of this chain, consumed)
-    when it is at or past the checkpoint, else from the checkpoint (`newest`: or a newer one that landed since);
-    then every merge after it replayed and checked."""
+    """The chain's state at `manifest`'s version: from `held` (a state at an older version of this chain,
+    consumed) when it is at or past the checkpoint, else from the checkpoint (`newest`: or a newer one that
+    landed since); then every merge after it replayed and checked."""
     if held is not None and held.manifest.version == manifest.version:
         return held
     usable = held is not None and held.manifest.version < manifest.version
@@ -181,7 +186,8 @@ def recover(ctx: RunContext, manifest: Manifest, held: ChainState | None = None,
         held = None  # freed before the checkpoint is read
         checkpoint = read_start(ctx, manifest, outer=True, newest=newest)
         ref = checkpoint.ref
-        start = manifest if ref.version == manifest.version else read_manifest(ctx.store, ctx.keys, ref.version)
+        start = manifest if ref.version == manifest.version else \
+            read_manifest(ctx.store, ctx.keys, ref.version)
         state = ChainState(start, checkpoint.params, checkpoint.outer, checkpoint.ema, checkpoint=ref,
                            read_s=time.perf_counter() - t0)
     t1 = time.perf_counter()

@@ -1,12 +1,13 @@
-"""The chain's state a merger holds between merges: the params and outer state of its newest version, rebuilt from
-the log when it does not hold them (diloco.merger.replay) and handed to each merge whole (it updates them in place).
+"""The chain's state a merger holds between merges: the params and outer state of its newest version, rebuilt
+from the log when it does not hold them (diloco.merger.replay) and handed to each merge whole (it updates
+them in place).
 
 Contract: between merges the state held is the chain's at `manifest`'s version, bit for bit (invariant 8,
-docs/STORAGE.md): `load(manifest)` moves it there — by replaying the merges after the version held, or from the
-checkpoint at or before `manifest` when it holds none (at start, after a lost race or a failed commit) — and every
-replayed update is checked against the committed one. `take()` hands both to a merge and holds nothing until
-`keep()` is given the committed result: the outer step runs in place, so a merge that then fails leaves no state to
-go back to, only the log. Nothing here ever holds tensors of two versions at once.
+docs/STORAGE.md): `load(manifest)` moves it there — by replaying the merges after the version held, or from
+the checkpoint at or before `manifest` when it holds none (at start, after a lost race or a failed commit)
+— and every replayed update is checked against the committed one. `take()` hands both to a merge and holds
+nothing until `keep()` is given the committed result: the outer step runs in place, so a merge that then
+fails leaves no state to go back to, only the log. Nothing here ever holds tensors of two versions at once.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ class VersionState:
         self.ctx = ctx
         self.held: ChainState | None = None
         self.manifest: Manifest | None = None
-        self.last_load: ChainState | None = None  # how the last load got there (replayed merges, seconds): a report
+        self.last_load: ChainState | None = None  # how the last load got there (replayed merges, seconds)
 
     def load(self, manifest: Manifest) -> dict[str, float]:
-        """Hold the state of `manifest`'s version (replayed from the one held, or from a checkpoint); returns its
-        grace window's moving averages."""
+        """Hold the state of `manifest`'s version (replayed from the one held, or from a checkpoint); returns
+        its grace window's moving averages."""
         held, self.held = self.held, None
         if held is not None and held.manifest.version > manifest.version:
             held = None  # a newer state than the chain's newest cannot be: rebuilt from the checkpoint
@@ -71,8 +72,8 @@ class VersionState:
         """The params and the outer state (None: zeros) for a merge to consume; held no more."""
         params = self.params
         if not same_layout(params, layout):
-            raise RuntimeError(f"run {self.ctx.run_id} version {self.manifest.version}: the held tensors differ "
-                               "from run.json's layout")
+            raise RuntimeError(f"run {self.ctx.run_id} version {self.manifest.version}: the held tensors "
+                               "differ from run.json's layout")
         outer = self.held.outer
         self.held = None
         return params, outer

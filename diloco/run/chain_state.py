@@ -1,11 +1,13 @@
-"""A chain's global parameters at any version, from the log (docs/STORAGE.md): the checkpoint at or before it and
-the compact updates after it. The one reader of every role that needs a version's parameters — a learner rejoining
-or far behind, the evaluator (which follows the updates), `export`, `sample`, `fork` — and of `read_run_version`.
+"""A chain's global parameters at any version, from the log (docs/STORAGE.md): the checkpoint at or before it
+and the compact updates after it. The one reader of every role that needs a version's parameters — a
+learner rejoining or far behind, the evaluator (which follows the updates), `export`, `sample`, `fork` —
+and of `read_run_version`.
 
-Contract: G_v = G_c + decode(update_{c+1}) + ... + decode(update_v) in fp32, in order: the exact bits the merger
-holds and every learner installs. A manifest that names its params itself (schema 1: runs made before the log) is
-read directly. Every object is checked against its recorded checksum (CorruptObject names one that fails every
-read); StorageError passes through for the caller to retry; inputs are never modified.
+Contract: G_v = G_c + decode(update_{c+1}) + ... + decode(update_v) in fp32, in order: the exact bits the
+merger holds and every learner installs. A manifest that names its params itself (schema 1: runs made
+before the log) is read directly. Every object is checked against its recorded checksum (CorruptObject
+names one that fails every read); StorageError passes through for the caller to retry; inputs are never
+modified.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ def _name(ctx: RunContext, version: int) -> str:
 def apply_updates(ctx: RunContext, glob: Tensors, first: int, last: int, store: Store | None = None,
                   last_manifest: Manifest | None = None) -> Manifest | None:
     """G += decode(update_j) for j = first..last, in place and in order; returns version last's manifest (None
-    when first > last). The next update is read, checked and decoded on a second thread while this one is added
-    (the adds stay in order: the same bits). NotFound when an update is gone (retention: start from a checkpoint)."""
+    when first > last). The next update is read, checked and decoded on a second thread while this one is
+    added (the adds stay in order: the same bits). NotFound when an update is gone (retention: start from a
+    checkpoint)."""
     store = store or ctx.store
 
     def fetch(v: int) -> tuple[Manifest, Tensors]:
@@ -55,14 +58,17 @@ def apply_updates(ctx: RunContext, glob: Tensors, first: int, last: int, store: 
     return manifest
 
 
-def chain_params(ctx: RunContext, manifest: Manifest, *, newest: bool = False, store: Store | None = None) -> Tensors:
-    """The chain's parameters at `manifest`'s version: its own params object (schema 1), or the checkpoint it names
-    (`newest`: or a newer one that landed since, found by one listing) plus the updates after it."""
+def chain_params(ctx: RunContext, manifest: Manifest, *, newest: bool = False,
+                 store: Store | None = None) -> Tensors:
+    """The chain's parameters at `manifest`'s version: its own params object (schema 1), or the checkpoint it
+    names (`newest`: or a newer one that landed since, found by one listing) plus the updates after it."""
     store = store or ctx.store
     if manifest.params_key:
         return read_committed(store, manifest.params_key, fingerprint=ctx.fingerprint,
-                              checksum=manifest.params_checksum, what=f"{_name(ctx, manifest.version)}'s params")[1]
-    start = read_start(ctx if store is ctx.store else _with_store(ctx, store), manifest, outer=False, newest=newest)
+                              checksum=manifest.params_checksum,
+                              what=f"{_name(ctx, manifest.version)}'s params")[1]
+    reader = ctx if store is ctx.store else _with_store(ctx, store)
+    start = read_start(reader, manifest, outer=False, newest=newest)
     glob = start.params
     apply_updates(ctx, glob, start.version + 1, manifest.version, store, last_manifest=manifest)
     return glob
@@ -79,9 +85,10 @@ def _with_store(ctx: RunContext, store: Store) -> RunContext:
 
 
 class ChainFollower:
-    """One chain's parameters, followed along its versions (the evaluator): a newer version within `reach` versions
-    of the one held is the held one plus its updates (u bytes a version instead of a params read), a farther one
-    (or an older one, or one whose updates are gone) is read from its checkpoint. Holds one copy of the chain."""
+    """One chain's parameters, followed along its versions (the evaluator): a newer version within `reach`
+    versions of the one held is the held one plus its updates (u bytes a version instead of a params read),
+    a farther one (or an older one, or one whose updates are gone) is read from its checkpoint. Holds one
+    copy of the chain."""
 
     def __init__(self, ctx: RunContext, reach: int) -> None:
         self.ctx, self.reach = ctx, reach

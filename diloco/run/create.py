@@ -46,8 +46,8 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
     fragments = plan_for(cfg.fragments.count, layout)  # before anything is written: a bad count creates nothing
     record = RunRecord(run_id=run_id, created_at=time.time(), created_by=socket.gethostname(),
                        diloco_version=__version__, fingerprint=layout_fingerprint(layout), learners=learners,
-                       config=cfg.model_dump(mode="json"), layout=layout, fragments=fragments, buffers=buffers or None,
-                       storage_format=STORAGE_FORMAT)
+                       config=cfg.model_dump(mode="json"), layout=layout, fragments=fragments,
+                       buffers=buffers or None, storage_format=STORAGE_FORMAT)
     files.flush()  # before run.json: a process that sees the run finds its spec files
     try:
         write_record(store, keys.run_json(), record, exclusive=True)
@@ -78,8 +78,8 @@ def fingerprint_of(cfg: Config, files: SpecFiles | None = None) -> str:
 
 def _commit_version_zero(ctx: RunContext, params: Tensors, buffers: Tensors, run_json: str = "") -> None:
     """Version 0 of the context's chain (the root's, or a fragment's): its checkpoint (the initial params; no
-    outer state), then its manifest naming it; idempotent, the first commit wins. With the initial buffers when
-    the chain holds the run's buffers; the root's pins run.json (`run_json`: its checksum)."""
+    outer state), then its manifest naming it; idempotent, the first commit wins. With the initial buffers
+    when the chain holds the run's buffers; the root's pins run.json (`run_json`: its checksum)."""
     if manifest_exists(ctx.store, ctx.keys, 0):
         return
     ref = write_checkpoint(ctx, 0, params, None, ema={}, manifest_checksum="", created_by="init")

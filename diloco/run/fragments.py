@@ -150,9 +150,9 @@ def run_version(ctx: RunContext, store: Store | None = None) -> int | None:
 def read_run_version(ctx: RunContext, version: int,
                      followers: list[ChainFollower] | None = None) -> tuple[Tensors, int, float]:
     """(whole-model params, tokens merged, committed at) of run version `version`: the root manifest's, or for
-    fragments every fragment's version `version` put together (the tokens every fragment merged: the minimum). Each
-    chain's params from its checkpoint and updates (diloco.run.chain_state), or through `followers` (one per chain,
-    the evaluator's: the updates since the version they hold)."""
+    fragments every fragment's version `version` put together (the tokens every fragment merged: the
+    minimum). Each chain's params from its checkpoint and updates (diloco.run.chain_state), or through
+    `followers` (one per chain, the evaluator's: the updates since the version they hold)."""
     manifests, parts = [], []
     for index, chain in enumerate(chain_contexts(ctx)):
         manifest = read_manifest(ctx.store, chain.keys, version)

@@ -15,8 +15,9 @@ from diloco.storage.errors import Conflict
 from diloco.storage.keys import RunKeys, parse_manifest_key
 from diloco.storage.store import Store
 
-# 1: every version names its params (and outer state) objects; 2: the log (docs/STORAGE.md) — a version names its
-# update and the newest checkpoint at or before it (`checkpoint`); params/outer keys only in manifests written before
+# 1: every version names its params (and outer state) objects; 2: the log (docs/STORAGE.md) — a version names
+# its update and the newest checkpoint at or before it (`checkpoint`); params/outer keys only in manifests
+# written before
 SCHEMA_VERSION = 2
 KNOWN_SCHEMA_VERSIONS = (1, 2)
 
@@ -87,8 +88,8 @@ class GuardState(BaseModel):
 
 
 class CheckpointRef(BaseModel):
-    """A chain checkpoint a manifest names: its version (at or before the manifest's), its JSON object and that
-    object's checksum (the JSON lists the parts and theirs)."""
+    """A chain checkpoint a manifest names: its version (at or before the manifest's), its JSON object and
+    that object's checksum (the JSON lists the parts and theirs)."""
 
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=0)
@@ -106,8 +107,9 @@ class Manifest(BaseModel):
     parent: int = -1  # version - 1, or -1 for version 0
     created_at: float  # unix seconds
     merger_id: str = ""
-    # schema 1 (every version, kept readable) and version 0 of runs made before the log: the version's full params
-    # and (version >= 1) outer state objects; "" in the log's manifests, which name `checkpoint` instead
+    # schema 1 (every version, kept readable) and version 0 of runs made before the log: the version's full
+    # params and (version >= 1) outer state objects; "" in the log's manifests, which name `checkpoint`
+    # instead
     params_key: str = ""
     params_checksum: str = ""
     # the newest complete checkpoint of the chain at or before this version, when the manifest was committed
@@ -131,8 +133,8 @@ class Manifest(BaseModel):
     stats: dict[str, float] = {}  # update_norm, outlier_median, ...
     guard: GuardState | None = None
     controls: list[ControlEntry] = []  # operator control ops applied by this merge
-    # the grace window's moving averages after this merge (phase_s, quorum_s, merge_s): a merger restarted on this
-    # version takes them from here (before the log: from the outer state object's header)
+    # the grace window's moving averages after this merge (phase_s, quorum_s, merge_s): a merger restarted on
+    # this version takes them from here (before the log: from the outer state object's header)
     ema: dict[str, float] = {}
 
     def merged(self) -> list[DeltaDecision]:
@@ -143,8 +145,8 @@ class Manifest(BaseModel):
 
     def to_bytes(self) -> bytes:
         fields = self.model_dump(mode="json")
-        for name in ("buffers_key", "buffers_checksum", "run_json_checksum", "checkpoint", "ema", "params_key",
-                     "params_checksum"):
+        for name in ("buffers_key", "buffers_checksum", "run_json_checksum", "checkpoint", "ema",
+                     "params_key", "params_checksum"):
             if not fields[name] and not (name.startswith("params") and fields["schema_version"] == 1):
                 del fields[name]
         for decision in fields["decisions"]:  # only a lost range has one: the bytes of every other are as before
@@ -168,13 +170,14 @@ class Manifest(BaseModel):
         except ValidationError as exc:
             raise ManifestError(f"manifest is malformed: {exc}") from exc
         if not manifest.params_key and manifest.checkpoint is None:
-            raise ManifestError(f"manifest of version {manifest.version} names neither its params nor a checkpoint")
+            raise ManifestError(f"manifest of version {manifest.version} names neither its params nor a "
+                                "checkpoint")
         return manifest
 
     @property
     def state_version(self) -> int:
-        """The version of the state a reader starts from: this version's own (a manifest that names its params:
-        schema 1, version 0 of a run made before the log), or its checkpoint's."""
+        """The version of the state a reader starts from: this version's own (a manifest that names its
+        params: schema 1, version 0 of a run made before the log), or its checkpoint's."""
         if self.params_key:
             return self.version
         return self.checkpoint.version if self.checkpoint is not None else 0

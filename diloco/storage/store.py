@@ -183,8 +183,8 @@ class ObjectStore:
         return sorted(name for name in found if name and not name.startswith(TMP_PREFIX))
 
     def sizes(self, prefix: str) -> dict[str, int]:
-        """Every key under prefix (recursively) with its size in bytes, from one listing (S3's ListObjectsV2 carries
-        the sizes: no HEAD per object). Never cached."""
+        """Every key under prefix (recursively) with its size in bytes, from one listing (S3's ListObjectsV2
+        carries the sizes: no HEAD per object). Never cached."""
         check_prefix(prefix)
         folder = prefix.rpartition("/")[0]
         found = self._call(lambda: self._backend.walk_sizes(folder), prefix)

@@ -15,8 +15,8 @@ from diloco.storage.wrapper import WrapperStore
 
 
 def object_kind(key: str) -> str:
-    """'delta', 'global' (a version's state: update, a chain checkpoint's parts and JSON, params/outer objects of
-    runs before the log), 'manifest', or 'other' (status, a learner's checkpoint, ...)."""
+    """'delta', 'global' (a version's state: update, a chain checkpoint's parts and JSON, params/outer objects
+    of runs before the log), 'manifest', or 'other' (status, a learner's checkpoint, ...)."""
     parts = key.split("/")
     if "deltas" in parts:
         return "delta"

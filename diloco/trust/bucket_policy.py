@@ -1,19 +1,20 @@
 """Least-privilege S3 policies for the roles of a run (`diloco bucket-policy`): a learner writes only its own
 deltas/<name>/, learners/<name>/ and events/<name>/ and reads what it needs (its peers' statuses too: DyLU
-paces itself by their speed); the merger writes versions/, global/, checkpoints/ and its events (and never reads
-the spec's files: it runs no user code); the evaluator evals/ and its events; the operator everything of the run;
-`gc` (retention, `diloco gc --keep-versions`) deletes old checkpoints, updates and deltas and writes the chains'
-retention records, nothing else. What is history — run.json, the manifests, the deltas — is written once, by every
-role's key: only by a PutObject carrying If-None-Match (the `s3:if-none-match` condition key, as AWS enforces
-conditional writes), and never deleted — but the deltas by the gc role, whose retention removes those no kept
-version needs — so a leaked key cannot overwrite what was created, published or committed.
+paces itself by their speed); the merger writes versions/, global/, checkpoints/ and its events (and never
+reads the spec's files: it runs no user code); the evaluator evals/ and its events; the operator everything
+of the run; `gc` (retention, `diloco gc --keep-versions`) deletes old checkpoints, updates and deltas and
+writes the chains' retention records, nothing else. What is history — run.json, the manifests, the deltas —
+is written once, by every role's key: only by a PutObject carrying If-None-Match (the `s3:if-none-match`
+condition key, as AWS enforces conditional writes), and never deleted — but the deltas by the gc role,
+whose retention removes those no kept version needs — so a leaked key cannot overwrite what was created,
+published or committed.
 
 Contract: plain IAM policy JSON (AWS IAM and MinIO read the same language), generated only from validated
-input (an S3 bucket name, a prefix without IAM's wildcards or variables, a run id, a learner name that is no
-role's); every key a role touches is built by RunKeys, so the prefixes here follow storage/keys.py;
-`allows(policy, action, bucket, key, if_none_match=...)` is the small evaluator the tests use to check a real
-run's requests against the policies (Allow and Deny statements, a Deny winning; the condition operators
-StringLike, Null and Bool).
+input (an S3 bucket name, a prefix without IAM's wildcards or variables, a run id, a learner name that is
+no role's); every key a role touches is built by RunKeys, so the prefixes here follow storage/keys.py;
+`allows(policy, action, bucket, key, if_none_match=...)` is the small evaluator the tests use to check a
+real run's requests against the policies (Allow and Deny statements, a Deny winning; the condition
+operators StringLike, Null and Bool).
 """
 
 from __future__ import annotations
@@ -74,13 +75,16 @@ def _grants(role: str, learner: str | None, run: str) -> dict[str, list[str]]:
         return {READ: reads + own[:2] + ["spec/*", "learners/*/status.json"],
                 CREATE: [f"deltas/{learner}/*.delta"],
                 WRITE: [f"deltas/{learner}/*.sig", *own[1:]],  # a signature lands first, by a plain put
-                LIST: ["versions/*", f"deltas/{learner}/*", "control/*", f"learners/{learner}/*", "checkpoints/*"]}
+                LIST: ["versions/*", f"deltas/{learner}/*", "control/*", f"learners/{learner}/*",
+                       "checkpoints/*"]}
     if role == "merger":
         return {READ: reads + ["deltas/*", "checkpoints/*"], CREATE: ["versions/*"],
-                WRITE: ["global/*", "checkpoints/*", "events/merger/*", "events/merger-*"],  # merger-s<k>: its shards
+                # events/merger-*: its shards' (merger-s<k>)
+                WRITE: ["global/*", "checkpoints/*", "events/merger/*", "events/merger-*"],
                 LIST: ["versions/*", "deltas/*", "control/*", "global/*", "checkpoints/*"]}
     if role == "gc":
-        return {READ: ["*"], WRITE: ["retention.json", "fragments/*/retention.json"], DELETE: RETIRED, LIST: ["*"]}
+        return {READ: ["*"], WRITE: ["retention.json", "fragments/*/retention.json"], DELETE: RETIRED,
+                LIST: ["*"]}
     if role == "evaluator":
         return {READ: reads + ["evals/*", "spec/*"], WRITE: ["evals/*", "events/evaluator/*"],
                 LIST: ["versions/*", "control/*", "evals/*", "checkpoints/*"]}
@@ -113,7 +117,7 @@ def policy_for(storage: str, run_id: str, *, learner: str | None = None, role: s
     history = [f"arn:aws:s3:::{bucket}/{run}{p}" for p in HISTORY]  # whatever the grants above say
     statements.append({"Sid": "HistoryWrittenOnce", "Effect": "Deny", "Action": [WRITE], "Resource": history,
                        "Condition": NOT_ONCE})
-    if DELETE in grants:  # the gc role's retention deletes decided deltas: its Deny keeps run.json and manifests
+    if DELETE in grants:  # the gc role's retention deletes decided deltas: its Deny keeps the rest
         kept = [r for r, p in zip(history, HISTORY, strict=True) if role != "gc" or "deltas" not in p]
         statements.append({"Sid": "HistoryKept", "Effect": "Deny", "Action": [DELETE], "Resource": kept})
     return {"Version": "2012-10-17", "Statement": statements}

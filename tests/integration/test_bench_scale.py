@@ -1,6 +1,6 @@
-"""`diloco bench scale --quick`: the JSON has the issue's keys (and the merge time's reference, the log's bucket
-growth, a merger's cold restart and a learner's rejoin), every row merged 3K rounds with the production merger in
-fresh processes, and the staggered schedule's peak upload shrinks with P.
+"""`diloco bench scale --quick`: the JSON has the issue's keys (and the merge time's reference, the log's
+bucket growth, a merger's cold restart and a learner's rejoin), every row merged 3K rounds with the
+production merger in fresh processes, and the staggered schedule's peak upload shrinks with P.
 
 Run: .venv/bin/pytest tests/integration/test_bench_scale.py -q
 """
@@ -22,12 +22,13 @@ def test_quick_scale_bench_writes_the_issue_keys(tmp_path):
     keys = {"fragments", "largest_fragment_mb", "merge_peak_rss_mb", "merge_s_per_round", "publish_mb",
             "peak_upload_ratio_vs_unfragmented"}
     floor = {"read_decode_s", "state_io_s", "merge_vs_read_decode"}  # the merge-time target's reference
-    log = {"bucket_bytes_per_version", "bucket_bytes_per_param_per_version", "recovery_s", "recovery_replayed",
-           "rejoin_s", "rejoin_bytes", "rejoin_full_params_s", "merger_rss_mb", "state_held_mb", "checkpoint_every",
-           "rounds"}  # issue #41
+    log = {"bucket_bytes_per_version", "bucket_bytes_per_param_per_version", "recovery_s",
+           "recovery_replayed", "rejoin_s", "rejoin_bytes", "rejoin_full_params_s", "merger_rss_mb",
+           "state_held_mb", "checkpoint_every", "rounds"}  # issue #41
     assert [set(r) for r in result["rows"]] == [keys | floor | log, keys | floor | log]
     for row in result["rows"]:
-        assert row["read_decode_s"] > 0 and row["state_io_s"] > 0 and row["rounds"] == 3 * row["checkpoint_every"]
+        assert row["read_decode_s"] > 0 and row["state_io_s"] > 0
+        assert row["rounds"] == 3 * row["checkpoint_every"]
         assert row["merge_vs_read_decode"] == row["merge_s_per_round"] / row["read_decode_s"]
         assert row["recovery_replayed"] == (row["checkpoint_every"] - 1) * row["fragments"]  # K - 1 per chain
         assert row["rejoin_s"] > 0 and row["rejoin_bytes"] > 0 and row["recovery_s"] > 0

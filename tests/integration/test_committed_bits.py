@@ -1,14 +1,15 @@
-"""The committed bits of a P = 1 run and of a P = 4 run on a fixed seed, pinned: a refactor of the engine (issue #40:
-one learner over lanes, one merger loop over chains) must commit exactly these versions. Each run is driven in one
-process in a fixed order (learners one after another, then every waiting delta merged), so its versions depend only
-on the seed: the SHA-256 of every committed update object and of every version's parameters must equal tests/integration/committed_bits.json.
-A version's parameters are read through the one reader (diloco.run.chain_state: the checkpoint at or before it plus
-the updates after it), however the run stores them.
+"""The committed bits of a P = 1 run and of a P = 4 run on a fixed seed, pinned: a refactor of the engine
+(issue #40: one learner over lanes, one merger loop over chains) must commit exactly these versions. Each
+run is driven in one process in a fixed order (learners one after another, then every waiting delta
+merged), so its versions depend only on the seed: the SHA-256 of every committed update object and of every
+version's parameters must equal tests/integration/committed_bits.json. A version's parameters are read
+through the one reader (diloco.run.chain_state: the checkpoint at or before it plus the updates after it),
+however the run stores them.
 
-Float kernels differ between CPU models (docs/BENCHMARKS.md: the machine), so the exact hashes are compared where the
-golden file was written (same CPU model, torch and numpy); elsewhere the test compares each version's parameters by
-their fp64 norm to 1e-6. Rewrite the golden file (only for a change that means to change the math):
-    DILOCO_WRITE_GOLDEN=1 .venv/bin/pytest tests/integration/test_committed_bits.py
+Float kernels differ between CPU models (docs/BENCHMARKS.md: the machine), so the exact hashes are compared
+where the golden file was written (same CPU model, torch and numpy); elsewhere the test compares each
+version's parameters by their fp64 norm to 1e-6. Rewrite the golden file (only for a change that means to
+change the math): DILOCO_WRITE_GOLDEN=1 .venv/bin/pytest tests/integration/test_committed_bits.py
 
 Run: .venv/bin/pytest tests/integration/test_committed_bits.py   (about 15 s)
 """

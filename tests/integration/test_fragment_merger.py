@@ -1,9 +1,9 @@
 """Fragment chains and the sharded merger on file://: synthetic deltas per fragment merged by the real
 ShardMerger; fragmenting does not change the math (mean rule: the assembled fragments equal the whole-model
-merge bit for bit; P = 1 rebuilt from the log before each merge — its checkpoint and the merges after it replayed
-— commits what the merger that holds its state does, bit for bit); racing mergers on one
-shard commit exactly once per fragment version; a killed shard stalls only its fragments; audit replays
-every fragment chain; gc collects a fragment chain's orphans.
+merge bit for bit; P = 1 rebuilt from the log before each merge — its checkpoint and the merges after it
+replayed — commits what the merger that holds its state does, bit for bit); racing mergers on one shard
+commit exactly once per fragment version; a killed shard stalls only its fragments; audit replays every
+fragment chain; gc collects a fragment chain's orphans.
 
 Run: .venv/bin/pytest tests/integration/test_fragment_merger.py -q
 """
@@ -107,7 +107,8 @@ def test_fragments_equal_the_whole_model_merge_bit_for_bit(tmp_path):
 
 def test_a_merger_rebuilt_from_the_log_commits_what_the_one_holding_its_state_does(tmp_path):
     store = open_store(f"file://{tmp_path}")
-    old, new = create_run(store, "old", _cfg(1)), create_run(store, "new", _cfg(1))
+    cfg = _cfg(1).with_overrides({"state.checkpoint_every": 10})  # no checkpoint but version 0's: all replayed
+    old, new = create_run(store, "old", cfg), create_run(store, "new", cfg)
     assert new.fragments == [] and open_store(f"file://{tmp_path}").exists("new/versions/" + "0" * 20 + ".json")
     held = ShardMerger(old)
     for seq, deltas in enumerate(_full_deltas(_params(old, old.keys, 0), 3)):
@@ -194,9 +195,10 @@ def test_a_fork_of_a_fragmented_run_starts_every_chain_at_its_version_v(tmp_path
     for index in range(4):
         theirs = read_manifest(store, ctx.keys.for_fragment(index), 1)
         ours = read_manifest(store, child.keys.for_fragment(index), 0)
-        a, b = _params(ctx, ctx.keys.for_fragment(index), 1), _params(child, child.keys.for_fragment(index), 0)
+        a = _params(ctx, ctx.keys.for_fragment(index), 1)
+        b = _params(child, child.keys.for_fragment(index), 0)
         assert all(torch.equal(a[k], b[k]) for k in a)
-        state = ShardMerger(child, index % 2).chain(index).outer.to_tensors()  # the fork's version 0 holds V's
+        state = ShardMerger(child, index % 2).chain(index).outer.to_tensors()  # the fork's version 0: V's
         parent = recover(fragment_context(ctx, index), theirs).outer.to_tensors()  # V's, rebuilt from the log
         assert all(torch.equal(state[k], parent[k]) for k in state)
         assert ours.tokens_total == theirs.tokens_total and ours.controls[0].kind == "fork"

@@ -107,11 +107,11 @@ def test_a_time_limit_that_ends_a_healthy_run_short_says_so_and_exits_0(tmp_path
 
 
 def test_learners_that_cannot_install_the_newest_version_fail_the_run_loudly(tmp_path: Path) -> None:
-    """The bucket damaged the newest version after it was committed (a flipped byte in its update, as a disk or a
-    provider might): learners that resume the run cannot install it (its checkpoint and the updates after it), say
-    which object, and the run
-    exits with EXIT_CODE instead of training on at an old version. (Learners on new hosts: no local state, which
-    would let them go on from their own copy of the version; the merger cannot load it either.)"""
+    """The bucket damaged the newest version after it was committed (a flipped byte in its update, as a disk
+    or a provider might): learners that resume the run cannot install it (its checkpoint and the updates
+    after it), say which object, and the run exits with EXIT_CODE instead of training on at an old version.
+    (Learners on new hosts: no local state, which would let them go on from their own copy of the version;
+    the merger cannot load it either.)"""
     url = f"file://{tmp_path}/runs"
     first = cli("run", "--config", "tiny", "--learners", "2", "--versions", "3", "--no-prefect", "--no-live",
                 "--storage", url, "--run-id", "rot", "-o", "learner.local_state_every_steps=0", cwd=tmp_path)

@@ -146,7 +146,7 @@ def test_fork_is_bit_equal_to_the_parent_at_v_and_leaves_it_untouched(tmp_path: 
 
 
 def merger_outer(ctx, version: int):
-    """The outer state's momentum at `version`, rebuilt from the log (its checkpoint and the merges after it)."""
+    """The outer state's momentum at `version`, rebuilt from the log (a checkpoint, the merges after it)."""
     from diloco.merger.replay import recover
 
     return recover(ctx, read_manifest(ctx.store, ctx.keys, version)).outer.momentum

@@ -68,11 +68,12 @@ class Encoder:
     cannot shrink is a view of the stream, which for unshuffled fp32 is a view of the array).
     `into_bytearray`: the same bytes, built in one bytearray each frame is appended to as it is made (grown
     in place, the header put in front at the end): the frames are never all held beside the object.
-    `compress=False`: every frame stored raw, no lz4 (fp32 state, which lz4 shrinks by about a tenth at a cost
-    in time; decode needs nothing to tell: a frame as long as its raw size is raw). Otherwise fp32/bf16 frames
-    are lz4 blocks (shuffled planes have runs) and quantized ones zstd frames (their codes have no runs, but
-    skewed values: int4 ~3.2 bits of entropy in 4), recorded as the header's `compression`; `compression` names
-    it instead (a chain checkpoint's shuffled fp32 parts: zstd takes ~1/6 off, lz4 ~1/12)."""
+    `compress=False`: every frame stored raw, no lz4 (fp32 state, which lz4 shrinks by about a tenth at a
+    cost in time; decode needs nothing to tell: a frame as long as its raw size is raw). Otherwise
+    fp32/bf16 frames are lz4 blocks (shuffled planes have runs) and quantized ones zstd frames (their codes
+    have no runs, but skewed values: int4 ~3.2 bits of entropy in 4), recorded as the header's
+    `compression`; `compression` names it instead (a chain checkpoint's shuffled fp32 parts: zstd takes
+    ~1/6 off, lz4 ~1/12)."""
 
     def __init__(self, *, codec: str, kind: str, fingerprint: str, meta: Mapping[str, Any] | None = None,
                  shuffle: bool = True, block_size: int | None = None, into_bytearray: bool = False,

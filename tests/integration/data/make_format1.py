@@ -1,10 +1,10 @@
-"""Writes tests/integration/data/format1/: two small runs (P = 1 and P = 2) in storage format 1 — every version
-holds its full params and outer state, as runs made before the log (issue #41) do — for
+"""Writes tests/integration/data/format1/: two small runs (P = 1 and P = 2) in storage format 1 — every
+version holds its full params and outer state, as runs made before the log (issue #41) do — for
 tests/integration/test_log_state.py::test_a_run_of_the_format_before_the_log_still_audits_exports_and_forks.
 
-Not a test module. It must run with the code that writes format 1 (commit 6740566, before the log):
-    git archive 6740566 | tar -x -C /tmp/old && cd /tmp/old && PYTHONPATH=$PWD python \
-        <checkout>/tests/integration/data/make_format1.py <checkout>/tests/integration/data/format1
+Not a test module. It must run with the code that writes format 1 (commit 6740566, before the log): git
+archive 6740566 | tar -x -C /tmp/old && cd /tmp/old && PYTHONPATH=$PWD python \
+<checkout>/tests/integration/data/make_format1.py <checkout>/tests/integration/data/format1
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from diloco.run.create import create_run
 from diloco.storage import open_store
 
 OVERRIDES = {"model.d_model": 16, "model.n_head": 2, "model.n_layer": 1, "model.ctx_len": 16,
-             "run.num_learners": 2, "merger.quorum": 2, "inner.steps_per_phase": 4, "learner.probe_every_steps": 2,
+             "run.num_learners": 2, "merger.quorum": 2, "inner.steps_per_phase": 4,
+             "learner.probe_every_steps": 2,
              "inner.dylu": False, "learner.local_state_every_steps": 0, "learner.prefetch": False,
              "learner.checkpoint": False, "outer.momentum": 0.5, "outer.update_codec": "int4",
              "learner.codec": "int4", "data.batch_size": 2}
