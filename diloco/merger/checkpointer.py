@@ -5,8 +5,8 @@ once landed.
 Contract: a chain's checkpoint of version v is started only after v is committed (so it is the chain's
 state, and records v's manifest checksum), from the tensors the merger holds: the next merge's step (which
 changes them in place) waits until every part's bytes are built (`before_step`), never for the puts. A
-manifest names the newest checkpoint landed before its commit (never one older than its parent names): so v
-- checkpoint(v) stays under K plus the rounds a write takes, and never passes 2K (K_MAX_FACTOR): past it
+manifest names the newest checkpoint landed before its commit (never one older than its parent names): so
+v − checkpoint(v) stays under K plus the rounds a write takes, and never passes 2K (K_MAX_FACTOR): past it
 the merger waits for the write in flight, or writes one itself before it steps. A write that fails on
 storage is logged and tried again at the next version; any other error is raised on the merger's thread at
 its next look.

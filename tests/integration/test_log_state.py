@@ -6,13 +6,13 @@ merges after it, replayed.
 Checked here, on tiny runs driven in one process in a fixed order (the committed bits depend only on the
 seed): replay from checkpoint + log is bit for bit the run that wrote its full state every version (K = 1),
 at P = 1 and P = 2; a merger killed after a commit, mid-checkpoint (after one part of several) or after the
-checkpoint landed unnamed, and a merger that lost a commit race, rebuild the state and commit what an
-undisturbed run commits; a learner joins at every offset from a checkpoint (and a far-behind one catches
-up) with the merger's exact bits; gc's retention keeps what the kept versions need (rejoin, a merger's
-restart, audit of the kept history, export) and refuses what it removed by name; a replay that does not
-make the committed update stops the merger; a run of the format before the log (storage format 1,
-tests/integration/data/format1) still audits, exports, forks and merges on; a checkpoint's parts split a
-tensor and a damaged part is named.
+checkpoint landed unnamed, a merger that lost a commit race, and one restarted far behind rebuild the state
+and commit what an undisturbed run commits; a learner joins at every offset from a checkpoint (and a
+far-behind one catches up) with the merger's exact bits; the evaluator follows the updates; gc's retention
+keeps what the kept versions need (rejoin, a merger's restart, audit of the kept history, export) and
+refuses what it removed by name; a replay that does not make the committed update stops the merger; a run
+of the format before the log (storage format 1, tests/integration/data/format1) still audits, exports,
+forks and merges on; a checkpoint's parts split a tensor and a damaged part is named.
 
 Run: .venv/bin/pytest tests/integration/test_log_state.py -q   (about a minute)
 """
@@ -36,7 +36,7 @@ from diloco.learner.learner import Learner
 from diloco.learner.prefetch import fetch_global
 from diloco.merger.loop import ShardMerger
 from diloco.merger.replay import ReplayMismatch, recover
-from diloco.run.chain_state import chain_params, params_at
+from diloco.run.chain_state import ChainFollower, chain_params, params_at
 from diloco.run.checkpoint import checkpoint_of, plan_parts, read_checkpoint, write_checkpoint
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.create import create_run
@@ -202,6 +202,37 @@ def test_the_loser_of_a_commit_race_rebuilds_the_winners_state(tmp_path: Path) -
     rival.close()
     assert updates(run.ctx) == updates(reference.ctx)
     assert audit_run(run.ctx).ok
+
+
+def test_a_merger_restarted_far_behind_starts_from_the_newest_checkpoint(tmp_path: Path) -> None:
+    reference = Run(tmp_path, "ref", 3)
+    reference.rounds(12)
+    reference.close()
+    run = Run(tmp_path, "behind", 3)
+    run.rounds(2)
+    asleep = run.merger  # stopped at version 2, holding its state, while another merger goes on
+    run.merger = ShardMerger(run.ctx, 0, "merger-2")
+    run.rounds(9)
+    run.merger.close()
+    run.merger = asleep  # back, 9 versions behind: the newest checkpoint, not 9 merges replayed from memory
+    run.rounds(1)
+    run.close()
+    woke = asleep.chains[0].state.last_load
+    assert woke.checkpoint.version == 9 and woke.replayed == 2
+    assert updates(run.ctx) == updates(reference.ctx)
+
+
+def test_the_evaluator_follows_the_updates_and_reads_a_checkpoint_only_far_ahead(tmp_path: Path) -> None:
+    run = Run(tmp_path, "follow", 3)
+    run.rounds(9)
+    run.close()
+    follower = ChainFollower(run.ctx, reach=3)
+    for version in (0, 1, 2, 5, 6, 7, 8):  # 2 -> 5 is three updates; 0 is the first read
+        manifest = read_manifest(run.ctx.store, run.ctx.keys, version)
+        assert same(follower.at(manifest), chain_params(run.ctx, manifest))
+    assert (follower.checkpoints_read, follower.updates_read) == (1, 8)
+    assert same(follower.at(read_manifest(run.ctx.store, run.ctx.keys, 3)), params_at(run.ctx, 3)[0])
+    assert follower.checkpoints_read == 2  # back in time: from a checkpoint again
 
 
 def test_a_learner_joins_at_every_offset_from_a_checkpoint_with_the_mergers_bits(tmp_path: Path) -> None:
