@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from diloco.inspect.fork import fork
 from diloco.run.context import open_run
 from diloco.storage import open_store
 from diloco.storage.store import Store
 from diloco.supervise.operate import (
     admit_learner,
-    fork,
     parse_assignments,
     pause_merges,
     prepare_resume,

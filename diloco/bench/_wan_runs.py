@@ -235,18 +235,6 @@ def _start_evaluator(ctx, held: HeldOut) -> None:
     _EVAL.update(ctx=ctx, held=held)
 
 
-def _losses(jobs: list[tuple[str, str | None]]) -> list[float]:
-    """In a forked evaluator: the held-out loss of each (params key, checksum)."""
-    from diloco.run.objects import read_tensors
-
-    ctx, held = _EVAL["ctx"], _EVAL["held"]
-    out = []
-    for key, checksum in jobs:
-        _, params = read_tensors(ctx.store, key, fingerprint=ctx.fingerprint, checksum=checksum)
-        out.append(held.loss(params))
-    return out
-
-
 def _in_evaluators(ctx, held: HeldOut, fn, items: list) -> list:
     """fn over shares of `items` in EVAL_PROCS forked evaluators (ctx and held inherited, not pickled); one
     result per item, in order."""
@@ -260,14 +248,9 @@ def _in_evaluators(ctx, held: HeldOut, fn, items: list) -> list:
 
 def _curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float, int]]:
     """Every version's held-out loss, evaluated after the run (its learners are gone) by EVAL_PROCS forked
-    processes, each a share of the versions (the same model, batches and bits as one process would use)."""
-    from diloco.inspect.report import manifests
-
-    if ctx.fragments:
-        return _run_version_curve(ctx, held, t0)
-    found = manifests(ctx)
-    losses = _in_evaluators(ctx, held, _losses, [(m.params_key, m.params_checksum) for m in found])
-    return [(max(0.0, m.created_at - t0), loss, m.version) for m, loss in zip(found, losses, strict=True)]
+    processes, each a share of the versions (the same model, batches and bits as one process would use); a
+    version's parameters from its checkpoint and updates (read_run_version), at P = 1 as for fragments."""
+    return _run_version_curve(ctx, held, t0)
 
 
 def _run_version_losses(versions: list[int]) -> list[tuple[float, float]]:

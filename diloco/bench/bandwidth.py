@@ -1,7 +1,10 @@
-"""`diloco bandwidth`: the link speed between sites that keeps learners >= 95% busy, DP vs DiLoCo.
+"""`diloco bandwidth`: the link speed between sites that keeps learners >= 95% busy, DP vs DiLoCo; and how
+fast the bucket grows (the log: an update a version, a checkpoint every K; against every version's full
+state).
 
-Contract: a closed-form traffic model (the one `bench quality` measures), no I/O but the optional
-JSON; codec sizes come from encoding a fixed synthetic delta with the real codec.
+Contract: a closed-form traffic model (the one `bench quality` measures), no I/O but the optional JSON;
+codec sizes come from encoding a fixed synthetic delta with the real codec, a checkpoint's from encoding a
+Gaussian fp32 tensor as a checkpoint part is encoded (shuffled, zstd).
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco.configs import ConfigError
-from diloco.storage.codec import CODECS, encode
+from diloco.configs.schema import CHECKPOINT_EVERY
+from diloco.storage.codec import CODECS, Encoder, encode
 
 FP32_BYTES = 4  # bytes per parameter of an uncompressed fp32 tensor
 _SAMPLE_PARAMS = 1 << 20  # a 1M-parameter Gaussian delta measures each codec's size (header included)
+STATE_TENSORS = 3  # a checkpoint's tensors per parameter: params, momentum, the update's residual (12 B raw)
+FORMAT1_STATE_BYTES = 12.0  # a version's state objects before the log: params (4), outer state (8), raw fp32
+MANIFEST_BYTES = 5_000  # a manifest at 8 learners (docs/STORAGE.md: ~1.9 KB + ~380 B a decision)
 
 
 @functools.cache
@@ -30,6 +37,37 @@ def codec_bytes_per_param(codec: str) -> float:
     x = np.random.default_rng(0).standard_normal(_SAMPLE_PARAMS).astype(np.float32) * 1e-3
     data = encode({"w": x.reshape(1024, 1024)}, codec=codec, kind="delta", fingerprint="bandwidth", meta={})
     return len(data) / _SAMPLE_PARAMS
+
+
+@functools.cache
+def checkpoint_bytes_per_param() -> float:
+    """Bytes per parameter of one fp32 state tensor in a chain checkpoint (byte-shuffled, zstd frames)."""
+    x = np.random.default_rng(0).standard_normal(_SAMPLE_PARAMS).astype(np.float32) * 2e-2
+    encoder = Encoder(codec="fp32", kind="checkpoint", fingerprint="bandwidth", compression="zstd")
+    encoder.add("w", x)
+    return len(encoder.finish()) / _SAMPLE_PARAMS
+
+
+def bucket_growth(num_params: int, num_learners: int, versions_per_hour: float, codec: str, update_codec: str,
+                  checkpoint_every: int | None = None) -> dict[str, Any]:
+    """Bytes a run stores a version and an hour (quorum = all: one delta per learner a version): the merger's
+    side (the update, the manifest, 1/K of a checkpoint) and the learners' deltas; and the same before the
+    log (every version's full state)."""
+    k = checkpoint_every or CHECKPOINT_EVERY[update_codec]
+    update = codec_bytes_per_param(update_codec) * num_params
+    checkpoint = STATE_TENSORS * checkpoint_bytes_per_param() * num_params
+    merger = update + MANIFEST_BYTES + checkpoint / k
+    deltas = num_learners * codec_bytes_per_param(codec) * num_params
+    format1 = update + MANIFEST_BYTES + FORMAT1_STATE_BYTES * num_params
+    return {"checkpoint_every": k, "checkpoint_bytes": checkpoint,
+            "bucket_merger_bytes_per_version": merger,
+            "bucket_merger_bytes_per_param_per_version": merger / num_params,
+            "bucket_bytes_per_version": merger + deltas,
+            "bucket_bytes_per_hour": (merger + deltas) * versions_per_hour,
+            "bucket_bytes_per_day": (merger + deltas) * versions_per_hour * 24,
+            "bucket_format1_bytes_per_version": format1 + deltas,
+            "bucket_format1_bytes_per_hour": (format1 + deltas) * versions_per_hour,
+            "versions_per_hour": versions_per_hour}
 
 
 def allreduce_bytes_per_step(num_params: int, num_learners: int, bytes_per_param: float = FP32_BYTES) -> float:
@@ -53,7 +91,7 @@ def required_gbps(bytes_per_round: float, compute_s: float, busy: float, overlap
 
 def bandwidth_model(num_params: int, step_time_s: float, num_learners: int, inner_steps: int,
                     codec: str, update_codec: str = "fp32", busy: float = 0.95,
-                    updates_per_phase: float = 1.0) -> dict[str, Any]:
+                    updates_per_phase: float = 1.0, checkpoint_every: int | None = None) -> dict[str, Any]:
     """Gbps per learner link for data-parallel (every step) and DiLoCo (every H steps).
 
     DP: fp32 ring all-reduce of the gradients each step; exposed (no overlap) and fully overlapped.
@@ -78,6 +116,8 @@ def bandwidth_model(num_params: int, step_time_s: float, num_learners: int, inne
     }
     out["reduction_overlapped"] = out["dp_gbps_overlapped"] / out["diloco_gbps_overlapped"]
     out["reduction_exposed"] = out["dp_gbps_exposed"] / out["diloco_gbps_overlapped"]
+    out.update(bucket_growth(num_params, num_learners, 3600.0 / phase_s, codec, update_codec,
+                             checkpoint_every))
     return out
 
 
@@ -93,6 +133,24 @@ def _print(row: dict[str, Any]) -> None:
         f"{row['reduction_exposed']:.0f}x / {row['reduction_overlapped']:.0f}x",
     )  # fmt: skip
     Console().print(table)
+    k = row["checkpoint_every"]
+    growth = Table(title=f"bucket growth (a version per phase; a checkpoint every K = {k} "
+                         "versions; before the log: every version's full state)")
+    for col in ("merger B/param/version", "stored per version", "per hour", "per day", "before: per version",
+                "before: per hour"):
+        growth.add_column(col, justify="right")
+    sizes = ("bytes_per_version", "bytes_per_hour", "bytes_per_day", "format1_bytes_per_version",
+             "format1_bytes_per_hour")
+    growth.add_row(f"{row['bucket_merger_bytes_per_param_per_version']:.3f}",
+                   *(_size(row[f"bucket_{k}"]) for k in sizes))
+    Console().print(growth)
+
+
+def _size(size: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size:.0f} B"
 
 
 def bandwidth(
@@ -104,12 +162,14 @@ def bandwidth(
     update_codec: str = "fp32",
     busy: float = 0.95,
     json_path: Path | None = None,
+    checkpoint_every: int | None = None,
 ) -> None:
     """Bandwidth needed between sites: data-parallel all-reduce vs one delta per H steps."""
     for name, value in (("--codec", codec), ("--update-codec", update_codec)):
         if value not in CODECS:
             raise ConfigError(f"{name} {value!r} must be one of {', '.join(CODECS)}")
-    row = bandwidth_model(int(num_params), step_time_s, num_learners, inner_steps, codec, update_codec, busy)
+    row = bandwidth_model(int(num_params), step_time_s, num_learners, inner_steps, codec, update_codec, busy,
+                          checkpoint_every=checkpoint_every)
     _print(row)
     if json_path is not None:
         json_path.write_text(json.dumps(row, indent=2) + "\n")

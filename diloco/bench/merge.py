@@ -21,9 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from diloco.configs import Config, ConfigError, load_config
+from diloco.run.chain_state import chain_params
 from diloco.run.context import open_run
 from diloco.run.create import create_run
-from diloco.run.objects import encode_tensors, read_tensors
+from diloco.run.objects import encode_tensors
 from diloco.storage import open_store, read_latest
 
 SIZES = {  # model overrides; "bench" is the recipe's own model
@@ -37,7 +38,7 @@ DEFAULT_LEARNERS = "2,4,8,16,32,64"
 def _publish_fake_deltas(cfg: Config, storage: str, run_id: str) -> int:
     """Version 0 plus one Gaussian delta per learner (the learner codec); returns the delta size."""
     ctx = create_run(open_store(storage), run_id, cfg)
-    _, params = read_tensors(ctx.store, read_latest(ctx.store, ctx.keys).params_key)
+    params = chain_params(ctx, read_latest(ctx.store, ctx.keys))
     gen = torch.Generator().manual_seed(0)
     size = 0
     for i, name in enumerate(ctx.learners):

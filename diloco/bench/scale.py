@@ -1,17 +1,22 @@
-"""`diloco bench scale`: merge memory, merge time and peak upload against the number of fragments, at GPT-2
-small's size (124M parameters), with M synthetic int4 deltas per fragment merged by the real sharded merger.
+"""`diloco bench scale`: merge memory, merge time, bucket growth, a merger's restart, a learner's rejoin and
+peak upload against the number of fragments, at GPT-2 small's size (124M parameters), with M synthetic int4
+deltas per fragment and round merged by the production merger: one process holding every chain's state, a
+checkpoint every K versions (`state.checkpoint_every`), over 3 K rounds.
 
-Contract: each row merges one whole round (every fragment, every learner) in a fresh spawned process on a
-file:// store the parent prepared (ru_maxrss growth over the round is clean); the upload figures come from
-the staggered schedule (fragment p due at step p*H/P) and the encoded sizes; prints a table, writes JSON.
-Peak RSS is the child's own VmHWM, reset before the round (ru_maxrss would carry the parent's across exec).
-Each row also times, in the same child after the round, what the merge-time target is measured against (reading
-and decoding the round's deltas) and the round's state traffic alone (state_io_s): the floor of a round.
+Contract: each row runs its merger in fresh spawned processes on a file:// run the parent prepared (the
+VmHWM growth over a round is the merge's, not the state it holds): rounds 1..3K-1; then a learner rejoins
+from nothing at version 3K - 1 (K - 1 versions past checkpoint 2K); then a merger starts cold there
+(checkpoint 2K + K - 1 replayed merges: `recovery_s`) and merges round 3K, whose checkpoint lands. The
+bytes are everything the merger side put in those 3K rounds; the upload figures come from the staggered
+schedule (fragment p due at step p*H/P) and the encoded sizes; prints a table, writes JSON. Each row also
+times, in the same process after its rounds, what the merge-time target is measured against (reading and
+decoding a round's deltas).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -22,9 +27,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from diloco.bench._scale_rounds import rejoin_child, rounds_child, template_key
 from diloco.bench.merge import in_fresh_process
 from diloco.configs import Config, ConfigError, load_config
-from diloco.run.fragments import fragment_context
+from diloco.configs.schema import checkpoint_every as interval_of
 from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.storage import open_store
 from diloco.training.fragments import due_offset
@@ -39,8 +45,9 @@ STEPS_PER_PHASE = 24  # the paper's H (= P at P = 24: one fragment out per step)
 DELTA_SCALE = 1e-3  # synthetic deltas: N(0, 1e-3), the size of an AdamW phase's movement at lr 3e-3
 
 
-def bench_config(size: str, num_learners: int, num_fragments: int) -> Config:
-    return load_config("bench").with_overrides({
+def bench_config(size: str, num_learners: int, num_fragments: int,
+                 checkpoint_every: int | None = None) -> Config:
+    return load_config("bench").with_overrides({"state.checkpoint_every": checkpoint_every,
         **SIZES[size], "run.num_learners": num_learners, "merger.quorum": num_learners, "merger.grace_cap_s": 0.0,
         "learner.codec": "int4", "inner.steps_per_phase": max(STEPS_PER_PHASE, num_fragments),
         "fragments.count": num_fragments, "fragments.overlap_steps": 2, "merger.shards": 1,
@@ -54,14 +61,14 @@ def _fragment_shapes(ctx) -> list[dict[str, list[int]]]:
 
 
 def _publish(cfg: Config, storage: str, run_id: str) -> tuple[list[int], list[int]]:
-    """Create the run and one int4 delta per (fragment, learner), one at a time (O(fragment) memory);
-    returns (learner 0's encoded bytes per fragment, fp32 bytes per fragment)."""
+    """Create the run and one int4 delta per (fragment, learner), one at a time (O(fragment) memory), kept as
+    the templates of every round's deltas (outside the run); returns (learner 0's encoded bytes per
+    fragment, fp32 bytes per fragment)."""
     from diloco.run.create import create_run
 
     ctx = create_run(open_store(storage), run_id, cfg)
     sizes, fp32 = [], []
     for index, shapes in enumerate(_fragment_shapes(ctx)):
-        keys = fragment_context(ctx, index).keys
         fp32.append(4 * sum(torch.Size(s).numel() for s in shapes.values()))
         for m, name in enumerate(ctx.learners):
             gen = torch.Generator().manual_seed(1000 * index + m)
@@ -69,7 +76,7 @@ def _publish(cfg: Config, storage: str, run_id: str) -> tuple[list[int], list[in
             meta = {"learner": name, "seq": 0, "base_version": 0, "tokens": 1024 * (m + 1),
                     "steps": cfg.inner.steps_per_phase, "phase_time_s": 1.0, "train_loss": 2.0, "created_at": 0.0}
             data = encode_tensors(delta, codec_name="int4", kind="delta", fingerprint=ctx.fingerprint, meta=meta)
-            ctx.store.put_if_absent(keys.delta(name, 0), data)
+            ctx.store.put(template_key(index, name), data)
             if m == 0:
                 sizes.append(len(data))
             del delta, data
@@ -98,56 +105,6 @@ def peak_rss_bytes() -> int:
     return _status_kib("VmHWM") * 1024
 
 
-def _merge_child(storage: str, run_id: str, queue: Any) -> None:
-    """In a fresh process: one round by the real merger (all fragments), then read + decode the same deltas."""
-    import gc
-
-    from diloco.merger.loop import ShardMerger
-    from diloco.run.context import open_run
-
-    torch.set_num_threads(1)
-    ctx = open_run(storage, run_id)
-    # every chain read for its merge and released (a shard's fragment), at P = 1 too, so every row measures the same
-    # round (a whole-model run's merger keeps its state between merges instead: keep_state, not measured here)
-    shard = ShardMerger(ctx, 0, keep_state=False)
-    gc.collect()
-    before = reset_peak_rss()
-    t0 = time.perf_counter()
-    merged = shard.poll_once()
-    merge_s = time.perf_counter() - t0
-    peak = peak_rss_bytes() - before
-    t0 = time.perf_counter()
-    for index in range(len(ctx.fragments) or 1):
-        keys = fragment_context(ctx, index).keys
-        for name in ctx.learners:
-            decode_tensors(ctx.store.get(keys.delta(name, 0)))
-    read_decode_s = time.perf_counter() - t0
-    if len(merged) != (len(ctx.fragments) or 1):  # state_io_s pairs the i-th merge with fragment i
-        raise RuntimeError(f"{len(merged)} merges for {len(ctx.fragments) or 1} fragments")
-    queue.put({"merge_s": merge_s, "peak_rss_bytes": peak, "read_decode_s": read_decode_s,
-               "state_io_s": state_io_s(ctx, merged), "merged": sum(len(m.merged()) for m in merged),
-               "merges": len(merged)})
-
-
-def state_io_s(ctx, merged: list) -> float:
-    """The state traffic of a round with no arithmetic: each merged fragment's params and outer state read back
-    (checked, decoded) and written again as a version writes them (write_state: put, fsync, checksum), one
-    fragment at a time. A merger that holds O(fragment) cannot keep its fragments' state between rounds, so a
-    round cannot take less than this plus reading and decoding its deltas."""
-    from diloco.run.objects import read_tensors, write_state
-
-    t0 = time.perf_counter()
-    for index, manifest in enumerate(merged):  # one merge per fragment, in order (_merge_child checks the count)
-        fctx = fragment_context(ctx, index)
-        _, params = read_tensors(ctx.store, manifest.params_key, checksum=manifest.params_checksum)
-        _, outer = read_tensors(ctx.store, manifest.outer_key, checksum=manifest.outer_checksum)
-        for what, tensors in (("params", params), ("outer", outer)):
-            write_state(ctx.store, f"{fctx.keys.global_prefix()}scratch-{what}", tensors, kind=what,
-                        fingerprint=ctx.fingerprint, consume=True)
-        del params, outer
-    return time.perf_counter() - t0
-
-
 def peak_window_bytes(fragment_bytes: list[int], steps_per_phase: int) -> int:
     """The most one learner uploads in any window of H/P steps of the staggered schedule (two phases)."""
     count = len(fragment_bytes)
@@ -160,20 +117,35 @@ def peak_window_bytes(fragment_bytes: list[int], steps_per_phase: int) -> int:
     return max(sum(uploads[s:s + window]) for s in range(1, len(uploads) - window + 1))
 
 
-def measure_row(size: str, num_learners: int, num_fragments: int) -> dict[str, Any]:
-    cfg = bench_config(size, num_learners, num_fragments)
+def measure_row(size: str, num_learners: int, num_fragments: int,
+                checkpoint_every: int | None = None) -> dict[str, Any]:
+    cfg = bench_config(size, num_learners, num_fragments, checkpoint_every)
+    k = interval_of(cfg)
+    rounds = 3 * k
     with tempfile.TemporaryDirectory(prefix="diloco-scale-bench-") as tmp:
         storage = f"file://{tmp}"
         sizes, fp32 = _publish(cfg, storage, "scale")
-        got = in_fresh_process(_merge_child, (storage, "scale"), timeout_s=3600.0)
-    if got["merged"] != num_learners * num_fragments:
-        raise RuntimeError(f"P={num_fragments}: merged {got['merged']} deltas, expected {num_learners * num_fragments}")
+        first = in_fresh_process(rounds_child, (storage, "scale", 0, rounds - 2), timeout_s=7200.0)
+        rejoin = in_fresh_process(rejoin_child, (storage, "scale"), timeout_s=3600.0)
+        last = in_fresh_process(rounds_child, (storage, "scale", rounds - 1, rounds - 1), timeout_s=3600.0)
+    params = sum(fp32) // 4
+    merge_s = statistics.median(first["merge_s"] + last["merge_s"])
+    read_decode_s = first["read_decode_s"]
+    per_version = (first["sent_bytes"] + last["sent_bytes"]) / rounds
     return {"fragments": num_fragments, "largest_fragment_mb": max(fp32) / 1e6,
-            "merge_peak_rss_mb": got["peak_rss_bytes"] / 1e6, "merge_s_per_round": got["merge_s"],
-            "publish_mb": sum(sizes) / len(sizes) / 1e6,
+            "merge_peak_rss_mb": max(first["peak_rss_bytes"] + last["peak_rss_bytes"]) / 1e6,
+            "merge_s_per_round": merge_s, "publish_mb": sum(sizes) / len(sizes) / 1e6,
             "_peak_window_bytes": peak_window_bytes(sizes, cfg.inner.steps_per_phase),
-            "_whole_bytes": sum(sizes), "read_decode_s": got["read_decode_s"], "state_io_s": got["state_io_s"],
-            "merge_vs_read_decode": got["merge_s"] / got["read_decode_s"], "_params": sum(fp32) // 4}
+            "_whole_bytes": sum(sizes), "read_decode_s": read_decode_s,
+            "state_io_s": sum(first["checkpoint_s"] + last["checkpoint_s"]) / rounds,
+            "merge_vs_read_decode": merge_s / read_decode_s,
+            "bucket_bytes_per_version": per_version,
+            "bucket_bytes_per_param_per_version": per_version / params,
+            "recovery_s": last["load_s"], "recovery_replayed": last["replayed"],
+            "rejoin_s": rejoin["rejoin_s"], "rejoin_bytes": rejoin["rejoin_bytes"],
+            "rejoin_full_params_s": rejoin["rejoin_full_params_s"],
+            "merger_rss_mb": max(first["rss_high_bytes"] + last["rss_high_bytes"]) / 1e6,
+            "state_held_mb": 12 * params / 1e6, "checkpoint_every": k, "rounds": rounds, "_params": params}
 
 
 def codec_speed(num_elements: int, repeats: int = 3) -> dict[str, float]:
@@ -193,23 +165,40 @@ def codec_speed(num_elements: int, repeats: int = 3) -> dict[str, float]:
 
 
 def _print(result: dict[str, Any]) -> None:
+    rows = result["rows"]
     table = Table(title=f"bench scale: {result['model_params']:,} params, {result['learners']} learners, int4, "
-                        "one round merged by the real merger (fresh process per row)")
+                        f"{rows[0]['rounds']} rounds merged by the production merger "
+                        f"(K = {rows[0]['checkpoint_every']})")
     for col in ("P", "largest frag MB", "merge peak RSS MB", "target MB", "merge s/round", "read+decode s",
-                "state I/O s", "publish MB", "peak upload vs P=1", "target"):
+                "ckpt s/round", "publish MB", "peak upload vs P=1", "target"):
         table.add_column(col, justify="right")
-    for row in result["rows"]:
+    for row in rows:
         table.add_row(str(row["fragments"]), f"{row['largest_fragment_mb']:.1f}", f"{row['merge_peak_rss_mb']:.0f}",
                       f"{4 * row['largest_fragment_mb'] + 300:.0f}", f"{row['merge_s_per_round']:.2f}",
                       f"{row['read_decode_s']:.2f}", f"{row['state_io_s']:.2f}", f"{row['publish_mb']:.2f}",
                       f"{row['peak_upload_ratio_vs_unfragmented']:.3f}", f"{1.4 / row['fragments']:.3f}")
     Console().print(table)
+    log = Table(title="the log: bucket growth, a merger's cold restart, a learner's rejoin (targets at 124M: "
+                      "<= 1.5 "
+                      "B/param/version, <= 60 s, <= 2x the full-params rejoin)")
+    for col in ("P", "bucket MB/version", "B/param/version", "recovery s", "replayed", "rejoin s",
+                "rejoin MB",
+                "full-params rejoin s", "state held MB", "merger RSS MB"):
+        log.add_column(col, justify="right")
+    for row in rows:
+        log.add_row(str(row["fragments"]), f"{row['bucket_bytes_per_version'] / 1e6:.1f}",
+                    f"{row['bucket_bytes_per_param_per_version']:.3f}", f"{row['recovery_s']:.1f}",
+                    str(row["recovery_replayed"]), f"{row['rejoin_s']:.2f}",
+                    f"{row['rejoin_bytes'] / 1e6:.0f}", f"{row['rejoin_full_params_s']:.2f}",
+                    f"{row['state_held_mb']:.0f}", f"{row['merger_rss_mb']:.0f}")
+    Console().print(log)
     codec = result["codec"]["int4"]
     Console().print(f"int4 codec: encode {codec['encode_mb_s']:.0f} MB/s, decode {codec['decode_mb_s']:.0f} MB/s")
 
 
 def bench_scale(json_path: Path | None = None, params: str = "124m", learners: int = 8,
-                fragments: str = "1,4,12,24", quick: bool = False) -> dict[str, Any]:
+                fragments: str = "1,4,12,24", quick: bool = False,
+                checkpoint_every: int | None = None) -> dict[str, Any]:
     """The table and JSON of `diloco bench scale` (`quick`: the small model, for tests)."""
     size = "quick" if quick else params
     try:
@@ -221,9 +210,13 @@ def bench_scale(json_path: Path | None = None, params: str = "124m", learners: i
                           "--fragments comma-separated ints >= 1") from None
     rows = []
     for count in counts:
-        rows.append(measure_row(size, learners, count))
-        print(f"  P={count}: merge {rows[-1]['merge_s_per_round']:.2f}s, peak RSS +{rows[-1]['merge_peak_rss_mb']:.0f} "
-              f"MB", file=sys.stderr)
+        rows.append(measure_row(size, learners, count, checkpoint_every))
+        row = rows[-1]
+        print(f"  P={count}: merge {row['merge_s_per_round']:.2f}s, "
+              f"peak RSS +{row['merge_peak_rss_mb']:.0f} MB, "
+              f"{row['bucket_bytes_per_param_per_version']:.2f} B/param/version, "
+              f"recovery {row['recovery_s']:.1f}s, "
+              f"rejoin {row['rejoin_s']:.1f}s", file=sys.stderr)
     whole = next((r["_whole_bytes"] for r in rows if r["fragments"] == 1), None)
     params_count = rows[0]["_params"]
     for r in rows:

@@ -103,8 +103,9 @@ def _bucket(ctx, storage: str, n: int, versions: int) -> dict[str, Any]:
     folder."""
     if not storage.startswith("file://"):
         return {"bucket_bytes_per_param_per_version": None}
-    root = os.path.join(storage.removeprefix("file://"), ctx.run_id)
-    initial = set()
+    base = storage.removeprefix("file://")
+    root = os.path.join(base, ctx.run_id)
+    initial: list[str] = []  # version 0's objects (paths, or a checkpoint's folder), of every chain
     chains = [ctx.keys]
     if ctx.fragments:
         chains += [fragment_context(ctx, i).keys for i in range(num_fragments(ctx))]
@@ -113,13 +114,16 @@ def _bucket(ctx, storage: str, n: int, versions: int) -> dict[str, Any]:
             m0 = read_manifest(ctx.store, keys, 0)
         except StorageError:
             continue
-        initial |= {k.rsplit("/", 1)[-1] for k in (m0.params_key, m0.buffers_key) if k}
+        initial += [os.path.join(base, k) for k in (m0.params_key, m0.buffers_key) if k]
+        if m0.checkpoint is not None:
+            initial.append(os.path.join(base, os.path.dirname(m0.checkpoint.key)) + os.sep)
     by_folder: dict[str, int] = defaultdict(int)
     for folder, _, files in os.walk(root):
         top = os.path.relpath(folder, root).split(os.sep)[0]
         for name in files:
-            if name not in initial:
-                by_folder[top if top != "." else "run"] += os.path.getsize(os.path.join(folder, name))
+            path = os.path.join(folder, name)
+            if not any(path == i or (i.endswith(os.sep) and path.startswith(i)) for i in initial):
+                by_folder[top if top != "." else "run"] += os.path.getsize(path)
     total = sum(by_folder.values())
     return {"bucket_bytes_per_param_per_version": total / n / versions,
             "bucket_bytes_by_folder": dict(by_folder)}

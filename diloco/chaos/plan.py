@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from diloco.configs import ConfigError
 from diloco.storage.keys import InvalidName, validate_learner_name
 
-MergeStage = Literal["listing", "writing", "before_manifest", "after_manifest"]
+# a merge's stages, and a checkpoint's (its writer thread: after each part is put, after its JSON landed)
+MergeStage = Literal["listing", "writing", "before_manifest", "after_manifest", "checkpoint_part",
+                     "checkpoint_written"]
 BadVariant = Literal["corrupt", "truncated", "duplicated", "nan", "oversized", "stale"]
 
 

@@ -154,12 +154,17 @@ def _bench_scale(
     learners: int = typer.Option(8, "--learners", min=1, help="Synthetic int4 deltas per fragment and round."),
     fragments: str = typer.Option("1,4,12,24", "--fragments", help="Comma-separated fragment counts P."),
     quick: bool = typer.Option(False, "--quick", help="A small model instead (seconds; the tests use it)."),
+    checkpoint_every: int | None = typer.Option(
+        None, "--checkpoint-every", min=1,
+        help="K (state.checkpoint_every; default the recipe's): 3K rounds."),
 ) -> None:
-    """Merge memory and time, and peak upload, against the number of fragments (one round per P)."""
+    """Merge memory and time, bucket growth, a merger's restart, a learner's rejoin and peak upload against
+    the number of fragments (3K rounds per P by the production merger)."""
     from diloco.bench.scale import bench_scale
 
     with user_errors():
-        bench_scale(json_path=json_path, params=params, learners=learners, fragments=fragments, quick=quick)
+        bench_scale(json_path=json_path, params=params, learners=learners, fragments=fragments, quick=quick,
+                    checkpoint_every=checkpoint_every)
 
 @bench.command("outage")
 def _bench_outage(
@@ -186,12 +191,17 @@ def _bandwidth(
     update_codec: str = typer.Option("fp32", "--update-codec", help="Codec of the compact update sent back."),
     busy: float = typer.Option(0.95, "--busy", min=0.01, max=0.99, help="Fraction of time learners compute."),
     json_path: Path | None = typer.Option(None, "--json", help="Write the row as JSON here."),
+    checkpoint_every: int | None = typer.Option(
+        None, "--checkpoint-every", min=1, help="K of the bucket growth (default: from the update codec)."),
 ) -> None:
-    """Bandwidth needed between sites: data-parallel all-reduce vs one delta per H steps."""
+    """Bandwidth needed between sites: data-parallel all-reduce vs one delta per H steps; and the bucket's
+    growth."""
     from diloco.bench.bandwidth import bandwidth
 
     with user_errors():
-        bandwidth(num_params=num_params, step_time_s=step_time_s, num_learners=num_learners, inner_steps=inner_steps, codec=codec, update_codec=update_codec, busy=busy, json_path=json_path)
+        bandwidth(num_params=num_params, step_time_s=step_time_s, num_learners=num_learners,
+                  inner_steps=inner_steps, codec=codec, update_codec=update_codec, busy=busy,
+                  json_path=json_path, checkpoint_every=checkpoint_every)
 
 @app.command("simulate-goodput")
 def _simulate_goodput(

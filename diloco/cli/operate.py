@@ -158,13 +158,14 @@ def fork(storage: str = STORAGE, run_id: str = RUN_ID,
 @app.command("bucket-policy", rich_help_panel=DEPLOY_AND_SECURITY)
 def bucket_policy(storage: str = STORAGE, run_id: str = RUN_ID,
                   learner: str = typer.Option(None, "--learner", help="The policy of this learner."),
-                  role: str = typer.Option(None, "--role", help="merger | evaluator | operator")) -> None:
+                  role: str = typer.Option(None, "--role", help="merger | evaluator | operator | gc "
+                                           "(retention: deletes what no kept version needs)")) -> None:
     """Print the least-privilege S3 policy (JSON, for AWS IAM or MinIO `mc admin policy`) of one role of a run."""
     with user_errors():
         from diloco.trust.bucket_policy import policy_for
 
         if (learner is None) == (role is None):
-            fail("give exactly one of --learner NAME or --role merger|evaluator|operator")
+            fail("give exactly one of --learner NAME or --role merger|evaluator|operator|gc")
         typer.echo(json.dumps(policy_for(storage, run_id, learner=learner, role=role), indent=2))
 
 

@@ -38,6 +38,10 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
                        f"{report.decisions_replayed} decisions replayed, {report.controls_applied} control ops"
                        + (f"; {report.deltas_ignored} keys ignored (no member's, or too far ahead)"
                           if report.deltas_ignored else ""))
+            if any(report.history_from):
+                typer.echo(f"  note: gc's retention kept the history from version {min(report.history_from)} "
+                           f"(per chain: {report.history_from}); the versions before it are not replayed, "
+                           "the kept ones are, from the checkpoint there")
             for p in report.problems:
                 typer.echo(f"  - {p}")
             if report.run_json.startswith("not"):
@@ -49,13 +53,26 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
 @app.command("gc", rich_help_panel=OPERATE)
 def gc(storage: str = STORAGE, run_id: str = RUN_ID,
        min_age_s: float = typer.Option(600.0, "--min-age-s", min=0, help="Only orphans older than this."),
+       keep_versions: int | None = typer.Option(
+           None, "--keep-versions", min=1, help="Retention: keep the newest N versions rebuildable; remove "
+           "the checkpoints, updates and deltas only older versions need (off by default)."),
+       before: int | None = typer.Option(
+           None, "--before", min=0, help="Retention: remove what only versions before V need."),
        dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted.")) -> None:
-    """Delete objects under global/ that no manifest references (left by crashed merges)."""
+    """Delete orphans (objects no manifest names, left by crashed merges); with --keep-versions or --before,
+    also the history no kept version needs (recorded in each chain's retention.json: audit then covers what
+    is kept)."""
     with user_errors():
-        from diloco.inspect.gc import collect_orphans
+        from diloco.inspect.gc import collect_orphans, retain
         from diloco.run.context import open_run
 
-        report = collect_orphans(open_run(storage, run_id), min_age_s=min_age_s, dry_run=dry_run)
+        ctx = open_run(storage, run_id)
+        if keep_versions is not None or before is not None:
+            kept = retain(ctx, keep_versions=keep_versions, before=before, dry_run=dry_run)
+            typer.echo(f"retention: {'would remove' if dry_run else 'removed'} {len(kept.retained)} objects, "
+                       f"{kept.retained_bytes / 1e6:,.1f} MB; history kept from version "
+                       f"{min(kept.history_from, default=0)}")
+        report = collect_orphans(ctx, min_age_s=min_age_s, dry_run=dry_run)
         removed = len(report.orphans) - len(report.too_young) if dry_run else len(report.deleted)
         typer.echo(f"{len(report.orphans)} orphans, {'would delete' if dry_run else 'deleted'} {removed}, "
                    f"{len(report.too_young)} younger than {min_age_s:g}s kept; {report.referenced} objects referenced")

@@ -21,7 +21,7 @@ app = typer.Typer()
 @app.command("runs", rich_help_panel=RUN_AND_INSPECT)
 def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
     """List the runs in a storage URL: state, versions, last held-out loss, learners, traffic vs
-    data-parallel."""
+    data-parallel, bytes in the bucket."""
     with user_errors():
         from rich.console import Console
         from rich.table import Table
@@ -39,19 +39,20 @@ def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
             return
         table = Table(title=f"runs in {store.url}")
         table.add_column("run id", no_wrap=True, min_width=max(len("run id"), *(len(r["run_id"]) for r in rows)))
-        columns = ("state", "versions", "held-out", "learners", "sent / recv MB per learner", "vs DP", "age")
+        columns = ("state", "versions", "held-out", "learners", "sent / recv MB per learner", "vs DP", "bucket",
+                   "age")
         for col in columns:
             table.add_column(col, overflow="fold", min_width=min(len(col), 12))
         for r in rows:
             if r["state"] == "unreadable":
-                table.add_row(r["run_id"], "unreadable", r["problem"], "", "", "", "", "")
+                table.add_row(r["run_id"], "unreadable", r["problem"], "", "", "", "", "", "")
                 continue
             loss = f"{r['last_eval_loss']:.3f} (v{r['last_eval_version']})" if r["last_eval_loss"] is not None else "—"
             versions = f"{r['version']}/{r['target']}"
             if r.get("token_budget"):  # a token budget ends the run: the version, and the share of the budget merged
                 versions = f"{r['version']} ({100.0 * r['tokens'] / r['token_budget']:.0f}%)"
             table.add_row(r["run_id"], r["state"], versions, loss, str(r["num_learners"]), *_traffic_cells(r),
-                          _age(time.time() - r["created_at"]))
+                          _bytes(r["bucket_bytes"]), _age(time.time() - r["created_at"]))
         Console().print(table)
         Console().print("traffic: every object a learner put and got (deltas, checkpoints, statuses, events, "
                         "updates, manifests, listings); vs DP: data-parallel's fp32 all-reduce bytes over "
@@ -72,6 +73,14 @@ def _traffic_cells(r: dict) -> tuple[str, str]:
     delta = r.get("delta_traffic_ratio_vs_dp")
     return mb, (f"{ratio(r.get('traffic_ratio_vs_dp'))} / {ratio(r.get('received_ratio_vs_dp'))}"
                 + (f" ({ratio(delta)})" if delta else ""))
+
+
+def _bytes(size: int) -> str:
+    """1.2 GB, 340 MB, 12 kB."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size} B"
 
 
 def _age(seconds: float) -> str:

@@ -169,7 +169,10 @@ class LearnerConfig(_Strict):
     shuffle: bool = True  # byte-shuffle before lz4: a little more compression
     mode: Literal["carry", "overwrite", "sync"] = "carry"
     probe_every_steps: int = Field(10, ge=1)  # a cheap HEAD for version b+1 this often
-    max_updates_behind: int = Field(4, ge=1)  # further behind: fetch full params, not updates
+    # further behind: a checkpoint and the updates after it, not the updates from its base. ~K
+    # (state.checkpoint_every) at int4: 10 updates (4.3 B/param) cost about a checkpoint (3.4) and the updates
+    # after it (docs/bench/scale.md)
+    max_updates_behind: int = Field(10, ge=1)
     # back-pressure: with this many of its own deltas shipped and not yet decided by the newest version it installed,
     # a learner trains on and ships their progress with a later delta (one delta; a merger that cannot keep up gets
     # fewer, larger deltas instead of a backlog that grows without bound); 0 = no bound. Not in sync mode.
@@ -235,6 +238,31 @@ class FragmentsConfig(_Strict):
     cohorts: int = Field(1, ge=1, le=64)
 
 
+class StateConfig(_Strict):
+    """How a chain's state is stored (docs/STORAGE.md, "The log and its checkpoints"): every version writes
+    its manifest and its compact update (the log); the full state (params + outer state, 12 B/param) only
+    every `checkpoint_every` versions, in the background, by the merger that owns the chain and holds it in
+    memory."""
+
+    # K, a checkpoint every K versions. None (the default): from the update codec, K = round(1 + 4 / u), u its
+    # bytes per parameter (CHECKPOINT_EVERY: int4 10, fp32 2). Reading a checkpoint costs ~4 B/param (its
+    # params), each update u: at this K a rejoin reads at most ~2 params objects' bytes and a version adds ~u
+    # + 10/K B/param to the bucket (12 B/param of state, zstd-packed) — 1.4 instead of 12.4 at int4
+    # (docs/bench/scale.md: measured)
+    checkpoint_every: int | None = Field(None, ge=1, le=100_000)
+
+
+# bytes per parameter of a Gaussian update in each codec (`diloco bandwidth`'s codec_bytes_per_param,
+# 2026-12-06) and the checkpoint interval it gives, round(1 + 4 / u): a fixed table, so every process of a run
+# derives the same K
+CHECKPOINT_EVERY = {"fp32": 2, "bf16": 3, "int8": 5, "int4": 10, "int3": 16, "int2": 20, "nf2": 17}
+
+
+def checkpoint_every(cfg: Config) -> int:
+    """K of a run: `state.checkpoint_every`, or derived from `outer.update_codec` (CHECKPOINT_EVERY)."""
+    return cfg.state.checkpoint_every or CHECKPOINT_EVERY[cfg.outer.update_codec]
+
+
 class EvalConfig(_Strict):
     num_batches: int = Field(8, ge=1)  # fixed held-out batches, the same for every version
     batch_size: int = Field(32, ge=1)
@@ -280,6 +308,7 @@ class Config(_Strict):
     eval: EvalConfig = EvalConfig()
     run: RunConfig = RunConfig()
     fragments: FragmentsConfig = FragmentsConfig()
+    state: StateConfig = StateConfig()
 
     @model_validator(mode="after")
     def _fragments_fit(self) -> Config:

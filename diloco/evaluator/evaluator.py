@@ -1,7 +1,9 @@
 """The evaluator: the held-out loss of committed versions, written to evals/<version>.json.
 
 Contract: version 0 first, then the newest version on the eval cadence, and the final version at the end;
-storage trouble skips an evaluation (it is tried again), never ends the loop.
+storage trouble skips an evaluation (it is tried again), never ends the loop. It follows each chain's
+updates from the version it last evaluated (a checkpoint only when far behind): u bytes a version, not a
+params read.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from collections.abc import Callable
 
 import torch
 
+from diloco.configs import checkpoint_every
 from diloco.run.buffers import install_run_buffers
 from diloco.run.context import RunContext, RunError
 from diloco.run.events import EventLog
-from diloco.run.fragments import ChainWatch, read_run_version, run_version
+from diloco.run.fragments import ChainWatch, chain_followers, read_run_version, run_version
 from diloco.run.objects import CorruptObject
 from diloco.run.spec import build_model, check_layout, load_run_spec
 from diloco.storage import NotFound, StorageError
@@ -46,9 +49,13 @@ class Evaluator:
         self.events = events or EventLog(None, None, "evaluator")
         self.done: set[int] = set()
         self.watch = ChainWatch(ctx)  # its 0.5 s poll lists what is new on each chain, not every version
+        # each chain's params held and moved on by the updates since (u bytes a version, not a params read); a
+        # version more than a checkpoint interval ahead is read from its checkpoint
+        self.followers = chain_followers(ctx, reach=checkpoint_every(ctx.cfg))
 
     def evaluate_version(self, version: int) -> dict:
-        params, tokens_total, committed_at = read_run_version(self.ctx, version)  # fragments: put together
+        # fragments: put together
+        params, tokens_total, committed_at = read_run_version(self.ctx, version, self.followers)
         set_params(self.model, params)
         install_run_buffers(self.ctx, self.model, version)  # the merged running statistics (BatchNorm, ...)
         loss = evaluate(self.model, self.batches, self.device, loss=self.spec.loss)

@@ -70,7 +70,9 @@ def _do(action: str, storage: str, run_id: str, by: str, *, learner: str | None,
     if action == "fork":
         if at_version is None or not new_run_id:
             raise ValueError("action fork needs `at_version` and `new_run_id`")
-        return {"run_id": operate.fork(storage, run_id, at_version, new_run_id, by=by).run_id}
+        from diloco.inspect.fork import fork
+
+        return {"run_id": fork(storage, run_id, at_version, new_run_id, by=by).run_id}
     raise ValueError(f"action {action!r} is unknown")
 
 

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from diloco.inspect.audit_state import check_object, check_state_objects, read_retention, replay_chain
 from diloco.inspect.audit_trust import check_controls, replay_decisions
-from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
+from diloco.merger.step import LearnerGroup, gradient_stream
 from diloco.merger.waiting import plausible_ahead
 from diloco.run.context import RunContext, direct_names
 from diloco.run.fragments import chain_contexts
 from diloco.run.objects import read_tensors
 from diloco.run.pin import note_pin, pin_state
 from diloco.storage import Manifest, StorageError, list_versions, read_manifest
-from diloco.storage.codec import CodecError, decode, object_checksum
+from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
 
 
@@ -42,9 +42,18 @@ class AuditReport:
     problems: list[str] = field(default_factory=list)
     fragment_versions: list[int] = field(default_factory=list)  # a fragmented run: versions per fragment chain
     run_json: str = ""  # run.json against version 0's pin (diloco.run.pin)
+    # the log (docs/STORAGE.md): merges replayed, stored states (checkpoints, schema-1 objects) found equal to
+    # the replay, complete checkpoints that are no committed version's state; where the kept history starts
+    # (gc's
+    # retention: the oldest version whose state is kept, per chain; 0 = all of it)
+    versions_replayed: int = 0
+    checkpoints_compared: int = 0
+    checkpoints_unnamed: int = 0
+    history_from: list[int] = field(default_factory=list)
 
     COUNTS = ("deltas_merged", "deltas_rejected", "deltas_lost", "deltas_pending", "deltas_ignored",
-              "decisions_replayed", "decisions_unreplayable", "controls_applied")
+              "decisions_replayed", "decisions_unreplayable", "controls_applied", "versions_replayed",
+              "checkpoints_compared", "checkpoints_unnamed")
 
     def problem(self, text: str) -> None:
         self.ok = False
@@ -55,6 +64,7 @@ class AuditReport:
         for name in self.COUNTS:
             setattr(self, name, getattr(self, name) + getattr(chain, name))
         self.replay_ok = self.replay_ok and chain.replay_ok
+        self.history_from += chain.history_from
         for text in chain.problems:
             self.problem(prefix + text)
 
@@ -65,20 +75,11 @@ class AuditReport:
                 "decisions_replayed": self.decisions_replayed,
                 "decisions_unreplayable": self.decisions_unreplayable, "signatures_verified": self.signatures_verified,
                 "controls_applied": self.controls_applied, "replay_ok": self.replay_ok, "problems": self.problems,
-                "run_json": self.run_json,
+                "run_json": self.run_json, "versions_replayed": self.versions_replayed,
+                "checkpoints_compared": self.checkpoints_compared,
+                "checkpoints_unnamed": self.checkpoints_unnamed,
+                "history_from": self.history_from,
                 **({"fragment_versions": self.fragment_versions} if self.fragment_versions else {})}
-
-
-def _check_object(ctx: RunContext, key: str, checksum: str, what: str, report: AuditReport) -> bytes | None:
-    try:
-        data = ctx.store.get(key)
-    except StorageError as err:
-        report.problem(f"{what}: cannot read {key}: {err}")
-        return None
-    if object_checksum(data) != checksum:
-        report.problem(f"{what}: checksum of {key} does not match the manifest")
-        return None
-    return data
 
 
 def load_chain(ctx: RunContext, report: AuditReport) -> list[Manifest]:
@@ -99,7 +100,9 @@ def load_chain(ctx: RunContext, report: AuditReport) -> list[Manifest]:
     return chain
 
 
-def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport) -> None:
+def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport, start: int = 0) -> None:
+    """At-most-once, cursors, every delta decided; a merged delta's object against its checksum (of the
+    versions after `start`: retention removed those merged at or before it)."""
     decided: dict[tuple[str, int], int] = {}
     ranges: dict[str, list[tuple[int, int]]] = {}  # learner -> (first, last) of each range one decision decided
     cursors: dict[str, int] = {}
@@ -120,7 +123,9 @@ def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport)
                 report.deltas_merged += 1
                 if d.seq <= cursors.get(d.learner, -1):
                     report.problem(f"delta {d.learner}/{d.seq} merged at or below the cursor in version {m.version}")
-                _check_object(ctx, ctx.keys.delta(d.learner, d.seq), d.checksum, f"version {m.version}", report)
+                if m.version > start:
+                    key = ctx.keys.delta(d.learner, d.seq)
+                    check_object(ctx, key, d.checksum, f"version {m.version}", report)
             elif d.status == "rejected":
                 report.deltas_rejected += 1
                 if not d.reason:
@@ -148,14 +153,6 @@ def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport)
             report.problem(f"delta {learner}/{seq} is at or below the cursor but was never decided")
 
 
-def _parent_state(ctx: RunContext, prev: Manifest):
-    _, params = read_tensors(ctx.store, prev.params_key, checksum=prev.params_checksum)
-    if prev.outer_key:
-        _, raw = read_tensors(ctx.store, prev.outer_key, checksum=prev.outer_checksum)
-        return params, OuterState.from_tensors(raw, params)
-    return params, OuterState.zeros_like(params)
-
-
 def _legacy_stream(ctx: RunContext, prev: Manifest, m: Manifest, params):
     """A manifest written before the guard (no GuardState): the merged deltas as recorded, run.json's config."""
     stream = gradient_stream(params, prev.version, ctx.cfg.outer, direct_names(ctx, params), ctx.buffers)
@@ -172,53 +169,18 @@ def _legacy_stream(ctx: RunContext, prev: Manifest, m: Manifest, params):
     return stream, ctx.cfg
 
 
-def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport, keyring=None) -> None:
-    """Recompute every version from its parent, the parent's outer state and guard state, the recorded
-    control ops and the stored deltas: the decisions, the outlier statistics, the guard state and the bits."""
-    for prev, m in zip(chain, chain[1:], strict=False):
-        try:
-            params, outer = _parent_state(ctx, prev)
-            if m.guard is None:
-                stream, cfg = _legacy_stream(ctx, prev, m, params)
-            else:
-                stream, cfg = replay_decisions(ctx, prev, m, params, report, keyring)
-            result = outer_step(params, outer, stream, ctx.fingerprint, outer_optimizer(cfg, len(ctx.learners)))
-        except (StorageError, CodecError, ValueError) as err:
-            report.replay_ok = False
-            report.problem(f"version {m.version}: replay could not read its inputs: {err}")
-            continue
-        _compare_replay(ctx, m, result, report)
-        _compare_buffers(ctx, prev, m, result.buffers, report)
+def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport, keyring=None, start: int = 0,
+           checkpoints: dict | None = None) -> None:
+    """Recompute every version after `start` from the state replayed so far (from the checkpoint at `start`),
+    the parent's guard state, the recorded control ops and the stored deltas: the decisions, the outlier
+    statistics, the guard state and the bits — and the stored states (checkpoints) against the replay."""
+    def step_inputs(prev: Manifest, m: Manifest, params):
+        if m.guard is None:
+            return _legacy_stream(ctx, prev, m, params)
+        return replay_decisions(ctx, prev, m, params, report, keyring)
 
-
-def same_update(ctx: RunContext, m: Manifest, replayed: bytes) -> bool:
-    """The replayed update is the committed one: the same bytes, or (when a zstd of another version packs the
-    same frames differently) the same header and the same values, bit for bit."""
-    if object_checksum(replayed) == m.update_checksum:
-        return True
-    try:
-        h1, ours = decode(replayed)
-        h2, theirs = decode(ctx.store.get(m.update_key))
-    except (StorageError, CodecError):  # the stored object's own problem is reported by _check_object
-        return False
-    return (h1.codec, h1.meta, h1.tensors) == (h2.codec, h2.meta, h2.tensors) and \
-        all(np.array_equal(ours[k], theirs[k]) for k in ours)
-
-
-def _compare_replay(ctx: RunContext, m: Manifest, result, report: AuditReport) -> None:
-    if not same_update(ctx, m, result.update_bytes):
-        report.replay_ok = False
-        report.problem(f"version {m.version}: replayed update differs from the committed one")
-        return
-    _, stored = read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)
-    if any(not torch.equal(stored[k], result.params[k]) for k in stored):
-        report.replay_ok = False
-        report.problem(f"version {m.version}: replayed parameters differ from the committed ones")
-        return
-    _, raw = read_tensors(ctx.store, m.outer_key, checksum=m.outer_checksum)
-    if any(not torch.equal(raw[k], v) for k, v in result.outer.to_tensors().items()):
-        report.replay_ok = False
-        report.problem(f"version {m.version}: replayed outer state differs from the committed one")
+    for prev, m, buffers in replay_chain(ctx, chain, start, checkpoints or {}, report, step_inputs):
+        _compare_buffers(ctx, prev, m, buffers, report)
 
 
 def _compare_buffers(ctx: RunContext, prev: Manifest, m: Manifest, merged, report: AuditReport) -> None:
@@ -264,17 +226,17 @@ def audit_run(ctx: RunContext, do_replay: bool = True, keyring: dict[str, list[b
 
 def audit_chain(ctx: RunContext, report: AuditReport, do_replay: bool = True,
                 keyring: dict[str, list[bytes]] | None = None) -> None:
-    """Every check on one chain (`ctx`: its context, run/fragments.fragment_context), into `report`."""
+    """Every check on one chain (`ctx`: its context, run/fragments.fragment_context), into `report`: of the
+    history the chain keeps (from a retention record's `oldest`, gc's; from version 0 without one)."""
     chain = load_chain(ctx, report)
-    for m in chain:
-        _check_object(ctx, m.params_key, m.params_checksum, f"version {m.version} params", report)
-        if m.version > 0:
-            _check_object(ctx, m.update_key, m.update_checksum, f"version {m.version} update", report)
-        if m.buffers_key:
-            _check_object(ctx, m.buffers_key, m.buffers_checksum, f"version {m.version} buffers", report)
-        elif ctx.buffers:
-            report.problem(f"version {m.version}: no buffers object, where the run merges {len(ctx.buffers)} buffers")
-    check_decisions(ctx, chain, report)
+    kept = read_retention(ctx, report)
+    start = kept.oldest if kept is not None else 0
+    report.history_from = [start]
+    if kept is not None:
+        what = "the retention record's checkpoint"
+        check_object(ctx, kept.checkpoint_key, kept.checkpoint_checksum, what, report)
+    checkpoints = check_state_objects(ctx, chain, start, report)
+    check_decisions(ctx, chain, report, start)
     check_controls(ctx, chain, report)
-    if do_replay:
-        replay(ctx, chain, report, keyring)
+    if do_replay and chain:
+        replay(ctx, chain, report, keyring, start, checkpoints)

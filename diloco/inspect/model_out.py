@@ -41,7 +41,10 @@ def version_params(ctx: RunContext, version: int | None = None) -> tuple[int, Te
         raise RunError(f"run {ctx.run_id!r} has no committed {what} {version} (newest: {newest}{why})")
     try:
         params, _, _ = read_run_version(ctx, version)
-    except NotFound:
+    except NotFound as err:
+        if "retention" in str(err):
+            raise RunError(f"run {ctx.run_id!r}: {what} {version} was removed by gc's retention; "
+                           f"{err}") from None
         raise RunError(f"run {ctx.run_id!r} has no committed {what} {version}") from None
     return version, params
 

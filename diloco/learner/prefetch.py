@@ -1,15 +1,16 @@
-"""Fetching a newer global: the compact updates (or the full params when far behind), on the training
-thread (`fetch_global`, `fetch_spilled`) or ahead of it in a background thread (`Prefetcher`,
+"""Fetching a newer global: the compact updates (or, far behind, a checkpoint and the updates after it), on
+the training thread (`fetch_global`, `fetch_spilled`) or ahead of it in a background thread (`Prefetcher`,
 `learner.prefetch`).
 
 Contract: fetch_global(base, glob, version) returns G_version with the exact bits every learner and the
-merger hold (G_v = G_{v-1} + decode(update_v)); inputs are not modified. fetch_spilled gives the same bits as
-a spill file (diloco.learner.spill), built one tensor at a time: the learner never holds a whole G in memory.
-A Prefetcher polls for version base+1, fetches everything up to the newest version and hands it over with
-`take()` — the very file it fetched, no second copy; it keeps it as the base of its next fetch — so the
-training thread installs without a single request to the bucket; storage trouble is logged and retried on the
-next poll, never raised; a corrupt committed object (CorruptObject) ends the thread and is raised by the next
-`take()`, on the training thread; `rebase` follows an install made another way (a sync wait, a resume).
+merger hold (G_v = G_{v-1} + decode(update_v); far behind: a checkpoint plus the updates after it); inputs
+are not modified. fetch_spilled gives the same bits as a spill file (diloco.learner.spill), built one tensor
+at a time: the learner never holds a whole G in memory. A Prefetcher polls for version base+1, fetches
+everything up to the newest version and hands it over with `take()` — the very file it fetched, no second
+copy; it keeps it as the base of its next fetch — so the training thread installs without a single request
+to the bucket; storage trouble is logged and retried on the next poll, never raised; a corrupt committed
+object (CorruptObject) ends the thread and is raised by the next `take()`, on the training thread; `rebase`
+follows an install made another way (a sync wait, a resume).
 """
 
 from __future__ import annotations
@@ -23,33 +24,31 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from diloco.learner.spill import SpillDir, Spilled, scratch_dir
+from diloco.run.chain_state import apply_updates, chain_params
 from diloco.run.context import RunContext
-from diloco.run.objects import COMMITTED_READS, CorruptObject, read_checked, read_committed
-from diloco.storage import Manifest, StorageError, latest_version, manifest_exists, read_manifest
+from diloco.run.objects import COMMITTED_READS, CorruptObject, corrupt_message, read_checked
+from diloco.storage import Manifest, NotFound, StorageError, latest_version, manifest_exists, read_manifest
 from diloco.storage.codec import CodecError
 from diloco.storage.codec.lazy import LazyObject
 from diloco.storage.store import Store
-from diloco.training.tensors import Tensors, add_, clone
+from diloco.training.tensors import Tensors, clone
 
 log = logging.getLogger("diloco.learner")
 
 
 def fetch_global(ctx: RunContext, store: Store, base: int, glob: Tensors, version: int,
                  max_updates_behind: int) -> tuple[Tensors, Manifest]:
-    """(G_version, version's manifest) from (base, G_base): the updates base+1..version, or the full params when
-    more than `max_updates_behind` behind. StorageError / CodecError from the bucket."""
+    """(G_version, version's manifest) from (base, G_base): the updates base+1..version, or — when more than
+    `max_updates_behind` behind, or an update is gone (gc's retention) — the checkpoint at or before the
+    version and the updates after it (diloco.run.chain_state). StorageError / CodecError from the bucket."""
     if version - base <= max_updates_behind:
         out = clone(glob)
-        for v in range(base + 1, version + 1):
-            m = read_manifest(store, ctx.keys, v)
-            _, update = read_committed(store, m.update_key, fingerprint=ctx.fingerprint, checksum=m.update_checksum,
-                                       what=f"version {v}'s update")
-            add_(out, update)
-        return out, m
+        try:
+            return out, apply_updates(ctx, out, base + 1, version, store)
+        except NotFound:
+            del out
     m = read_manifest(store, ctx.keys, version)
-    _, params = read_committed(store, m.params_key, fingerprint=ctx.fingerprint, checksum=m.params_checksum,
-                               what=f"version {version}'s params")
-    return params, m
+    return chain_params(ctx, m, store=store), m
 
 
 class StepGate:
@@ -83,17 +82,20 @@ def fetch_spilled(ctx: RunContext, store: Store, base: int, glob: Mapping[str, t
     previous G one tensor at a time (one update's bytes held at once; each tensor's fold inside `gate`), or,
     more than `max_updates_behind` behind, fetch_global's full params written out. `glob` (a spill file or
     tensors) is not modified."""
-    if version - base > max_updates_behind:
-        params, manifest = fetch_global(ctx, store, base, glob, version, max_updates_behind)
-        return spill.write(params.items(), tag="g"), manifest
-    current = glob
-    for v in range(base + 1, version + 1):
-        manifest = read_manifest(store, ctx.keys, v)
-        update = _read_update(store, manifest.update_key, manifest.update_checksum, ctx.fingerprint,
-                              f"version {v}'s update")
-        current = spill.write(_folded(current, update, gate), tag="g")
-        del update
-    return current, manifest
+    if version - base <= max_updates_behind:
+        try:
+            current = glob
+            for v in range(base + 1, version + 1):
+                manifest = read_manifest(store, ctx.keys, v)
+                update = _read_update(store, manifest.update_key, manifest.update_checksum, ctx.fingerprint,
+                                      f"version {v}'s update")
+                current = spill.write(_folded(current, update, gate), tag="g")
+                del update
+            return current, manifest
+        except NotFound:  # an update gc's retention removed: from the checkpoint instead
+            pass
+    manifest = read_manifest(store, ctx.keys, version)
+    return spill.write(chain_params(ctx, manifest, store=store).items(), tag="g"), manifest
 
 
 def _folded(previous: Mapping[str, torch.Tensor], update: LazyObject,
@@ -120,10 +122,7 @@ def _read_update(store: Store, key: str, checksum: str, fingerprint: str, what: 
             return LazyObject(read_checked(store, key, checksum), fingerprint=fingerprint)
         except CodecError as err:
             failure = str(err).removeprefix(f"{key}: ")
-    raise CorruptObject(f"{what} {key} is corrupt ({failure}; read {COMMITTED_READS} times). A committed "
-                        "object never changes, so no retry or restart can fix this: `diloco audit` names "
-                        "every corrupt object, and `diloco fork --at-version V` continues the run from the "
-                        "last good version")
+    raise CorruptObject(corrupt_message(what, key, failure))
 
 
 class Prefetcher:

@@ -22,10 +22,10 @@ from diloco.learner.checkpoint import read_checkpoint
 from diloco.learner.local_state import LocalState, Saved
 from diloco.learner.state import QUICK_RETRIES, LearnerState
 from diloco.run.buffers import read_buffers
+from diloco.run.chain_state import chain_params
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.fragments import fragment_context, num_fragments
-from diloco.run.objects import read_committed
 from diloco.storage import Manifest, NotFound, StorageError, Store, read_latest
 from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
@@ -69,11 +69,9 @@ def next_seq(ctx: RunContext, name: str, manifest: Manifest | None, store: Store
 
 
 def read_params(ctx: RunContext, index: int, manifest: Manifest) -> Tensors:
-    """Chain `index`'s committed parameters at `manifest` (CorruptObject names the object)."""
-    what = f"fragment {index}'s version {manifest.version} params" if ctx.fragments else \
-        f"version {manifest.version}'s params"
-    return read_committed(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
-                          checksum=manifest.params_checksum, what=what)[1]
+    """Chain `index`'s committed parameters at `manifest`, the newest version: the chain's newest checkpoint
+    and the updates after it (diloco.run.chain_state; CorruptObject names an object that fails its checks)."""
+    return chain_params(fragment_context(ctx, index), manifest, newest=True)
 
 
 def resume(ctx: RunContext, name: str, *, local: LocalState | None, events: EventLog, set_theta: SetTheta,

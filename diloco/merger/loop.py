@@ -1,13 +1,15 @@
-"""The merger's one loop: a merger process owns a set of chains (a shard) and merges each chain once it is due,
-never letting one chain's wait hold back another's merge.
+"""The merger's one loop: a merger process owns a set of chains (a shard) and merges each chain once it is
+due, never letting one chain's wait hold back another's merge.
 
-Contract: shard s of `merger.shards` owns the fragments p with p % shards == s; a whole-model run (P = 1) has one
-chain, the root's, owned by its one merger (shard 0 of 1). Every chain waits by the same rule (Merger.due: quorum,
-timeout, grace window) and is merged by the one deterministic Merger on its own context (its keys, its layout); a
-commit is the exclusive create of that chain's next manifest, so two processes of one shard race safely (exactly
-one commit per version, the loser reloads), and a shard never touches another's chains. Memory: the whole model's
-chain keeps its params and outer state between merges (read once, at load); a fragment's chain is read for each
-merge and released after it, so a shard holds O(one fragment), never all of its fragments.
+Contract: shard s of `merger.shards` owns the fragments p with p % shards == s; a whole-model run (P = 1)
+has one chain, the root's, owned by its one merger (shard 0 of 1). Every chain waits by the same rule
+(Merger.due: quorum, timeout, grace window) and is merged by the one deterministic Merger on its own
+context (its keys, its layout); a commit is the exclusive create of that chain's next manifest, so two
+processes of one shard race safely (exactly one commit per version, the loser rebuilds the winner's state
+from the log), and a shard never touches another's chains. Memory: every chain keeps its params and outer
+state between merges (12 B per parameter it owns: shard s of S holds the state of its P/S fragments),
+rebuilt from the newest checkpoint and the merges after it at start; the process's one checkpoint thread
+writes each chain's state every `state.checkpoint_every` versions.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from diloco.merger.checkpointer import ChainCheckpoints, CheckpointWriter
 from diloco.merger.merger import Merger
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
@@ -40,19 +43,23 @@ def merge_once(merger: Merger, should_stop: Callable[[], bool]) -> Manifest | No
 
 class ShardMerger:
     """The chains one merger process owns (`shard` of `merger.shards`; the root chain alone at P = 1), each
-    driven by its own Merger. Drive with poll_once() in a loop (run_merger), or merge_waiting() at a run's end.
-    `keep_state`: whether the chains keep their state between merges (default: only a whole-model run's)."""
+    driven by its own Merger. Drive with poll_once() in a loop (run_merger), or merge_waiting() at a run's
+    end; close() waits for the checkpoints in flight."""
 
     def __init__(self, ctx: RunContext, shard: int = 0, merger_id: str | None = None,
                  events: EventLog | None = None, stage_hook: Callable[[str], None] | None = None,
-                 keyring: dict[str, list[bytes]] | None = None, keep_state: bool | None = None) -> None:
+                 keyring: dict[str, list[bytes]] | None = None) -> None:
         self.ctx, self.shard = ctx, shard
         self.merger_id = merger_id or shard_merger_id(shard)
         self.events = events or EventLog(None, None, self.merger_id)
-        keep = not ctx.fragments if keep_state is None else keep_state
         owned = owned_by(shard, ctx.cfg.merger.shards if ctx.fragments else 1, num_fragments(ctx))
-        self.chains = {index: Merger(fragment_context(ctx, index), self.merger_id, events=self.events,
-                                     stage_hook=stage_hook, keyring=keyring, keep_state=keep) for index in owned}
+        self.writer = CheckpointWriter()  # one thread writes every owned chain's checkpoints, one at a time
+        self.chains = {}
+        for index in owned:
+            chain = fragment_context(ctx, index)
+            checkpoints = ChainCheckpoints(chain, self.writer, self.merger_id, self.events, stage_hook)
+            self.chains[index] = Merger(chain, self.merger_id, events=self.events, stage_hook=stage_hook,
+                                        keyring=keyring, checkpoints=checkpoints)
         self._stale = set(owned)  # chains to (re)load before their next use: at start, after a storage error
 
     @property
@@ -101,14 +108,19 @@ class ShardMerger:
         another merger committed first (reloaded) or nothing was taken."""
         chain = self.chain(index)
         manifest = (merge or merge_once)(chain, should_stop)
-        if not chain.keep_state:
-            # a merge leaves reference cycles holding its tensors: free them before the next chain's. A full
-            # collection costs ~80 ms in a busy process (4/5 of a 30k-parameter fragment's merge in bench wan), so a
-            # small fragment's cycles are left to Python's own collections: they hold a few MB at most
-            numel = self.ctx.fragments[index].get("numel") if self.ctx.fragments else None  # run.json's plan
-            if numel is None or 4 * numel >= COLLECT_ABOVE_BYTES:
-                gc.collect()
+        # a merge leaves reference cycles holding its temporaries: free them before the next merge's. A full
+        # collection costs ~80 ms in a busy process (4/5 of a 30k-parameter fragment's merge in bench wan), so
+        # a small fragment's cycles are left to Python's own collections: they hold a few MB at most
+        numel = self.ctx.fragments[index].get("numel") if self.ctx.fragments else None  # run.json's plan
+        if numel is None or 4 * numel >= COLLECT_ABOVE_BYTES:
+            gc.collect()
         return manifest
+
+    def close(self) -> None:
+        """Wait for the checkpoints in flight to land (before the process ends)."""
+        self.writer.close()
+        for merger in self.chains.values():
+            merger.checkpoints.landed()
 
     def merge_waiting(self, should_stop: Callable[[], bool] = lambda: False) -> int:
         """Merge every chain's waiting deltas now, whatever its quorum and grace window, until none waits (a run's
@@ -161,5 +173,6 @@ def run_merger(shard: ShardMerger, *, max_merges: int | None = None, target_vers
         if not merged:
             time.sleep(shard.sleep_s())
         shard.events.flush()
+    shard.close()  # the checkpoints in flight land before the process ends
     shard.events.flush()
     return merges

@@ -1,11 +1,14 @@
-"""The outer merger of one chain (the root's, or a fragment's): wait for a quorum of learners and a grace window,
-validate, merge, commit.
+"""The outer merger of one chain (the root's, or a fragment's): wait for a quorum of learners and a grace
+window, validate, merge, commit.
 
-Contract (DESIGN §6): a delta is merged at most once (the manifest cursor), every delta is eventually merged,
-rejected or declared lost with a reason, a bad delta never stops the merge, and a lost commit race (Conflict) only
-means reloading the winner's state. `due()` looks at the chain without blocking (one HEAD, the listings after the
-cursors); `merge_once()` waits until it is due, then merges: the unit a Prefect flow wraps as a task. The loop
-over a merger's chains is diloco.merger.loop.
+Contract (DESIGN §6): a delta is merged at most once (the manifest cursor), every delta is eventually
+merged, rejected or declared lost with a reason, a bad delta never stops the merge, and a lost commit race
+(Conflict) only means rebuilding the winner's state from the log. A version writes its update and its
+manifest; the chain's params and outer state stay in memory between merges and reach the bucket as a
+checkpoint every `state.checkpoint_every` versions, in the background (diloco.merger.checkpointer). `due()`
+looks at the chain without blocking (one HEAD, the listings after the cursors); `merge_once()` waits until
+it is due, then merges: the unit a Prefect flow wraps as a task. The loop over a merger's chains is
+diloco.merger.loop.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from collections.abc import Callable
 
 import torch
 
+from diloco.merger.checkpointer import ChainCheckpoints, CheckpointWriter
 from diloco.merger.inplace import outer_step_in_place
 from diloco.merger.plan import MergePlan
 from diloco.merger.step import (
     GradientStream,
     LearnerGroup,
     OuterState,
+    StepResult,
     counter_bounds,
     gradient_stream,
     outer_optimizer,
@@ -33,7 +38,7 @@ from diloco.run.context import RunContext, direct_names
 from diloco.run.controls import read_ops
 from diloco.run.events import EventLog
 from diloco.run.heap import release_freed_memory
-from diloco.run.objects import put_checksummed, verify_written, write_state
+from diloco.run.objects import put_checksummed, verify_written
 from diloco.storage import (
     Conflict,
     DeltaDecision,
@@ -43,6 +48,7 @@ from diloco.storage import (
     commit,
     manifest_exists,
     read_latest,
+    read_manifest,
 )
 from diloco.storage.keys import new_nonce
 from diloco.training.tensors import Tensors
@@ -60,15 +66,13 @@ class Merger:
 
     def __init__(self, ctx: RunContext, merger_id: str = "merger", events: EventLog | None = None,
                  stage_hook: Callable[[str], None] | None = None,
-                 keyring: dict[str, list[bytes]] | None = None, keep_state: bool = True) -> None:
+                 keyring: dict[str, list[bytes]] | None = None,
+                 checkpoints: ChainCheckpoints | None = None) -> None:
         self.ctx, self.base_cfg, self.merger_id = ctx, ctx.cfg, merger_id
         self.cfg = ctx.cfg  # the live config of the next merge (run.json's + `diloco set`), see refresh_policy
         self.keyring = keyring  # learner -> keys, when learner.sign is on (trust/signing.py)
         if self.cfg.learner.sign and keyring is None:
             raise SigningError("learner.sign is on: the merger needs a keyring (DILOCO_KEYRING or DILOCO_KEYRING_BLOCK)")
-        # keep the new params and outer state after a commit (the whole model's chain: read once, at load); False:
-        # the chain's state is read for each merge and freed while it is written (a fragment's, in a shard)
-        self.keep_state = keep_state
         self._controls_at = 0.0
         torch.set_num_threads(1)  # reductions in one fixed order: `audit` replays them bit for bit
         self.events = events or EventLog(None, None, merger_id)
@@ -77,7 +81,13 @@ class Merger:
         self._ignored_said: set[str] = set()  # learners whose implausible keys were reported (once a process)
         self._strangers: set[str] = set()  # never-admitted names already rejected: their folders are not listed
         self.ema = {"phase_s": 0.0, "quorum_s": 0.0, "merge_s": 0.0}
-        self.state = VersionState(ctx)  # the version's params and outer state, read when a merge needs them
+        self.state = VersionState(ctx)  # the chain's params and outer state, held between merges
+        # its checkpoints (a process's chains share one writer thread: diloco.merger.loop)
+        self.checkpoints = checkpoints or ChainCheckpoints(ctx, CheckpointWriter(), merger_id, self.events,
+                                                           self.stage_hook)
+        # a merge whose commit failed on storage: (version, update key, its result, moving averages) — if its
+        # manifest landed after all, the next load takes it as the state instead of rebuilding it from the log
+        self._candidate: tuple[int, str, StepResult, dict[str, float]] | None = None
         self.manifest: Manifest | None = None  # the chain's newest version (load)
         self.wait: Wait | None = None  # the wait for the next merge, from the first look after a commit or load
         self._paused = False  # the pause was reported (event, log)
@@ -90,31 +100,47 @@ class Merger:
 
     # ---- state ---------------------------------------------------------------------------
     def load(self) -> int:
-        """Read the newest manifest and the bytes of its outer state (their header carries the grace window's
-        moving averages); the params and the outer state are decoded when a merge needs them. A chain that does
-        not keep its state holds none of it after this (its merge reads it again)."""
+        """Hold the chain's newest version: its manifest, and its params and outer state — replayed from the
+        version held (another merger committed since), or rebuilt from the newest checkpoint and the merges
+        after it (at start, after a lost race or a failed commit), every replayed update checked against
+        the committed one (ReplayMismatch otherwise: the merger stops)."""
         manifest = read_latest(self.ctx.store, self.ctx.keys)
         if manifest is None:
             raise RuntimeError(f"run {self.ctx.run_id} ({self.chain}) has no version 0")
+        self.checkpoints.wait()  # a checkpoint still copying the held tensors: they change next
+        self._settle_candidate(manifest)
         self.manifest, self.wait = manifest, None
-        self.ema.update({k: v for k, v in self.state.reset(manifest).items() if k in self.ema})
-        if not self.keep_state:
-            self.state.forget()
-        elif not self.ctx.layout:  # a run without a layout: its params are the layout, read now
-            _ = self.state.params
+        self.ema.update({k: v for k, v in self.state.load(manifest).items() if k in self.ema})
+        self.checkpoints.reset(self.state.held.checkpoint)
         self.policy = Policy(state_of(manifest, self.ctx.learners), [], self.base_cfg)
         self._controls_at = 0.0
         self.refresh_policy()
         return manifest.version
 
+    def _settle_candidate(self, newest: Manifest) -> None:
+        """A merge whose commit failed on storage: held as the state if its manifest landed after all."""
+        candidate, self._candidate = self._candidate, None
+        if candidate is None or newest.version < candidate[0]:
+            return
+        version, update_key, result, ema = candidate
+        committed = newest if newest.version == version else \
+            read_manifest(self.ctx.store, self.ctx.keys, version)
+        if committed.update_key == update_key:  # ours: the reply was lost, not the commit
+            self.state.keep(committed, result.params, result.outer, ema)
+
+    def close(self) -> None:
+        """Wait for the checkpoints in flight (the process ends next)."""
+        self.checkpoints.writer.close()
+        self.checkpoints.landed()
+
     @property
     def params(self) -> Tensors:
-        """The params of self.manifest's version (read on first use)."""
+        """The params of self.manifest's version, held."""
         return self.state.params
 
     @property
     def outer(self) -> OuterState:
-        """The outer state of self.manifest's version (decoded on first use; zeros before any merge)."""
+        """The outer state of self.manifest's version, held (zeros before any merge)."""
         return self.state.outer
 
     @property
@@ -282,7 +308,8 @@ class Merger:
         decisions, stream, phase_times, judge = self._decide(wait.ready, policy)
         optimizer = outer_optimizer(policy.cfg, len(self.ctx.learners))
         judge.scratch.release()
-        finished = stream.finish()  # the fp64 sums become the fp32 pseudo-gradient before the params are read
+        finished = stream.finish()  # the fp64 sums become the fp32 pseudo-gradient before the step
+        self.checkpoints.before_step(self.version + 1, self.state.snapshot)  # no checkpoint copying the state
         params, outer = self.state.take(judge.params)
         result = outer_step_in_place(params, outer, stream, self.ctx.fingerprint, optimizer, finished)
         del params, outer, finished
@@ -371,46 +398,42 @@ class Merger:
             return None
 
     def _write_and_commit(self, plan: MergePlan) -> Manifest | None:
-        """Write the version's objects under a fresh nonce (the update read back first), then commit its manifest
-        by exclusive create; None (reloaded) when another merger committed the version first."""
+        """Write the version's update under a fresh nonce (read back first), then commit its manifest by
+        exclusive create, naming the newest checkpoint landed; None (the winner's state rebuilt) when
+        another merger committed the version first. The params and outer state are not written: they stay
+        held for the next merge."""
         keys, store, version, result = self.ctx.keys, self.ctx.store, self.version + 1, plan.result
-        nonce = new_nonce()
+        update_key = keys.update(version, new_nonce())
         self.stage_hook("writing")
-        params_key, update_key, outer_key = keys.params(version, nonce), keys.update(version, nonce), keys.outer(version, nonce)
-        update_sum, update_bytes = put_checksummed(store, update_key, result.update_bytes), len(result.update_bytes)
-        verify_written(store, update_key, update_sum, f"version {version}'s update")  # what every learner installs
-        consume = not self.keep_state  # each tensor freed once encoded: the object and the tensors never both whole
-        if consume:
-            result.update_bytes = b""
-            self.state.forget()
-        _, params_sum = write_state(store, params_key, result.params, kind="params",
-                                    fingerprint=self.ctx.fingerprint, consume=consume)
-        merge_s = time.time() - plan.started_at
-        ema = self._next_ema(plan.phase_times, plan.quorum_wait_s, merge_s)
-        outer_tensors = result.outer.to_tensors()
-        if consume:
-            result.outer = OuterState({}, {})
-        _, outer_sum = write_state(store, outer_key, outer_tensors, kind="outer",
-                                   fingerprint=self.ctx.fingerprint, meta={"ema": ema}, consume=consume)
-        del outer_tensors
-        buffers = version_buffers(self.ctx, self.manifest, result.buffers, version, nonce)  # {}: the run has none
-        self.stage_hook("before_manifest")
-        objects = {"params_key": params_key, "params_checksum": params_sum, "update_key": update_key,
-                   "update_checksum": update_sum, "outer_key": outer_key, "outer_checksum": outer_sum, **buffers}
-        manifest = plan.manifest(self.manifest, self.merger_id, objects, merge_s, update_bytes)
         try:
+            update_bytes = len(result.update_bytes)
+            update_sum = put_checksummed(store, update_key, result.update_bytes)
+            # read back: what every learner installs
+            verify_written(store, update_key, update_sum, f"version {version}'s update")
+            result.update_bytes = b""
+            merge_s = time.time() - plan.started_at
+            ema = self._next_ema(plan.phase_times, plan.quorum_wait_s, merge_s)
+            buffers = version_buffers(self.ctx, self.manifest, result.buffers, version, new_nonce())
+            self.stage_hook("before_manifest")
+            objects = {"update_key": update_key, "update_checksum": update_sum, "ema": ema,
+                       "checkpoint": self.checkpoints.ref_for(version), **buffers}
+            manifest = plan.manifest(self.manifest, self.merger_id, objects, merge_s, update_bytes)
             commit(store, keys, manifest)
         except Conflict:
-            log.info("merger %s lost the race for version %d of %s; reloading", self.merger_id, version, self.chain)
+            log.info("merger %s lost the race for version %d of %s; rebuilding the winner's state from the "
+                     "log", self.merger_id, version, self.chain)
             self.events.emit("commit_conflict", version=version)
+            del result
+            plan.result = None
             self.load()
             return None
+        except StorageError:
+            self._candidate = (version, update_key, result, self.ema)  # kept if the manifest landed after all
+            raise
         self.stage_hook("after_manifest")
         self.manifest, self.ema = manifest, ema
-        if self.keep_state:  # the new global and outer state, kept for the next merge (else read again)
-            self.state.keep(manifest, result.params, result.outer)
-        else:
-            self.state.forget(manifest)
+        self.state.keep(manifest, result.params, result.outer, ema)
+        self.checkpoints.after_commit(manifest, result.params, result.outer, ema)
         self.events.emit("merge", version=version, merged=[f"{d.learner}/{d.seq}" for d in manifest.merged()],
                          rejected=len(manifest.rejected()), tokens=plan.merged_tokens, merge_s=merge_s)
         return manifest

@@ -1,97 +1,87 @@
-"""The merger's copy of one committed version's tensors: the params and the outer state, read when a merge
-needs them and handed over to it whole (the merge updates them in place).
+"""The chain's state a merger holds between merges: the params and outer state of its newest version, rebuilt
+from the log when it does not hold them (diloco.merger.replay) and handed to each merge whole (it updates
+them in place).
 
-Contract: `reset(manifest)` reads only the outer state's bytes (checked; their header carries the grace
-window's moving averages), `params` and `outer` read and decode on first use, `take()` hands both to a merge
-and forgets them, so after a merge that failed they are read again from the bucket; `keep(result)` holds a
-committed merge's new ones. Nothing here ever holds tensors of two versions at once.
+Contract: between merges the state held is the chain's at `manifest`'s version, bit for bit (invariant 8,
+docs/STORAGE.md): `load(manifest)` moves it there — by replaying the merges after the version held, or from
+the checkpoint at or before `manifest` when it holds none (at start, after a lost race or a failed commit)
+— and every replayed update is checked against the committed one. `take()` hands both to a merge and holds
+nothing until `keep()` is given the committed result: the outer step runs in place, so a merge that then
+fails leaves no state to go back to, only the log. Nothing here ever holds tensors of two versions at once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from diloco.merger.replay import ChainState, recover
 from diloco.merger.step import OuterState
 from diloco.run.context import RunContext
-from diloco.run.objects import decode_tensors, read_checked, read_committed
 from diloco.storage import Manifest
-from diloco.storage.codec import read_header
 from diloco.training.tensors import Tensors, same_layout
 
 
 class VersionState:
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
+        self.held: ChainState | None = None
         self.manifest: Manifest | None = None
-        self._params: Tensors | None = None
-        self._outer: OuterState | None = None
-        self._outer_data: bytes | None = None  # the outer state's checked bytes, until decoded
+        self.last_load: ChainState | None = None  # how the last load got there (replayed merges, seconds)
 
-    def reset(self, manifest: Manifest) -> dict[str, float]:
-        """Forget the tensors held, read `manifest`'s outer bytes; returns their moving averages ({} if none)."""
-        self.manifest, self._params = manifest, None
-        return self._read_outer()
+    def load(self, manifest: Manifest) -> dict[str, float]:
+        """Hold the state of `manifest`'s version (replayed from the one held, or from a checkpoint); returns
+        its grace window's moving averages."""
+        held, self.held = self.held, None
+        if held is not None and held.manifest.version > manifest.version:
+            held = None  # a newer state than the chain's newest cannot be: rebuilt from the checkpoint
+        state = recover(self.ctx, manifest, held)
+        self.held, self.manifest, self.last_load = state, manifest, state
+        return dict(state.ema)
 
-    def _read_outer(self) -> dict[str, float]:
-        manifest = self.manifest
-        self._outer, self._outer_data = None, None
-        if not manifest.outer_key:
-            return {}
-        data = read_checked(self.ctx.store, manifest.outer_key, manifest.outer_checksum)
-        self._outer_data = data
-        return {k: float(v) for k, v in read_header(data).meta.get("ema", {}).items()}
+    @property
+    def holds(self) -> bool:
+        return self.held is not None
 
     @property
     def params(self) -> Tensors:
-        if self._params is None:
-            manifest = self.manifest
-            _, self._params = read_committed(self.ctx.store, manifest.params_key, fingerprint=self.ctx.fingerprint,
-                                             checksum=manifest.params_checksum,
-                                             what=f"version {manifest.version}'s params")
-        return self._params
+        if self.held is None:
+            raise RuntimeError(f"run {self.ctx.run_id}: the merger holds no state (load() first)")
+        return self.held.params
 
     @property
     def outer(self) -> OuterState:
-        if self._outer is None:
-            outer = self._decode_outer()
-            self._outer = OuterState.zeros_like(self.params) if outer is None else outer
-        return self._outer
-
-    def _decode_outer(self) -> OuterState | None:
-        """The outer state, its bytes decoded if need be (None: the version has none, its state is zeros)."""
-        if self._outer is not None:
-            return self._outer
-        if self._outer_data is None and self.manifest.outer_key:
-            self._read_outer()  # taken by a merge that then failed: read again
-        if self._outer_data is None:
-            return None
-        _, raw = decode_tensors(self._outer_data, fingerprint=self.ctx.fingerprint)
-        self._outer_data = None
-        return OuterState.from_tensors(raw, self.params)
+        if self.held is None:
+            raise RuntimeError(f"run {self.ctx.run_id}: the merger holds no state (load() first)")
+        if self.held.outer is None:
+            self.held.outer = OuterState.zeros_like(self.held.params)
+        return self.held.outer
 
     def layout(self) -> Tensors:
         """Names and shapes of the version's tensors, in order (meta tensors from run.json's layout; the
-        params themselves for a run without one): what deltas are checked against before params are read."""
+        params themselves for a run without one): what deltas are checked against before params are used."""
         if not self.ctx.layout:
             return self.params
         return {e["name"]: torch.empty(e["shape"], device="meta") for e in self.ctx.layout}
 
+    def snapshot(self) -> tuple[Manifest, Tensors, OuterState | None, dict[str, float]]:
+        """(manifest, params, outer state, moving averages) held now: what a checkpoint of it writes."""
+        held = self.held
+        return held.manifest, held.params, held.outer, held.ema
+
     def take(self, layout: Tensors) -> tuple[Tensors, OuterState | None]:
-        """The params and the outer state (None: zeros) for a merge to consume; forgotten here."""
+        """The params and the outer state (None: zeros) for a merge to consume; held no more."""
         params = self.params
         if not same_layout(params, layout):
-            raise RuntimeError(f"run {self.ctx.run_id} version {self.manifest.version}: the params object's "
-                               "tensors differ from run.json's layout")
-        outer = self._decode_outer()
-        self._params, self._outer, self._outer_data = None, None, None
+            raise RuntimeError(f"run {self.ctx.run_id} version {self.manifest.version}: the held tensors "
+                               "differ from run.json's layout")
+        outer = self.held.outer
+        self.held = None
         return params, outer
 
-    def forget(self, manifest: Manifest | None = None) -> None:
-        """Drop the tensors held (a merge is writing them away), moving on to `manifest` if given; they are
-        read again (from self.manifest) if needed."""
-        self.manifest = manifest or self.manifest
-        self._params, self._outer, self._outer_data = None, None, None
-
-    def keep(self, manifest: Manifest, params: Tensors, outer: OuterState) -> None:
+    def keep(self, manifest: Manifest, params: Tensors, outer: OuterState, ema: dict[str, float]) -> None:
         """A committed merge's version and its new tensors."""
-        self.manifest, self._params, self._outer, self._outer_data = manifest, params, outer, None
+        self.held, self.manifest = ChainState(manifest, params, outer, dict(ema)), manifest
+
+    def forget(self) -> None:
+        """Hold nothing (the next load rebuilds from the log)."""
+        self.held = None

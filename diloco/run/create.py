@@ -14,14 +14,14 @@ import time
 from diloco import __version__
 from diloco.configs import Config
 from diloco.run.buffers import plan_buffers, warn_once, write_buffers
+from diloco.run.checkpoint import write_checkpoint
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.fragments import fragment_context, plan_for
-from diloco.run.objects import write_state
 from diloco.run.pin import PINNED, pin_of
 from diloco.run.spec import SpecFiles, StagedFiles, build_model, probe, spec_of
 from diloco.storage import Conflict, Manifest, RunKeys, commit, manifest_exists
 from diloco.storage.keys import new_nonce, validate_new_learner_name
-from diloco.storage.records import TRUST_RULES, RunRecord, write_record
+from diloco.storage.records import STORAGE_FORMAT, TRUST_RULES, RunRecord, write_record
 from diloco.storage.store import Store
 from diloco.training.buffers import get_buffers
 from diloco.training.fragments import take
@@ -46,8 +46,9 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
     fragments = plan_for(cfg.fragments.count, layout)  # before anything is written: a bad count creates nothing
     record = RunRecord(run_id=run_id, created_at=time.time(), created_by=socket.gethostname(),
                        diloco_version=__version__, fingerprint=layout_fingerprint(layout), learners=learners,
-                       config=cfg.model_dump(mode="json"), layout=layout, fragments=fragments, buffers=buffers or None,
-                       tokens_per_step=tokens_per_step, trust_rules=TRUST_RULES)
+                       config=cfg.model_dump(mode="json"), layout=layout, fragments=fragments,
+                       buffers=buffers or None, tokens_per_step=tokens_per_step, trust_rules=TRUST_RULES,
+                       storage_format=STORAGE_FORMAT)
     files.flush()  # before run.json: a process that sees the run finds its spec files
     try:
         write_record(store, keys.run_json(), record, exclusive=True)
@@ -77,18 +78,15 @@ def fingerprint_of(cfg: Config, files: SpecFiles | None = None) -> str:
 
 
 def _commit_version_zero(ctx: RunContext, params: Tensors, buffers: Tensors, run_json: str = "") -> None:
-    """Version 0 of the context's chain (the root's, or a fragment's): idempotent, the first commit wins. With
-    the initial buffers when the chain holds the run's buffers; the root's pins run.json (`run_json`: its
-    checksum)."""
+    """Version 0 of the context's chain (the root's, or a fragment's): its checkpoint (the initial params; no
+    outer state), then its manifest naming it; idempotent, the first commit wins. With the initial buffers
+    when the chain holds the run's buffers; the root's pins run.json (`run_json`: its checksum)."""
     if manifest_exists(ctx.store, ctx.keys, 0):
         return
-    nonce = new_nonce()
-    key = ctx.keys.params(0, nonce)
-    _, checksum = write_state(ctx.store, key, params, kind="params", fingerprint=ctx.fingerprint)
+    ref = write_checkpoint(ctx, 0, params, None, ema={}, manifest_checksum="", created_by="init")
     manifest = Manifest(
-        run_id=ctx.run_id, version=0, created_at=time.time(), merger_id="init",
-        params_key=key, params_checksum=checksum, run_json_checksum=run_json,
-        **(write_buffers(ctx, 0, nonce, buffers) if ctx.buffers else {}),
+        run_id=ctx.run_id, version=0, created_at=time.time(), merger_id="init", checkpoint=ref,
+        run_json_checksum=run_json, **(write_buffers(ctx, 0, new_nonce(), buffers) if ctx.buffers else {}),
     )
     with contextlib.suppress(Conflict):  # another process committed version 0 first; ours is an orphan
         commit(ctx.store, ctx.keys, manifest)

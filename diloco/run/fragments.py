@@ -14,8 +14,8 @@ import re
 import torch
 
 from diloco.configs import ConfigError
+from diloco.run.chain_state import ChainFollower, chain_params
 from diloco.run.context import RunContext
-from diloco.run.objects import read_committed
 from diloco.storage import Manifest, ManifestError, chain_problems, latest_version, read_latest, read_manifest
 from diloco.storage.store import Store
 from diloco.training.fragments import FragmentError, fragment_layout, plan_fragments, put_
@@ -147,21 +147,26 @@ def run_version(ctx: RunContext, store: Store | None = None) -> int | None:
     return None if any(v is None for v in versions) else min(versions)
 
 
-def read_run_version(ctx: RunContext, version: int) -> tuple[Tensors, int, float]:
+def read_run_version(ctx: RunContext, version: int,
+                     followers: list[ChainFollower] | None = None) -> tuple[Tensors, int, float]:
     """(whole-model params, tokens merged, committed at) of run version `version`: the root manifest's, or for
-    fragments every fragment's version `version` put together (the tokens every fragment merged: the minimum)."""
+    fragments every fragment's version `version` put together (the tokens every fragment merged: the
+    minimum). Each chain's params from its checkpoint and updates (diloco.run.chain_state), or through
+    `followers` (one per chain, the evaluator's: the updates since the version they hold)."""
+    manifests, parts = [], []
+    for index, chain in enumerate(chain_contexts(ctx)):
+        manifest = read_manifest(ctx.store, chain.keys, version)
+        part = followers[index].at(manifest) if followers is not None else chain_params(chain, manifest)
+        manifests.append(manifest)
+        parts.append(part)
     if not ctx.fragments:
-        manifest = read_manifest(ctx.store, ctx.keys, version)
-        _, params = read_committed(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
-                                   checksum=manifest.params_checksum, what=f"version {version}'s params")
-        return params, manifest.tokens_total, manifest.created_at
+        return parts[0], manifests[0].tokens_total, manifests[0].created_at
     params = {e["name"]: torch.zeros(e["shape"], dtype=torch.float32) for e in ctx.layout}
-    tokens, committed = [], []
-    for index, fragment in enumerate(ctx.fragments):
-        manifest = read_manifest(ctx.store, ctx.keys.for_fragment(index), version)
-        _, part = read_committed(ctx.store, manifest.params_key, fingerprint=ctx.fingerprint,
-                                 checksum=manifest.params_checksum, what=f"fragment {index}'s version {version} params")
+    for fragment, part in zip(ctx.fragments, parts, strict=True):
         put_(params, fragment, part)
-        tokens.append(manifest.tokens_total)
-        committed.append(manifest.created_at)
-    return params, min(tokens), max(committed)
+    return params, min(m.tokens_total for m in manifests), max(m.created_at for m in manifests)
+
+
+def chain_followers(ctx: RunContext, reach: int) -> list[ChainFollower]:
+    """One ChainFollower per chain of the run (read_run_version's `followers`)."""
+    return [ChainFollower(chain, reach) for chain in chain_contexts(ctx)]

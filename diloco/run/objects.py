@@ -134,10 +134,14 @@ def read_committed(store: Store, key: str, *, checksum: str, fingerprint: str | 
             return read_tensors(store, key, fingerprint=fingerprint, checksum=checksum)
         except codec.CodecError as err:
             failure = str(err).removeprefix(f"{key}: ")  # named once, below
-    raise CorruptObject(f"{what or 'the committed object'} {key} is corrupt ({failure}; read {COMMITTED_READS} "
-                        "times). A committed object never changes, so no retry or restart can fix this: "
-                        "`diloco audit` names every corrupt object, and `diloco fork --at-version V` continues "
-                        "the run from the last good version") from None
+    raise CorruptObject(corrupt_message(what or "the committed object", key, failure)) from None
+
+
+def corrupt_message(what: str, key: str, failure: str) -> str:
+    """CorruptObject's words for a committed object that failed its checks COMMITTED_READS times."""
+    return (f"{what} {key} is corrupt ({failure}; read {COMMITTED_READS} times). A committed object never "
+            "changes, so no retry or restart can fix this: `diloco audit` names every corrupt object, and "
+            "`diloco fork --at-version V` continues the run from the last good version")
 
 
 def verify_written(store: Store, key: str, checksum: str, what: str) -> None:

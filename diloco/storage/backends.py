@@ -39,6 +39,7 @@ class Backend(Protocol):
     # there (S3's StartAfter) leaves out the keys up to it, others list all (ObjectStore.list filters)
     def walk(self, folder: str, after: str = "") -> list[str]: ...
     def folders(self, folder: str) -> list[str]: ...  # the names of folder's direct subfolders, any order
+    def walk_sizes(self, folder: str) -> dict[str, int]: ...  # walk's keys with their sizes
     def remove(self, key: str) -> None: ...
 
 
@@ -99,6 +100,13 @@ class LocalBackend:
             rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
             keys.extend(name if rel == "." else f"{rel}/{name}" for name in files)
         return keys
+
+    def walk_sizes(self, folder: str) -> dict[str, int]:
+        sizes = {}
+        for key in self.walk(folder):
+            with contextlib.suppress(FileNotFoundError):  # vanished mid-walk
+                sizes[key] = os.stat(self._path(key)).st_size
+        return sizes
 
     def folders(self, folder: str) -> list[str]:
         try:
@@ -180,6 +188,18 @@ class FsspecBackend:
             elif path.startswith(root + "/"):
                 keys.append(path[len(root) + 1 :])
         return keys
+
+    def walk_sizes(self, folder: str) -> dict[str, int]:
+        top = self._path(folder) if folder else self.root
+        root = self.root.lstrip("/")
+        sizes = {}
+        for found, info in self.fs.find(top, detail=True).items():
+            path = str(found).lstrip("/")
+            if not root:
+                sizes[path] = int(info.get("size") or 0)
+            elif path.startswith(root + "/"):
+                sizes[path[len(root) + 1 :]] = int(info.get("size") or 0)
+        return sizes
 
     def _walk_s3_after(self, folder: str, after: str) -> list[str]:
         """One listing that starts after `after` (StartAfter), paginated: O(keys after it), not O(folder)."""

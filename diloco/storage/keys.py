@@ -19,10 +19,15 @@ _LEASE_RE = re.compile(r"(?:.*/)?control/lease-([0-9]{12})")
 _DELTA_RE = re.compile(r"(?:.*/)?deltas/([a-z0-9-]{1,48})/([0-9]{12})\.delta")
 _OP_RE = re.compile(r"[0-9]{20}-[0-9a-f]{8}")  # a control operation: <time ns:020d>-<nonce>
 _OP_KEY_RE = re.compile(r"(?:.*/)?control/ops/([0-9]{20}-[0-9a-f]{8})\.json")
+# a chain's checkpoint: its folder <version:020d>-<nonce>/ under checkpoints/, the small JSON that lists its
+# parts
+_CHECKPOINT_RE = re.compile(
+    r"(?:.*/)?checkpoints/([0-9]{20})-([0-9a-f]{8,32})/(checkpoint\.json|part-[0-9]{5})")
 
 MAX_VERSION = 10**20 - 1  # the widest number that keeps `{version:020d}` sorting lexically
 MAX_SEQ = 10**12 - 1  # likewise for `{seq:012d}`
 MAX_FRAGMENT = 9999  # likewise for `fragments/{p:04d}`
+MAX_PART = 99_999  # likewise for a checkpoint's `part-{i:05d}`
 
 
 class InvalidName(ValueError):
@@ -137,6 +142,26 @@ class RunKeys:
         """The model's merged buffers at a version (runs that merge buffers: run.json's `buffers`)."""
         return self._global(version, nonce, "buffers")
 
+    def checkpoints_prefix(self) -> str:
+        """The chain's checkpoints (params + outer state every `state.checkpoint_every` versions)."""
+        return f"{self.chain_root}/checkpoints/"
+
+    def checkpoint_folder(self, version: int, nonce: str) -> str:
+        return f"{self.checkpoints_prefix()}{self._version(version)}-{validate_nonce(nonce)}/"
+
+    def chain_checkpoint(self, version: int, nonce: str) -> str:
+        """The checkpoint's own small JSON (its parts, their checksums, the slices each holds): written last,
+        so a checkpoint exists once it does."""
+        return f"{self.checkpoint_folder(version, nonce)}checkpoint.json"
+
+    def checkpoint_part(self, version: int, nonce: str, index: int) -> str:
+        return f"{self.checkpoint_folder(version, nonce)}part-{_check_int(index, 'part', MAX_PART):05d}"
+
+    def retention(self) -> str:
+        """What `diloco gc --keep-versions/--before` removed from the chain, and where its kept history
+        starts."""
+        return f"{self.chain_root}/retention.json"
+
     def deltas_prefix(self, learner: str | None = None) -> str:
         if learner is None:
             return f"{self.chain_root}/deltas/"
@@ -208,6 +233,13 @@ def parse_manifest_key(key: str) -> int | None:
     """The version of a manifest key, or None if the key is not a manifest."""
     match = _MANIFEST_RE.fullmatch(key) if isinstance(key, str) else None
     return int(match.group(1)) if match else None
+
+
+def parse_checkpoint_key(key: str) -> tuple[int, str, str] | None:
+    """(version, nonce, name) of a key inside a chain checkpoint's folder (name: `checkpoint.json` or
+    `part-<i>`), or None if the key is not one."""
+    match = _CHECKPOINT_RE.fullmatch(key) if isinstance(key, str) else None
+    return (int(match.group(1)), match.group(2), match.group(3)) if match else None
 
 
 def parse_lease_key(key: str) -> int | None:

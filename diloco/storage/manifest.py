@@ -15,8 +15,11 @@ from diloco.storage.errors import Conflict
 from diloco.storage.keys import RunKeys, parse_manifest_key
 from diloco.storage.store import Store
 
-SCHEMA_VERSION = 1
-KNOWN_SCHEMA_VERSIONS = (1,)
+# 1: every version names its params (and outer state) objects; 2: the log (docs/STORAGE.md) — a version names
+# its update and the newest checkpoint at or before it (`checkpoint`); params/outer keys only in manifests
+# written before
+SCHEMA_VERSION = 2
+KNOWN_SCHEMA_VERSIONS = (1, 2)
 
 
 class ManifestError(ValueError):
@@ -86,6 +89,16 @@ class GuardState(BaseModel):
     ops_cursor: str = ""  # the name of the last control op applied
 
 
+class CheckpointRef(BaseModel):
+    """A chain checkpoint a manifest names: its version (at or before the manifest's), its JSON object and
+    that object's checksum (the JSON lists the parts and theirs)."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0)
+    key: str
+    checksum: str
+
+
 class Manifest(BaseModel):
     """The commit record of one global version."""
 
@@ -96,8 +109,14 @@ class Manifest(BaseModel):
     parent: int = -1  # version - 1, or -1 for version 0
     created_at: float  # unix seconds
     merger_id: str = ""
-    params_key: str
-    params_checksum: str
+    # schema 1 (every version, kept readable) and version 0 of runs made before the log: the version's full
+    # params and (version >= 1) outer state objects; "" in the log's manifests, which name `checkpoint`
+    # instead
+    params_key: str = ""
+    params_checksum: str = ""
+    # the newest complete checkpoint of the chain at or before this version, when the manifest was committed
+    # (version 0's is itself): G_v = its params + the updates after it (docs/STORAGE.md, invariant 3)
+    checkpoint: CheckpointRef | None = None
     update_key: str = ""  # empty for version 0
     update_checksum: str = ""
     outer_key: str = ""
@@ -116,6 +135,9 @@ class Manifest(BaseModel):
     stats: dict[str, float] = {}  # update_norm, outlier_median, ...
     guard: GuardState | None = None
     controls: list[ControlEntry] = []  # operator control ops applied by this merge
+    # the grace window's moving averages after this merge (phase_s, quorum_s, merge_s): a merger restarted on
+    # this version takes them from here (before the log: from the outer state object's header)
+    ema: dict[str, float] = {}
 
     def merged(self) -> list[DeltaDecision]:
         return [d for d in self.decisions if d.status == "merged"]
@@ -125,8 +147,9 @@ class Manifest(BaseModel):
 
     def to_bytes(self) -> bytes:
         fields = self.model_dump(mode="json")
-        for name in ("buffers_key", "buffers_checksum", "run_json_checksum"):
-            if not fields[name]:
+        for name in ("buffers_key", "buffers_checksum", "run_json_checksum", "checkpoint", "ema",
+                     "params_key", "params_checksum"):
+            if not fields[name] and not (name.startswith("params") and fields["schema_version"] == 1):
                 del fields[name]
         for decision in fields["decisions"]:  # only a lost range has one: the bytes of every other are as before
             if decision["seq_last"] is None:
@@ -145,9 +168,21 @@ class Manifest(BaseModel):
                 f"manifest schema_version {schema!r} is unknown (this code reads {KNOWN_SCHEMA_VERSIONS})"
             )
         try:
-            return cls.model_validate(obj)
+            manifest = cls.model_validate(obj)
         except ValidationError as exc:
             raise ManifestError(f"manifest is malformed: {exc}") from exc
+        if not manifest.params_key and manifest.checkpoint is None:
+            raise ManifestError(f"manifest of version {manifest.version} names neither its params nor a "
+                                "checkpoint")
+        return manifest
+
+    @property
+    def state_version(self) -> int:
+        """The version of the state a reader starts from: this version's own (a manifest that names its
+        params: schema 1, version 0 of a run made before the log), or its checkpoint's."""
+        if self.params_key:
+            return self.version
+        return self.checkpoint.version if self.checkpoint is not None else 0
 
 
 def _loads(data: bytes, what: str) -> Any:

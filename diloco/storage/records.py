@@ -18,6 +18,11 @@ from diloco.storage.store import Store
 
 RUN_SCHEMA_VERSION = 1
 KNOWN_RUN_SCHEMA_VERSIONS = (1,)
+# How a run stores its chains' state (run.json `storage_format`, docs/STORAGE.md): 1, every version holds its
+# full params and outer state (runs made before the log; absent in their run.json); 2, the log: every version
+# its update, a checkpoint every `state.checkpoint_every` versions. This code reads both and creates 2.
+STORAGE_FORMAT = 2
+KNOWN_STORAGE_FORMATS = (1, 2)
 
 
 class RecordError(ValueError):
@@ -87,6 +92,8 @@ class RunRecord(Record):
     # before): 1, as their manifests were folded
     trust_rules: int | None = None
     forked_from: dict[str, Any] | None = None  # `diloco fork`: run_id, storage, version, checksums, by, t
+    # STORAGE_FORMAT of the run's chains; None (not written) in runs made before the log: format 1
+    storage_format: int | None = None
 
     @classmethod
     def _check(cls, obj: dict[str, Any], name: str) -> None:
@@ -95,6 +102,16 @@ class RunRecord(Record):
             raise RecordError(
                 f"{name}: schema_version {schema!r} is unknown (this code reads {KNOWN_RUN_SCHEMA_VERSIONS})"
             )
+        found = obj.get("storage_format", 1)
+        if found not in KNOWN_STORAGE_FORMATS:
+            raise RecordError(f"{name}: storage format {found!r} is unknown: this code reads storage formats "
+                              f"{', '.join(map(str, KNOWN_STORAGE_FORMATS))} (docs/STORAGE.md); use the "
+                              "diloco version that made the run")
+
+    @property
+    def format(self) -> int:
+        """The run's storage format (1 when run.json predates the field)."""
+        return self.storage_format or 1
 
 
 class LearnerStatus(Record):
@@ -196,6 +213,60 @@ class RemovedMark(Record):
     what: ClassVar[str] = "removal mark"
     reason: str
     t: float
+
+
+class CheckpointPart(BaseModel):
+    """One part of a chain checkpoint: an fp32 tensor object holding flat slices of the state's tensors."""
+
+    model_config = ConfigDict(extra="forbid")
+    key: str
+    checksum: str  # BLAKE2b of the part's bytes
+    bytes: int = Field(ge=0)
+    slices: list[tuple[str, int, int]]  # (state tensor, first element, one past the last) of each slice
+
+
+class CheckpointRecord(Record):
+    """<chain>/checkpoints/<version>-<nonce>/checkpoint.json: one chain's params and outer state at one
+    version, in parts of bounded size (written first), listed here with their checksums (this object last:
+    a checkpoint exists once it does)."""
+
+    what: ClassVar[str] = "checkpoint"
+    schema_version: int = 1
+    run_id: str
+    fragment: int | None = None  # the chain (None: the root)
+    version: int = Field(ge=0)
+    created_at: float
+    created_by: str  # the merger (or `create`, `fork`) that wrote it
+    fingerprint: str
+    # BLAKE2b of the version's manifest bytes (the version it is the state of); "" when the checkpoint is
+    # written before its manifest (version 0 of a created or forked run, which names it)
+    manifest_checksum: str = ""
+    tensors: list[tuple[str, list[int]]]  # (name, shape) of every state tensor: params/<p>, momentum/<p>, ...
+    parts: list[CheckpointPart]
+    outer: bool  # whether it holds outer state (momentum/, residual/, pending/); False: zeros (version 0)
+    pending_share: float = 0.0  # experimental.momentum_per delayed: the round share of `pending`
+    ema: dict[str, float] = {}  # the grace window's moving averages at this version
+
+    @classmethod
+    def _check(cls, obj: dict[str, Any], name: str) -> None:
+        if obj.get("schema_version") != 1:
+            raise RecordError(f"{name}: schema_version {obj.get('schema_version')!r} is unknown (this code "
+                              "reads 1)")
+
+
+class RetentionRecord(Record):
+    """<chain>/retention.json: what `diloco gc --keep-versions/--before` removed; the chain's history is kept
+    from `oldest` on (the checkpoint there, every update and merged delta after it), and audit replays from
+    it."""
+
+    what: ClassVar[str] = "retention record"
+    oldest: int = Field(ge=0)  # the oldest version whose state can still be rebuilt: a checkpoint's
+    checkpoint_key: str
+    checkpoint_checksum: str
+    t: float
+    by: str
+    removed_objects: int = 0  # by every gc so far
+    removed_bytes: int = 0
 
 
 OP_KINDS = ("admit", "remove", "readmit", "pause-merges", "resume-merges", "set", "resume", "fork")

@@ -38,6 +38,7 @@ class Store(Protocol):
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str, after: str = "") -> list[str]: ...
     def folders(self, prefix: str) -> list[str]: ...
+    def sizes(self, prefix: str) -> dict[str, int]: ...
     def delete(self, key: str) -> None: ...
 
 
@@ -180,6 +181,15 @@ class ObjectStore:
             raise BadRequest(f"folders of {prefix!r}: a folder prefix ends in '/'")
         found = self._call(lambda: self._backend.folders(prefix.rstrip("/")), prefix)
         return sorted(name for name in found if name and not name.startswith(TMP_PREFIX))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every key under prefix (recursively) with its size in bytes, from one listing (S3's ListObjectsV2
+        carries the sizes: no HEAD per object). Never cached."""
+        check_prefix(prefix)
+        folder = prefix.rpartition("/")[0]
+        found = self._call(lambda: self._backend.walk_sizes(folder), prefix)
+        return {key: size for key, size in sorted(found.items())
+                if key.startswith(prefix) and not any(s.startswith(TMP_PREFIX) for s in key.split("/"))}
 
     def delete(self, key: str) -> None:
         """Remove an object; absent is not an error."""

@@ -21,13 +21,13 @@ KINDS = ("delta", "global", "manifest", "checkpoint", "status", "event", "contro
 
 
 def object_kind(key: str) -> str:
-    """'delta' (and its signature), 'global' (params/update/outer/buffers), 'manifest', 'checkpoint' (a
-    learner's pointer and moments), 'status', 'event', 'control', 'eval', or 'other' (run.json, the spec's
-    files, ...)."""
+    """'delta' (and its signature), 'global' (a version's state: update, a chain checkpoint's parts and JSON,
+    params/outer objects of runs before the log), 'manifest', 'checkpoint' (a learner's pointer and moments),
+    'status', 'event', 'control', 'eval', or 'other' (run.json, the spec's files, ...)."""
     parts = key.split("/")
     if "deltas" in parts:
         return "delta"
-    if "global" in parts:
+    if "global" in parts or "checkpoints" in parts:
         return "global"
     if "versions" in parts:
         return "manifest"

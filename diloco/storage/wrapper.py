@@ -62,5 +62,8 @@ class WrapperStore:
     def folders(self, prefix: str) -> list[str]:
         return self.inner.folders(prefix)
 
+    def sizes(self, prefix: str) -> dict[str, int]:
+        return self.inner.sizes(prefix)
+
     def delete(self, key: str) -> None:
         self.inner.delete(key)

@@ -1,6 +1,6 @@
 """The operator's controls — the functions the CLI (diloco/cli/operate.py), the Python facade
 (diloco.api.operate) and the Prefect `operate` flow call: admit, remove, readmit, pause and resume merges, live
-settings, prepare a resume, fork.
+settings, prepare a resume (fork: diloco.inspect.fork, which replays merges from the log).
 
 Contract: each control validates its input against the run as it is now (the newest manifest plus the ops
 not merged yet) and raises RunError / ConfigError / InvalidName naming the problem with nothing written;
@@ -16,7 +16,7 @@ import math
 import time
 from typing import Any
 
-from diloco.configs import ConfigError, config_from_record, load_config, parse_value
+from diloco.configs import ConfigError, config_from_record, parse_value
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.controls import write_op
 from diloco.run.fragments import run_version
@@ -224,17 +224,3 @@ def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, ver
     return {"run_id": ctx.run_id, "state": state, "latest": latest, "previous_target": ctx.cfg.run.num_versions,
             "target": latest + more, "time_limit_s": float(limit), "op": op,
             "prefect": lease is None or lease.kind != "local"}
-
-
-def fork(storage: str | Store, run_id: str, at_version: int, new_run_id: str, *, config: str | None = None,
-         overrides: dict[str, Any] | None = None, by: str | None = None) -> RunContext:
-    """A new run whose version 0 is `run_id`'s version `at_version` (diloco/run/fork.py); the parent is untouched."""
-    from diloco.run.fork import fork_run
-
-    cfg = None
-    if config is not None or overrides:
-        if config is None:
-            raise ConfigError("overrides of a fork need --config (the recipe they apply to)")
-        cfg = load_config(config).with_overrides(overrides or {})  # a recipe name or a YAML path (api.resolve_config)
-    store = open_store(storage) if isinstance(storage, str) else storage
-    return fork_run(store, run_id, at_version, new_run_id, cfg, by=by)

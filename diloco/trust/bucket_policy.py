@@ -1,17 +1,20 @@
 """Least-privilege S3 policies for the roles of a run (`diloco bucket-policy`): a learner writes only its own
 deltas/<name>/, learners/<name>/ and events/<name>/ and reads what it needs (its peers' statuses too: DyLU
-paces itself by their speed); the merger writes versions/, global/ and its events (and never reads the spec's
-files: it runs no user code); the evaluator evals/ and its events; the operator everything of the run. What is
-history — run.json, the manifests, the deltas — is written once, by every role's key: only by a PutObject
-carrying If-None-Match (the `s3:if-none-match` condition key, as AWS enforces conditional writes), and never
-deleted, so a leaked key cannot overwrite what was created, published or committed.
+paces itself by their speed); the merger writes versions/, global/, checkpoints/ and its events (and never
+reads the spec's files: it runs no user code); the evaluator evals/ and its events; the operator everything
+of the run; `gc` (retention, `diloco gc --keep-versions`) deletes old checkpoints, updates and deltas and
+writes the chains' retention records, nothing else. What is history — run.json, the manifests, the deltas —
+is written once, by every role's key: only by a PutObject carrying If-None-Match (the `s3:if-none-match`
+condition key, as AWS enforces conditional writes), and never deleted — but the deltas by the gc role,
+whose retention removes those no kept version needs — so a leaked key cannot overwrite what was created,
+published or committed.
 
 Contract: plain IAM policy JSON (AWS IAM and MinIO read the same language), generated only from validated
-input (an S3 bucket name, a prefix without IAM's wildcards or variables, a run id, a learner name that is no
-role's); every key a role touches is built by RunKeys, so the prefixes here follow storage/keys.py;
-`allows(policy, action, bucket, key, if_none_match=...)` is the small evaluator the tests use to check a real
-run's requests against the policies (Allow and Deny statements, a Deny winning; the condition operators
-StringLike, Null and Bool).
+input (an S3 bucket name, a prefix without IAM's wildcards or variables, a run id, a learner name that is
+no role's); every key a role touches is built by RunKeys, so the prefixes here follow storage/keys.py;
+`allows(policy, action, bucket, key, if_none_match=...)` is the small evaluator the tests use to check a
+real run's requests against the policies (Allow and Deny statements, a Deny winning; the condition
+operators StringLike, Null and Bool).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 from diloco.run.context import RunError
 from diloco.storage.keys import RunKeys, validate_new_learner_name
 
-ROLES = ("merger", "evaluator", "operator")
+ROLES = ("merger", "evaluator", "operator", "gc")
 READ, WRITE, DELETE, LIST = "s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"
 CREATE = "create"  # in _grants: PutObject only as an exclusive create (the keys are history, written once)
 # AWS's conditional-write enforcement: a PutObject (or CompleteMultipartUpload) without If-None-Match is denied;
@@ -35,6 +38,9 @@ PARTS = {"Bool": {"s3:ObjectCreationOperation": "false"}}
 # denied
 NOT_ONCE = {"Null": {"s3:if-none-match": "true"}, "Bool": {"s3:ObjectCreationOperation": "true"}}
 HISTORY = ["run.json", "versions/*", "deltas/*.delta", "fragments/*/versions/*", "fragments/*/deltas/*.delta"]
+# what retention removes (gc role): a chain's old checkpoints, its updates (global/) and its decided deltas
+RETIRED = ["global/*", "checkpoints/*", "deltas/*", "fragments/*/global/*", "fragments/*/checkpoints/*",
+           "fragments/*/deltas/*"]
 # S3's bucket names (3-63 of a-z 0-9 . -, a letter or digit at each end); a prefix's segments: no IAM wildcard
 # (* ?), no policy variable ($), no `.` or `..`, nothing a key of the run would not hold
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -62,7 +68,7 @@ def split_s3(storage: str) -> tuple[str, str]:
 
 def _grants(role: str, learner: str | None, run: str) -> dict[str, list[str]]:
     """action -> the run-relative key patterns it applies to."""
-    reads = ["run.json", "versions/*", "global/*", "control/*"]
+    reads = ["run.json", "versions/*", "global/*", "checkpoints/*", "control/*", "retention.json"]
     if learner is not None:
         own = [f"deltas/{learner}/*", f"learners/{learner}/*", f"events/{learner}/*"]
         # learners/*/status.json: its peers' speeds (inner.dylu paces the learner by the fastest)
@@ -71,14 +77,19 @@ def _grants(role: str, learner: str | None, run: str) -> dict[str, list[str]]:
                 WRITE: [f"deltas/{learner}/*.sig", *own[1:]],  # a signature lands first, by a plain put
                 # its own checkpoint's old moments (a pointer names the newest two generations; nothing else)
                 DELETE: [f"learners/{learner}/checkpoint/*"],
-                LIST: ["versions/*", f"deltas/{learner}/*", "control/*", f"learners/{learner}/*"]}
+                LIST: ["versions/*", f"deltas/{learner}/*", "control/*", f"learners/{learner}/*",
+                       "checkpoints/*"]}
     if role == "merger":
-        return {READ: reads + ["deltas/*"], CREATE: ["versions/*"],
-                WRITE: ["global/*", "events/merger/*", "events/merger-*"],  # merger-s<k>: its shards
-                LIST: ["versions/*", "deltas/*", "control/*", "global/*"]}
+        return {READ: reads + ["deltas/*", "checkpoints/*"], CREATE: ["versions/*"],
+                # events/merger-*: its shards' (merger-s<k>)
+                WRITE: ["global/*", "checkpoints/*", "events/merger/*", "events/merger-*"],
+                LIST: ["versions/*", "deltas/*", "control/*", "global/*", "checkpoints/*"]}
+    if role == "gc":
+        return {READ: ["*"], WRITE: ["retention.json", "fragments/*/retention.json"], DELETE: RETIRED,
+                LIST: ["*"]}
     if role == "evaluator":
         return {READ: reads + ["evals/*", "spec/*"], WRITE: ["evals/*", "events/evaluator/*"],
-                LIST: ["versions/*", "control/*", "evals/*"]}
+                LIST: ["versions/*", "control/*", "evals/*", "checkpoints/*"]}
     return {READ: ["*"], WRITE: ["*"], DELETE: ["*"], LIST: ["*"]}
 
 
@@ -108,8 +119,9 @@ def policy_for(storage: str, run_id: str, *, learner: str | None = None, role: s
     history = [f"arn:aws:s3:::{bucket}/{run}{p}" for p in HISTORY]  # whatever the grants above say
     statements.append({"Sid": "HistoryWrittenOnce", "Effect": "Deny", "Action": [WRITE], "Resource": history,
                        "Condition": NOT_ONCE})
-    if DELETE in grants:
-        statements.append({"Sid": "HistoryKept", "Effect": "Deny", "Action": [DELETE], "Resource": history})
+    if DELETE in grants:  # the gc role's retention deletes decided deltas: its Deny keeps the rest
+        kept = [r for r, p in zip(history, HISTORY, strict=True) if role != "gc" or "deltas" not in p]
+        statements.append({"Sid": "HistoryKept", "Effect": "Deny", "Action": [DELETE], "Resource": kept})
     return {"Version": "2012-10-17", "Statement": statements}
 
 

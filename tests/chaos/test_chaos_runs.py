@@ -128,7 +128,7 @@ def test_merger_killed_at_every_stage_and_racing(tmp_path: Path) -> None:
     merger_exits = [e for e in run.events if e["kind"] == "exit" and e.get("role") == "merger"]
     assert len(merger_exits) >= 4
     assert {m.merger_id for m in run.chain[1:]} == {"merger", "merger-2"}  # both won some versions
-    # the mid-merge kill left an orphan update (no params, no manifest) that no version refers to
+    # the mid-merge kill left an orphan update (no manifest) that no version refers to
     referenced = {k for m in run.chain for k in (m.params_key, m.update_key, m.outer_key)}
     orphans = [k for k in run.ctx.store.list(run.ctx.keys.global_prefix()) if k not in referenced]
     assert any(k.endswith(".update") for k in orphans)

@@ -1,6 +1,6 @@
-"""`diloco bench scale --quick`: the JSON has the issue's keys (and the merge time's reference and floor), every
-row merged a whole round with the real merger in a fresh process, and the staggered schedule's peak upload shrinks
-with P.
+"""`diloco bench scale --quick`: the JSON has the issue's keys (and the merge time's reference, the log's
+bucket growth, a merger's cold restart and a learner's rejoin), every row merged 3K rounds with the
+production merger in fresh processes, and the staggered schedule's peak upload shrinks with P.
 
 Run: .venv/bin/pytest tests/integration/test_bench_scale.py -q
 """
@@ -14,18 +14,26 @@ from diloco.bench.scale import bench_scale, peak_window_bytes
 
 def test_quick_scale_bench_writes_the_issue_keys(tmp_path):
     out = tmp_path / "scale.json"
-    bench_scale(json_path=out, learners=2, fragments="1,4", quick=True)
+    bench_scale(json_path=out, learners=2, fragments="1,4", quick=True, checkpoint_every=3)
     result = json.loads(out.read_text())
     assert set(result) == {"model_params", "learners", "rows", "codec"}
     assert result["learners"] == 2 and result["model_params"] > 0
     assert set(result["codec"]) == {"int4"} and set(result["codec"]["int4"]) == {"encode_mb_s", "decode_mb_s"}
     keys = {"fragments", "largest_fragment_mb", "merge_peak_rss_mb", "merge_s_per_round", "publish_mb",
             "peak_upload_ratio_vs_unfragmented"}
-    floor = {"read_decode_s", "state_io_s", "merge_vs_read_decode"}  # the merge-time target's reference and floor
-    assert [set(r) for r in result["rows"]] == [keys | floor, keys | floor]
+    floor = {"read_decode_s", "state_io_s", "merge_vs_read_decode"}  # the merge-time target's reference
+    log = {"bucket_bytes_per_version", "bucket_bytes_per_param_per_version", "recovery_s",
+           "recovery_replayed", "rejoin_s", "rejoin_bytes", "rejoin_full_params_s", "merger_rss_mb",
+           "state_held_mb", "checkpoint_every", "rounds"}  # issue #41
+    assert [set(r) for r in result["rows"]] == [keys | floor | log, keys | floor | log]
     for row in result["rows"]:
         assert row["read_decode_s"] > 0 and row["state_io_s"] > 0
+        assert row["rounds"] == 3 * row["checkpoint_every"]
         assert row["merge_vs_read_decode"] == row["merge_s_per_round"] / row["read_decode_s"]
+        assert row["recovery_replayed"] == (row["checkpoint_every"] - 1) * row["fragments"]  # K - 1 per chain
+        assert row["rejoin_s"] > 0 and row["rejoin_bytes"] > 0 and row["recovery_s"] > 0
+        # per version: the update (~0.5 B/param at int4), the manifest, 12 B/param of state every K versions
+        assert 0.4 < row["bucket_bytes_per_param_per_version"] < 0.6 + 12 / row["checkpoint_every"] + 0.5
     whole, four = result["rows"]
     assert whole["peak_upload_ratio_vs_unfragmented"] == 1.0
     assert four["peak_upload_ratio_vs_unfragmented"] <= 1.4 / 4  # the issue's target, on bytes

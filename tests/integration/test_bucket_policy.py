@@ -1,11 +1,11 @@
 """`diloco bucket-policy` against what the roles really do: a tiny signed run on the S3 test server (moto),
 every request of each learner, the merger and the evaluator recorded, and each one checked against that
-role's policy (an exclusive create as a request with If-None-Match); a learner's policy allows none of another
-learner's writes, and neither a learner's nor the merger's allows overwriting what it created exclusively (its
-deltas, the manifests). (moto does not enforce IAM
-conditions, so the policies are evaluated here by diloco.trust.bucket_policy.allows, IAM's matching rules for
-Allow statements: `*` across `/`, s3:prefix for listings; an exists() counts as a HEAD plus the listing of
-`<key>/` that s3fs falls back to.)
+role's policy (an exclusive create as a request with If-None-Match); a learner's policy allows none of
+another learner's writes, and neither a learner's nor the merger's allows overwriting what it created
+exclusively (its deltas, the manifests); the gc role's retention (`diloco gc --keep-versions`) and orphan
+collection stay within its policy. (moto does not enforce IAM conditions, so the policies are evaluated
+here by diloco.trust.bucket_policy.allows, IAM's matching rules for Allow statements: `*` across `/`,
+s3:prefix for listings; an exists() counts as a HEAD plus the listing of `<key>/` that s3fs falls back to.)
 
 Run: .venv/bin/pytest tests/integration/test_bucket_policy.py -q
 """
@@ -21,6 +21,8 @@ from typer.testing import CliRunner
 from diloco.cli import app
 from diloco.configs import load_config
 from diloco.evaluator.evaluator import Evaluator
+from diloco.inspect.audit import audit_run
+from diloco.inspect.gc import collect_orphans, retain
 from diloco.learner.learner import Learner
 from diloco.merger.merger import Merger
 from diloco.run.context import open_run
@@ -74,6 +76,10 @@ class Recorder(WrapperStore):
         self.log.append((LIST, prefix))
         return super().folders(prefix)
 
+    def sizes(self, prefix):
+        self.log.append((LIST, prefix))
+        return super().sizes(prefix)
+
     def delete(self, key):
         self.log.append((DELETE, key))
         super().delete(key)
@@ -81,7 +87,8 @@ class Recorder(WrapperStore):
 
 def test_every_request_of_every_role_is_allowed_by_its_policy_and_no_more(s3_url: str) -> None:
     cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "merger.quorum": 2, "merger.grace_cap_s": 0.0,
-                                              "learner.sign": True, "learner.local_state_every_steps": 0})
+                                              "learner.sign": True, "learner.local_state_every_steps": 0,
+                                              "state.checkpoint_every": 1})  # the merger's checkpoints too
     store = open_store(s3_url)
     ctx = create_run(store, "pol", cfg)
     keys = {n: new_key().encode() for n in ctx.learners}
@@ -120,17 +127,24 @@ def test_every_request_of_every_role_is_allowed_by_its_policy_and_no_more(s3_url
     evaluator.evaluate_version(0)
     evaluator.evaluate_version(merger.version)
     evaluator.events.flush()
+    merger.close()
+    gctx = as_role("gc")
+    # version 2 names checkpoint 1: checkpoint 0, update 1 and round 1's deltas go
+    kept = retain(gctx, keep_versions=1, by="ops")
+    assert kept.history_from == [1] and any("/deltas/" in k for k in kept.deleted) and audit_run(gctx).ok
+    collect_orphans(gctx, min_age_s=0)
 
     bucket, prefix = split_s3(s3_url)
     for name, log in logs.items():
-        role = name if name in ("merger", "evaluator") else None
+        role = name if name in ("merger", "evaluator", "gc") else None
         policy = policy_for(s3_url, ctx.run_id, learner=None if role else name, role=role)
         denied = sorted({r for r in log if not allows(policy, r[0], bucket, prefix + r[1], if_none_match=len(r) > 2)})
         assert denied == [], f"{name}: {denied}"
         assert any(r[0] == WRITE for r in log), name
         # what is history (a delta, a manifest) was created exclusively, and its overwrite is not allowed
         once = {r[1] for r in log if len(r) > 2}
-        assert (name == "evaluator" or once) and not any(allows(policy, WRITE, bucket, prefix + k) for k in once), name
+        assert (name in ("evaluator", "gc") or once) and \
+            not any(allows(policy, WRITE, bucket, prefix + k) for k in once), name
     a, b = ctx.learners
     writes_of_b = {r[1] for r in logs[b] if r[0] == WRITE}
     assert writes_of_b and not any(allows(policy_for(s3_url, ctx.run_id, learner=a), WRITE, bucket, prefix + k,

@@ -27,6 +27,7 @@ from bn_spec_source import BN_SPEC_SOURCE
 from diloco.configs import load_config
 from diloco.evaluator.evaluator import Evaluator
 from diloco.inspect.audit import audit_run
+from diloco.inspect.fork import fork_run
 from diloco.inspect.model_out import export_safetensors, load_model
 from diloco.learner.learner import Learner
 from diloco.merger.loop import ShardMerger
@@ -34,7 +35,6 @@ from diloco.merger.merger import Merger
 from diloco.run.buffers import run_buffers
 from diloco.run.context import open_run
 from diloco.run.create import create_run
-from diloco.run.fork import fork_run
 from diloco.run.fragments import run_version
 from diloco.run.objects import encode_shipped, read_tensors
 from diloco.storage import open_store, read_latest, read_manifest

@@ -1,12 +1,15 @@
-"""The committed bits of a P = 1 run and of a P = 4 run on a fixed seed, pinned: a refactor of the engine (issue #40:
-one learner over lanes, one merger loop over chains) must commit exactly these versions. Each run is driven in one
-process in a fixed order (learners one after another, then every waiting delta merged), so its versions depend only
-on the seed: the SHA-256 of every committed update object and of every version's parameters must equal tests/integration/committed_bits.json.
+"""The committed bits of a P = 1 run and of a P = 4 run on a fixed seed, pinned: a refactor of the engine
+(issue #40: one learner over lanes, one merger loop over chains) must commit exactly these versions. Each
+run is driven in one process in a fixed order (learners one after another, then every waiting delta
+merged), so its versions depend only on the seed: the SHA-256 of every committed update object and of every
+version's parameters must equal tests/integration/committed_bits.json. A version's parameters are read
+through the one reader (diloco.run.chain_state: the checkpoint at or before it plus the updates after it),
+however the run stores them.
 
-Float kernels differ between CPU models (docs/BENCHMARKS.md: the machine), so the exact hashes are compared where the
-golden file was written (same CPU model, torch and numpy); elsewhere the test compares each version's parameters by
-their fp64 norm to 1e-6. Rewrite the golden file (only for a change that means to change the math):
-    DILOCO_WRITE_GOLDEN=1 .venv/bin/pytest tests/integration/test_committed_bits.py
+Float kernels differ between CPU models (docs/BENCHMARKS.md: the machine), so the exact hashes are compared
+where the golden file was written (same CPU model, torch and numpy); elsewhere the test compares each
+version's parameters by their fp64 norm to 1e-6. Rewrite the golden file (only for a change that means to
+change the math): DILOCO_WRITE_GOLDEN=1 .venv/bin/pytest tests/integration/test_committed_bits.py
 
 Run: .venv/bin/pytest tests/integration/test_committed_bits.py   (about 15 s)
 """
@@ -24,10 +27,10 @@ import pytest
 import torch
 
 from diloco.configs import load_config
+from diloco.run.chain_state import chain_params
 from diloco.run.context import open_run
 from diloco.run.create import create_run
 from diloco.run.fragments import fragment_context, num_fragments
-from diloco.run.objects import decode_tensors
 from diloco.storage import list_versions, open_store, read_manifest
 
 GOLDEN = Path(__file__).with_name("committed_bits.json")
@@ -71,13 +74,14 @@ def _drive(tmp_path: Path, fragments: int) -> dict:
             learner.maybe_install()
     for learner in learners:
         learner.close()
+    merger.close()
     chains = {}
     for index in range(num_fragments(ctx)):
         chain = fragment_context(ctx, index)
         rows = []
         for version in list_versions(ctx.store, chain.keys):
             manifest = read_manifest(ctx.store, chain.keys, version)
-            _, tensors = decode_tensors(ctx.store.get(manifest.params_key))
+            tensors = chain_params(chain, manifest)
             digest = hashlib.sha256()
             for name, tensor in tensors.items():  # the version's global G_v, however it is stored
                 digest.update(name.encode() + b"\0" + tensor.numpy().tobytes())

@@ -299,7 +299,7 @@ def test_merger_shards(tmp_path: Path, parts: int) -> None:
 
 @pytest.mark.parametrize("parts", parts("fork"))
 def test_fork(tmp_path: Path, parts: int) -> None:
-    from diloco.run.fork import fork_run
+    from diloco.inspect.fork import fork_run
 
     run = Run(tmp_path, parts)
     run.rounds(2)

@@ -23,11 +23,11 @@ from diloco.learner import install
 from diloco.learner.learner import Learner
 from diloco.learner.prefetch import fetch_global
 from diloco.merger.loop import ShardMerger
+from diloco.run.chain_state import params_at
 from diloco.run.create import create_run
 from diloco.run.fragments import fragment_context
-from diloco.run.objects import read_tensors
 from diloco.specs.gpt import load_corpus, make_spec
-from diloco.storage import open_store, read_latest, read_manifest
+from diloco.storage import open_store, read_latest
 from diloco.storage.keys import parse_delta_key
 
 H, COUNT = 8, 4
@@ -121,7 +121,7 @@ def test_prefetched_lanes_install_the_merged_fragment_bit_for_bit(tmp_path, corp
     for p in range(COUNT):
         lane, keys = reader.lanes.lanes[p], ctx.keys.for_fragment(p)
         assert lane.base == read_latest(ctx.store, keys).version == 1
-        _, glob0 = read_tensors(ctx.store, read_manifest(ctx.store, keys, 0).params_key)
+        glob0 = params_at(fragment_context(ctx, p), 0)[0]
         expected, _ = fetch_global(fragment_context(ctx, p), ctx.store, 0, glob0, 1, 4)  # G_0 + update_1
         assert lane.glob.keys() == expected.keys()
         for name, value in lane.glob.items():

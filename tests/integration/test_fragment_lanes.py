@@ -25,9 +25,10 @@ from diloco.configs import load_config
 from diloco.learner.checkpoint import read_pointer
 from diloco.learner.learner import Learner
 from diloco.merger.loop import ShardMerger, run_merger
+from diloco.run.chain_state import chain_params
 from diloco.run.create import create_run
-from diloco.run.fragments import fragment_versions, run_version
-from diloco.run.objects import decode_tensors, read_tensors
+from diloco.run.fragments import fragment_context, fragment_versions, run_version
+from diloco.run.objects import decode_tensors
 from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store, read_latest, read_manifest
 from diloco.training.fragments import put_
@@ -60,9 +61,9 @@ def _whole(template: dict, parts: list[tuple[dict, dict]]) -> dict:
 def _assembled_global(ctx) -> dict:
     parts = []
     for index, fragment in enumerate(ctx.fragments):
-        m = read_latest(ctx.store, ctx.keys.for_fragment(index))
-        parts.append((fragment, read_tensors(ctx.store, m.params_key)[1]))
-    return _whole(read_tensors(ctx.store, read_latest(ctx.store, ctx.keys).params_key)[1], parts)
+        chain = fragment_context(ctx, index)
+        parts.append((fragment, chain_params(chain, read_latest(ctx.store, chain.keys))))
+    return _whole(chain_params(ctx, read_latest(ctx.store, ctx.keys)), parts)
 
 
 class Meter:
@@ -175,7 +176,7 @@ def test_sync_mode_installs_each_fragment_tau_steps_after_shipping(corpus):
     for lane in learner.lanes.lanes:
         m = read_manifest(ctx.store, ctx.keys.for_fragment(lane.index), lane.base)
         assert lane.base >= 1 and m.cursors["local-0"] >= lane.seq - 1 - (lane.index in learner.awaiting)
-        stored = read_tensors(ctx.store, m.params_key)[1]
+        stored = chain_params(fragment_context(ctx, lane.index), m)
         assert all(torch.equal(lane.glob[k], stored[k]) for k in stored)
     learner.close()
 

@@ -1,14 +1,16 @@
 """Fragment chains and the sharded merger on file://: synthetic deltas per fragment merged by the real
 ShardMerger; fragmenting does not change the math (mean rule: the assembled fragments equal the whole-model
-merge bit for bit; P = 1 with its state read for each merge and released, as a fragment's is, equals the merger
-that keeps it, bit for bit); racing mergers on one
-shard commit exactly once per fragment version; a killed shard stalls only its fragments; audit replays
-every fragment chain; gc collects a fragment chain's orphans.
+merge bit for bit; P = 1 rebuilt from the log before each merge — its checkpoint and the merges after it
+replayed — commits what the merger that holds its state does, bit for bit); racing mergers on one shard
+commit exactly once per fragment version; a killed shard stalls only its fragments; audit replays every
+fragment chain; gc collects a fragment chain's orphans.
 
 Run: .venv/bin/pytest tests/integration/test_fragment_merger.py -q
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -17,9 +19,17 @@ from diloco.configs import ConfigError, load_config
 from diloco.inspect.audit import audit_run
 from diloco.inspect.gc import collect_orphans
 from diloco.merger.loop import ShardMerger, run_merger
+from diloco.merger.replay import recover
+from diloco.run.chain_state import params_at
 from diloco.run.create import create_run
-from diloco.run.fragments import fragment_versions, run_version, shard_merger_id, shard_of_id
-from diloco.run.objects import encode_tensors, read_tensors
+from diloco.run.fragments import (
+    fragment_context,
+    fragment_versions,
+    run_version,
+    shard_merger_id,
+    shard_of_id,
+)
+from diloco.run.objects import encode_tensors
 from diloco.storage import list_versions, open_store, read_latest, read_manifest
 from diloco.training.fragments import put_, take
 
@@ -55,8 +65,8 @@ def _publish_round(ctx, deltas: dict[str, dict], seq: int, base: int, only: list
 
 
 def _params(ctx, keys, version: int) -> dict:
-    m = read_manifest(ctx.store, keys, version)
-    return read_tensors(ctx.store, m.params_key, checksum=m.params_checksum)[1]
+    """The chain's parameters at `version` (its checkpoint and the updates after it)."""
+    return params_at(dataclasses.replace(ctx, keys=keys), version)[0]
 
 
 def _assembled(ctx, version: int) -> dict:
@@ -95,22 +105,27 @@ def test_fragments_equal_the_whole_model_merge_bit_for_bit(tmp_path):
     assert report.num_versions == 3 and report.fragment_versions == [3, 3, 3, 3] and report.deltas_merged == 16
 
 
-def test_one_chain_released_after_each_merge_commits_what_the_kept_one_does(tmp_path):
+def test_a_merger_rebuilt_from_the_log_commits_what_the_one_holding_its_state_does(tmp_path):
     store = open_store(f"file://{tmp_path}")
-    old, new = create_run(store, "old", _cfg(1)), create_run(store, "new", _cfg(1))
+    cfg = _cfg(1).with_overrides({"state.checkpoint_every": 10})  # no checkpoint but version 0's: all replayed
+    old, new = create_run(store, "old", cfg), create_run(store, "new", cfg)
     assert new.fragments == [] and open_store(f"file://{tmp_path}").exists("new/versions/" + "0" * 20 + ".json")
+    held = ShardMerger(old)
     for seq, deltas in enumerate(_full_deltas(_params(old, old.keys, 0), 3)):
         _publish_round(old, deltas, seq, seq)
         _publish_round(new, deltas, seq, seq)
-        assert run_merger(ShardMerger(old), max_merges=1) == 1
-        assert len(ShardMerger(new, 0, keep_state=False).poll_once()) == 1  # as a fragment is merged
+        assert run_merger(held, max_merges=1) == 1
+        fresh = ShardMerger(new, 0)  # a new process each round: version 0's checkpoint + every merge replayed
+        assert len(fresh.poll_once()) == 1
+        assert fresh.chains[0].state.last_load.replayed == seq
     for v in (1, 2, 3):
         a, b = read_manifest(store, old.keys, v), read_manifest(store, new.keys, v)
-        assert (a.params_checksum, a.update_checksum) == (b.params_checksum, b.update_checksum)
-        # the .outer object's header carries wall-time moving averages (the grace window's): compare its tensors
-        outer_a, outer_b = (read_tensors(store, m.outer_key)[1] for m in (a, b))
-        assert all(torch.equal(outer_a[k], outer_b[k]) for k in outer_a)
+        assert a.update_checksum == b.update_checksum
         assert [d.model_dump() for d in a.decisions] == [d.model_dump() for d in b.decisions]
+        pa, pb = _params(old, old.keys, v), _params(new, new.keys, v)
+        assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    outer_a, outer_b = held.chains[0].outer.to_tensors(), fresh.chains[0].outer.to_tensors()
+    assert all(torch.equal(outer_a[k], outer_b[k]) for k in outer_a)
 
 
 def test_racing_mergers_on_one_shard_commit_once_per_version(tmp_path):
@@ -133,8 +148,8 @@ def test_racing_mergers_on_one_shard_commit_once_per_version(tmp_path):
         assert read_manifest(ctx.store, keys, 1).merger_id == winner
     assert ours.poll_once() == [] and ours.version(0) == 1
     assert audit_run(ctx).ok
-    gc = collect_orphans(ctx, min_age_s=0.0)  # the loser's objects, in fragment 0's namespace only
-    assert len(gc.deleted) == 3 and all(k.startswith("race/fragments/0000/global/") for k in gc.deleted)
+    gc = collect_orphans(ctx, min_age_s=0.0)  # the loser's update, in fragment 0's namespace only
+    assert len(gc.deleted) == 1 and all(k.startswith("race/fragments/0000/global/") for k in gc.deleted)
     assert audit_run(ctx).ok
 
 
@@ -166,8 +181,8 @@ def test_a_count_the_model_cannot_fill_creates_nothing(tmp_path):
 def test_a_fork_of_a_fragmented_run_starts_every_chain_at_its_version_v(tmp_path):
     """Each fragment's version V (params and outer state, byte for byte) is the fork's version 0 of that fragment;
     the fork's root holds the whole model at V; it audits, and its shards merge on from there."""
+    from diloco.inspect.fork import fork_run
     from diloco.run.context import RunError
-    from diloco.run.fork import fork_run
 
     store = open_store(f"file://{tmp_path}")
     ctx = create_run(store, "parent", _cfg(4, 2))
@@ -180,8 +195,12 @@ def test_a_fork_of_a_fragmented_run_starts_every_chain_at_its_version_v(tmp_path
     for index in range(4):
         theirs = read_manifest(store, ctx.keys.for_fragment(index), 1)
         ours = read_manifest(store, child.keys.for_fragment(index), 0)
-        assert store.get(ours.params_key) == store.get(theirs.params_key)
-        assert store.get(ours.outer_key) == store.get(theirs.outer_key)
+        a = _params(ctx, ctx.keys.for_fragment(index), 1)
+        b = _params(child, child.keys.for_fragment(index), 0)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        state = ShardMerger(child, index % 2).chain(index).outer.to_tensors()  # the fork's version 0: V's
+        parent = recover(fragment_context(ctx, index), theirs).outer.to_tensors()  # V's, rebuilt from the log
+        assert all(torch.equal(state[k], parent[k]) for k in state)
         assert ours.tokens_total == theirs.tokens_total and ours.controls[0].kind == "fork"
     whole, parent_v1 = _params(child, child.keys, 0), _assembled(ctx, 1)
     assert all(torch.equal(whole[k], parent_v1[k]) for k in parent_v1)

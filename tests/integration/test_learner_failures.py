@@ -107,10 +107,11 @@ def test_a_time_limit_that_ends_a_healthy_run_short_says_so_and_exits_0(tmp_path
 
 
 def test_learners_that_cannot_install_the_newest_version_fail_the_run_loudly(tmp_path: Path) -> None:
-    """The bucket damaged the newest version after it was committed (a flipped byte in its params and update, as a
-    disk or a provider might): learners that resume the run cannot install it, say which object, and the run
-    exits with EXIT_CODE instead of training on at an old version. (Learners on new hosts: no local state, which
-    would let them go on from their own copy of the version; the merger cannot load it either.)"""
+    """The bucket damaged the newest version after it was committed (a flipped byte in its update, as a disk
+    or a provider might): learners that resume the run cannot install it (its checkpoint and the updates
+    after it), say which object, and the run exits with EXIT_CODE instead of training on at an old version.
+    (Learners on new hosts: no local state, which would let them go on from their own copy of the version;
+    the merger cannot load it either.)"""
     url = f"file://{tmp_path}/runs"
     first = cli("run", "--config", "tiny", "--learners", "2", "--versions", "3", "--no-prefect", "--no-live",
                 "--storage", url, "--run-id", "rot", "-o", "learner.local_state_every_steps=0", cwd=tmp_path)
@@ -120,12 +121,12 @@ def test_learners_that_cannot_install_the_newest_version_fail_the_run_loudly(tmp
 
     ctx = open_run(url, "rot")
     newest = read_latest(ctx.store, ctx.keys)
-    for key in (newest.params_key, newest.update_key):
+    for key in (newest.update_key,):
         data = bytearray(ctx.store.get(key))
         data[-1] ^= 0xFF
         ctx.store.put(key, bytes(data))
     done = cli("resume", "--storage", url, "--run-id", "rot", "--versions", "3", "--no-live", "--json", cwd=tmp_path)
     assert done.returncode == EXIT_CODE, done.stderr[-3000:]
     words = " ".join(done.stderr.split())  # the console wraps at its width
-    assert f"version {newest.version}'s params {newest.params_key} is corrupt" in words, words[-3000:]
+    assert f"version {newest.version}'s update {newest.update_key} is corrupt" in words, words[-3000:]
     assert "a restart cannot fix it" in words

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from diloco.configs import load_config
 from diloco.merger.merger import Merger
+from diloco.run.chain_state import chain_params
 from diloco.run.create import create_run
 from diloco.run.fragments import manifests
-from diloco.run.objects import encode_tensors, read_tensors
+from diloco.run.objects import encode_tensors
 from diloco.storage import open_store, read_latest
 from diloco.storage.wrapper import WrapperStore
 
@@ -33,7 +34,7 @@ class Listings(WrapperStore):
 
 def plant(ctx, learner: str, seq: int, base_version: int) -> None:
     """A small, well-formed delta from `learner` as its `seq`."""
-    _, params = read_tensors(ctx.store, read_latest(ctx.store, ctx.keys).params_key)
+    params = chain_params(ctx, read_latest(ctx.store, ctx.keys))
     meta = {"learner": learner, "seq": seq, "base_version": base_version, "tokens": 1000, "steps": 10,
             "phase_time_s": 1.0, "train_loss": 3.0}
     ctx.store.put(ctx.keys.delta(learner, seq), encode_tensors({k: v * 1e-3 for k, v in params.items()},

@@ -85,8 +85,8 @@ def test_a_run_created_before_the_pin_still_opens_and_says_so(tmp_path: Path) ->
 @pytest.mark.parametrize("fragments", [1, 3])
 def test_a_fork_is_pinned_as_it_is_written(tmp_path: Path, fragments: int) -> None:
     from diloco.configs import load_config
+    from diloco.inspect.fork import fork_run
     from diloco.run.create import create_run
-    from diloco.run.fork import fork_run
     from diloco.storage import open_store
 
     parent = create_run(open_store(f"file://{tmp_path}/bucket"), "parent",

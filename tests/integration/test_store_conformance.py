@@ -154,6 +154,15 @@ def test_folders_are_the_direct_subfolders(store_url: str, connect: Connect) -> 
         store.folders("top")
 
 
+def test_sizes_are_every_key_under_a_prefix_with_its_bytes(store_url: str, connect: Connect) -> None:
+    store = connect(store_url)
+    for key, data in [("top/b/1", b"k"), ("top/a/x/2", b"kkk"), ("top/file", b""), ("other/4", b"kk")]:
+        store.put(key, data)
+    assert store.sizes("top/") == {"top/a/x/2": 3, "top/b/1": 1, "top/file": 0}
+    assert list(store.sizes("")) == ["other/4", "top/a/x/2", "top/b/1", "top/file"]
+    assert store.sizes("none/") == {}
+
+
 def test_zero_padded_keys_list_in_numeric_order(store_url: str, connect: Connect) -> None:
     store = connect(store_url)
     keys = RunKeys("run")

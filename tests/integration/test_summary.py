@@ -66,6 +66,7 @@ def test_a_run_the_evaluator_never_saw_gets_a_complete_summary(tmp_path: Path) -
     listed = list_runs(open_store(url))
     assert [(r["run_id"], r["state"], r["version"], r["last_eval_version"]) for r in listed] == [
         ("short", "stopped", 1, 1)]
+    assert listed[0]["bucket_bytes"] == sum(open_store(url).sizes("short/").values()) > 0  # what it holds
     table = _diloco("runs", cwd=tmp_path)  # --storage defaults to file://runs in the current folder
     assert table.returncode == 0 and "short" in table.stdout and "stopped" in table.stdout, table.stderr
     assert max(len(line) for line in table.stdout.splitlines()) <= 80

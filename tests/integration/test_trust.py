@@ -122,7 +122,7 @@ def test_audit_compares_an_update_packed_another_way_by_its_values(tmp_path: Pat
     zstd: lz4 frames) passes on equal header and values; other values fail."""
 
     import diloco.storage.codec as codec
-    from diloco.inspect.audit import same_update
+    from diloco.merger.replay import same_update
     from diloco.run.objects import encode_tensors, read_tensors
 
     ctx, learners, merger = tiny_run(tmp_path, **{"outer.update_codec": "int4"})

@@ -139,10 +139,11 @@ def test_history_is_written_once_and_kept_by_every_role() -> None:
                "runs/r/fragments/0001/versions/00000000000000000001.json",
                "runs/r/fragments/0001/deltas/us-east-0/000000000001.delta"]
     policies = [policy_for(URL, "r", learner="us-east-0"), *(policy_for(URL, "r", role=r) for r in ROLES)]
-    for policy in policies:
+    for policy, role in zip(policies, ["learner", *ROLES], strict=True):
         assert not any(allows(policy, WRITE, B, k) for k in history)
-        assert not any(allows(policy, DELETE, B, k) for k in history)
-    operator = policies[-1]
+        kept = history if role != "gc" else [k for k in history if "/deltas/" not in k]  # retention: below
+        assert not any(allows(policy, DELETE, B, k) for k in kept)
+    operator = policies[1 + ROLES.index("operator")]
     assert all(allows(operator, WRITE, B, k, if_none_match=True) for k in history)  # creating the run, a fork
     assert all(allows(operator, WRITE, B, k, part=True) for k in history)  # a large object's parts
     for key in ("runs/r/control/stop", "runs/r/global/x.params"):  # a stop cleared, gc's orphans
@@ -163,3 +164,29 @@ def test_learners_and_the_evaluator_read_the_spec_files_and_the_merger_does_not(
     merger = policy_for(URL, "r", role="merger")
     assert allows(learner, READ, B, key) and allows(evaluator, READ, B, key) and not allows(merger, READ, B, key)
     assert not any(allows(p, WRITE, B, key) for p in (learner, evaluator, merger))
+
+
+def test_the_gc_role_deletes_only_what_retention_removes() -> None:
+    """Issue #41: retention (`diloco gc --keep-versions`) removes old checkpoints, updates and decided deltas
+    (every fragment's too) and writes the chains' retention records, by the gc role's key; it never deletes
+    or overwrites run.json or a manifest, and no other role may delete a delta."""
+    gc = policy_for(URL, "r", role="gc")
+    for key in ("runs/r/deltas/us-east-0/000000000001.delta", "runs/r/deltas/us-east-0/000000000001.sig",
+                "runs/r/global/00000000000000000003-0123abcd.update",
+                "runs/r/fragments/0002/deltas/a/000000000001.delta",
+                "runs/r/checkpoints/00000000000000000010-0123abcd/part-00000",
+                "runs/r/fragments/0002/checkpoints/00000000000000000010-0123abcd/checkpoint.json"):
+        assert allows(gc, DELETE, B, key) and allows(gc, READ, B, key), key
+    for key in ("runs/r/run.json", "runs/r/versions/00000000000000000001.json",
+                "runs/r/fragments/0001/versions/00000000000000000001.json", "runs/r/control/stop",
+                "other/r/global/x"):
+        assert not allows(gc, DELETE, B, key) and not allows(gc, WRITE, B, key), key
+    assert allows(gc, WRITE, B, "runs/r/retention.json")
+    assert allows(gc, WRITE, B, "runs/r/fragments/0003/retention.json")
+    assert allows(gc, LIST, B, "runs/r/checkpoints/")
+    merger = policy_for(URL, "r", role="merger")
+    assert allows(merger, WRITE, B, "runs/r/checkpoints/00000000000000000010-0123abcd/part-00003")
+    assert not allows(merger, DELETE, B, "runs/r/checkpoints/00000000000000000010-0123abcd/part-00003")
+    for role in ("operator", "merger", "evaluator"):
+        delta = "runs/r/deltas/us-east-0/000000000001.delta"
+        assert not allows(policy_for(URL, "r", role=role), DELETE, B, delta)

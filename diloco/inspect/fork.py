@@ -13,21 +13,23 @@ from __future__ import annotations
 
 import socket
 import time
+from typing import Any
 
 import torch
 
 from diloco import __version__
-from diloco.configs import Config, config_from_record
+from diloco.configs import Config, ConfigError, config_from_record, load_config
+from diloco.merger.replay import recover
+from diloco.run.checkpoint import manifest_checksum, write_checkpoint
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.controls import operator_identity, read_op, write_op
 from diloco.run.fragments import chain_contexts, num_fragments, run_version
-from diloco.run.objects import decode_tensors, write_state
 from diloco.run.pin import pin_of
-from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, read_manifest
+from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, open_store, read_manifest
 from diloco.storage.codec import object_checksum
 from diloco.storage.keys import new_nonce, validate_run_id
 from diloco.storage.manifest import ControlEntry, GuardState
-from diloco.storage.records import RunRecord, read_record, write_record
+from diloco.storage.records import STORAGE_FORMAT, RunRecord, read_record, write_record
 from diloco.storage.store import Store
 from diloco.training.fragments import put_
 from diloco.training.tensors import Tensors
@@ -79,30 +81,31 @@ def fork_config(parent: RunContext, m: Manifest, cfg: Config | None) -> Config:
     return cfg
 
 
-def _chain_objects(store: Store, m: Manifest, keys: RunKeys, nonce: str, buffers: bool) -> tuple[dict, bytes]:
-    """Copy one chain's objects at V (params, outer state, and its buffers when the fork merges them) to version 0
-    of the same chain of the fork; (the version-0 manifest's fields for them, the params' bytes)."""
-    fields = {"params_key": keys.params(0, nonce), "params_checksum": m.params_checksum}
-    params = _copy(store, m.params_key, m.params_checksum, fields["params_key"])
-    if m.outer_key:
-        fields.update(outer_key=keys.outer(0, nonce), outer_checksum=m.outer_checksum)
-        _copy(store, m.outer_key, m.outer_checksum, fields["outer_key"])
+def _chain_version_zero(theirs: RunContext, m: Manifest, chain: RunContext,
+                        buffers: bool) -> tuple[dict, Tensors]:
+    """One chain's state at V (recovered from the parent's log: its checkpoint and the merges after it,
+    replayed and checked) as version 0's checkpoint of the same chain of the fork, and its buffers object
+    copied when the fork merges them; (the version-0 manifest's fields, the params)."""
+    state = recover(theirs, m, newest=False)
+    ref = write_checkpoint(chain, 0, state.params, state.outer, ema={}, manifest_checksum="",
+                           created_by="fork")
+    fields: dict = {"checkpoint": ref}
     if buffers:
-        fields.update(buffers_key=keys.buffers(0, nonce), buffers_checksum=m.buffers_checksum)
-        _copy(store, m.buffers_key, m.buffers_checksum, fields["buffers_key"])
-    return fields, params
+        nonce = new_nonce()
+        fields.update(buffers_key=chain.keys.buffers(0, nonce), buffers_checksum=m.buffers_checksum)
+        _copy(chain.store, m.buffers_key, m.buffers_checksum, fields["buffers_key"])
+    return fields, state.params
 
 
-def _write_whole_model(store: Store, parent: RunContext, keys: RunKeys, whole: Tensors, nonce: str,
-                       buffers_of: Manifest | None) -> dict:
+def _write_whole_model(root: RunContext, whole: Tensors, buffers_of: Manifest | None) -> dict:
     """A fragmented fork's root chain, version 0: the whole model at V (every fragment's params put together, and
     fragment 0's buffers), as a created run's root holds its initial model; the manifest's fields for it."""
-    key = keys.params(0, nonce)
-    _, checksum = write_state(store, key, whole, kind="params", fingerprint=parent.fingerprint)
-    fields = {"params_key": key, "params_checksum": checksum}
+    fields: dict = {"checkpoint": write_checkpoint(root, 0, whole, None, ema={}, manifest_checksum="",
+                                                   created_by="fork")}
     if buffers_of is not None:
-        fields.update(buffers_key=keys.buffers(0, nonce), buffers_checksum=buffers_of.buffers_checksum)
-        _copy(store, buffers_of.buffers_key, buffers_of.buffers_checksum, fields["buffers_key"])
+        nonce = new_nonce()
+        fields.update(buffers_key=root.keys.buffers(0, nonce), buffers_checksum=buffers_of.buffers_checksum)
+        _copy(root.store, buffers_of.buffers_key, buffers_of.buffers_checksum, fields["buffers_key"])
     return fields
 
 
@@ -125,31 +128,32 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
     learners = list(m.guard.members) if m.guard and m.guard.members else list(parent.learners)
     # the parent's buffers at V, when it merges them and the fork does too (outer.buffers "mean")
     merges_buffers = bool(parent.buffers and m.buffers_key and cfg.outer.buffers == "mean")
-    nonce = new_nonce()
-    chains = [keys.for_fragment(index) if parent.fragments else keys for index in range(len(heads))]
+    fork_ctx = RunContext(store, keys, cfg, parent.fingerprint, learners, layout=list(parent.layout),
+                          fragments=list(parent.fragments),
+                          buffers=list(parent.buffers) if merges_buffers else [])
+    theirs, chains = chain_contexts(parent), chain_contexts(fork_ctx)
     whole = {e["name"]: torch.zeros(e["shape"], dtype=torch.float32) for e in parent.layout} if parent.fragments else None
     objects = []
-    for index, (chain, head) in enumerate(zip(chains, heads, strict=True)):
-        fields, data = _chain_objects(store, head, chain, nonce, buffers=merges_buffers and index == 0)
+    for index, (their, chain, head) in enumerate(zip(theirs, chains, heads, strict=True)):
+        fields, params = _chain_version_zero(their, head, chain, buffers=merges_buffers and index == 0)
         objects.append(fields)
         if whole is not None:
-            put_(whole, parent.fragments[index], decode_tensors(data, fingerprint=parent.fingerprint)[1])
-        del data
-    root = None if whole is None else _write_whole_model(store, parent, keys, whole, nonce,
-                                                         m if merges_buffers else None)
+            put_(whole, parent.fragments[index], params)
+        del params
+    root = None if whole is None else _write_whole_model(fork_ctx, whole, m if merges_buffers else None)
     del whole
     _copy_spec_files(store, parent, keys)
-    provenance = {"run_id": run_id, "storage": store.url, "version": at_version, "params_checksum": m.params_checksum,
-                  "outer_checksum": m.outer_checksum, "tokens_total": min(h.tokens_total for h in heads), "by": by,
-                  "t": time.time(),
-                  **({"fragments": [{"params_checksum": h.params_checksum, "outer_checksum": h.outer_checksum}
-                                    for h in heads]} if parent.fragments else {})}
+    sums = [manifest_checksum(their, head.version) for their, head in zip(theirs, heads, strict=True)]
+    provenance = {"run_id": run_id, "storage": store.url, "version": at_version, "manifest_checksum": sums[0],
+                  "tokens_total": min(h.tokens_total for h in heads), "by": by, "t": time.time(),
+                  **({"fragments": [{"manifest_checksum": c} for c in sums]} if parent.fragments else {})}
     record = RunRecord(run_id=new_run_id, created_at=time.time(), created_by=socket.gethostname(),
                        diloco_version=__version__, fingerprint=parent.fingerprint, learners=learners,
                        config=cfg.model_dump(mode="json"), layout=list(parent.layout), forked_from=provenance,
                        buffers=list(parent.buffers) if merges_buffers else None,
                        fragments=list(parent.fragments), tokens_per_step=parent.tokens_per_step,
-                       trust_rules=parent.trust_rules if parent.trust_rules > 1 else None)
+                       trust_rules=parent.trust_rules if parent.trust_rules > 1 else None,
+                       storage_format=STORAGE_FORMAT)
     try:
         write_record(store, keys.run_json(), record, exclusive=True)
     except Conflict:
@@ -165,8 +169,22 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
     for chain, head, fields in zip(chains, heads, objects, strict=True):
         guard = GuardState(members=sorted(learners), norms=list(head.guard.norms) if head.guard else [],
                            norm_learners=list(head.guard.norm_learners) if head.guard else [], ops_cursor=op)
-        pinned = {"run_json_checksum": pin_of(record.to_bytes())} if chain is keys else {}  # the root chain's
-        commit(store, chain, Manifest(run_id=new_run_id, version=0, created_at=time.time(), merger_id="fork",
-                                      tokens_total=head.tokens_total, guard=guard, controls=[entry], **fields,
-                                      **pinned))
+        pinned = {"run_json_checksum": pin_of(record.to_bytes())} if chain.keys is keys else {}  # the root's
+        commit(store, chain.keys, Manifest(run_id=new_run_id, version=0, created_at=time.time(),
+                                           merger_id="fork", tokens_total=head.tokens_total, guard=guard,
+                                           controls=[entry], **fields, **pinned))
     return open_run(store, new_run_id)  # opened again: its version 0 (and run.json's pin) committed now
+
+
+def fork(storage: str | Store, run_id: str, at_version: int, new_run_id: str, *, config: str | None = None,
+         overrides: dict[str, Any] | None = None, by: str | None = None) -> RunContext:
+    """A new run whose version 0 is `run_id`'s version `at_version`; the parent is untouched. `config` (a
+    recipe name or a YAML path) and `overrides`: the fork's config instead of the parent's (the same model
+    and fragments)."""
+    cfg = None
+    if config is not None or overrides:
+        if config is None:
+            raise ConfigError("overrides of a fork need --config (the recipe they apply to)")
+        cfg = load_config(config).with_overrides(overrides or {})
+    store = open_store(storage) if isinstance(storage, str) else storage
+    return fork_run(store, run_id, at_version, new_run_id, cfg, by=by)

@@ -1,0 +1,159 @@
+"""The processes of one `diloco bench scale` row: the merger's rounds, a learner's rejoin, a merger's cold
+restart — each in a fresh spawned process on the file:// run the parent created (diloco/bench/scale.py).
+
+Contract: every round's deltas are the same synthetic int4 deltas (one per fragment and learner, encoded
+once by the parent as templates) with the round's header (seq r, base version r), so the rows cost one
+encode, not one per round; a learner's deltas older than K rounds are deleted (the merges a restart replays
+are the last K - 1). The merger is the production path: one ShardMerger holding every owned chain's state,
+a checkpoint every K versions on its writer thread, which lands before the next round is timed (its time is
+`state_io_s`, per round).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from typing import Any
+
+import torch
+
+from diloco.configs import checkpoint_every
+from diloco.storage.codec.header import PREFIX, pack_header, read_layout
+
+TEMPLATES = "templates"  # the parent's deltas, outside the run: <fragment>/<learner>
+
+
+def template_key(fragment: int, learner: str) -> str:
+    return f"{TEMPLATES}/{fragment:04d}/{learner}"
+
+
+def rehead(data: bytes, **meta: Any) -> bytes:
+    """The same encoded delta with its header's meta updated (the payload and its crc are untouched)."""
+    offset = read_layout(data, None, allow_partial=False).payload_offset
+    fields = json.loads(bytes(memoryview(data)[PREFIX.size:offset]).decode())
+    fields["meta"] = {**fields["meta"], **meta}
+    return pack_header(fields) + memoryview(data)[offset:]
+
+
+def _chains(ctx) -> list:
+    from diloco.run.fragments import chain_contexts
+
+    return chain_contexts(ctx)
+
+
+def publish_round(raw, ctx, r: int, keep_rounds: int) -> None:
+    """Round r's deltas (seq r on base version r) of every learner on every chain; those of round r -
+    keep_rounds deleted."""
+    for index, chain in enumerate(_chains(ctx)):
+        for name in ctx.learners:
+            data = rehead(raw.get(template_key(index, name)), seq=r, base_version=r)
+            raw.put_if_absent(chain.keys.delta(name, r), data)
+            if r - keep_rounds >= 0:
+                raw.delete(chain.keys.delta(name, r - keep_rounds))
+
+
+def _timed_writes(durations: list[float]) -> None:
+    """Time every checkpoint this process writes (state_io_s)."""
+    import diloco.merger.checkpointer as checkpointer
+
+    real = checkpointer.write_checkpoint
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            durations.append(time.perf_counter() - t0)
+
+    checkpointer.write_checkpoint = timed
+
+
+def rounds_child(storage: str, run_id: str, first: int, last: int, queue: Any) -> None:
+    """Rounds first..last (round r makes version r + 1) by one merger process: per round the merge time and
+    the growth of peak RSS over it; the bytes it wrote; the checkpoint writes' time; read + decode of the
+    last round."""
+    from diloco.bench.scale import peak_rss_bytes, reset_peak_rss
+    from diloco.merger.loop import ShardMerger
+    from diloco.run.context import open_run
+    from diloco.run.objects import decode_tensors
+    from diloco.storage import open_store
+    from diloco.storage.traffic import CountingStore
+
+    torch.set_num_threads(1)
+    raw = open_store(storage)
+    counting = CountingStore(raw)
+    writes: list[float] = []
+    _timed_writes(writes)
+    t0 = time.perf_counter()  # a cold merger: from opening the run until every chain it owns can merge
+    ctx = open_run(counting, run_id)
+    shard = ShardMerger(ctx, 0)
+    for index in shard.fragments:
+        shard.chain(index)
+    load_s = time.perf_counter() - t0
+    replayed = sum(shard.chains[i].state.last_load.replayed for i in shard.fragments)
+    counting.reset()
+    keep = checkpoint_every(ctx.cfg)
+    merge_s, peaks, highs = [], [], []
+    for r in range(first, last + 1):
+        publish_round(raw, ctx, r, keep)
+        for merger in shard.chains.values():
+            merger.checkpoints.flush()  # the last round's checkpoint lands before this one is timed
+        gc.collect()
+        before = reset_peak_rss()
+        t0 = time.perf_counter()
+        merged = shard.poll_once()
+        merge_s.append(time.perf_counter() - t0)
+        peaks.append(peak_rss_bytes() - before)
+        highs.append(peak_rss_bytes())
+        if len(merged) != len(shard.fragments) or any(len(m.merged()) != len(ctx.learners) for m in merged):
+            raise RuntimeError(f"round {r}: {len(merged)} merges for {len(shard.fragments)} chains")
+    shard.close()
+    t0 = time.perf_counter()
+    for chain in _chains(ctx):
+        for name in ctx.learners:
+            decode_tensors(raw.get(chain.keys.delta(name, last)))
+    read_decode_s = time.perf_counter() - t0
+    queue.put({"merge_s": merge_s, "peak_rss_bytes": peaks, "rss_high_bytes": highs,
+               "read_decode_s": read_decode_s,
+               "sent_bytes": sum(counting.sent.values()), "sent": dict(counting.sent), "checkpoint_s": writes,
+               "load_s": load_s, "replayed": replayed})
+
+
+def rejoin_child(storage: str, run_id: str, queue: Any) -> None:
+    """A learner from nothing at the newest version (its checkpoint and the updates after it, every chain:
+    what learner/resume.py reads), timed with the bytes it read; then today's full-params rejoin of the
+    same version (one fp32 params object per chain, written here first) for reference."""
+    from diloco.learner.resume import read_params
+    from diloco.run.context import open_run
+    from diloco.run.objects import read_committed, write_state
+    from diloco.storage import open_store, read_latest
+    from diloco.storage.traffic import CountingStore
+
+    torch.set_num_threads(1)
+    counting = CountingStore(open_store(storage))
+    ctx = open_run(counting, run_id)
+    counting.reset()
+    t0 = time.perf_counter()
+    held, versions = [], []
+    for index, chain in enumerate(_chains(ctx)):
+        manifest = read_latest(counting, chain.keys)
+        held.append(read_params(ctx, index, manifest))
+        versions.append((manifest.version, manifest.state_version))
+    rejoin_s = time.perf_counter() - t0
+    received = sum(counting.received.values())
+    objects = []
+    for index, (chain, params) in enumerate(zip(_chains(ctx), held, strict=True)):
+        key = f"{chain.keys.global_prefix()}fullparams-{index}"
+        _, checksum = write_state(counting.inner, key, params, kind="params", fingerprint=ctx.fingerprint)
+        objects.append((key, checksum))
+    del held, params
+    gc.collect()
+    t0 = time.perf_counter()
+    for key, checksum in objects:
+        read_committed(counting.inner, key, checksum=checksum, fingerprint=ctx.fingerprint)
+    full_s = time.perf_counter() - t0
+    for key, _ in objects:
+        counting.inner.delete(key)
+    queue.put({"rejoin_s": rejoin_s, "rejoin_bytes": received, "rejoin_full_params_s": full_s,
+               "versions": versions})
