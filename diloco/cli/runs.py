@@ -39,10 +39,9 @@ def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
             return
         table = Table(title=f"runs in {store.url}")
         table.add_column("run id", no_wrap=True, min_width=max(len("run id"), *(len(r["run_id"]) for r in rows)))
-        columns = ("state", "versions", "held-out", "learners", "sent / recv MB per learner", "vs DP", "bucket",
-                   "age")
-        for col in columns:
-            table.add_column(col, overflow="fold", min_width=min(len(col), 12))
+        table.add_column("state", no_wrap=True, min_width=max(len(r["state"]) for r in rows))
+        for col in ("versions", "held-out", "learners", "sent / recv MB per learner", "vs DP", "bucket", "age"):
+            table.add_column(col, overflow="fold", min_width=min(len(col), 6))
         for r in rows:
             if r["state"] == "unreadable":
                 table.add_row(r["run_id"], "unreadable", r["problem"], "", "", "", "", "", "")

@@ -22,7 +22,14 @@ import numpy as np
 
 from diloco.configs import Config
 from diloco.merger.inplace import outer_step_in_place
-from diloco.merger.step import LearnerGroup, OuterState, StepResult, gradient_stream, outer_optimizer
+from diloco.merger.step import (
+    LearnerGroup,
+    OuterState,
+    StepResult,
+    counter_bounds,
+    gradient_stream,
+    outer_optimizer,
+)
 from diloco.run.checkpoint import checkpoint_of, read_start
 from diloco.run.context import RunContext, direct_names
 from diloco.run.objects import CorruptObject, decode_tensors, read_checked, read_committed, read_tensors
@@ -92,7 +99,8 @@ def replay_merge(ctx: RunContext, prev: Manifest, m: Manifest, params: Tensors,
     same bits: the fold's order is the recorded one)."""
     cfg = merge_config(ctx, m)
     layout = layout_of(ctx, params)
-    stream = gradient_stream(layout, prev.version, cfg.outer, direct_names(ctx, layout), ctx.buffers)
+    stream = gradient_stream(layout, prev.version, cfg.outer, direct_names(ctx, layout), ctx.buffers,
+                             counter_bounds(cfg, ctx.tokens_per_step))  # the merge's own bounds
     group: LearnerGroup | None = None
     merged = m.merged()
 
