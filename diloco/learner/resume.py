@@ -171,8 +171,8 @@ def _from_local(ctx: RunContext, name: str, saved: Saved, local: LocalState, set
         for seq, data in local.spooled(fragment):
             if seq >= states[index].seq:  # written just before a crash the state does not include: redone
                 local.discard(seq, fragment)
-            elif bucket_next is None or seq >= bucket_next[index]:
-                requeue(seq, data, index)
+            elif bucket_next is None or seq >= bucket_next[index] or _taken(quick, chain, name, seq, data):
+                requeue(seq, data, index)  # its slot held by another object: the publisher ships it on
                 requeued.append(seq if fragment is None else [index, seq])
             else:
                 local.discard(seq, fragment)  # listed or decided already
@@ -180,6 +180,19 @@ def _from_local(ctx: RunContext, name: str, saved: Saved, local: LocalState, set
     return Resumed(states, cursor, step, {"local": True, "requeued": requeued, "unshipped_steps": unshipped},
                    tokens_total=max(m.tokens_total for m in latest) if latest is not None else None,
                    schedule=meta.get("schedule") if ctx.fragments else None)
+
+
+def _taken(store: Store, chain: RunContext, name: str, seq: int, data: bytes) -> bool:
+    """Whether spooled delta `seq`'s slot holds an object other than these bytes (planted; the publisher finds
+    where it landed, or ships it at the next free seq), not nothing (decided lost, or retired). Unknown (the
+    bucket away): True, the publisher looks again."""
+    key = chain.keys.delta(name, seq)
+    try:
+        return store.get_size(key) != len(data) or store.get(key) != data
+    except NotFound:
+        return False
+    except StorageError:
+        return True
 
 
 def _last_position(ctx: RunContext, name: str, cursor: int, step: int) -> tuple[int, int]:
