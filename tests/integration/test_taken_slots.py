@@ -11,16 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from trust_helpers import install_all, publish_all, tiny_run
 
 from diloco.inspect.audit import audit_run
 from diloco.learner.learner import Learner
-from diloco.learner.slots import MAX_MOVES
+from diloco.learner.slots import MAX_MOVES, Slots
 from diloco.run.context import open_run
 from diloco.run.events import EventLog, read_events
-from diloco.storage import Manifest
+from diloco.run.objects import encode_tensors
+from diloco.storage import Manifest, RunKeys, open_store
 from diloco.storage.codec import read_header
-from diloco.trust.signing import new_key
+from diloco.trust.signing import new_key, sign
 
 
 def _decided(manifest: Manifest, learner: str) -> dict[int, str]:
@@ -123,3 +125,34 @@ def test_a_learner_stops_when_no_slot_is_free(tmp_path: Path) -> None:
     for learner in learners:
         learner.close()
 
+
+
+def test_who_holds_a_slot_is_told_from_the_holder_itself(tmp_path: Path) -> None:
+    """Slots.holder on its own: with signing on, a well-formed delta of this learner and seq that claims another
+    process but is not signed with the learner's key is planted (a writer without the key cannot fence the
+    learner); validly signed it is a twin; an object far larger than the delta is not downloaded."""
+    store, keys, key = open_store(f"file://{tmp_path}/bucket"), RunKeys("run"), new_key().encode()
+    slots = Slots(store, "run", keys, "local-0", key)
+
+    def delta(process: str, seq: int = 3) -> bytes:
+        meta = {"learner": "local-0", "seq": seq, "base_version": 0, "tokens": 8, "steps": 1, "process": process}
+        return encode_tensors({"w": torch.ones(64)}, codec_name="fp32", kind="delta", fingerprint="f", meta=meta)
+
+    ours = delta(slots.process)
+    sidecar = slots.sidecar(None, 3, ours)
+    assert slots.holder(None, 3, ours, sidecar).kind == "free"
+    store.put(keys.delta("local-0", 3), ours)
+    assert slots.holder(None, 3, ours, sidecar).kind == "ours"
+    forged = delta("f0f0f0f0")
+    store.put(keys.delta("local-0", 3), forged)
+    held = slots.holder(None, 3, ours, sidecar)
+    assert (held.kind, held.reason.split(":")[0]) == ("planted", "unsigned")
+    store.put(keys.signature("local-0", 3), sign(key, "run", "local-0", 3, forged))  # the key holder's twin
+    assert slots.holder(None, 3, ours, sidecar).kind == "twin"
+    store.put(keys.delta("local-0", 3), delta(slots.process, seq=2))  # a copy of its own seq 2
+    assert "replayed" in slots.holder(None, 3, ours, sidecar).reason
+    store.put(keys.delta("local-0", 3), b"\0" * (2 * len(ours) + (1 << 20) + 1))
+    assert "not read" in slots.holder(None, 3, ours, sidecar).reason
+    key_at, moved, signature = slots.moved(ours, None, 4)
+    assert key_at == keys.delta("local-0", 4) and read_header(moved).meta["seq"] == 4
+    assert signature == (keys.signature("local-0", 4), sign(key, "run", "local-0", 4, moved))
