@@ -1,8 +1,9 @@
-"""A member's next delta slot taken by an object it did not write (issue #44: rejections caused by someone else never
-count against a member): junk or a replayed copy of one of its old deltas planted at its next seq in a live run
-(file:// storage, real learners and merger). The learner is not fenced: its delta ships at the next free seq and is
-merged there, it is never quarantined, and audit counts the planted object as rejected, nothing lost. A twin process
-publishing under the same name still fences it; a spooled delta whose slot was taken ships on after a restart.
+"""A member's next delta slot taken by an object it did not write (issue #44: rejections caused by someone
+else never count against a member): junk or a replayed copy of one of its old deltas planted at its next seq in
+a live run (file:// storage, real learners and merger). The learner is not fenced: its delta ships at the next
+free seq and is merged there, it is never quarantined, and audit counts the planted object as rejected, nothing
+lost. A twin process publishing under the same name still fences it; a spooled delta whose slot was taken ships
+on after a restart; with no free slot within MAX_MOVES the learner stops and says why.
 Run: .venv/bin/pytest tests/integration/test_taken_slots.py -q
 """
 
@@ -51,7 +52,7 @@ def test_a_planted_object_at_a_members_next_seq_moves_its_delta_on(tmp_path: Pat
     plants = {"junk": b"not a delta at all" * 10, "replayed": old}
     for what, data in plants.items():
         seq = victim.publisher.next_seq(None, victim.state.seq)  # where its next delta goes
-        ctx.store.put(ctx.keys.delta("local-0", seq), data)  # a bucket writer's object at the member's next seq
+        ctx.store.put(ctx.keys.delta("local-0", seq), data)  # a bucket writer's object at its next seq
         m = _round(learners, merger)
         assert not victim.publisher.fenced.is_set()
         assert _decided(m, "local-0") == {seq: "rejected", seq + 1: "merged"}, what
@@ -67,7 +68,8 @@ def test_a_planted_object_at_a_members_next_seq_moves_its_delta_on(tmp_path: Pat
     assert "not a delta" in taken[0]["reason"] and "replayed" in taken[1]["reason"]
     for learner in learners:
         learner.close()
-    report = audit_run(open_run(ctx.store, ctx.run_id), keyring={n: [k] for n, k in keys.items()} if keys else None)
+    ring = {n: [k] for n, k in keys.items()} if keys else None
+    report = audit_run(open_run(ctx.store, ctx.run_id), keyring=ring)
     assert report.ok, report.problems
     assert (report.deltas_rejected, report.deltas_lost, report.deltas_merged) == (2, 0, 2 * 4)
 
@@ -128,15 +130,17 @@ def test_a_learner_stops_when_no_slot_is_free(tmp_path: Path) -> None:
 
 
 def test_who_holds_a_slot_is_told_from_the_holder_itself(tmp_path: Path) -> None:
-    """Slots.holder on its own: with signing on, a well-formed delta of this learner and seq that claims another
-    process but is not signed with the learner's key is planted (a writer without the key cannot fence the
-    learner); validly signed it is a twin; an object far larger than the delta is not downloaded."""
+    """Slots.holder on its own: with signing on, a well-formed delta of this learner and seq that claims
+    another process but is not signed with the learner's key is planted (a writer without the key cannot
+    fence the learner); validly signed it is a twin; an object far larger than the delta is not downloaded."""
     store, keys, key = open_store(f"file://{tmp_path}/bucket"), RunKeys("run"), new_key().encode()
     slots = Slots(store, "run", keys, "local-0", key)
 
     def delta(process: str, seq: int = 3) -> bytes:
-        meta = {"learner": "local-0", "seq": seq, "base_version": 0, "tokens": 8, "steps": 1, "process": process}
-        return encode_tensors({"w": torch.ones(64)}, codec_name="fp32", kind="delta", fingerprint="f", meta=meta)
+        meta = {"learner": "local-0", "seq": seq, "base_version": 0, "tokens": 8, "steps": 1,
+                "process": process}
+        return encode_tensors({"w": torch.ones(64)}, codec_name="fp32", kind="delta", fingerprint="f",
+                              meta=meta)
 
     ours = delta(slots.process)
     sidecar = slots.sidecar(None, 3, ours)
