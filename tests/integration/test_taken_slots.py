@@ -1,9 +1,10 @@
 """A member's next delta slot taken by an object it did not write (issue #44: rejections caused by someone
-else never count against a member): junk or a replayed copy of one of its old deltas planted at its next seq in a
-live run (file:// storage, real learners and merger). The learner is not fenced: its delta ships at the next
-free seq and is merged there, it is never quarantined, and audit counts the planted object as rejected,
-nothing lost. A twin process publishing under the same name still fences it; a spooled delta whose slot was
-taken ships on after a restart; with no free slot within MAX_MOVES the learner stops and says why.
+else never count against a member): junk or a replayed copy of one of its old deltas planted at its next
+seq in a live run (file:// storage, real learners and merger). The learner is not fenced: its delta
+ships at the next free seq and is merged there, it is never quarantined, and audit counts the planted
+object as rejected, nothing lost. A twin process publishing under the same name still fences it; a
+spooled delta whose slot was taken ships on after a restart; with no free slot within MAX_MOVES the
+learner stops and says why.
 Run: .venv/bin/pytest tests/integration/test_taken_slots.py -q
 """
 
