@@ -12,28 +12,19 @@ a checkpoint every K versions on its writer thread, which lands before the next 
 from __future__ import annotations
 
 import gc
-import json
 import time
 from typing import Any
 
 import torch
 
 from diloco.configs import checkpoint_every
-from diloco.storage.codec.header import PREFIX, pack_header, read_layout
+from diloco.storage.codec.header import rehead
 
 TEMPLATES = "templates"  # the parent's deltas, outside the run: <fragment>/<learner>
 
 
 def template_key(fragment: int, learner: str) -> str:
     return f"{TEMPLATES}/{fragment:04d}/{learner}"
-
-
-def rehead(data: bytes, **meta: Any) -> bytes:
-    """The same encoded delta with its header's meta updated (the payload and its crc are untouched)."""
-    offset = read_layout(data, None, allow_partial=False).payload_offset
-    fields = json.loads(bytes(memoryview(data)[PREFIX.size:offset]).decode())
-    fields["meta"] = {**fields["meta"], **meta}
-    return pack_header(fields) + memoryview(data)[offset:]
 
 
 def _chains(ctx) -> list:

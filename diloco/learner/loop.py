@@ -98,7 +98,8 @@ def run_learner(learner: Learner, *, phases: int | None = None, should_stop: Cal
     try:
         while not should_stop() and (phases is None or done < phases):
             if learner.publisher.fenced.is_set():
-                raise RuntimeError(f"learner {learner.name}: another process publishes under this name")
+                why = learner.publisher.stop_reason or "another process publishes under this name"
+                raise RuntimeError(f"learner {learner.name}: {why}")
             stats = step(learner, should_stop)
             done += 1
             if on_phase:

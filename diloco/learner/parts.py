@@ -23,6 +23,7 @@ from diloco.learner.local_state import LocalState
 from diloco.learner.pace import Pace
 from diloco.learner.publisher import Publisher
 from diloco.learner.ranks import make_trainer
+from diloco.learner.slots import Slots
 from diloco.learner.spill import SpillDir, scratch_dir
 from diloco.learner.state import QUICK_RETRIES
 from diloco.learner.world import World
@@ -82,7 +83,8 @@ def wire(ctx: RunContext, name: str, spec: TrainSpec | None = None, *, events: E
     h = cfg.inner.steps_per_phase
     pace = Pace(quick, ctx.keys, name, list(ctx.learners), h, enabled=cfg.inner.dylu,
                 timeout_s=cfg.run.heartbeat_timeout_s)
-    publisher = Publisher(ctx.store, events, on_landed=local.unspool if local else None)
+    slots = Slots(ctx.store, ctx.run_id, ctx.keys, name, key)
+    publisher = Publisher(ctx.store, events, slots, on_landed=local.unspool if local else None)
     model, trainer = make_trainer(ctx, spec, device, f"learner {name}", world)
     # G (and on a CPU learner r) spilled to this host's disk: the local state's directory, which names the
     # files

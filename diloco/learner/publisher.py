@@ -4,24 +4,32 @@ Contract: the next phase computes while uploads run; a delta is retried until it
 publisher is closed; time the caller waits for a full queue is returned as stall. A checkpoint
 (diloco.learner.checkpoint.CheckpointUpload: its moments' spool files, then its pointer) follows its delta,
 and only a delta that landed; it may also be queued on its own (`submit_checkpoint`): it never waits for room,
-and one waits at most (a newer replaces it, whose files are dropped).
+and one waits at most (a newer replaces it, whose files are dropped). A delta whose slot holds another object
+(diloco.learner.slots) has landed (the same bytes), stops the learner (a twin: another process publishes
+under its name; `fenced`, `stop_reason`), or ships at the next free seq (a planted object; a `slot_taken`
+event; at most MAX_MOVES slots on), and the chain's later deltas after it (`next_seq`: where the learner's
+next delta goes).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from diloco.learner.checkpoint import CheckpointUpload
+from diloco.learner.slots import MAX_MOVES, Holder, Slots
 from diloco.run.events import EventLog
 from diloco.storage import Conflict, StorageError
 from diloco.storage.errors import Backoff
 from diloco.storage.store import Store
 
 log = logging.getLogger("diloco.publisher")
+T = TypeVar("T")
 MAX_PENDING = 2  # deltas in flight before the learner stalls: overlap one phase, never pile up
 FIRST_BACKOFF_S = 0.1  # the first wait before an upload is retried; doubled up to max_backoff_s, jittered
 
@@ -29,9 +37,10 @@ FIRST_BACKOFF_S = 0.1  # the first wait before an upload is retried; doubled up 
 class Publisher:
     """One upload thread per learner; FIFO, so deltas land in seq order."""
 
-    def __init__(self, store: Store, events: EventLog, max_backoff_s: float = 5.0,
+    def __init__(self, store: Store, events: EventLog, slots: Slots, max_backoff_s: float = 5.0,
                  on_landed: Callable[[int, int | None], None] | None = None) -> None:
         self.store, self.events, self.max_backoff_s = store, events, max_backoff_s
+        self.slots = slots  # the learner's delta keys, its process id, who holds a taken one
         # called with a delta's (seq, fragment) once it has landed (the local spool drops it)
         self.on_landed = on_landed
         self._queue: queue.Queue = queue.Queue()
@@ -41,7 +50,13 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
         self.bytes_published = 0
-        self.fenced = threading.Event()  # another process published one of our seqs: we must stop
+        # another process published one of our seqs (or no slot was free): the learner stops
+        self.fenced = threading.Event()
+        self.stop_reason = ""
+        # per chain (fragment; None: the root's), guarded by _room: one past the seq its last delta landed
+        # at, and its deltas queued and not landed (or given up)
+        self._floor: dict[int | None, int] = {}
+        self._pending: dict[int | None, int] = {}
         self._checkpoint_alone: CheckpointUpload | None = None  # guarded by _room
 
     def full(self, coming: int = 0) -> bool:
@@ -58,6 +73,7 @@ class Publisher:
         with self._room:
             self._room.wait_for(lambda: self._in_flight < MAX_PENDING)
             self._in_flight += 1
+            self._pending[fragment] = self._pending.get(fragment, 0) + 1
         stall = time.time() - t0
         self._queue.put((key, data, seq, checkpoint, True, sidecar, fragment))
         return stall
@@ -66,7 +82,17 @@ class Publisher:
                 fragment: int | None = None) -> None:
         """Queue a delta of a previous process (the local spool at a resume) without waiting for room:
         it was already counted against the queue's bound before the crash."""
+        with self._room:
+            self._pending[fragment] = self._pending.get(fragment, 0) + 1
         self._queue.put((key, data, seq, None, False, sidecar, fragment))
+
+    def next_seq(self, fragment: int | None, seq: int) -> int:
+        """The seq the chain's next delta takes, where the lane's counter says `seq`: past the seqs its
+        queued deltas will land at once a slot was taken (they follow the moved one), else `seq`. Called
+        with every delta taken from the lane submitted."""
+        with self._room:
+            floor = self._floor.get(fragment)
+            return seq if floor is None else max(seq, floor + self._pending.get(fragment, 0))
 
     def submit_checkpoint(self, checkpoint: CheckpointUpload) -> None:
         """Queue a checkpoint on its own (after everything queued before it), without waiting for room: a
@@ -113,13 +139,10 @@ class Publisher:
                     self._queue.task_done()
                 continue
             key, data, seq, checkpoint, counted, sidecar, fragment = item
+            landed = None
             try:
-                # the signature lands first (a plain put: it is not history), so the merger never sees the
-                # delta without it
-                signed = sidecar is None or self._put_with_retry(*sidecar)
-                if signed and self._put_with_retry(key, data, exclusive=True):
-                    self.bytes_published += len(data)
-                    self.events.emit("published", key=key, seq=seq, bytes=len(data))
+                landed = self._publish(key, data, seq, sidecar, fragment)
+                if landed is not None:
                     if self.on_landed is not None:
                         self.on_landed(seq, fragment)
                     if checkpoint is not None:
@@ -128,39 +151,107 @@ class Publisher:
             finally:
                 if checkpoint is not None:  # its delta did not land: nothing to point at
                     checkpoint.discard()
-                if counted:
-                    with self._room:
+                with self._room:
+                    self._pending[fragment] -= 1
+                    if landed is not None:
+                        self._floor[fragment] = landed + 1
+                    if counted:
                         self._in_flight -= 1
                         self._room.notify()
                 self._queue.task_done()
+
+    def _publish(self, key: str, data: bytes, seq: int, sidecar: tuple[str, bytes] | None,
+                 fragment: int | None) -> int | None:
+        """Land delta `seq` at its slot, or past slots others took (the chain's floor first): the seq it
+        landed at, or None (closing, fenced, or no free slot within MAX_MOVES)."""
+        with self._room:
+            target = max(seq, self._floor.get(fragment, seq))
+        moves = 0
+        while True:
+            if target != seq:
+                key, sent, signature = self.slots.moved(data, fragment, target)
+            else:
+                sent, signature = data, sidecar
+            outcome = self._land(key, sent, signature)
+            if outcome == "":
+                return None
+            holder = Holder("ours") if outcome == "landed" else \
+                self._retrying(functools.partial(self.slots.holder, fragment, target, sent, signature))
+            if holder is None:
+                return None
+            if holder.kind == "ours":
+                self.bytes_published += len(sent)
+                moved = {} if target == seq else {"moved_from": seq}
+                self.events.emit("published", key=key, seq=target, bytes=len(sent), **moved)
+                return target
+            if holder.kind == "twin":
+                return self._stop(key, "fenced", f"{key} already exists: another process publishes as this "
+                                  f"learner ({holder.reason}); stopping")
+            if holder.kind != "free":
+                moves += 1
+                self._taken(key, target, seq, holder, fragment)
+                if moves > MAX_MOVES:
+                    return self._stop(key, "slots_exhausted", f"no free slot for delta {seq}: {moves} slots "
+                                      f"up to {key} hold objects this learner did not write; stopping")
+                target += 1
+
+    def _land(self, key: str, data: bytes, sidecar: tuple[str, bytes] | None) -> str:
+        """"landed", "taken" (the key holds an object) or "" (closing, fenced). The signature lands first (a
+        plain put: it is not history), so the merger never sees the delta without it; with signing on a held
+        key is looked at before (the holder's own signature is what tells a twin from a planted object)."""
+        if sidecar is not None:
+            held = self._retrying(lambda: self.store.exists(key))
+            if held is None:
+                return ""
+            if held:
+                return "taken"
+        if sidecar is not None and not self._put_with_retry(*sidecar):
+            return ""
+        return self._put_with_retry(key, data, exclusive=True)
+
+    def _taken(self, key: str, target: int, seq: int, holder: Holder, fragment: int | None) -> None:
+        if holder.kind == "planted":
+            log.warning("%s holds an object this learner did not write (%s); the delta ships at the next "
+                        "free seq", key, holder.reason)
+        self.events.emit("slot_taken", key=key, seq=target, delta_seq=seq, holder=holder.kind,
+                         reason=holder.reason, **({} if fragment is None else {"fragment": fragment}))
+
+    def _stop(self, key: str, event: str, why: str) -> None:
+        log.error("%s", why)
+        self.stop_reason = why
+        self.events.emit(event, key=key, reason=why)
+        self.fenced.set()
+        return None
+
+    def _retrying(self, fn: Callable[[], T]) -> T | None:
+        """fn() retried through storage trouble; None once closing or fenced."""
+        backoff = Backoff(FIRST_BACKOFF_S, self.max_backoff_s, jitter=True)
+        while not self._closing.is_set() and not self.fenced.is_set():
+            try:
+                return fn()
+            except StorageError as err:
+                wait_s = backoff.next_s()
+                log.warning("reading a delta's slot failed (%s); retrying in %.1fs", err, wait_s)
+                time.sleep(wait_s)
+        return None
 
     def _upload_checkpoint(self, checkpoint: CheckpointUpload) -> None:
         checkpoint.upload(self.store, lambda key, data: self._put_with_retry(key, data, attempts=3),
                           self.events)
 
-    def _landed(self, key: str, data: bytes) -> bool:
-        try:
-            return self.store.get(key) == data
-        except StorageError:
-            return False
-
-    def _put_with_retry(self, key: str, data: bytes, attempts: int | None = None,
-                        exclusive: bool = False) -> bool:
+    def _put_with_retry(self, key: str, data: bytes, attempts: int | None = None, exclusive: bool = False):
+        """True once landed, False after `attempts` or once closing; exclusive: "landed", "taken" (Conflict:
+        the caller looks at the holder) or ""."""
         backoff, n = Backoff(FIRST_BACKOFF_S, self.max_backoff_s, jitter=True), 0
         while not self._closing.is_set() and not self.fenced.is_set():
             try:
                 if exclusive:
                     self.store.put_if_absent(key, data)
-                else:
-                    self.store.put(key, data)
+                    return "landed"
+                self.store.put(key, data)
                 return True
             except Conflict:
-                if self._landed(key, data):
-                    return True  # an earlier attempt (or a process before a restart) landed these very bytes
-                log.error("%s already exists: another process publishes as this learner; stopping", key)
-                self.events.emit("fenced", key=key)
-                self.fenced.set()
-                return False
+                return "taken"
             except StorageError as err:
                 n += 1
                 if attempts is not None and n >= attempts:
@@ -170,7 +261,7 @@ class Publisher:
                 log.warning("upload of %s failed (%s); retrying in %.1fs", key, err, wait_s)
                 self.events.emit("publish_retry", key=key, reason=str(err))
                 time.sleep(wait_s)
-        return False
+        return "" if exclusive else False
 
 
 def deferral(publisher: Publisher, unmerged: int, cfg, coming: int = 0) -> str | None:

@@ -5,7 +5,8 @@ checkpoint's optimizer state and data cursor, then fresh.
 Contract: the local state is used when the bucket has not moved past it (no seq of ours listed or decided
 beyond it on any chain; without the bucket — an outage — it is trusted, the publisher's exclusive create still
 fences a duplicate) and when it fits the model and the run's chains; its spooled deltas not yet in the bucket
-are queued again. From the bucket, a fragmented learner's data cursor and inner step are at least its last
+are queued again, and so are those whose slot holds another object (the publisher ships them on:
+diloco.learner.slots). From the bucket, a fragmented learner's data cursor and inner step are at least its last
 status's (its lanes shipped steps past the checkpoint, which follows fragment 0's delta). Anything unusable is
 dropped (logged, and for a checkpoint recorded as an event), never trusted.
 """
@@ -171,8 +172,8 @@ def _from_local(ctx: RunContext, name: str, saved: Saved, local: LocalState, set
         for seq, data in local.spooled(fragment):
             if seq >= states[index].seq:  # written just before a crash the state does not include: redone
                 local.discard(seq, fragment)
-            elif bucket_next is None or seq >= bucket_next[index]:
-                requeue(seq, data, index)
+            elif bucket_next is None or seq >= bucket_next[index] or _taken(quick, chain, name, seq, data):
+                requeue(seq, data, index)  # its slot held by another object: the publisher ships it on
                 requeued.append(seq if fragment is None else [index, seq])
             else:
                 local.discard(seq, fragment)  # listed or decided already
@@ -180,6 +181,19 @@ def _from_local(ctx: RunContext, name: str, saved: Saved, local: LocalState, set
     return Resumed(states, cursor, step, {"local": True, "requeued": requeued, "unshipped_steps": unshipped},
                    tokens_total=max(m.tokens_total for m in latest) if latest is not None else None,
                    schedule=meta.get("schedule") if ctx.fragments else None)
+
+
+def _taken(store: Store, chain: RunContext, name: str, seq: int, data: bytes) -> bool:
+    """Whether spooled delta `seq`'s slot holds an object other than these bytes (planted; the publisher finds
+    where it landed, or ships it at the next free seq), not nothing (decided lost, or retired). Unknown (the
+    bucket away): True, the publisher looks again."""
+    key = chain.keys.delta(name, seq)
+    try:
+        return store.get_size(key) != len(data) or store.get(key) != data
+    except NotFound:
+        return False
+    except StorageError:
+        return True
 
 
 def _last_position(ctx: RunContext, name: str, cursor: int, step: int) -> tuple[int, int]:

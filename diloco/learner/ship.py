@@ -118,10 +118,12 @@ class ShipSection:
         at a later step (settle)."""
         cfg, lane = self.cfg, self.lanes.lanes[index]
         self.settle(index, stats=stats)  # the lane's last delta's error feedback is in r_p before r_p is read
+        # past the seqs the lane's queued deltas land at, once one of its slots was taken (publisher.next_seq)
+        lane.seq = self.publisher.next_seq(self.chain_keys(index).fragment, lane.seq)
         started = time.time()
         meta = {"learner": self.name, "seq": lane.seq, "base_version": lane.base, "tokens": lane.tokens,
                 "steps": lane.steps, "phase_time_s": time.time() - self.phase_t0, "train_loss": self.loss_ema,
-                "created_at": time.time(), **self.tag(index)}
+                "created_at": time.time(), "process": self.publisher.slots.process, **self.tag(index)}
         buffers = get_buffers(self.model, self.ctx.buffers) if index == 0 else None  # its own, exactly
         encode = None
         if self.encoder is None:  # inline, one tensor at a time: a failure leaves the lane as it was

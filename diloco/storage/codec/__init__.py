@@ -36,6 +36,7 @@ from diloco.storage.codec.header import (
     pack_header,
     read_header,
     read_layout,
+    rehead,
     stream_bytes,
 )
 from diloco.storage.codec.payload import (
@@ -47,7 +48,8 @@ from diloco.storage.codec.payload import (
 )
 
 __all__ = ["CODECS", "FORMAT_VERSION", "MAGIC", "CodecError", "Encoder", "Header", "TensorSpec", "check_fingerprint", "codec_of", "decode",
-           "encode", "fingerprint_of", "object_checksum", "read_header", "verify"]
+           "encode", "fingerprint_of", "object_checksum", "read_header", "rehead",
+           "verify"]
 
 
 def _as_input(name: Any, value: Any) -> np.ndarray:
