@@ -172,8 +172,8 @@ def compute_goodput(events: list[Event], manifests: list[Manifest], learners: li
         decoupled_goodput=useful / provisioned if provisioned else 0.0, dp_goodput=dp,
         availability=up / provisioned if provisioned else 0.0,
         ready_fraction=ready / provisioned if provisioned else 0.0, provisioned_s=provisioned,
-        useful_s=useful,
-        up_s=up, wall_s=wall, num_failures=sum(len(life.failures) for life in lives.values()),
+        useful_s=useful, up_s=up, wall_s=wall,
+        num_failures=sum(len(life.failures) for life in lives.values()),
         dp_checkpoint_interval_s=tau, dp_useful_s=kept, step_time_s=times,
         standby_s=total(standby_intervals(events, learners)),
     )

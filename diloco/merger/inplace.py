@@ -23,8 +23,8 @@ from diloco.training.tensors import Tensors
 
 def _chunks(numel: int) -> list[slice]:
     """Flat chunks covering 0..numel (one empty chunk for an empty tensor: its update still runs once)."""
-    return [slice(start,
-                  min(numel, start + CHUNK_ELEMENTS)) for start in range(0, max(numel, 1), CHUNK_ELEMENTS)]
+    return [slice(start, min(numel, start + CHUNK_ELEMENTS))
+            for start in range(0, max(numel, 1), CHUNK_ELEMENTS)]
 
 
 class _Tensor:

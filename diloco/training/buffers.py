@@ -75,8 +75,8 @@ def get_buffers(model: nn.Module, layout: list[dict[str, Any]]) -> Tensors:
     if not layout:
         return {}
     own = dict(model.named_buffers())
-    return {e["name"]: own[e["name"]].detach().to("cpu", torch.float32,
-                                                  copy=True).contiguous() for e in layout}
+    return {e["name"]: own[e["name"]].detach().to("cpu", torch.float32, copy=True).contiguous()
+            for e in layout}
 
 
 def set_buffers(model: nn.Module, values: Tensors, layout: list[dict[str, Any]]) -> None:

@@ -176,8 +176,8 @@ def get_flat_params(model: nn.Module) -> dict[str, torch.Tensor]:
     accelerator: one device-to-host transfer of all of them into pinned memory, then split."""
     named = list(model.named_parameters())
     if not named or named[0][1].device.type == "cpu":
-        return {name: p.detach().to(device="cpu",
-                                    dtype=torch.float32).contiguous().clone() for name, p in named}
+        return {name: p.detach().to(device="cpu", dtype=torch.float32).contiguous().clone()
+                for name, p in named}
     with torch.no_grad():
         flat = torch.cat([p.detach().float().reshape(-1) for _, p in named])
         host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)

@@ -185,8 +185,8 @@ class OuterOptimizer:
         total = grad if not state.pending else {k: state.pending[k] + grad[k] for k in grad}
         total_share = state.pending_share + share
         if total_share < 1.0 - 1e-9:  # not a round yet: plain SGD, the buffer waits
-            new_params = {k: params[k].detach().float().add(grad[k].float(),
-                                                            alpha=-self.cfg.lr) for k in params}
+            new_params = {k: params[k].detach().float().add(grad[k].float(), alpha=-self.cfg.lr)
+                          for k in params}
             exact = {k: (new_params[k] - params[k]) + state.residual[k] for k in params}
             return OuterUpdate(exact, state.momentum, share, total, total_share)
         spread = rounds > 1.0 and self.experimental.backlog_momentum == "round_rate"
