@@ -8,8 +8,8 @@ __all__ = ["RunFailed", "TrainSpec", "train"]
 
 
 def __getattr__(name: str) -> object:
-    """`diloco.TrainSpec`, `diloco.train` and `diloco.RunFailed`, imported on first use (so `import diloco.cli`
-    stays light)."""
+    """`diloco.TrainSpec`, `diloco.train` and `diloco.RunFailed`, imported on first use (so `import
+    diloco.cli` stays light)."""
     if name == "TrainSpec":
         from diloco.training.spec import TrainSpec
 

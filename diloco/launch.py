@@ -31,7 +31,8 @@ class Units:
 
     join: Callable[..., Any] | None = None  # (learner) -> version
     phase: Callable[..., Any] | None = None  # (learner, should_stop) -> PhaseStats
-    merge: Callable[..., Any] | None = None  # (a chain's merger, should_stop) -> Manifest | None, once it is due
+    # (a chain's merger, should_stop) -> Manifest | None, once it is due
+    merge: Callable[..., Any] | None = None
     evaluate: Callable[..., Any] | None = None  # (evaluator, version) -> record
 
 
@@ -66,9 +67,9 @@ def make_learner(storage: str, run_id: str, name: str, world=None):
 
 
 def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
-    """The merger of the run and its context: the chains its id owns (diloco.merger.loop.ShardMerger) — the root
-    chain of a whole-model run, or for a fragmented run the shard its id names (`merger` = 0, `merger-s<k>` = k);
-    a chaos plan may order it to kill itself at a stage."""
+    """The merger of the run and its context: the chains its id owns (diloco.merger.loop.ShardMerger) — the
+    root chain of a whole-model run, or for a fragmented run the shard its id names (`merger` = 0,
+    `merger-s<k>` = k); a chaos plan may order it to kill itself at a stage."""
     from diloco.chaos.inprocess import MergerSaboteur, apply_chaos
     from diloco.merger.loop import ShardMerger
     from diloco.run.context import open_run
@@ -83,13 +84,15 @@ def make_merger(storage: str, run_id: str, merger_id: str = "merger"):
     events = EventLog(ctx.store, ctx.keys, merger_id)
     hook = MergerSaboteur(ctx, raw_store, merger_id, events) if control else None
     keyring = keyring_of_env() if ctx.cfg.learner.sign else None
-    shard = shard_of_id(merger_id) if ctx.fragments else 0  # one chain: every id is its merger's (races included)
+    # one chain: every id is its merger's (races included)
+    shard = shard_of_id(merger_id) if ctx.fragments else 0
     return ShardMerger(ctx, shard, merger_id, events=events, stage_hook=hook, keyring=keyring), ctx
 
 
 def load_secret(block_name: str) -> str:
     """The value of a Prefect Secret block (a signing key, or a keyring's JSON), read only when a *_BLOCK
-    variable names one, so a plain run never imports Prefect; never logged. A missing block is a SigningError."""
+    variable names one, so a plain run never imports Prefect; never logged. A missing block is a
+    SigningError."""
     import json
 
     from prefect.blocks.system import Secret
@@ -175,7 +178,8 @@ def run_role(role: str, storage: str, run_id: str, name: str | None = None, *, p
     raise ValueError(f"role {role!r} is unknown: must be one of {', '.join(ROLES)}")
 
 
-def _run_learner(storage: str, run_id: str, name: str, phases: int | None, units: Units, started: list[int]) -> int:
+def _run_learner(storage: str, run_id: str, name: str, phases: int | None, units: Units,
+                 started: list[int]) -> int:
     from diloco.learner.loop import learner_step, run_learner
 
     if learner_ranks(storage, run_id, name) > 1:
@@ -183,7 +187,8 @@ def _run_learner(storage: str, run_id: str, name: str, phases: int | None, units
         return 0
     learner, should_stop = make_learner(storage, run_id, name)
     try:
-        return run_learner(learner, phases=phases, should_stop=should_stop, on_phase=lambda _: started.append(1),
+        return run_learner(learner, phases=phases, should_stop=should_stop,
+                           on_phase=lambda _: started.append(1),
                            step=units.phase or learner_step, join=units.join or type(learner).join,
                            why=lambda: should_stop.why)
     finally:
@@ -191,9 +196,10 @@ def _run_learner(storage: str, run_id: str, name: str, phases: int | None, units
 
 
 def record_learner_failure(storage: str, run_id: str, name: str, err: Exception, at_start: bool) -> None:
-    """The learner's status says `failed`, with the error's line and its log (diloco.run.failure), and a `failed`
-    event; `fatal` (a restart cannot fix it) when a user error (the spec, the config, the run: not storage) stopped it
-    before its first phase: its next start would run the same code on the same config. Never raises."""
+    """The learner's status says `failed`, with the error's line and its log (diloco.run.failure), and a
+    `failed` event; `fatal` (a restart cannot fix it) when a user error (the spec, the config, the run: not
+    storage) stopped it before its first phase: its next start would run the same code on the same config.
+    Never raises."""
     from diloco.run.events import EventLog
     from diloco.run.failure import error_line, log_location, write_failed_status
     from diloco.storage import RunKeys, StorageError, open_store
@@ -239,8 +245,9 @@ def _rank(world, storage: str, run_id: str, name: str, phases: int | None) -> No
 
 
 def run_world(storage: str, run_id: str, name: str, phases: int | None) -> None:
-    """A learner of `learner.ranks` > 1 processes: launch its world with torch's launcher and wait; raises when
-    any rank failed (one failure domain: the supervisor, or the train flow, restarts the learner as one)."""
+    """A learner of `learner.ranks` > 1 processes: launch its world with torch's launcher and wait; raises
+    when any rank failed (one failure domain: the supervisor, or the train flow, restarts the learner as
+    one)."""
     import functools
 
     import torch
@@ -255,7 +262,8 @@ def run_world(storage: str, run_id: str, name: str, phases: int | None) -> None:
     cfg, ranks = ctx.cfg.learner, ranks_of(ctx, name)
     cuda = uses_cuda(cfg.device)
     if cuda and ranks > torch.cuda.device_count():
-        raise SpecError(f"learner {name}: learner.ranks = {ranks}, but there are {torch.cuda.device_count()} GPUs")
+        raise SpecError(f"learner {name}: learner.ranks = {ranks}, but there are {torch.cuda.device_count()} "
+                        "GPUs")
     log.info("learner %s: a world of %d ranks (%s)", name, ranks, "nccl" if cuda else "gloo")
     launch_world(functools.partial(_rank, storage=storage, run_id=run_id, name=name, phases=phases), ranks,
                  cuda=cuda, timeout_s=cfg.collective_timeout_s, threads=cfg.num_threads)
@@ -272,8 +280,9 @@ def check_chaos_plan(path: Any) -> None:
 
 
 def chaos_agent(plan_path: str | None) -> Callable[[Any], Any] | None:
-    """What a local run's supervisor gets attached (diloco.supervise.local.supervise_local's `attach`) for a fault
-    plan: the chaos agent, which joins here, outside the core, as a role's faults do in run_role; None: no plan."""
+    """What a local run's supervisor gets attached (diloco.supervise.local.supervise_local's `attach`) for a
+    fault plan: the chaos agent, which joins here, outside the core, as a role's faults do in run_role; None:
+    no plan."""
     if not plan_path:
         return None
     from diloco.chaos.agent import attach_chaos

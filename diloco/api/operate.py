@@ -3,8 +3,8 @@
 continues a finished, stopped or idle run and supervises it to its end.
 
 Contract: the controls' (diloco.supervise.operate): a bad input raises RunError / ConfigError / InvalidName
-naming the problem with nothing written, a good one files one control op; `resume` runs the run's roles the way
-`diloco resume` does (diloco.api.supervise) and returns why the run ended.
+naming the problem with nothing written, a good one files one control op; `resume` runs the run's roles the
+way `diloco resume` does (diloco.api.supervise) and returns why the run ended.
 """
 
 from __future__ import annotations
@@ -27,19 +27,22 @@ from diloco.supervise.operate import (
     set_settings,
 )
 
-__all__ = ["admit_learner", "fork", "parse_assignments", "pause_merges", "prepare_resume", "readmit", "remove_learner",
-           "resume", "resume_merges", "run_state", "set_settings"]
+__all__ = ["admit_learner", "fork", "parse_assignments", "pause_merges", "prepare_resume", "readmit",
+           "remove_learner", "resume", "resume_merges", "run_state", "set_settings"]
 
 
-def resume(storage: str | Store, run_id: str, *, versions: int | None = None, time_limit_s: float | None = None,
-           prefect: bool | None = None, by: str | None = None, announce: Callable[[str], None] | None = None) -> str:
-    """prepare_resume, then supervise every role of the run until it ends (diloco.api.supervise); why it ended.
-    `prefect` None: as the run was last supervised (with Prefect or without)."""
+def resume(storage: str | Store, run_id: str, *, versions: int | None = None,
+           time_limit_s: float | None = None,
+           prefect: bool | None = None, by: str | None = None,
+           announce: Callable[[str], None] | None = None) -> str:
+    """prepare_resume, then supervise every role of the run until it ends (diloco.api.supervise); why it
+    ended. `prefect` None: as the run was last supervised (with Prefect or without)."""
     from diloco import api
 
     plan = prepare_resume(storage, run_id, versions=versions, time_limit_s=time_limit_s, by=by)
     ctx = open_run(open_store(storage) if isinstance(storage, str) else storage, run_id)  # the new target
     if announce:
-        announce(f"run {run_id}: {plan['state']} at version {plan['latest']}; target raised to {plan['target']}")
+        announce(f"run {run_id}: {plan['state']} at version {plan['latest']}; target raised to "
+                 f"{plan['target']}")
     prefect = plan["prefect"] if prefect is None else prefect
     return api.supervise(ctx, prefect=prefect, **({"announce": announce} if announce else {}))

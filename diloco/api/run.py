@@ -1,10 +1,11 @@
 """A supervised run from Python: create it in the bucket, supervise every role until it ends, summarize it.
 
-Contract: what `diloco run` does, without the terminal (callers use the names diloco.api exports): `create(...)`
-validates everything (config, corpus, chaos plan, run id) before anything is written and creates (or joins, same
-config) the run; `supervise(...)` runs it to its end — locally with processes, or as the Prefect `train` flow (a
-local Prefect server is started when PREFECT_API_URL is unset, and stopped after) — and returns why it ended. The
-summary comes from the bucket (diloco.inspect.report.summarize), never from in-memory counters.
+Contract: what `diloco run` does, without the terminal (callers use the names diloco.api exports):
+`create(...)` validates everything (config, corpus, chaos plan, run id) before anything is written and creates
+(or joins, same config) the run; `supervise(...)` runs it to its end — locally with processes, or as the
+Prefect `train` flow (a local Prefect server is started when PREFECT_API_URL is unset, and stopped after) —
+and returns why it ended. The summary comes from the bucket (diloco.inspect.report.summarize), never from
+in-memory counters.
 """
 
 from __future__ import annotations
@@ -47,14 +48,15 @@ def create(cfg: Config, run_id: str | None = None, chaos: str | Path | None = No
 
 
 def check_local_device(cfg: Config) -> None:
-    """ConfigError when the run's roles, started on this machine, could not use its learner.device (every learner
-    would crash at start, and the run end with nothing trained)."""
+    """ConfigError when the run's roles, started on this machine, could not use its learner.device (every
+    learner would crash at start, and the run end with nothing trained)."""
     from diloco.training.inner import pick_device
 
     try:
         pick_device(cfg.learner.device)  # the learners' own refusal, before anything is written
     except ValueError as err:
-        raise ConfigError(f"{err}, and a run started here trains here; use learner.device 'auto' or 'cpu'") from None
+        raise ConfigError(f"{err}, and a run started here trains here; use learner.device 'auto' or "
+                          "'cpu'") from None
 
 
 @contextlib.contextmanager
@@ -88,7 +90,8 @@ def supervise(ctx: RunContext, *, prefect: bool = True, chaos: str | Path | None
     return reason
 
 
-def _supervise(ctx: RunContext, *, prefect: bool, chaos: str | Path | None, announce: Callable[[str], None]) -> str:
+def _supervise(ctx: RunContext, *, prefect: bool, chaos: str | Path | None,
+               announce: Callable[[str], None]) -> str:
     log_dir = str(STATE_DIR / "logs" / ctx.run_id)
     plan = str(chaos) if chaos else None
     if prefect:
@@ -105,8 +108,10 @@ def _supervise(ctx: RunContext, *, prefect: bool, chaos: str | Path | None, anno
 
                 with tags(f"run:{ctx.run_id}", "role:train"):
                     try:
-                        return train_flow(ctx.store.url, ctx.run_id, log_dir=log_dir, chaos_plan=plan)["reason"]
-                    except RunFailed:  # the flow run is Failed; the caller reads why from the bucket's summary
+                        return train_flow(ctx.store.url, ctx.run_id, log_dir=log_dir,
+                                          chaos_plan=plan)["reason"]
+                    # the flow run is Failed; the caller reads why from the bucket's summary
+                    except RunFailed:
                         return read_stop_reason(ctx) or "failed"
         finally:
             close_early(ctx.run_id)  # an early zygote the supervisor did not take (it failed first)
@@ -118,13 +123,16 @@ def _supervise(ctx: RunContext, *, prefect: bool, chaos: str | Path | None, anno
 
 def train(spec: Callable[..., Any] | str | None = None, *, config: str | Config = "demo",
           spec_args: dict[str, Any] | None = None, learners: int | None = None, versions: int | None = None,
-          tokens: int | None = None, storage: str | None = None, run_id: str | None = None, time_limit_s: float | None = None,
-          overrides: dict[str, Any] | None = None, prefect: bool = False, chaos: str | Path | None = None) -> RunSummary:
-    """Train a TrainSpec with the same supervised run as `diloco run`; returns what `diloco run --json` prints (a
-    RunSummary, diloco.api.summary), or raises diloco.RunFailed (carrying it as `.summary`) when the run failed: a
-    learner failed for a reason a restart cannot fix or was given up, no learner contributed, or the run ended short
-    for a reason other than the target, the user's stop or the time limit (diloco.inspect.outcome). A time limit that ended it short is
-    `extra.ended_by` "time limit" with `extra.short_of_target` true.
+          tokens: int | None = None, storage: str | None = None, run_id: str | None = None,
+          time_limit_s: float | None = None,
+          overrides: dict[str, Any] | None = None, prefect: bool = False,
+          chaos: str | Path | None = None) -> RunSummary:
+    """Train a TrainSpec with the same supervised run as `diloco run`; returns what `diloco run --json` prints
+    (a RunSummary, diloco.api.summary), or raises diloco.RunFailed (carrying it as `.summary`) when the run
+    failed: a learner failed for a reason a restart cannot fix or was given up, no learner contributed, or the
+    run ended short for a reason other than the target, the user's stop or the time limit
+    (diloco.inspect.outcome). A time limit that ended it short is `extra.ended_by` "time limit" with
+    `extra.short_of_target` true.
 
     `spec` is the factory itself (a module-level function; in a script, guard the call with
     `if __name__ == "__main__":`, since the learner processes import the script to find the factory) or its
@@ -139,9 +147,10 @@ def train(spec: Callable[..., Any] | str | None = None, *, config: str | Config 
     from diloco.specs.loader import reference_of
 
     cfg = resolve_config(config, {
-        **(overrides or {}), "run.num_learners": learners, "run.num_versions": versions, "run.num_tokens": tokens,
-        "run.storage": storage, "run.time_limit_s": time_limit_s, "spec": reference_of(spec) if spec is not None else None,
-        "spec_args": spec_args})
+        **(overrides or {}), "run.num_learners": learners, "run.num_versions": versions,
+        "run.num_tokens": tokens,
+        "run.storage": storage, "run.time_limit_s": time_limit_s,
+        "spec": reference_of(spec) if spec is not None else None, "spec_args": spec_args})
     ctx = create(cfg, run_id, chaos)
     supervise(ctx, prefect=prefect, chaos=chaos)
     summary = build_summary(ctx)

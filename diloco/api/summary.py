@@ -1,9 +1,10 @@
-"""What `diloco.train()` returns and `diloco run --json` prints last: a RunSummary, the main figures of a run and
-the rest under `extra`, every one read back from the bucket (diloco.inspect.report.summary_json builds it).
+"""What `diloco.train()` returns and `diloco run --json` prints last: a RunSummary, the main figures of a run
+and the rest under `extra`, every one read back from the bucket (diloco.inspect.report.summary_json builds
+it).
 
-Contract: a TypedDict — a plain dict at run time, so `summary["final_eval_loss"]` and `json.dumps(summary)` work
-as they always did; it names every key a summary has (tests/integration/test_summary.py checks them against a
-real run's); a figure nobody measured is None, never invented.
+Contract: a TypedDict — a plain dict at run time, so `summary["final_eval_loss"]` and `json.dumps(summary)`
+work as they always did; it names every key a summary has (tests/integration/test_summary.py checks them
+against a real run's); a figure nobody measured is None, never invented.
 """
 
 from __future__ import annotations

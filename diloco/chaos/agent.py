@@ -48,7 +48,8 @@ def storage_windows(plan: Plan, t0: float) -> list[StorageWindow]:
             out.append(StorageWindow(t0=t0 + f.at_s, t1=t0 + f.at_s + f.duration_s, outage=True))
         elif isinstance(f, StorageDegraded):
             bps = f.bandwidth_mbps * 1e6 / 8 if f.bandwidth_mbps else None
-            out.append(StorageWindow(t0=t0 + f.at_s, t1=None if f.duration_s is None else t0 + f.at_s + f.duration_s,
+            out.append(StorageWindow(t0=t0 + f.at_s,
+                                     t1=None if f.duration_s is None else t0 + f.at_s + f.duration_s,
                                      error_rate=f.error_rate, latency_s=f.latency_s, bandwidth_bps=bps))
     return out
 
@@ -63,7 +64,8 @@ class ChaosAgent:
         self.timers: list[tuple[float, Callable[[], bool]]] = []  # (unix time, action -> done?)
         self.events = EventLog(self.ctx.store, self.ctx.keys, "chaos")
         self.injector = Injector(self.ctx)
-        self.control = ChaosControl(seed=plan.seed, started_at=self.t0, windows=storage_windows(plan, self.t0))
+        self.control = ChaosControl(seed=plan.seed, started_at=self.t0,
+                                    windows=storage_windows(plan, self.t0))
         for due in self.pending:
             if isinstance(due.fault, SlowLearner) and due.fault.at_s == 0:
                 self.control.slowdown[due.learner] = due.fault.factor
@@ -193,7 +195,8 @@ class ChaosAgent:
         return True
 
     def _kill_merger(self, due: Due, f: KillMerger) -> bool:
-        self.control.merger_kills.append(MergerKill(fault_id=due.fault_id, stage=f.stage, merger_id=f.merger_id))
+        self.control.merger_kills.append(MergerKill(fault_id=due.fault_id, stage=f.stage,
+                                                    merger_id=f.merger_id))
         write_control(self.ctx.store, self.ctx.keys, self.control)
         self._emit(due, stage=f.stage, merger=f.merger_id)
         return True
@@ -221,11 +224,12 @@ class ChaosAgent:
 
         def backwards() -> bool:
             latest = self.sup.latest()
-            if latest < 1 or read_manifest(self.ctx.store, self.ctx.keys, latest).cursors.get(f.learner, -1) < 2:
+            if latest < 1 or read_manifest(self.ctx.store, self.ctx.keys,
+                                           latest).cursors.get(f.learner, -1) < 2:
                 return False
             key = self.injector.seq_backwards(f.learner, latest, stage=1)
-            self.events.emit("fault", fault="seq_backwards", fault_id=due.fault_id, learner=f.learner, key=key,
-                             step="below the cursor")
+            self.events.emit("fault", fault="seq_backwards", fault_id=due.fault_id, learner=f.learner,
+                             key=key, step="below the cursor")
             return True
 
         self.timers.append((time.time(), backwards))

@@ -46,7 +46,8 @@ class FaultyStore(WrapperStore):
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                  shared: Faults | None = None) -> None:
         super().__init__(inner)
-        self.faults = shared or Faults(list(windows), random.Random(seed * 1_000_003 + os.getpid()), clock, sleep)
+        self.faults = shared or Faults(list(windows), random.Random(seed * 1_000_003 + os.getpid()), clock,
+                                       sleep)
         self._once = inner.with_retries(0)  # one attempt per call: the retries are run here
 
     def _over(self, inner: Store) -> FaultyStore:

@@ -74,7 +74,8 @@ def useful_compute_s(manifests: list[Manifest], times: dict[str, float], t_end: 
     return sum(n * times[name] for name, n in merged_steps(manifests, list(times), t_end).items())
 
 
-def per_learner(events: list[Event], manifests: list[Manifest], learners: list[str]) -> dict[str, dict[str, float]]:
+def per_learner(events: list[Event], manifests: list[Manifest],
+                learners: list[str]) -> dict[str, dict[str, float]]:
     """Where each learner's provisioned time went: alive, ready (joined, not paused), inside phases,
     and useful (its merged steps x step time; partial phases saved before a kill and merged after it
     count, so useful can exceed phase time). provisioned - alive is planned down time and restarts;
@@ -142,7 +143,8 @@ def slowdown_efficiency(events: list[Event], learners: list[str]) -> float:
 def dp_goodput(lives: dict[str, Life], window: Interval, cost_s: float, efficiency: float = 1.0,
                ) -> tuple[float, float, float]:
     """(goodput, Young-Daly interval, kept progress): everyone stalls while any learner is not ready
-    (dead, restarting, starting) or paused; a failure of any learner loses the work since the last checkpoint."""
+    (dead, restarting, starting) or paused; a failure of any learner loses the work since the last
+    checkpoint."""
     t0, t1 = window
     wall = t1 - t0
     stalls = union([iv for life in lives.values()
@@ -169,8 +171,9 @@ def compute_goodput(events: list[Event], manifests: list[Manifest], learners: li
     return Goodput(
         decoupled_goodput=useful / provisioned if provisioned else 0.0, dp_goodput=dp,
         availability=up / provisioned if provisioned else 0.0,
-        ready_fraction=ready / provisioned if provisioned else 0.0, provisioned_s=provisioned, useful_s=useful,
-        up_s=up, wall_s=wall, num_failures=sum(len(life.failures) for life in lives.values()),
+        ready_fraction=ready / provisioned if provisioned else 0.0, provisioned_s=provisioned,
+        useful_s=useful, up_s=up, wall_s=wall,
+        num_failures=sum(len(life.failures) for life in lives.values()),
         dp_checkpoint_interval_s=tau, dp_useful_s=kept, step_time_s=times,
         standby_s=total(standby_intervals(events, learners)),
     )

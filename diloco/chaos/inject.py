@@ -1,8 +1,9 @@
 """Hostile deltas: corrupt, truncated, duplicated, NaN, oversized, stale, and a seq that goes backwards.
 
 Contract: each is written under a dedicated chaos learner name (never a live learner's next seq,
-which would fence it), admitted to the run first (an operator's `admit` op, by "chaos"), with a correct-looking header where the variant needs one; valid-looking
-filler deltas are zeros with 1 token and 1 step, so a merge that takes one barely moves the model.
+which would fence it), admitted to the run first (an operator's `admit` op, by "chaos"), with a
+correct-looking header where the variant needs one; valid-looking filler deltas are zeros with 1 token and 1
+step, so a merge that takes one barely moves the model.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class Injector:
         if learner in self.admitted:
             return
         if learner not in membership(self.ctx.store, self.ctx.keys, self.ctx.learners).members:
-            write_op(self.ctx.store, self.ctx.keys, "admit", learner=learner, by="chaos", values={"start": False},
+            write_op(self.ctx.store, self.ctx.keys, "admit", learner=learner, by="chaos",
+                     values={"start": False},
                      reason="a chaos writer of hostile deltas (no supervisor starts it)")
         self.admitted.add(learner)
 
@@ -66,8 +68,9 @@ class Injector:
     def bad_delta(self, variant: str, learner: str, version: int) -> tuple[str, str] | None:
         """Write one hostile delta; (key, expected rejection) or None when it cannot be made yet."""
         seq = self._seq(learner)
-        # based on the newest version when written, not the one the agent saw: under load the agent's view lags,
-        # and a delta made stale by that lag would be rejected as stale before its own defect is looked at
+        # based on the newest version when written, not the one the agent saw: under load the agent's view
+        # lags, and a delta made stale by that lag would be rejected as stale before its own defect is looked
+        # at
         newest = latest_version(self.ctx.store, self.ctx.keys)
         data, why = self._make(variant, learner, seq, max(version, newest or 0))
         if data is None:

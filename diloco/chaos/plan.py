@@ -125,7 +125,8 @@ class BadDelta(_Fault):
     kind: Literal["bad_delta"]
     variant: BadVariant
     # a dedicated name, never a live learner's next seq (that would fence it); by default one per variant
-    # (chaos-<variant>), so that each shows its own rejection rather than the quarantine that follows a row of them
+    # (chaos-<variant>), so that each shows its own rejection rather than the quarantine that follows a row of
+    # them
     learner: str | None = None
 
     @field_validator("learner")
@@ -149,8 +150,8 @@ class SeqBackwards(_Fault):
 
 
 Scripted = Annotated[
-    KillLearner | KillRank | PauseLearner | SlowLearner | KillMerger | SecondMerger | StorageOutage | StorageDegraded
-    | BadDelta | SeqBackwards,
+    KillLearner | KillRank | PauseLearner | SlowLearner | KillMerger | SecondMerger | StorageOutage
+    | StorageDegraded | BadDelta | SeqBackwards,
     Field(discriminator="kind"),
 ]
 
@@ -251,14 +252,16 @@ def _expand_random(plan: Plan, learners: list[str], horizon_s: float) -> list[Du
                 fault = KillMerger(kind="kill_merger", at_s=t, stage=spec.stages[j % len(spec.stages)])
                 out.append(Due(f"r{i}-m{j}", fault))
             continue
-        targets = learners if spec.learners == "all" else [resolve_learner(r, learners) for r in spec.learners]
+        targets = (learners if spec.learners == "all"
+                   else [resolve_learner(r, learners) for r in spec.learners])
         for name in targets:
             for j, t in enumerate(_random_times(rng, spec, horizon_s)):
                 if spec.kind == "kill_learner":
                     fault = KillLearner(kind="kill_learner", at_s=t, learner=name,
                                         restart_after_s=spec.restart_after_s)
                 else:
-                    fault = PauseLearner(kind="pause_learner", at_s=t, learner=name, duration_s=spec.duration_s)
+                    fault = PauseLearner(kind="pause_learner", at_s=t, learner=name,
+                                         duration_s=spec.duration_s)
                 out.append(Due(f"r{i}-{name}-{j}", fault, name))
     return out
 

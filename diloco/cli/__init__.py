@@ -20,8 +20,8 @@ OTHERS = "Commands"  # click's own title, for a command that names no panel
 
 
 class ByAudience(TyperGroup):
-    """The commands in one section per audience (their rich_help_panel, in PANELS' order), as plain text: the help
-    is not rendered by rich (rich_markup_mode None), which would read `[a-z0-9-]` as markup."""
+    """The commands in one section per audience (their rich_help_panel, in PANELS' order), as plain text: the
+    help is not rendered by rich (rich_markup_mode None), which would read `[a-z0-9-]` as markup."""
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         commands = [(name, cmd) for name in self.list_commands(ctx)
@@ -37,7 +37,8 @@ class ByAudience(TyperGroup):
 
 
 def panel_of(command: click.Command) -> str:
-    """The audience a command names (its rich_help_panel), or OTHERS: a command is never left out of --help."""
+    """The audience a command names (its rich_help_panel), or OTHERS: a command is never left out of
+    --help."""
     panel = getattr(command, "rich_help_panel", None)
     return panel if panel in PANELS else OTHERS
 
@@ -57,9 +58,10 @@ app.add_typer(bench.bench, name="bench", rich_help_panel=BENCHMARKS)
 
 
 def main() -> None:  # pragma: no cover - entry point
-    # Prefect's usage analytics off unless the environment says otherwise: the server's (the server a run starts
-    # has it off regardless: flows/server.py) and, since Prefect 3.9, the SDK's, which on its first import in a
-    # terminal prints a notice (through the live table) and reports milestones unless DO_NOT_TRACK is set
+    # Prefect's usage analytics off unless the environment says otherwise: the server's (the server a run
+    # starts has it off regardless: flows/server.py) and, since Prefect 3.9, the SDK's, which on its first
+    # import in a terminal prints a notice (through the live table) and reports milestones unless DO_NOT_TRACK
+    # is set
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     app()

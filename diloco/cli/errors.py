@@ -1,7 +1,7 @@
 """How the command line reports what a user got wrong: one line naming the problem, exit code 2.
 
-Contract: only the errors a user can cause (diloco.supervise.user_errors.USER_ERRORS) are turned into that line;
-anything else is a bug and keeps its traceback.
+Contract: only the errors a user can cause (diloco.supervise.user_errors.USER_ERRORS) are turned into that
+line; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations

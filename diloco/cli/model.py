@@ -20,9 +20,11 @@ VERSION = typer.Option(None, "--version", min=0, help="The committed version (de
 
 @app.command("export", rich_help_panel=RUN_AND_INSPECT)
 def export(storage: str = STORAGE, run_id: str = RUN_ID, version: int = VERSION,
-           out: Path = typer.Option(..., "--out", help="The safetensors file (or folder, with --format native)."),
+           out: Path = typer.Option(..., "--out",
+                                    help="The safetensors file (or folder, with --format native)."),
            fmt: str = typer.Option("safetensors", "--format",
-                                   help="safetensors (the parameters) or native (the spec's own, e.g. Hugging Face)."),
+                                   help="safetensors (the parameters) or native (the spec's own, e.g. "
+                                        "Hugging Face)."),
            ) -> None:
     """Write a committed version's parameters as safetensors, or in the spec's own format."""
     with user_errors():
@@ -41,8 +43,10 @@ def export(storage: str = STORAGE, run_id: str = RUN_ID, version: int = VERSION,
 def sample(storage: str = STORAGE, run_id: str = RUN_ID, version: int = VERSION,
            prompt: str = typer.Option(None, "--prompt", help="Text to continue (default: the spec's own; the "
                                       "built-in specs: the start of the run's held-out text)."),
-           seed: int = typer.Option(None, "--seed", min=0, help="The sampling seed (default: the spec's, 0)."),
-           max_bytes: int = typer.Option(None, "--max-bytes", min=1, help="At most this many bytes after the prompt "
+           seed: int = typer.Option(None, "--seed", min=0,
+                                    help="The sampling seed (default: the spec's, 0)."),
+           max_bytes: int = typer.Option(None, "--max-bytes", min=1,
+                                         help="At most this many bytes after the prompt "
                                          "(default: the spec's; the built-in GPT: 240).")) -> None:
     """Print text the run's spec samples from a committed version."""
     with user_errors():

@@ -19,7 +19,8 @@ app = typer.Typer()
 
 
 def say_if_ended(storage: str, run_id: str) -> None:
-    """After a control filed on a finished or stopped run: it applies once the run is resumed (run/state.py)."""
+    """After a control filed on a finished or stopped run: it applies once the run is resumed
+    (run/state.py)."""
     from diloco.run.context import open_run
     from diloco.run.state import ended_note
 
@@ -35,7 +36,8 @@ REASON = typer.Option("", "--reason", help="Recorded with the control op.")
 @app.command("admit-learner", rich_help_panel=OPERATE)
 def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER, reason: str = REASON,
                   start: bool = typer.Option(True, "--start/--no-start",
-                                             help="A running supervisor starts it (--no-start: you run it).")) -> None:
+                                             help="A running supervisor starts it (--no-start: you "
+                                                  "run it).")) -> None:
     """Admit one more learner (elastic join): its deltas are merged from the next merge on."""
     with user_errors():
         from diloco.api.operate import admit_learner as admit
@@ -48,7 +50,8 @@ def admit_learner(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = L
 
 
 @app.command("readmit", rich_help_panel=OPERATE)
-def readmit(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER, reason: str = REASON) -> None:
+def readmit(storage: str = STORAGE, run_id: str = RUN_ID, learner: str = LEARNER,
+            reason: str = REASON) -> None:
     """End a learner's quarantine: its deltas are judged again from the next merge on."""
     with user_errors():
         from diloco.api.operate import readmit as do_readmit
@@ -80,7 +83,8 @@ def resume_merges(storage: str = STORAGE, run_id: str = RUN_ID, reason: str = RE
 
 @app.command("set", rich_help_panel=OPERATE)
 def set_settings(storage: str = STORAGE, run_id: str = RUN_ID,
-                 assignments: list[str] = typer.Argument(..., help="KEY=VALUE, e.g. merger.quorum=3 outer.lr=0.5"),
+                 assignments: list[str] = typer.Argument(...,
+                                                         help="KEY=VALUE, e.g. merger.quorum=3 outer.lr=0.5"),
                  reason: str = REASON,
                  force: bool = typer.Option(False, "--force", help="Set a value that would reject the "
                                             "deltas the run sends now (a max_delta_bytes below their size).")
@@ -96,18 +100,22 @@ def set_settings(storage: str = STORAGE, run_id: str = RUN_ID,
         ctx = open_run(storage, run_id)
         op = do_set(ctx, None, parse_assignments(assignments), reason=reason, force=force)
         values = read_op(ctx.store, ctx.keys, op).values  # as filed: what the next manifest records
-        typer.echo(f"run {run_id}: {', '.join(f'{k}={v!r}' for k, v in values.items())} from the next merge (op {op})")
+        typer.echo(f"run {run_id}: {', '.join(f'{k}={v!r}' for k, v in values.items())} from the next merge "
+                   f"(op {op})")
         say_if_ended(storage, run_id)
 
 
 @app.command("resume", rich_help_panel=OPERATE)
 def resume(storage: str = STORAGE, run_id: str = RUN_ID,
-           versions: int = typer.Option(None, "--versions", help="How many MORE versions to train (default: as "
+           versions: int = typer.Option(None, "--versions",
+                                        help="How many MORE versions to train (default: as "
                                         "many as the run was created with)."),
            time_limit_s: float = typer.Option(None, "--time-limit-s", help="This session's time limit."),
-           prefect: bool | None = typer.Option(None, "--prefect/--no-prefect", help="Report to Prefect (as `diloco "
+           prefect: bool | None = typer.Option(None, "--prefect/--no-prefect",
+                                               help="Report to Prefect (as `diloco "
                                                "run`; default: as the run was last supervised)."),
-           json_out: bool = JSON, live: bool = typer.Option(True, "--live/--no-live", help="Live progress table.")) -> None:
+           json_out: bool = JSON, live: bool = typer.Option(True, "--live/--no-live",
+                                                            help="Live progress table.")) -> None:
     """Continue a finished or stopped run: raise the target, clear the stop, start the roles; learners rejoin
     at the newest version with their checkpoints and data cursors."""
     with user_errors():
@@ -129,8 +137,9 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
             if prefect is None:  # the way the run was started (its last lease's kind); a flag given wins
                 prefect = plan["prefect"]
                 how = "" if prefect else ", without Prefect as it was started"
-            console.print(f"[bold]diloco[/bold] resume of run [cyan]{run_id}[/cyan] ({plan['state']}) at version "
-                          f"{plan['latest']}: target {plan['previous_target']} -> {plan['target']}{how}")
+            console.print(f"[bold]diloco[/bold] resume of run [cyan]{run_id}[/cyan] ({plan['state']}) at "
+                          f"version {plan['latest']}: target {plan['previous_target']} -> "
+                          f"{plan['target']}{how}")
             with LiveView(ctx, console, live and console.is_terminal):
                 reason = api.supervise(ctx, prefect=prefect, announce=console.print)
             summary = final_report(ctx, console, json_out, reason=reason,
@@ -140,7 +149,8 @@ def resume(storage: str = STORAGE, run_id: str = RUN_ID,
 
 @app.command("fork", rich_help_panel=OPERATE)
 def fork(storage: str = STORAGE, run_id: str = RUN_ID,
-         at_version: int = typer.Option(..., "--at-version", help="The parent's version that becomes version 0."),
+         at_version: int = typer.Option(..., "--at-version",
+                                        help="The parent's version that becomes version 0."),
          new_run_id: str = typer.Option(..., "--new-run-id", help="The new run's id."),
          config: str = typer.Option(None, "--config", help="A recipe or YAML for the new run (same model)."),
          overrides: list[str] = typer.Option(None, "--set", help="KEY=VALUE overrides of --config.")) -> None:
@@ -160,7 +170,8 @@ def bucket_policy(storage: str = STORAGE, run_id: str = RUN_ID,
                   learner: str = typer.Option(None, "--learner", help="The policy of this learner."),
                   role: str = typer.Option(None, "--role", help="merger | evaluator | operator | gc "
                                            "(retention: deletes what no kept version needs)")) -> None:
-    """Print the least-privilege S3 policy (JSON, for AWS IAM or MinIO `mc admin policy`) of one role of a run."""
+    """Print the least-privilege S3 policy (JSON, for AWS IAM or MinIO `mc admin policy`) of one role of a
+    run."""
     with user_errors():
         from diloco.trust.bucket_policy import policy_for
 
@@ -170,7 +181,8 @@ def bucket_policy(storage: str = STORAGE, run_id: str = RUN_ID,
 
 
 @app.command("keygen", rich_help_panel=DEPLOY_AND_SECURITY)
-def keygen(learners: list[str] = typer.Option(..., "--learner", help="A learner to make a key for (repeat).")) -> None:
+def keygen(learners: list[str] = typer.Option(..., "--learner",
+                                              help="A learner to make a key for (repeat).")) -> None:
     """Fresh signing keys: the keyring (JSON, for the merger's DILOCO_KEYRING) and each learner's key."""
     with user_errors():
         from diloco.storage.keys import validate_learner_name
@@ -183,7 +195,8 @@ def keygen(learners: list[str] = typer.Option(..., "--learner", help="A learner 
 @app.command("outliers", rich_help_panel=DEPLOY_AND_SECURITY)
 def outliers(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
              window: int = typer.Option(None, "--window", min=1, help="Window (default: the run's)."),
-             min_samples: int = typer.Option(None, "--min-samples", min=1, help="Least samples (the run's).")) -> None:
+             min_samples: int = typer.Option(None, "--min-samples", min=1,
+                                             help="Least samples (the run's).")) -> None:
     """Replay the outlier statistic over a run: each merged delta's norm per step / the running median."""
     with user_errors():
         from diloco.run.context import open_run
@@ -194,7 +207,7 @@ def outliers(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON
             typer.echo(json.dumps(summary))
             return
         fmt = lambda x: "—" if x is None else f"{x:.3f}"  # noqa: E731
-        typer.echo(f"{summary['judged']} deltas judged (of {summary['deltas']}), {summary['flagged_outlier']} flagged: "
-                   f"ratio max {fmt(summary['max_ratio'])}, p99 {fmt(summary['p99_ratio'])}, "
-                   f"median {fmt(summary['median_ratio'])}; would reject: "
+        typer.echo(f"{summary['judged']} deltas judged (of {summary['deltas']}), "
+                   f"{summary['flagged_outlier']} flagged: ratio max {fmt(summary['max_ratio'])}, p99 "
+                   f"{fmt(summary['p99_ratio'])}, median {fmt(summary['median_ratio'])}; would reject: "
                    + ", ".join(f"{k}: {v}" for k, v in summary["would_reject"].items()))

@@ -19,7 +19,8 @@ app = typer.Typer()
 
 @app.command(rich_help_panel=RUN_AND_INSPECT)
 def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
-          replay: bool = typer.Option(True, "--replay/--no-replay", help="Replay every merge bit for bit.")) -> None:
+          replay: bool = typer.Option(True, "--replay/--no-replay",
+                                      help="Replay every merge bit for bit.")) -> None:
     """Check the manifest chain, checksums, at-most-once merging, and replay every merge."""
     with user_errors():
         from diloco.inspect.audit import audit_run
@@ -32,10 +33,11 @@ def audit(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
             typer.echo(json.dumps(report.to_json()))
         else:
             verdict = "OK" if report.ok else "FAILED"
-            typer.echo(f"audit {verdict}: {report.num_versions} versions, {report.deltas_merged} deltas merged, "
-                       f"{report.deltas_rejected} rejected, {report.deltas_lost} lost, "
+            typer.echo(f"audit {verdict}: {report.num_versions} versions, {report.deltas_merged} deltas "
+                       f"merged, {report.deltas_rejected} rejected, {report.deltas_lost} lost, "
                        f"{report.deltas_pending} pending, replay {'ok' if report.replay_ok else 'FAILED'}; "
-                       f"{report.decisions_replayed} decisions replayed, {report.controls_applied} control ops"
+                       f"{report.decisions_replayed} decisions replayed, {report.controls_applied} control "
+                       "ops"
                        + (f"; {report.deltas_ignored} keys ignored (no member's, or too far ahead)"
                           if report.deltas_ignored else ""))
             if any(report.history_from):
@@ -75,14 +77,15 @@ def gc(storage: str = STORAGE, run_id: str = RUN_ID,
         report = collect_orphans(ctx, min_age_s=min_age_s, dry_run=dry_run)
         removed = len(report.orphans) - len(report.too_young) if dry_run else len(report.deleted)
         typer.echo(f"{len(report.orphans)} orphans, {'would delete' if dry_run else 'deleted'} {removed}, "
-                   f"{len(report.too_young)} younger than {min_age_s:g}s kept; {report.referenced} objects referenced")
+                   f"{len(report.too_young)} younger than {min_age_s:g}s kept; {report.referenced} objects "
+                   "referenced")
 
 
 @app.command("stop", rich_help_panel=OPERATE)
 def stop(storage: str = STORAGE, run_id: str = RUN_ID,
          reason: str = typer.Option("operator", "--reason", help="Recorded in control/stop.")) -> None:
-    """Ask every process of a run to end after its current phase (writes control/stop); a finished or stopped run
-    is refused (nothing to stop: its stop reason is kept)."""
+    """Ask every process of a run to end after its current phase (writes control/stop); a finished or stopped
+    run is refused (nothing to stop: its stop reason is kept)."""
     with user_errors():
         from diloco.run.context import open_run
         from diloco.run.signals import request_stop
@@ -97,7 +100,8 @@ def stop(storage: str = STORAGE, run_id: str = RUN_ID,
 @app.command("remove-learner", rich_help_panel=OPERATE)
 def remove_learner(storage: str = STORAGE, run_id: str = RUN_ID,
                    learner: str = typer.Option(..., "--learner", help="The learner to remove for good."),
-                   reason: str = typer.Option("operator", "--reason", help="Recorded with the removal.")) -> None:
+                   reason: str = typer.Option("operator", "--reason",
+                                              help="Recorded with the removal.")) -> None:
     """Remove a learner from a run: it ends after its phase and no supervisor starts it again."""
     with user_errors():
         from diloco.api.operate import remove_learner as remove

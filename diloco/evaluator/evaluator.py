@@ -34,14 +34,15 @@ log = logging.getLogger("diloco.evaluator")
 class Evaluator:
     """Held-out loss of committed versions, written to evals/<version>.json."""
 
-    def __init__(self, ctx: RunContext, spec: TrainSpec | None = None, events: EventLog | None = None) -> None:
+    def __init__(self, ctx: RunContext, spec: TrainSpec | None = None,
+                 events: EventLog | None = None) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
         torch.set_num_threads(1)
         self.spec = spec or load_run_spec(ctx)
         if self.spec.eval_batches is None:
             raise SpecError("the spec has no eval_batches: there is no held-out metric to evaluate")
-        # on the learners' device too (bf16 autocast on CUDA); a host without CUDA (the supervisor's, scoring what
-        # the evaluator did not reach) scores on its CPU rather than fail a run whose learners have GPUs
+        # on the learners' device too (bf16 autocast on CUDA); a host without CUDA (the supervisor's, scoring
+        # what the evaluator did not reach) scores on its CPU rather than fail a run whose learners have GPUs
         self.device = pick_device(self.cfg.learner.device if torch.cuda.is_available() else "cpu")
         self.model = build_model(self.spec, self.cfg.data.seed).to(self.device)
         check_layout(ctx, self.model, "the evaluator")
@@ -117,7 +118,8 @@ def run_evaluator(evaluator: Evaluator, *, should_stop: Callable[[], bool], poll
         except (StorageError, NotFound) as err:
             log.warning("evaluation of version %d skipped: %s", version, err)
             return False
-        except CorruptObject as err:  # that version cannot be read, ever: an incident, and the next ones go on
+        # that version cannot be read, ever: an incident, and the next ones go on
+        except CorruptObject as err:
             log.error("evaluation of version %d impossible: %s", version, err)
             evaluator.events.emit("corrupt_object", version=version, reason=str(err)[:500])
             evaluator.done.add(version)
@@ -141,7 +143,8 @@ def missing_evals(ctx: RunContext) -> list[int]:
 
 def evaluate_missing(ctx: RunContext, spec: TrainSpec | None = None) -> list[int]:
     """Score, in this process, version 0 and the newest version when the evaluator did not (a short run can
-    end before the evaluator's first start); returns the versions scored. A spec without eval_batches: none."""
+    end before the evaluator's first start); returns the versions scored. A spec without eval_batches:
+    none."""
     try:
         wanted = missing_evals(ctx)
     except StorageError as err:

@@ -1,8 +1,8 @@
-"""Flow `operate`: the operator's controls as a flow run the Prefect UI can trigger (deployment `operate` on the
-control pool) — admit, remove, readmit, pause/resume merges, set, stop, resume, fork.
+"""Flow `operate`: the operator's controls as a flow run the Prefect UI can trigger (deployment `operate` on
+the control pool) — admit, remove, readmit, pause/resume merges, set, stop, resume, fork.
 
-Contract: the same functions as the CLI and Python (diloco.supervise.operate), recorded as made by this flow run
-(`prefect flow run <name> (<id>)`); a bad input fails the flow run with the one-line reason and writes
+Contract: the same functions as the CLI and Python (diloco.supervise.operate), recorded as made by this flow
+run (`prefect flow run <name> (<id>)`); a bad input fails the flow run with the one-line reason and writes
 nothing; `resume` and `fork` can start the `train` deployment for the run (start=True) without waiting for it.
 """
 
@@ -38,7 +38,8 @@ def _start_training(storage: str, run_id: str, deployment: str, aws_credentials_
     return str(run.id)
 
 
-def _do(action: str, storage: str, run_id: str, by: str, *, learner: str | None, settings: dict[str, Any] | None,
+def _do(action: str, storage: str, run_id: str, by: str, *, learner: str | None,
+        settings: dict[str, Any] | None,
         versions: int | None, time_limit_s: float | None, at_version: int | None, new_run_id: str | None,
         reason: str, force: bool = False) -> dict[str, Any]:
     from diloco.supervise import operate
@@ -79,8 +80,8 @@ def _do(action: str, storage: str, run_id: str, by: str, *, learner: str | None,
 @flow(name="operate", flow_run_name="{action}-{run_id}", persist_result=False)
 def operate_flow(storage: str, run_id: str, action: Action, learner: str | None = None,
                  settings: dict[str, Any] | None = None, versions: int | None = None,
-                 time_limit_s: float | None = None, at_version: int | None = None, new_run_id: str | None = None,
-                 reason: str = "", start: bool = False, force: bool = False,
+                 time_limit_s: float | None = None, at_version: int | None = None,
+                 new_run_id: str | None = None, reason: str = "", start: bool = False, force: bool = False,
                  train_deployment: str = TRAIN_DEPLOYMENT,
                  aws_credentials_block: str | None = None) -> dict[str, Any]:
     """One control on one run. settings: {"merger.quorum": 3, ...} for `set`; versions (more to train) and

@@ -1,5 +1,5 @@
-"""Flow `outer-merge`: the long-running merger of its chains (the whole model's, or a shard's fragments); a task
-(and a table artifact) per merge of any chain."""
+"""Flow `outer-merge`: the long-running merger of its chains (the whole model's, or a shard's fragments); a
+task (and a table artifact) per merge of any chain."""
 
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ from typing import Any
 
 def immediate_transactions() -> None:
     """Make AioSqliteConfiguration.begin_transaction take Prefect's own IMMEDIATE path (with_for_update=True,
-    what its row-locking writes ask for) whatever its caller asks. A Prefect without that hook (a later 3.x) runs
-    as it is, with one line on stderr: its writes may then be answered 503 under load, as before, never fail."""
+    what its row-locking writes ask for) whatever its caller asks. A Prefect without that hook (a later 3.x)
+    runs as it is, with one line on stderr: its writes may then be answered 503 under load, as before, never
+    fail."""
     try:
         from prefect.server.database.configurations import AioSqliteConfiguration
 

@@ -1,7 +1,8 @@
 """Run one role of a run as a Prefect flow run in this process, tagged for the UI (`python -m diloco.flows`),
 under the `train` flow run that started it when there is one (diloco.flows.subflow).
 
-Contract: the arguments are the launch protocol's (diloco.launch.parse_args); user errors are one line, exit 2.
+Contract: the arguments are the launch protocol's (diloco.launch.parse_args); user errors are one line,
+exit 2.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from diloco.launch import parse_args, wait_as_standby, warm_up
 
 def run_flow_role(role: str, storage: str, run_id: str, name: str | None = None, *,
                   phases: int | None = None, merges: int | None = None) -> int:
-    """The role's flow (learner, outer-merge, evaluate) in a flow run tagged with the run (its task runs are not:
-    diloco.flows.subflow.call_flow says why)."""
+    """The role's flow (learner, outer-merge, evaluate) in a flow run tagged with the run (its task runs are
+    not: diloco.flows.subflow.call_flow says why)."""
     from diloco.flows.subflow import call_flow
 
     base = {"storage": storage, "run_id": run_id}

@@ -56,10 +56,11 @@ def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
 # registration at start (with its memo check, which imports every installed Prefect collection): its API
 # answers ~3 s sooner and it spends ~5 s less CPU in a make run (docs/LIFECYCLE.md). A value set in the
 # environment wins; `lean=False` (the deployment tests' stack, with real workers) keeps Prefect's defaults.
-LEAN_SERVICES = ("SCHEDULER", "LATE_RUNS", "FOREMAN", "CANCELLATION_CLEANUP", "PAUSE_EXPIRATIONS", "REPOSSESSOR",
-                 "TRIGGERS", "CLEANUP_RECONCILER")
+LEAN_SERVICES = ("SCHEDULER", "LATE_RUNS", "FOREMAN", "CANCELLATION_CLEANUP", "PAUSE_EXPIRATIONS",
+                 "REPOSSESSOR", "TRIGGERS", "CLEANUP_RECONCILER")
 LEAN_SETTINGS = {**{f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in LEAN_SERVICES},
-                 "PREFECT_API_BLOCKS_REGISTER_ON_START": "false", "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false"}
+                 "PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
+                 "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false"}
 
 
 def launch_server(home: Path, port: int | None = None, log_path: Path | None = None,
@@ -69,13 +70,14 @@ def launch_server(home: Path, port: int | None = None, log_path: Path | None = N
     answers: wait_healthy waits for it). lean: LEAN_SETTINGS, unless set."""
     port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
-    env = {**(LEAN_SETTINGS if lean else {}), **os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_PORT": str(port),
+    env = {**(LEAN_SETTINGS if lean else {}), **os.environ, "PREFECT_HOME": str(home),
+           "PREFECT_SERVER_API_PORT": str(port),
            "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api"}
     env.pop("PREFECT_API_URL", None)
     with open(log_path or home / "server.log", "ab") as out:  # the child keeps its own copy
-        proc = subprocess.Popen([sys.executable, "-m", "diloco.flows.prefect_server", "server", "start", "--host",
-                                 "127.0.0.1", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "diloco.flows.prefect_server", "server", "start",
+                                 "--host", "127.0.0.1", "--port", str(port)],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     _RECORDS[proc.pid] = home / SERVER_RECORD

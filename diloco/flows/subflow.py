@@ -17,10 +17,11 @@ PARENT_ENV = "DILOCO_PARENT_FLOW_RUN_ID"
 
 
 def call_flow(flow: Any, parameters: dict[str, Any], tags: list[str]) -> Any:
-    """Run `flow` with `parameters` in a flow run tagged `tags`: as a subflow of $DILOCO_PARENT_FLOW_RUN_ID when
-    set, else on its own. The tags go on the flow run only, never into Prefect's tags context: a tagged task run
-    makes Prefect's task engine ask the API for the tags' concurrency slots at every task start, a blocking call
-    that took 0.6-1.3 s on average (up to 35 s) a phase on the busy local server of `make run`."""
+    """Run `flow` with `parameters` in a flow run tagged `tags`: as a subflow of $DILOCO_PARENT_FLOW_RUN_ID
+    when set, else on its own. The tags go on the flow run only, never into Prefect's tags context: a tagged
+    task run makes Prefect's task engine ask the API for the tags' concurrency slots at every task start, a
+    blocking call that took 0.6-1.3 s on average (up to 35 s) a phase on the busy local server of `make
+    run`."""
     parent = os.environ.get(PARENT_ENV)
     return run_tagged(flow, parameters, tags, uuid.UUID(parent) if parent else None)
 
@@ -37,13 +38,14 @@ def run_tagged(flow: Any, parameters: dict[str, Any], tags: list[str], parent: u
     with get_client(sync_client=True) as client:
         if parent is not None:
             stand_in = Task(name=flow.name, fn=lambda: None)
-            task_run = client.create_task_run(task=stand_in, flow_run_id=parent, dynamic_key=uuid.uuid4().hex[:12],
-                                              state=Pending())
+            task_run = client.create_task_run(task=stand_in, flow_run_id=parent,
+                                              dynamic_key=uuid.uuid4().hex[:12], state=Pending())
         flow_run = client.create_flow_run(flow=flow, parameters=flow.serialize_parameters(parameters),
                                           parent_task_run_id=task_run.id if task_run else None, tags=tags,
                                           state=Pending())
     state = run_flow(flow, flow_run=flow_run, parameters=parameters, return_type="state")
     if task_run is not None:
         with get_client(sync_client=True) as client:
-            client.set_task_run_state(task_run.id, Completed() if state.is_completed() else Failed(), force=True)
+            client.set_task_run_state(task_run.id, Completed() if state.is_completed() else Failed(),
+                                      force=True)
     return state.result()

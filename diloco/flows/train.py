@@ -77,8 +77,10 @@ def train_flow(
             get_run_logger().error("run %s cannot go on: %s", run_id, err)
             raise
         summary = _report_summary(ctx)
-    failure = summary["failure"] if summary else (LEARNERS_CRASHED if result["reason"] == LEARNERS_CRASHED else None)
-    if failure:  # the flow run ends Failed, with the reason (each failed learner's error and log), after the summary
+    failure = (summary["failure"] if summary
+               else (LEARNERS_CRASHED if result["reason"] == LEARNERS_CRASHED else None))
+    # the flow run ends Failed, with the reason (each failed learner's error and log), after the summary
+    if failure:
         from diloco.inspect.report import summary_json
 
         raise RunFailed(f"run {run_id} failed: {failure}", summary_json(summary) if summary else {})
@@ -105,8 +107,8 @@ def _diloco_logs_to_flow_run() -> Iterator[None]:
 
 
 def _report_summary(ctx: RunContext) -> dict | None:
-    """Evaluate what the evaluator missed, then the summary as a markdown artifact and one log line (and one per
-    failed learner); the summary, or None when it could not be built."""
+    """Evaluate what the evaluator missed, then the summary as a markdown artifact and one log line (and one
+    per failed learner); the summary, or None when it could not be built."""
     from diloco.evaluator.evaluator import evaluate_missing
     from diloco.inspect.outcome import failure_lines
     from diloco.inspect.summary import build_summary, summary_markdown
@@ -186,11 +188,13 @@ def _progress(ctx: RunContext) -> Callable[[Any], None]:
                 if target.tokens > 0:
                     share = max(share, run_tokens(ctx) / target.tokens)
                 update_progress_artifact(progress_id, min(100.0, 100.0 * share))
-            except (httpx.HTTPError, PrefectException, StorageError) as err:  # a busy API must not end the run
+            # a busy API must not end the run
+            except (httpx.HTTPError, PrefectException, StorageError) as err:
                 logger.warning("progress artifact not updated: %s", err)
                 return
             seen["version"] = version
-            logger.info("run %s: version %d, %.0f%% of %s", ctx.run_id, version, 100.0 * share, target.describe())
+            logger.info("run %s: version %d, %.0f%% of %s", ctx.run_id, version, 100.0 * share,
+                        target.describe())
 
     return report
 

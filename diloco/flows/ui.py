@@ -34,7 +34,8 @@ def serve_ui(home: Path, port: int = 4200, announce: Callable[[str], None] = pri
 
     live = running_server(home)
     if live:
-        announce(f"the local Prefect server is up (a run is using it): UI {live.removesuffix('/api')}, API {live}")
+        announce(f"the local Prefect server is up (a run is using it): UI {live.removesuffix('/api')}, API "
+                 f"{live}")
         return live
     if not (home / "prefect.db").exists() and not any(home.glob("*.db")):
         announce(f"(no runs have reported to {home} yet: the UI will be empty)")

@@ -1,6 +1,7 @@
 """`audit`: prove a run's history — contiguous manifests, checksums, at-most-once merging, every
-delta decided, and a bit-for-bit replay of every merge from the stored objects (the merged buffers too) — on every
-chain of the run: the root chain of a whole-model run, or each fragment's (the root then holds version 0 only).
+delta decided, and a bit-for-bit replay of every merge from the stored objects (the merged buffers too) — on
+every chain of the run: the root chain of a whole-model run, or each fragment's (the root then holds version 0
+only).
 
 Contract: read-only; returns every problem found rather than stopping at the first; one report over the chains
 (a fragment chain's problems name their fragment), `ok` only when every chain is.
@@ -33,14 +34,17 @@ class AuditReport:
     deltas_rejected: int = 0
     deltas_lost: int = 0
     deltas_pending: int = 0  # published after the last merge of a run that has ended
-    deltas_ignored: int = 0  # keys no merge decides: a name never admitted, a seq further ahead than a learner can be
+    # keys no merge decides: a name never admitted, a seq further ahead than a learner can be
+    deltas_ignored: int = 0
     decisions_replayed: int = 0  # decisions recomputed from the stored objects and found equal
-    decisions_unreplayable: int = 0  # rejected deltas whose object changed or vanished since, or signatures without keys
+    # rejected deltas whose object changed or vanished since, or signatures without keys
+    decisions_unreplayable: int = 0
     signatures_verified: bool = False  # a keyring was at hand (learner.sign runs)
     controls_applied: int = 0  # operator control ops recorded in manifests
     replay_ok: bool = True
     problems: list[str] = field(default_factory=list)
-    fragment_versions: list[int] = field(default_factory=list)  # a fragmented run: versions per fragment chain
+    # a fragmented run: versions per fragment chain
+    fragment_versions: list[int] = field(default_factory=list)
     run_json: str = ""  # run.json against version 0's pin (diloco.run.pin)
     # the log (docs/STORAGE.md): merges replayed, stored states (checkpoints, schema-1 objects) found equal to
     # the replay, complete checkpoints that are no committed version's state; where the kept history starts
@@ -73,8 +77,10 @@ class AuditReport:
                 "deltas_rejected": self.deltas_rejected, "deltas_lost": self.deltas_lost,
                 "deltas_pending": self.deltas_pending, "deltas_ignored": self.deltas_ignored,
                 "decisions_replayed": self.decisions_replayed,
-                "decisions_unreplayable": self.decisions_unreplayable, "signatures_verified": self.signatures_verified,
-                "controls_applied": self.controls_applied, "replay_ok": self.replay_ok, "problems": self.problems,
+                "decisions_unreplayable": self.decisions_unreplayable,
+                "signatures_verified": self.signatures_verified,
+                "controls_applied": self.controls_applied, "replay_ok": self.replay_ok,
+                "problems": self.problems,
                 "run_json": self.run_json, "versions_replayed": self.versions_replayed,
                 "checkpoints_compared": self.checkpoints_compared,
                 "checkpoints_unnamed": self.checkpoints_unnamed,
@@ -104,25 +110,29 @@ def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport,
     """At-most-once, cursors, every delta decided; a merged delta's object against its checksum (of the
     versions after `start`: retention removed those merged at or before it)."""
     decided: dict[tuple[str, int], int] = {}
-    ranges: dict[str, list[tuple[int, int]]] = {}  # learner -> (first, last) of each range one decision decided
+    # learner -> (first, last) of each range one decision decided
+    ranges: dict[str, list[tuple[int, int]]] = {}
     cursors: dict[str, int] = {}
     for m in chain:
         for d in m.decisions:
             key = (d.learner, d.seq)
-            stranger = d.check == "admission" and d.learner not in cursors  # decided again by a restarted merger
+            # decided again by a restarted merger
+            stranger = d.check == "admission" and d.learner not in cursors
             if key in decided and not stranger:
-                report.problem(f"delta {d.learner}/{d.seq} decided twice (versions {decided[key]} and {m.version})")
+                report.problem(f"delta {d.learner}/{d.seq} decided twice (versions {decided[key]} and "
+                               f"{m.version})")
             decided[key] = m.version
             if d.seq_last is not None:  # one decision for a range: a gap declared lost, a stranger's keys
                 ranges.setdefault(d.learner, []).append((d.seq, d.seq_last))
                 report.deltas_lost += (d.seq_last - d.seq) if d.status == "lost" else 0
                 if d.seq_last < d.seq or not (d.status == "lost" or stranger):
-                    report.problem(f"delta {d.learner}/{d.seq}: a range to {d.seq_last} that is neither lost nor "
-                                   "a stranger's")
+                    report.problem(f"delta {d.learner}/{d.seq}: a range to {d.seq_last} that is neither lost "
+                                   "nor a stranger's")
             if d.status == "merged":
                 report.deltas_merged += 1
                 if d.seq <= cursors.get(d.learner, -1):
-                    report.problem(f"delta {d.learner}/{d.seq} merged at or below the cursor in version {m.version}")
+                    report.problem(f"delta {d.learner}/{d.seq} merged at or below the cursor in version "
+                                   f"{m.version}")
                 if m.version > start:
                     key = ctx.keys.delta(d.learner, d.seq)
                     check_object(ctx, key, d.checksum, f"version {m.version}", report)
@@ -146,7 +156,8 @@ def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport,
         if any(first <= seq <= last for first, last in ranges.get(learner, ())):
             continue  # decided with its range: declared lost (its object came after), or a stranger's
         if learner not in members and learner not in cursors or seq >= cursors.get(learner, -1) + 1 + ahead:
-            report.deltas_ignored += 1  # a stranger's key, or one further ahead than a learner can be: no delta
+            # a stranger's key, or one further ahead than a learner can be: no delta
+            report.deltas_ignored += 1
         elif seq > cursors.get(learner, -1):
             report.deltas_pending += 1
         else:
@@ -154,7 +165,8 @@ def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport,
 
 
 def _legacy_stream(ctx: RunContext, prev: Manifest, m: Manifest, params):
-    """A manifest written before the guard (no GuardState): the merged deltas as recorded, run.json's config."""
+    """A manifest written before the guard (no GuardState): the merged deltas as recorded, run.json's
+    config."""
     stream = gradient_stream(params, prev.version, ctx.cfg.outer, direct_names(ctx, params), ctx.buffers)
     group: LearnerGroup | None = None
     for d in m.merged():  # a learner's deltas are contiguous, in the merger's order
@@ -184,8 +196,8 @@ def replay(ctx: RunContext, chain: list[Manifest], report: AuditReport, keyring=
 
 
 def _compare_buffers(ctx: RunContext, prev: Manifest, m: Manifest, merged, report: AuditReport) -> None:
-    """The version's buffers object holds the replayed merge of the learners' buffers, bit for bit, or (no learner's
-    buffers merged) its parent's bytes."""
+    """The version's buffers object holds the replayed merge of the learners' buffers, bit for bit, or (no
+    learner's buffers merged) its parent's bytes."""
     if not ctx.buffers or not m.buffers_key:
         return  # a version without buffers is reported by audit_run
     if merged is None:
@@ -201,10 +213,11 @@ def _compare_buffers(ctx: RunContext, prev: Manifest, m: Manifest, merged, repor
         report.problem(f"version {m.version}: replayed buffers differ from the committed ones")
 
 
-def audit_run(ctx: RunContext, do_replay: bool = True, keyring: dict[str, list[bytes]] | None = None) -> AuditReport:
-    """Every check on every chain of the run; `keyring` (learner -> keys) lets the replay verify signatures of a
-    signed run. num_versions is the run's (the fewest any chain has); a fragmented run's report also lists each
-    fragment chain's (fragment_versions)."""
+def audit_run(ctx: RunContext, do_replay: bool = True,
+              keyring: dict[str, list[bytes]] | None = None) -> AuditReport:
+    """Every check on every chain of the run; `keyring` (learner -> keys) lets the replay verify signatures of
+    a signed run. num_versions is the run's (the fewest any chain has); a fragmented run's report also lists
+    each fragment chain's (fragment_versions)."""
     pinned, pin = pin_state(ctx.store, ctx.keys, ctx.store.get(ctx.keys.run_json()))  # run.json as created
     do_replay = do_replay and pinned  # a changed run.json: replaying another config lists only differences
     torch.set_num_threads(1)  # the merger's reduction order

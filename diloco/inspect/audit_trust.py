@@ -32,7 +32,8 @@ def check_controls(ctx: RunContext, chain: list[Manifest], report: Any) -> None:
     for m in chain:
         for e in m.controls:
             if e.name in recorded:
-                report.problem(f"control op {e.name} applied twice (versions {recorded[e.name]} and {m.version})")
+                report.problem(f"control op {e.name} applied twice (versions {recorded[e.name]} and "
+                               f"{m.version})")
             recorded[e.name] = m.version
             report.controls_applied += 1
             if e.kind == "invalid":
@@ -85,7 +86,8 @@ def _redo(ctx: RunContext, judge: Judge, policy: Policy, d: DeltaDecision, versi
     if gated is not None:
         return gated, None, None
     if d.check in ("admission", "quarantine"):
-        report.problem(f"version {version}: {d.learner}/{d.seq} recorded as {d.check} but the policy lets it in")
+        report.problem(f"version {version}: {d.learner}/{d.seq} recorded as {d.check} but the policy lets it "
+                       "in")
         return None, None, None
     fetched = _fetch(ctx, judge, d, report)
     if fetched is None:
@@ -112,9 +114,11 @@ def replay_decisions(ctx: RunContext, prev: Manifest, m: Manifest, params, repor
         redo, header, delta = _redo(ctx, judge, policy, d, m.version, report)
         if redo is None:
             continue
-        diff = [f"{f} {getattr(d, f)!r} != replayed {getattr(redo, f)!r}" for f in FIELDS if getattr(d, f) != getattr(redo, f)]
+        diff = [f"{f} {getattr(d, f)!r} != replayed {getattr(redo, f)!r}"
+                for f in FIELDS if getattr(d, f) != getattr(redo, f)]
         if diff:
-            report.problem(f"version {m.version}: decision of {d.learner}/{d.seq} differs on replay: {'; '.join(diff)}")
+            report.problem(f"version {m.version}: decision of {d.learner}/{d.seq} differs on replay: "
+                           f"{'; '.join(diff)}")
             continue
         report.decisions_replayed += 1
         if redo.status == "merged":
@@ -132,7 +136,8 @@ def replay_decisions(ctx: RunContext, prev: Manifest, m: Manifest, params, repor
 def _check_stats(judge: Judge, policy: Policy, prev: Manifest, m: Manifest, report: Any, rules: int) -> None:
     median = judge.median()
     if m.stats.get("outlier_median") != median and not (median is None and "outlier_median" not in m.stats):
-        report.problem(f"version {m.version}: outlier median {m.stats.get('outlier_median')!r} != replayed {median!r}")
+        report.problem(f"version {m.version}: outlier median {m.stats.get('outlier_median')!r} != replayed "
+                       f"{median!r}")
     guard, _ = fold(policy.state, m.decisions, m.version, policy.cfg, rules)
     if guard != m.guard:
         report.problem(f"version {m.version}: the guard state differs on replay (parent v{prev.version})")

@@ -41,8 +41,10 @@ class GcReport:
 
 def collect_orphans(ctx: RunContext, *, min_age_s: float = DEFAULT_MIN_AGE_S, dry_run: bool = False,
                     now: float | None = None) -> GcReport:
-    """The orphans of the run's chain, or of every chain of a fragmented run (the root's and each fragment's)."""
-    report = _collect_chain(ctx, GcReport(), min_age_s, dry_run, now)  # the root chain (reads keys, not fragments)
+    """The orphans of the run's chain, or of every chain of a fragmented run (the root's and each
+    fragment's)."""
+    # the root chain (reads keys, not fragments)
+    report = _collect_chain(ctx, GcReport(), min_age_s, dry_run, now)
     for index in range(len(ctx.fragments)):
         report = _collect_chain(fragment_context(ctx, index), report, min_age_s, dry_run, now)
     return report
@@ -80,7 +82,8 @@ def _complete_checkpoints(ctx: RunContext, keys: list[str], referenced: set[str]
     return kept
 
 
-def _collect_chain(ctx: RunContext, report: GcReport, min_age_s: float, dry_run: bool, now: float | None) -> GcReport:
+def _collect_chain(ctx: RunContext, report: GcReport, min_age_s: float, dry_run: bool,
+                   now: float | None) -> GcReport:
     referenced = _referenced(ctx, manifests(ctx))
     report.referenced += len(referenced)
     now = time.time() if now is None else now

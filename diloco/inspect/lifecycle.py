@@ -110,7 +110,8 @@ def _walk(life: Life, evs: list[Event], t1: float) -> list[tuple[float, float | 
 
 
 def standby_intervals(events: list[Event], learners: list[str]) -> list[Interval]:
-    """When warm spares existed (spawned → activated, died or stopped): idle provisioned memory, not compute."""
+    """When warm spares existed (spawned → activated, died or stopped): idle provisioned memory, not
+    compute."""
     open_at: dict[tuple[str, int], float] = {}
     out: list[Interval] = []
     t0, t1 = run_window(events)

@@ -2,8 +2,8 @@
 and exports (safetensors; the spec's own format, e.g. a Hugging Face save_pretrained folder).
 
 Contract: `version_params` and `export_safetensors` need no user code (the bucket's tensors and the run's
-layout); `load_model`, `sample` and `export_native` build the run's spec (user code) and check its layout. Every
-one of them carries the version's merged buffers when the run merges buffers (run.json's `buffers`).
+layout); `load_model`, `sample` and `export_native` build the run's spec (user code) and check its layout.
+Every one of them carries the version's merged buffers when the run merges buffers (run.json's `buffers`).
 Every export is written to a temporary name and renamed, so a failed export leaves nothing half-written.
 """
 
@@ -30,9 +30,9 @@ from diloco.training.tensors import Tensors
 
 
 def version_params(ctx: RunContext, version: int | None = None) -> tuple[int, Tensors]:
-    """(version, its parameters): the newest committed run version by default; RunError if it is not committed.
-    The run's version over its chains (run/fragments.py): the root chain's, or for a fragmented run every
-    fragment's version `version` put together."""
+    """(version, its parameters): the newest committed run version by default; RunError if it is not
+    committed. The run's version over its chains (run/fragments.py): the root chain's, or for a fragmented run
+    every fragment's version `version` put together."""
     newest = run_version(ctx)
     version = newest if version is None else version
     what = "run version" if ctx.fragments else "version"
@@ -99,8 +99,8 @@ def _atomic_file(out: Path, write) -> Path:
 
 
 def export_safetensors(ctx: RunContext, out: Path, version: int | None = None) -> tuple[Path, int]:
-    """The version's parameters (names as in the layout, tied weights once) as one safetensors file, and its merged
-    buffers under their names in their own dtypes (metadata `buffers`: their names, JSON)."""
+    """The version's parameters (names as in the layout, tied weights once) as one safetensors file, and its
+    merged buffers under their names in their own dtypes (metadata `buffers`: their names, JSON)."""
     from safetensors.torch import save_file
 
     version, params = version_params(ctx, version)
@@ -119,7 +119,8 @@ def export_native(ctx: RunContext, out: Path, version: int | None = None) -> tup
     """The spec's own export of the version's model into the folder `out` (e.g. save_pretrained)."""
     spec, model, version = load_model(ctx, version)
     if spec.export is None:
-        raise SpecError(f"the spec {ctx.cfg.spec!r} has no export(model, folder): only safetensors is available")
+        raise SpecError(f"the spec {ctx.cfg.spec!r} has no export(model, folder): only safetensors is "
+                        "available")
     if out.exists():
         raise RunError(f"--out {str(out)!r} exists: give a new folder")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """`diloco plot`: one PNG of a run — held-out loss per version, and what each learner did when.
 
 Contract: reads only the bucket (evals/, events/); writes only the PNG asked for; a run without evals
-or events still gets a figure that says so; no two labels collide (a constrained layout, the legends beside the
-timeline, at most MAX_VERSION_LABELS version labels on the curve).
+or events still gets a figure that says so; no two labels collide (a constrained layout, the legends beside
+the timeline, at most MAX_VERSION_LABELS version labels on the curve).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def timeline_rows(events: list[dict]) -> list[tuple[str, str, float, float]]:
 
 
 def labelled(n: int, most: int = MAX_VERSION_LABELS) -> list[int]:
-    """The indices of n points that get a label: evenly spaced, at most `most`, the first and the last always."""
+    """The indices of n points that get a label: evenly spaced, at most `most`, the first and the last
+    always."""
     if n <= most:
         return list(range(n))
     step = -(-(n - 1) // (most - 1))  # ceil: at most `most` picks from 0 to n - 1
@@ -54,7 +55,8 @@ def _plot_loss(ax, evals: list[dict]) -> None:
     else:
         ax.plot(x, y, marker="o", markersize=4, color="#1f77b4")
         for i in labelled(len(x)):
-            ax.annotate(f"v{evals[i]['version']}", (x[i], y[i]), textcoords="offset points", xytext=(3, 4), fontsize=7)
+            ax.annotate(f"v{evals[i]['version']}", (x[i], y[i]), textcoords="offset points", xytext=(3, 4),
+                        fontsize=7)
     ax.margins(x=0.04, y=0.12)  # room for the first and last labels inside the frame
     if label == "tokens merged":
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 1.5M, not 1.5 with "1e6" in the corner
@@ -81,8 +83,8 @@ def _plot_timeline(ax, rows: list[tuple[str, str, float, float]]) -> None:
         ax.axvline(t, color="black", alpha=0.35, linewidth=0.8, label="merge" if j == 0 else None)
     handles = [ax.bar(0, 0, color=c, label=s) for s, c in STATE_COLORS.items()]
     # beside the axes, not over the bars and merges (mark_trust puts the guard's legend below this one)
-    ax.legend(handles=[*handles, *ax.get_lines()[:1]], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7,
-              borderaxespad=0.0)
+    ax.legend(handles=[*handles, *ax.get_lines()[:1]], loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              fontsize=7, borderaxespad=0.0)
     ax.set_yticks(range(len(learners)), learners)
     ax.set_ylim(-0.6, max(len(learners), 1) - 0.4)
     ax.set_xlabel("seconds since the first event")
@@ -107,7 +109,8 @@ def draw_run_plot(ctx: RunContext):
     if rows:  # rejections by the guard (outlier, signature, admission, quarantine) and quarantines
         from diloco.trust.view import mark_trust
 
-        mark_trust(bottom, events, sorted({r[0] for r in rows if r[1] in STATE_COLORS}), min(r[2] for r in rows))
+        mark_trust(bottom, events, sorted({r[0] for r in rows if r[1] in STATE_COLORS}),
+                   min(r[2] for r in rows))
     bottom.set_title("what each learner did when (merges: the vertical lines)")
     return fig
 

@@ -63,7 +63,8 @@ def summarize(ctx: RunContext) -> dict:
     merged = [d for c in chains for m in c for d in m.merged()]
     rejected = [d for c in chains for m in c for d in m.rejected()]
     bytes_published = sum(d.bytes for d in merged) + sum(d.bytes for d in rejected if d.bytes)
-    steps = sum(d.steps for m in chain for d in m.merged())  # a fragmented run's steps: its slowest fragment's
+    # a fragmented run's steps: its slowest fragment's
+    steps = sum(d.steps for m in chain for d in m.merged())
     m_learners = max(1, len(ctx.learners))
     n = num_params(ctx)
     dp_total = dp_bytes(n, steps / m_learners, m_learners) * m_learners
@@ -78,8 +79,10 @@ def summarize(ctx: RunContext) -> dict:
         "metric": (final or {}).get("metric") or "nats/byte",
         "deltas_merged": len(merged), "deltas_rejected": len(rejected),
         "bytes_published": int(bytes_published), "dp_bytes_equivalent": int(dp_total),
-        "delta_traffic_ratio_vs_dp": (dp_total / bytes_published) if bytes_published else None,  # the deltas only:
-        # the summary's headline, traffic_ratio_vs_dp, counts every byte (diloco.inspect.summary.build_summary)
+        # the deltas only:
+        "delta_traffic_ratio_vs_dp": (dp_total / bytes_published) if bytes_published else None,
+        # the summary's headline, traffic_ratio_vs_dp, counts every byte
+        # (diloco.inspect.summary.build_summary)
         "tokens_merged": int(chain[-1].tokens_total if chain else 0), "num_params": n,
         "rejections": sorted({d.reason.split(":")[0] for d in rejected}),
     }
@@ -90,8 +93,10 @@ JSON_KEYS = ("run_id", "storage", "num_versions", "num_learners", "initial_eval_
 
 
 def summary_json(summary: dict) -> dict:
-    """What `diloco run --json` prints last and diloco.train returns: the main keys, the rest under `extra`."""
-    return {k: summary[k] for k in JSON_KEYS} | {"extra": {k: v for k, v in summary.items() if k not in JSON_KEYS}}
+    """What `diloco run --json` prints last and diloco.train returns: the main keys, the rest under
+    `extra`."""
+    return {k: summary[k] for k in JSON_KEYS} | {"extra": {k: v for k, v in summary.items()
+                                                           if k not in JSON_KEYS}}
 
 
 def sample_text(ctx: RunContext, prompt: str | None = None) -> str | None:

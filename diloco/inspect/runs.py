@@ -20,7 +20,8 @@ from diloco.storage.store import Store
 
 def run_ids(store: Store) -> list[str]:
     """Ids of the runs in the store (folders holding a run.json), sorted."""
-    return sorted({key.split("/")[0] for key in store.list("") if key.count("/") == 1 and key.endswith("/run.json")})
+    return sorted({key.split("/")[0] for key in store.list("")
+                   if key.count("/") == 1 and key.endswith("/run.json")})
 
 
 def bucket_bytes(store: Store, run_id: str) -> int:
@@ -48,7 +49,7 @@ def list_runs(store: Store) -> list[dict[str, Any]]:
                      "version": state.version,
                      "target": state.target, "tokens": state.tokens, "token_budget": state.budget,
                      "last_eval_loss": last["loss"] if last else None,
-                     "last_eval_version": last["version"] if last else None, "num_learners": len(ctx.learners),
-                     "created_at": ctx.created_at, "recipe": ctx.cfg.name,
+                     "last_eval_version": last["version"] if last else None,
+                     "num_learners": len(ctx.learners), "created_at": ctx.created_at, "recipe": ctx.cfg.name,
                      "bucket_bytes": bucket_bytes(store, run_id)})
     return rows

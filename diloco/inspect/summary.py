@@ -1,6 +1,6 @@
 """A run's complete summary: held-out loss of version 0 and of the final version, where the run stands, and
-the traffic of every learner — deltas sent (merged, rejected, pending), bytes received — against data-parallel,
-and how busy each learner was (its inner steps over its wall time).
+the traffic of every learner — deltas sent (merged, rejected, pending), bytes received — against
+data-parallel, and how busy each learner was (its inner steps over its wall time).
 
 Contract: every figure comes from the bucket (manifests, deltas listed, evals, the learners' `traffic`
 events); the version 0 and final version the evaluator did not reach are scored first (evaluator/evaluator.py
@@ -145,8 +145,10 @@ def _learner_rows(ctx: RunContext, chain: list[Manifest], pending: dict[str, lis
             "learner": name, "deltas_merged": len(merged),
             "deltas_rejected": sum(1 for d in mine if d.status == "rejected"),
             "deltas_pending": len(pending.get(name, [])),
-            "delta_bytes": sum(d.bytes for d in mine if d.status != "lost") + sum(b for _, b in pending.get(name, [])),
-            "bytes_sent": traffic.get(name, {}).get("sent"), "bytes_received": traffic.get(name, {}).get("received"),
+            "delta_bytes": sum(d.bytes for d in mine if d.status != "lost")
+            + sum(b for _, b in pending.get(name, [])),
+            "bytes_sent": traffic.get(name, {}).get("sent"),
+            "bytes_received": traffic.get(name, {}).get("received"),
             "sent_by_kind": by_kind.get(name, {}).get("sent"),
             "received_by_kind": by_kind.get(name, {}).get("received"),
             "steps_merged": steps, "dp_bytes_each_way": int(dp_bytes(num_params, steps, m)),
@@ -157,8 +159,9 @@ def _learner_rows(ctx: RunContext, chain: list[Manifest], pending: dict[str, lis
 
 def build_summary(ctx: RunContext) -> dict[str, Any]:
     """summarize()'s figures (the JSON contract of `diloco run --json`) plus the run's state, pending deltas,
-    the per-learner traffic (the ratios to data-parallel of every byte the learners sent and received first, of
-    the deltas alone beside them) and how the run ended (diloco.inspect.outcome: failed learners, failure)."""
+    the per-learner traffic (the ratios to data-parallel of every byte the learners sent and received first,
+    of the deltas alone beside them) and how the run ended (diloco.inspect.outcome: failed learners,
+    failure)."""
     base = summarize(ctx)
     chain = manifests(ctx) if not ctx.fragments else [m for c in fragment_chains(ctx) for m in c]
     pending = pending_deltas(ctx, chain)
@@ -182,7 +185,8 @@ def build_summary(ctx: RunContext) -> dict[str, Any]:
 
 
 def _ratio(dp_total: float, measured: list[int]) -> float | None:
-    """Data-parallel's bytes over the learners' (every byte they moved one way); None when none was counted."""
+    """Data-parallel's bytes over the learners' (every byte they moved one way); None when none was
+    counted."""
     return dp_total / sum(measured) if measured and sum(measured) else None
 
 
@@ -205,13 +209,14 @@ def _vs_dp(ratio: float | None) -> str:
 
 
 def traffic_headline(s: dict[str, Any]) -> str:
-    """Every byte the learners sent and received against data-parallel, the deltas-only ratio beside it, labelled."""
+    """Every byte the learners sent and received against data-parallel, the deltas-only ratio beside it,
+    labelled."""
     if s["num_learners"] < 2:
         return "— (data-parallel moves nothing with one learner)"
     if not s["dp_bytes_equivalent"]:
         return "— (no steps merged)"
-    return (f"{_vs_dp(s['traffic_ratio_vs_dp'])} sent, {_vs_dp(s['received_ratio_vs_dp'])} received, counting every "
-            f"byte (deltas only: {_vs_dp(s['delta_traffic_ratio_vs_dp'])} sent)")
+    return (f"{_vs_dp(s['traffic_ratio_vs_dp'])} sent, {_vs_dp(s['received_ratio_vs_dp'])} received, "
+            f"counting every byte (deltas only: {_vs_dp(s['delta_traffic_ratio_vs_dp'])} sent)")
 
 
 def ending_line(s: dict[str, Any]) -> str | None:
@@ -223,7 +228,8 @@ def ending_line(s: dict[str, Any]) -> str | None:
 
 
 def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
-    """(what, value) rows of the summary, in the order a reader wants them: how it ended, the loss, the traffic."""
+    """(what, value) rows of the summary, in the order a reader wants them: how it ended, the loss, the
+    traffic."""
     final = s["final_eval_version"]
     ending = [("run failed", s["failure"])] if s.get("failure") else []
     ending += [("ended by", line)] if (line := ending_line(s)) else []
@@ -234,7 +240,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("held-out loss, final version" if final is None else f"held-out loss, version {final}",
          _fmt_loss(s["final_eval_loss"], s["metric"])),
         ("versions committed", str(s["num_versions"])),
-        ("deltas merged / rejected / pending", f"{s['deltas_merged']} / {s['deltas_rejected']} / {s['deltas_pending']}"),
+        ("deltas merged / rejected / pending",
+         f"{s['deltas_merged']} / {s['deltas_rejected']} / {s['deltas_pending']}"),
         ("tokens merged", f"{s['tokens_merged']:,}"),
         ("traffic vs data-parallel", traffic_headline(s)),
         ("sent by the learners", f"{_mb(s.get('bytes_sent'))} (of which deltas {_mb(s['bytes_published'])})"),

@@ -22,9 +22,11 @@ log = logging.getLogger("diloco.learner")
 
 def write_status(learner: Learner, stats: PhaseStats, state: str) -> None:
     """The heartbeat after a phase, with the phase's own figures (and a traffic event)."""
-    if learner.pace.observe(stats.steps, stats.compute_s):  # its speed, reported below; inner.dylu: the peers'
+    # its speed, reported below; inner.dylu: the peers'
+    if learner.pace.observe(stats.steps, stats.compute_s):
         learner.courier.post("pace", learner.pace.refresh)
-    learner.heartbeat(state, force=True, loss=stats.loss, tokens_per_phase=stats.tokens, stall_s=stats.stall_s,
+    learner.heartbeat(state, force=True, loss=stats.loss, tokens_per_phase=stats.tokens,
+                      stall_s=stats.stall_s,
                       steps_per_s=stats.steps / stats.phase_time_s if stats.phase_time_s else 0.0)
     emit_traffic(learner)
 
@@ -45,7 +47,8 @@ def learner_step(learner: Learner, should_stop: Callable[[], bool]) -> PhaseStat
     stats = learner.run_phase(learner.next_phase_steps())
     seq = learner.publish(stats)
     if seq is not None and learner.cfg.learner.mode == "sync":
-        learner.wait_for_decision(seq, timeout_s=learner.cfg.merger.quorum_timeout_s * 4, should_stop=should_stop)
+        learner.wait_for_decision(seq, timeout_s=learner.cfg.merger.quorum_timeout_s * 4,
+                                  should_stop=should_stop)
     write_status(learner, stats, "training")
     learner.flush_events()
     return stats

@@ -151,8 +151,8 @@ class Prefetcher:
 
     def take(self) -> tuple[int, Mapping[str, torch.Tensor]] | None:
         """(version, G_version) fetched since the last take, the newest only; None when nothing new.
-        `taken_manifest` is then that version's manifest (the run's clock, the learner's cursor). CorruptObject
-        when the thread met one."""
+        `taken_manifest` is then that version's manifest (the run's clock, the learner's cursor).
+        CorruptObject when the thread met one."""
         with self._lock:
             if self._fatal is not None:
                 raise self._fatal

@@ -42,14 +42,16 @@ def _optimizer(spec: TrainSpec, model: nn.Module) -> torch.optim.Optimizer | Non
 
 def make_trainer(ctx: RunContext, spec: TrainSpec, device: str, who: str,
                  world: World | None) -> tuple[nn.Module, InnerTrainer]:
-    """(model, trainer) of one rank: the spec's model on `device`, checked; DDP-wrapped in a multi-rank world."""
+    """(model, trainer) of one rank: the spec's model on `device`, checked; DDP-wrapped in a multi-rank
+    world."""
     model = build_model(spec, ctx.cfg.data.seed).to(device)
     check_layout(ctx, model, who)
     forward, reduce = None, None
     if world is not None and world.size > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        forward = DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda")
+        forward = DistributedDataParallel(model,
+                                          device_ids=[torch.device(device).index] if device.startswith("cuda")
                                           else None)
         reduce = world.reduce_step
     trainer = InnerTrainer(model, ctx.cfg.inner, device=device, optimizer=_optimizer(spec, model),
@@ -71,7 +73,8 @@ def _sync(world: World, word: int, model: nn.Module, trainer: InnerTrainer, curs
     if word & RESET and not world.leader:
         trainer.reset_optimizer()
     if word & (FULL | PARAMS | CLOCK) and trainer.cfg.schedule_clock == "run":
-        trainer.set_clock(world.json(trainer.schedule_step))  # rank 0's schedule moved: every rank's lr follows
+        # rank 0's schedule moved: every rank's lr follows
+        trainer.set_clock(world.json(trainer.schedule_step))
     return cursor
 
 
@@ -98,7 +101,8 @@ def follow(world: World, ctx: RunContext, name: str, spec: TrainSpec | None = No
             batches = iter(spec.batches(shard, num_shards, cursor))
         if batches is None:
             raise RuntimeError(f"learner {name} rank {world.rank}: a step before rank 0's join")
-        # a non-finite loss: every rank saw it (reduce_step); rank 0 abandons the phase and sends fresh parameters
+        # a non-finite loss: every rank saw it (reduce_step); rank 0 abandons the phase and sends fresh
+        # parameters
         with contextlib.suppress(FloatingPointError):
             trainer.train_step(slice_batch(next(batches), world.rank, world.size))
         steps += 1

@@ -30,7 +30,8 @@ from diloco.training.spec import slice_batch  # noqa: F401 - re-exported for the
 
 log = logging.getLogger("diloco.world")
 
-STOP, PARAMS, FULL, RESET, CLOCK = 1, 2, 4, 8, 16  # bits of the control word rank 0 broadcasts before each step
+# bits of the control word rank 0 broadcasts before each step
+STOP, PARAMS, FULL, RESET, CLOCK = 1, 2, 4, 8, 16
 
 
 def free_port() -> int:
@@ -81,7 +82,8 @@ class World:
         data = json.dumps(obj).encode() if self.leader else b""
         n = self._where(torch.tensor([len(data)], dtype=torch.int64))
         dist.broadcast(n, 0)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.leader else torch.empty(int(n), dtype=torch.uint8)
+        buf = torch.frombuffer(bytearray(data),
+                               dtype=torch.uint8) if self.leader else torch.empty(int(n), dtype=torch.uint8)
         buf = self._where(buf)
         dist.broadcast(buf, 0)
         return obj if self.leader else json.loads(bytes(buf.cpu().tolist()).decode())
@@ -100,7 +102,8 @@ class World:
     def reduce_step(self, loss: float, tokens: int) -> tuple[float, int, bool]:
         """(token-weighted mean loss over ranks, tokens over ranks, whether every rank's loss was finite)."""
         finite = torch.isfinite(torch.tensor(loss)).item()
-        t = self._where(torch.tensor([loss * tokens if finite else 0.0, float(tokens), 0.0 if finite else 1.0],
+        t = self._where(torch.tensor([loss * tokens if finite else 0.0, float(tokens),
+                                      0.0 if finite else 1.0],
                                      dtype=torch.float64))
         dist.all_reduce(t)
         total, count, bad = t.tolist()
@@ -116,7 +119,8 @@ def _rank_entry(rank: int, size: int, port: int, backend: str, timeout_s: float,
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = f"cuda:{rank % torch.cuda.device_count()}"
-    dist.init_process_group(backend, rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     try:
         world = World(rank, size, device)
         world.gather_pids()
@@ -125,11 +129,12 @@ def _rank_entry(rank: int, size: int, port: int, backend: str, timeout_s: float,
         dist.destroy_process_group()
 
 
-def launch_world(target: Callable[[World], Any], size: int, *, cuda: bool, timeout_s: float, threads: int = 1) -> None:
+def launch_world(target: Callable[[World], Any], size: int, *, cuda: bool, timeout_s: float,
+                 threads: int = 1) -> None:
     """Run `target(world)` on `size` ranks and wait; raises when any rank fails (the others are ended).
     On CPU the ranks are forked (the imports are paid once), on CUDA spawned (CUDA cannot be forked)."""
     import torch.multiprocessing as mp
 
     backend = "nccl" if cuda else "gloo"
-    mp.start_processes(_rank_entry, args=(size, free_port(), backend, timeout_s, target, threads), nprocs=size,
-                       join=True, start_method="spawn" if cuda else "fork")
+    mp.start_processes(_rank_entry, args=(size, free_port(), backend, timeout_s, target, threads),
+                       nprocs=size, join=True, start_method="spawn" if cuda else "fork")

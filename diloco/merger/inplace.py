@@ -23,7 +23,8 @@ from diloco.training.tensors import Tensors
 
 def _chunks(numel: int) -> list[slice]:
     """Flat chunks covering 0..numel (one empty chunk for an empty tensor: its update still runs once)."""
-    return [slice(start, min(numel, start + CHUNK_ELEMENTS)) for start in range(0, max(numel, 1), CHUNK_ELEMENTS)]
+    return [slice(start, min(numel, start + CHUNK_ELEMENTS))
+            for start in range(0, max(numel, 1), CHUNK_ELEMENTS)]
 
 
 class _Tensor:
@@ -57,7 +58,8 @@ class _Tensor:
                 if self.new_pending is None:
                     self.new_pending = torch.empty_like(self.param)
                 self.new_pending.view(-1)[part].copy_(update.pending[name])
-            share, new_share = update.share, update.pending_share  # every chunk's: the input's share, not these
+            # every chunk's: the input's share, not these
+            share, new_share = update.share, update.pending_share
         self.grad = self.pending = None
         return share, new_share
 
@@ -95,5 +97,5 @@ def outer_step_in_place(params: Tensors, outer: OuterState | None, stream: Gradi
         if t.new_pending is not None:
             pending[name] = t.new_pending
         del t, exact, shipped
-    return StepResult(encoder.finish(), params, OuterState(momentum, residual, pending, new_share), normalised,
-                      float(torch.sqrt(total)), share, stream.merged_buffers())
+    return StepResult(encoder.finish(), params, OuterState(momentum, residual, pending, new_share),
+                      normalised, float(torch.sqrt(total)), share, stream.merged_buffers())

@@ -31,7 +31,8 @@ from diloco.training.fragments import owned_by
 
 log = logging.getLogger("diloco.merger")
 STORAGE_BACKOFF_S = (0.5, 10.0)  # first wait, cap (doubled per failed pass) while the bucket is in trouble
-COLLECT_ABOVE_BYTES = 4 << 20  # fp32 bytes of a released chain from which its merge ends with a full gc.collect()
+# fp32 bytes of a released chain from which its merge ends with a full gc.collect()
+COLLECT_ABOVE_BYTES = 4 << 20
 
 MergeUnit = Callable[[Merger, Callable[[], bool]], Manifest | None]
 
@@ -123,9 +124,9 @@ class ShardMerger:
             merger.checkpoints.landed()
 
     def merge_waiting(self, should_stop: Callable[[], bool] = lambda: False) -> int:
-        """Merge every chain's waiting deltas now, whatever its quorum and grace window, until none waits (a run's
-        end: a cohort's last ships below the quorum); returns the merges. A merge that commits nothing is an
-        error: its deltas would wait for ever."""
+        """Merge every chain's waiting deltas now, whatever its quorum and grace window, until none waits (a
+        run's end: a cohort's last ships below the quorum); returns the merges. A merge that commits nothing
+        is an error: its deltas would wait for ever."""
         merges = 0
         for index in self.chains:
             chain = self.chain(index)
@@ -137,8 +138,8 @@ class ShardMerger:
         return merges
 
     def sleep_s(self) -> float:
-        """How long the loop sleeps after a pass that merged nothing: a poll interval, less when a chain's grace
-        window ends sooner."""
+        """How long the loop sleeps after a pass that merged nothing: a poll interval, less when a chain's
+        grace window ends sooner."""
         loaded = [merger for index, merger in self.chains.items() if index not in self._stale]
         return min((merger.sleep_s() for merger in loaded), default=self.ctx.cfg.merger.poll_interval_s)
 
@@ -146,8 +147,8 @@ class ShardMerger:
 def run_merger(shard: ShardMerger, *, max_merges: int | None = None, target_version: int | None = None,
                target_tokens: int = 0, should_stop: Callable[[], bool] = lambda: False,
                on_merge: Callable[[Manifest], None] | None = None, merge: MergeUnit | None = None) -> int:
-    """Merge the shard's chains until stopped, every one reached the target (the version, or `target_tokens` > 0
-    merged), or max_merges merges were made. `merge` is the unit a Prefect flow wraps as a task (default
+    """Merge the shard's chains until stopped, every one reached the target (the version, or `target_tokens` >
+    0 merged), or max_merges merges were made. `merge` is the unit a Prefect flow wraps as a task (default
     merge_once): it runs once a chain is due, never per poll."""
     merges, backoff = 0, Backoff(*STORAGE_BACKOFF_S)
     target = None if target_version is None else Target(target_version, target_tokens)
@@ -161,7 +162,8 @@ def run_merger(shard: ShardMerger, *, max_merges: int | None = None, target_vers
             backoff.reset()
         except StorageError as err:
             wait_s = backoff.next_s()
-            log.warning("merger %s: merge failed on storage (%s); retrying in %.1fs", shard.merger_id, err, wait_s)
+            log.warning("merger %s: merge failed on storage (%s); retrying in %.1fs", shard.merger_id, err,
+                        wait_s)
             shard.events.emit("storage_error", reason=str(err))
             shard.reload()
             time.sleep(wait_s)

@@ -20,30 +20,25 @@ from collections.abc import Callable
 import torch
 
 from diloco.merger.checkpointer import ChainCheckpoints, CheckpointWriter
+from diloco.merger.decide import decide
 from diloco.merger.inplace import outer_step_in_place
 from diloco.merger.plan import MergePlan
 from diloco.merger.step import (
-    GradientStream,
-    LearnerGroup,
     OuterState,
     StepResult,
-    counter_bounds,
-    gradient_stream,
     outer_optimizer,
 )
 from diloco.merger.version_state import VersionState
 from diloco.merger.waiting import Pending, Wait, deltas_after, plausible_ahead
 from diloco.run.buffers import version_buffers
-from diloco.run.context import RunContext, direct_names
+from diloco.run.context import RunContext
 from diloco.run.controls import read_ops
 from diloco.run.events import EventLog
 from diloco.run.heap import release_freed_memory
 from diloco.run.objects import put_checksummed, verify_written
 from diloco.storage import (
     Conflict,
-    DeltaDecision,
     Manifest,
-    NotFound,
     StorageError,
     commit,
     manifest_exists,
@@ -52,8 +47,7 @@ from diloco.storage import (
 )
 from diloco.storage.keys import new_nonce
 from diloco.training.tensors import Tensors
-from diloco.trust.guard import Policy, entry_of, fold, gate, policy_after, state_of
-from diloco.trust.judge import Judge
+from diloco.trust.guard import Policy, entry_of, fold, policy_after, state_of
 from diloco.trust.signing import SigningError
 
 log = logging.getLogger("diloco.merger")
@@ -69,17 +63,18 @@ class Merger:
                  keyring: dict[str, list[bytes]] | None = None,
                  checkpoints: ChainCheckpoints | None = None) -> None:
         self.ctx, self.base_cfg, self.merger_id = ctx, ctx.cfg, merger_id
-        self.cfg = ctx.cfg  # the live config of the next merge (run.json's + `diloco set`), see refresh_policy
+        self.cfg = ctx.cfg  # the next merge's live config (run.json's + `diloco set`), see refresh_policy
         self.keyring = keyring  # learner -> keys, when learner.sign is on (trust/signing.py)
         if self.cfg.learner.sign and keyring is None:
-            raise SigningError("learner.sign is on: the merger needs a keyring (DILOCO_KEYRING or DILOCO_KEYRING_BLOCK)")
+            raise SigningError("learner.sign is on: the merger needs a keyring (DILOCO_KEYRING or "
+                               "DILOCO_KEYRING_BLOCK)")
         self._controls_at = 0.0
         torch.set_num_threads(1)  # reductions in one fixed order: `audit` replays them bit for bit
         self.events = events or EventLog(None, None, merger_id)
         self.stage_hook = stage_hook or (lambda stage: None)  # chaos: kill at a named stage
         self.gap_seen: dict[tuple[str, int], float] = {}
         self._ignored_said: set[str] = set()  # learners whose implausible keys were reported (once a process)
-        self._strangers: set[str] = set()  # never-admitted names already rejected: their folders are not listed
+        self._strangers: set[str] = set()  # never-admitted names already rejected: their folders go unlisted
         self.ema = {"phase_s": 0.0, "quorum_s": 0.0, "merge_s": 0.0}
         self.state = VersionState(ctx)  # the chain's params and outer state, held between merges
         # its checkpoints (a process's chains share one writer thread: diloco.merger.loop)
@@ -89,7 +84,7 @@ class Merger:
         # manifest landed after all, the next load takes it as the state instead of rebuilding it from the log
         self._candidate: tuple[int, str, StepResult, dict[str, float]] | None = None
         self.manifest: Manifest | None = None  # the chain's newest version (load)
-        self.wait: Wait | None = None  # the wait for the next merge, from the first look after a commit or load
+        self.wait: Wait | None = None  # the next merge's wait, from the first look after a commit or load
         self._paused = False  # the pause was reported (event, log)
 
     @property
@@ -155,7 +150,8 @@ class Merger:
         self._controls_at = time.time()
         state = state_of(self.manifest, self.ctx.learners)
         try:
-            entries = [entry_of(name, op) for name, op in read_ops(self.ctx.store, self.ctx.keys, state.ops_cursor)]
+            entries = [entry_of(name, op)
+                       for name, op in read_ops(self.ctx.store, self.ctx.keys, state.ops_cursor)]
         except StorageError as err:
             log.warning("control ops unreadable (%s); merging by the last policy", err)
             return self.policy
@@ -165,18 +161,18 @@ class Merger:
 
     # ---- waiting -------------------------------------------------------------------------
     def pending(self) -> Pending:
-        """List deltas (never cached); per learner the contiguous seqs after the cursor; an old gap lost, as one
-        range. Admission first, and bounded work per key: a name that is no member's (never admitted) and a seq
-        further past its member's cursor than it can be (waiting.plausible_ahead) are ignored, each reported once
-        (an `ignored` event), never decided one by one, never given a cursor."""
+        """List deltas (never cached); per learner the contiguous seqs after the cursor; an old gap lost, as
+        one range. Admission first, and bounded work per key: a name that is no member's (never admitted) and
+        a seq further past its member's cursor than it can be (waiting.plausible_ahead) are ignored, each
+        reported once (an `ignored` event), never decided one by one, never given a cursor."""
         found = deltas_after(self.ctx.store, self.ctx.keys, self.manifest.cursors, self._strangers)
         out, now = Pending(), time.time()
         state, ahead = self.policy.state, plausible_ahead(self.cfg.learner.max_unmerged)
-        known = {*state.members, *state.removed, *self.manifest.cursors}  # a removed member's are still decided
+        known = {*state.members, *state.removed, *self.manifest.cursors}  # removed members' still decided
         self._strangers -= known  # admitted since: listed and decided as every member's
         for learner, seqs in sorted(found.items()):
             seqs.sort()
-            if learner not in known:  # never admitted: one rejection for all its keys, then never listed again
+            if learner not in known:  # never admitted: one rejection for all its keys, never listed again
                 out.strangers[learner] = (seqs[0], seqs[-1])
                 continue
             expected = self.manifest.cursors.get(learner, -1) + 1
@@ -221,14 +217,14 @@ class Merger:
     def due(self) -> bool:
         """One look at the chain, never blocking (a HEAD of the next version, the control ops at most once a
         second, the listings after the cursors): whether its next merge should run now. The wait starts at the
-        first look after a commit or a load; another merger's commit reloads (and the wait starts again), a pause
-        ends it. Due once a quorum of eligible learners has deltas pending (or any has, quorum_timeout_s into the
-        wait), then once the grace window after the quorum is over or every learner that may publish (the
-        members, less the removed and quarantined) has a delta pending: nobody is left to wait for."""
+        first look after a commit or a load; another merger's commit reloads (and the wait starts again), a
+        pause ends it. Due once a quorum of eligible learners has deltas pending (or any has, quorum_timeout_s
+        into the wait), then once the grace window after the quorum is over or every learner that may publish
+        (the members, less the removed and quarantined) has a delta pending: nobody is left to wait for."""
         now = time.time()
         if self.wait is None:
             self.wait = Wait(now)
-            self.refresh_policy()  # the guard state of the version just committed or loaded, and the ops since
+            self.refresh_policy()  # the guard state of the version just committed or loaded, the ops since
             self.stage_hook("listing")
         wait = self.wait
         if wait.ready is not None:
@@ -270,7 +266,7 @@ class Merger:
 
     def take_waiting(self) -> bool:
         """Make the deltas waiting now due at once, whatever the quorum and the grace window (a run's end: a
-        cohort's last ships below the quorum); False when no eligible learner has any, or merges are paused."""
+        cohort's last ships below the quorum); False if no eligible learner has any, or merges are paused."""
         if manifest_exists(self.ctx.store, self.ctx.keys, self.version + 1):
             self.load()
         policy = self.refresh_policy()
@@ -305,7 +301,9 @@ class Merger:
             return None
         t0 = time.time()
         policy = self.policy  # frozen for this merge: the ops it applies, the config it merges by
-        decisions, stream, phase_times, judge = self._decide(wait.ready, policy)
+        decisions, stream, phase_times, judge = decide(self.ctx, self.version, self.state.layout(),
+                                                       wait.ready, policy, self.keyring, self._strangers,
+                                                       self.events)
         optimizer = outer_optimizer(policy.cfg, len(self.ctx.learners))
         judge.scratch.release()
         finished = stream.finish()  # the fp64 sums become the fp32 pseudo-gradient before the step
@@ -327,75 +325,14 @@ class Merger:
         manifest = self._write_and_commit(plan)
         if manifest is not None:
             for name in newly:
-                self.events.emit("quarantine", learner=name, version=manifest.version, reason=guard.quarantined[name])
+                self.events.emit("quarantine", learner=name, version=manifest.version,
+                                 reason=guard.quarantined[name])
                 log.warning("learner %s quarantined: %s", name, guard.quarantined[name])
             for entry in policy.entries:
-                self.events.emit("control_applied", version=manifest.version, op=entry.name, op_kind=entry.kind,
-                                 learner=entry.learner, values=entry.values, by=entry.by, refused=entry.refused)
+                self.events.emit("control_applied", version=manifest.version, op=entry.name,
+                                 op_kind=entry.kind, learner=entry.learner, values=entry.values, by=entry.by,
+                                 refused=entry.refused)
         return manifest
-
-    def _decide(self, pending: Pending, policy: Policy) -> tuple[list[DeltaDecision], GradientStream, list[float], Judge]:
-        """Read, judge and fold the deltas learner by learner (streamed: memory does not grow
-        with the number of learners); a learner that may not publish is rejected without a read."""
-        decisions: list[DeltaDecision] = []
-        layout = self.state.layout()
-        stream = gradient_stream(layout, self.version, policy.cfg.outer, direct_names(self.ctx, layout), self.ctx.buffers,
-                                 counter_bounds(policy.cfg, self.ctx.tokens_per_step))
-        judge = Judge(self.ctx.run_id, self.ctx.fingerprint, self.version, layout, policy, self.keyring, buffers=self.ctx.buffers)
-        phase_times: list[float] = []
-        for learner, (first, last) in sorted(pending.strangers.items()):  # one decision, no cursor, never again
-            self._strangers.add(learner)
-            decisions.append(DeltaDecision(learner=learner, seq=first, seq_last=last if last != first else None,
-                                           status="rejected", check="admission",
-                                           reason=gate(policy, learner, first).reason))  # its keys not read
-        for learner, (first, last) in sorted(pending.lost.items()):
-            seqs = f"seq {first}" if first == last else f"seqs {first}..{last}"
-            decisions.append(DeltaDecision(
-                learner=learner, seq=first, seq_last=last if last != first else None, status="lost",
-                reason=f"{seqs} missing for over {policy.cfg.merger.gap_timeout_s:g}s while later seqs arrived"))
-        for learner, seqs in sorted(pending.ready.items()):
-            group = LearnerGroup(learner)
-            for seq in seqs:
-                decision, header, delta = gate(policy, learner, seq), None, None
-                if decision is None:
-                    decision, header, delta = self._read_one(judge, learner, seq)
-                decisions.append(decision)
-                if decision.status == "merged":
-                    group.add(seq, header, delta)
-                    phase_times.append(float(header.meta.get("phase_time_s", 0.0) or 0.0))
-                elif decision.status == "rejected":
-                    log.warning("rejected %s/%d: %s", learner, seq, decision.reason)
-                    self.events.emit("rejected", learner=learner, seq=seq, reason=decision.reason,
-                                     check=decision.check, version=self.version)
-            if group.seqs:
-                stream.add(group)
-        return decisions, stream, phase_times, judge
-
-    def _read_one(self, judge: Judge, learner: str, seq: int):
-        """Fetch one delta (its size first: an oversized one is never read) and its signature, then judge it."""
-        key = self.ctx.keys.delta(learner, seq)
-        try:
-            size = self.ctx.store.get_size(key)
-            data = self.ctx.store.get(key) if size <= judge.max_bytes else None
-            signature = self._signature(learner, seq) if judge.cfg.learner.sign and data is not None else None
-        except NotFound:
-            return DeltaDecision(learner=learner, seq=seq, status="lost", reason="object vanished after listing"), \
-                None, None
-        try:
-            return judge.judge(learner, seq, size, data, signature)
-        except StorageError:
-            raise  # the bucket's trouble, not the delta's: the loop backs off and retries
-        except Exception as err:  # noqa: BLE001 - no delta may stop the merge loop (a MemoryError included)
-            log.error("judging %s/%d failed: %s: %s; rejected", learner, seq, type(err).__name__, err)
-            reason = f"judging it failed: {type(err).__name__}: {err}"[:500]
-            return DeltaDecision(learner=learner, seq=seq, status="rejected", check="error", reason=reason), \
-                None, None
-
-    def _signature(self, learner: str, seq: int) -> bytes | None:
-        try:
-            return self.ctx.store.get(self.ctx.keys.signature(learner, seq))
-        except NotFound:
-            return None
 
     def _write_and_commit(self, plan: MergePlan) -> Manifest | None:
         """Write the version's update under a fresh nonce (read back first), then commit its manifest by

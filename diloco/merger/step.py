@@ -1,10 +1,12 @@
-"""The deterministic core of one merge: the judged deltas (diloco.trust.judge) -> fold them (GradientStream) ->
-the outer optimizer -> quantize the update (`outer.update_codec`) -> new global. Shared by the merger and `audit`.
+"""The deterministic core of one merge: the judged deltas (diloco.trust.judge) -> fold them (GradientStream)
+-> the outer optimizer -> quantize the update (`outer.update_codec`) -> new global. Shared by the merger and
+`audit`.
 
 Contract: outer_step is a pure function of (params, outer state, the merged deltas in decision order,
 the optimizer); replaying it on the stored objects reproduces the committed bits. The buffers a delta carries
-after its parameters (header meta `buffers`: how many) never enter the pseudo-gradient, a norm or the outer step:
-each learner's newest ones are merged on their own (diloco.training.buffers.BufferMerge), weighted by its tokens.
+after its parameters (header meta `buffers`: how many) never enter the pseudo-gradient, a norm or the outer
+step: each learner's newest ones are merged on their own (diloco.training.buffers.BufferMerge), weighted by
+its tokens.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class LearnerGroup:
             add_(self.total, delta)
 
     def counted(self, bounds: CounterBounds | None) -> tuple[int, int]:
-        """(tokens, steps) the merge counts for this group: its headers' sums, within `bounds` (None: as claimed)."""
+        """(tokens, steps) the merge counts for this group: its headers' sums, within `bounds` (None: as
+        claimed)."""
         if bounds is None:
             return self.tokens, self.steps
         steps = min(self.steps, bounds.max_steps)
@@ -75,17 +78,17 @@ TOKENS_SLACK = 1.25  # a learner's tokens per step count up to this x the run's 
 @dataclass(frozen=True)
 class CounterBounds:
     """What one learner's counters can count for in one merge (its weight, the round share): the steps of
-    `merger.max_phases_per_merge` phases, and TOKENS_SLACK x run.json's tokens per step (None: an older run that did
-    not record it)."""
+    `merger.max_phases_per_merge` phases, and TOKENS_SLACK x run.json's tokens per step (None: an older run
+    that did not record it)."""
 
     max_steps: int
     max_tokens_per_step: float | None
 
 
 def counter_bounds(cfg: Config, tokens_per_step: int | None) -> CounterBounds | None:
-    """The bounds of the run's merges (`cfg`: the live config, `tokens_per_step`: RunContext.tokens_per_step); None
-    for a run created before run.json recorded its tokens per step (its merges counted the counters as claimed, and
-    audit replays them so)."""
+    """The bounds of the run's merges (`cfg`: the live config, `tokens_per_step`: RunContext.tokens_per_step);
+    None for a run created before run.json recorded its tokens per step (its merges counted the counters as
+    claimed, and audit replays them so)."""
     if tokens_per_step is None:
         return None
     return CounterBounds(max(1, math.floor(cfg.merger.max_phases_per_merge * cfg.inner.steps_per_phase)),
@@ -100,7 +103,8 @@ class StepResult:
     weights: dict[str, float]  # learner -> normalised weight
     update_norm: float
     scale: float  # share of a full round's steps this merge carries (1.0 without partial scaling)
-    buffers: Tensors | None = None  # the merged buffers (None: no learner's were taken; the parent's carry forward)
+    # the merged buffers (None: no learner's were taken; the parent's carry forward)
+    buffers: Tensors | None = None
 
 
 class GradientStream:
@@ -126,7 +130,8 @@ class GradientStream:
         self.combiner.add(group.total, weight)
         group.total = None  # released: the combiner holds all that is needed
         if group.buffers is not None and self.buffer_merge is not None:
-            self.buffer_merge.add(group.counted(self.bounds)[0], group.buffers)  # tokens / all merged (no staleness)
+            # tokens / all merged (no staleness)
+            self.buffer_merge.add(group.counted(self.bounds)[0], group.buffers)
         group.buffers = None
 
     def merged_buffers(self) -> Tensors | None:
@@ -146,9 +151,9 @@ def gradient_stream(params: Tensors, version: int, outer: OuterConfig,
                     direct: tuple[str, ...] | None = None, buffers: list[dict] = (),
                     bounds: CounterBounds | None = None) -> GradientStream:
     """The stream of the merge on top of `version`, with the run's merge rule and staleness power; `direct`:
-    the tensors averaged directly (the run's layout marks its embeddings; None: the built-in GPT's); `buffers`:
-    the buffers the chain merges (RunContext.buffers); `bounds`: what a learner's counters count for
-    (counter_bounds; None: as claimed, the merges of runs made before the bound)."""
+    the tensors averaged directly (the run's layout marks its embeddings; None: the built-in GPT's);
+    `buffers`: the buffers the chain merges (RunContext.buffers); `bounds`: what a learner's counters count
+    for (counter_bounds; None: as claimed, the merges of runs made before the bound)."""
     if direct is None:
         direct = tuple(k for k in params if k in LEGACY_DIRECT)  # the paper averages embeddings directly
     return GradientStream(version, outer.merge_rule, outer.staleness_power, direct=direct, buffers=buffers,

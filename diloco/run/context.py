@@ -1,4 +1,5 @@
-"""A run in the bucket, as every process of it sees it: run.json's config, fingerprint, learners, model layout.
+"""A run in the bucket, as every process of it sees it: run.json's config, fingerprint, learners, model
+layout.
 
 Contract: every process of a run reads its config from run.json (open_run), so they cannot disagree;
 creating a run (diloco.run.create) writes run.json once. The layout (parameter names, shapes, dtypes, and
@@ -29,12 +30,17 @@ class RunContext:
     fingerprint: str
     learners: list[str]
     created_at: float = 0.0  # run.json's: tells a new run from an old one of the same id
-    layout: list[dict] = field(default_factory=list)  # run.json's model layout ([] for runs made before layouts)
-    fragments: list[dict] = field(default_factory=list)  # run.json's fragment layout ([]: one fragment, the root chain)
-    buffers: list[dict] = field(default_factory=list)  # run.json's buffers the run merges ([]: none; per chain: see fragments)
-    data_source: str = ""  # what the spec read (TrainSpec.data_source), where create_run built it; "" from run.json
+    # run.json's model layout ([] for runs made before layouts)
+    layout: list[dict] = field(default_factory=list)
+    # run.json's fragment layout ([]: one fragment, the root chain)
+    fragments: list[dict] = field(default_factory=list)
+    # run.json's buffers the run merges ([]: none; per chain: see fragments)
+    buffers: list[dict] = field(default_factory=list)
+    # what the spec read (TrainSpec.data_source), where create_run built it; "" from run.json
+    data_source: str = ""
     pin: str = ""  # run.json against version 0's pin (diloco.run.pin): "pinned by version 0", or why not
-    tokens_per_step: int | None = None  # run.json's: the tokens of one of the spec's batches (None: an older run)
+    # run.json's: the tokens of one of the spec's batches (None: an older run)
+    tokens_per_step: int | None = None
     trust_rules: int = 1  # run.json's: the rules its merges judge by (trust/guard.py TRUST_RULES)
 
     @property

@@ -24,7 +24,8 @@ from diloco.storage.keys import new_nonce, parse_op_key
 from diloco.storage.records import ControlOp, RecordError, finite_json, read_record, write_record
 from diloco.storage.store import Store
 
-RUN_KEYS = ("run.num_versions", "run.num_tokens", "run.time_limit_s")  # set by `diloco resume`; read by every role at its start
+# set by `diloco resume`; read by every role at its start
+RUN_KEYS = ("run.num_versions", "run.num_tokens", "run.time_limit_s")
 
 
 def operator_identity() -> str:
@@ -98,8 +99,9 @@ def write_op(store: Store, keys: RunKeys, kind: str, *, learner: str | None = No
 
 @dataclass(frozen=True)
 class Membership:
-    """Who may publish in a run, from run.json's learners and the admit/remove ops; `supervised`: the members a
-    supervisor starts (run.json's and those admitted with start on — not, e.g., a writer admitted by a test)."""
+    """Who may publish in a run, from run.json's learners and the admit/remove ops; `supervised`: the members
+    a supervisor starts (run.json's and those admitted with start on — not, e.g., a writer admitted by a
+    test)."""
 
     members: tuple[str, ...]
     removed: tuple[str, ...]
@@ -110,7 +112,8 @@ class Membership:
 
 
 def membership(store: Store, keys: RunKeys, learners: list[str]) -> Membership:
-    """The membership now (ops not yet applied by a merge included): run.json learners + admitted - removed."""
+    """The membership now (ops not yet applied by a merge included): run.json learners + admitted -
+    removed."""
     members, removed, unsupervised = set(learners), set(), set()
     for _, op in read_ops(store, keys):
         if isinstance(op, RecordError) or op.learner is None:

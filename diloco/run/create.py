@@ -43,7 +43,8 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
     initial = get_buffers(model, buffers)  # before the probe's forward pass moves running statistics
     tokens_per_step = probe(spec, model, {cfg.learner.ranks, *cfg.learner.ranks_per_learner.values()})
     layout = model_layout(model)
-    fragments = plan_for(cfg.fragments.count, layout)  # before anything is written: a bad count creates nothing
+    # before anything is written: a bad count creates nothing
+    fragments = plan_for(cfg.fragments.count, layout)
     record = RunRecord(run_id=run_id, created_at=time.time(), created_by=socket.gethostname(),
                        diloco_version=__version__, fingerprint=layout_fingerprint(layout), learners=learners,
                        config=cfg.model_dump(mode="json"), layout=layout, fragments=fragments,
@@ -62,7 +63,8 @@ def create_run(store: Store, run_id: str, cfg: Config, learners: list[str] | Non
         ctx.data_source = spec.data_source
         return ctx
     warn_once(warnings)  # the run is new: said once, not by every process that joins it
-    ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout, fragments, buffers,
+    ctx = RunContext(store, keys, cfg, record.fingerprint, learners, record.created_at, layout, fragments,
+                     buffers,
                      spec.data_source, pin=PINNED, tokens_per_step=tokens_per_step, trust_rules=TRUST_RULES)
     params = get_flat_params(model)
     _commit_version_zero(ctx, params, initial, pin_of(record.to_bytes()))  # the bytes written: pinned

@@ -45,7 +45,8 @@ def shard_of_id(merger_id: str) -> int:
     second_merger) -> 0; `merger-s<k>` (or `merger-s<k>-<tag>`) -> k; ValueError naming the id otherwise."""
     match = _SHARD_ID_RE.fullmatch(merger_id)
     if match is None:
-        raise ValueError(f"merger id {merger_id!r} names no shard: it must be merger[-<n>] or merger-s<k>[-<tag>]")
+        raise ValueError(f"merger id {merger_id!r} names no shard: it must be merger[-<n>] or "
+                         "merger-s<k>[-<tag>]")
     return int(match.group(1) or 0)
 
 
@@ -59,29 +60,32 @@ def num_fragments(ctx: RunContext) -> int:
 
 
 def fragment_context(ctx: RunContext, index: int) -> RunContext:
-    """The chain of fragment `index`: its keys under fragments/<p:04d>/, its pieces as the layout; the run's buffers
-    ride with fragment 0's chain (its deltas carry them, its versions hold them), no other's."""
+    """The chain of fragment `index`: its keys under fragments/<p:04d>/, its pieces as the layout; the run's
+    buffers ride with fragment 0's chain (its deltas carry them, its versions hold them), no other's."""
     if not ctx.fragments:
         if index != 0:
             raise ValueError(f"run {ctx.run_id} has one fragment; there is no fragment {index}")
         return ctx
     if not 0 <= index < len(ctx.fragments):
         raise ValueError(f"run {ctx.run_id} has {len(ctx.fragments)} fragments; there is no fragment {index}")
-    return dataclasses.replace(ctx, keys=ctx.keys.for_fragment(index), layout=fragment_layout(ctx.fragments[index]),
+    return dataclasses.replace(ctx, keys=ctx.keys.for_fragment(index),
+                               layout=fragment_layout(ctx.fragments[index]),
                                fragments=[], buffers=ctx.buffers if index == 0 else [])
 
 
 def chain_contexts(ctx: RunContext) -> list[RunContext]:
-    """Every version chain of the run, in fragment order: the root chain alone (P = 1), or each fragment's (the root
-    chain of a fragmented run holds version 0 only: the whole initial model)."""
+    """Every version chain of the run, in fragment order: the root chain alone (P = 1), or each fragment's
+    (the root chain of a fragmented run holds version 0 only: the whole initial model)."""
     return [fragment_context(ctx, index) for index in range(num_fragments(ctx))]
 
 
 def manifests(ctx: RunContext) -> list[Manifest]:
-    """Every manifest of the run's chain (the root's, or a fragment context's), by version: 0 up to the newest that
-    read_latest takes; a stray key above a gap, or an unreadable one at the top, is not part of it (chain_report)."""
+    """Every manifest of the run's chain (the root's, or a fragment context's), by version: 0 up to the newest
+    that read_latest takes; a stray key above a gap, or an unreadable one at the top, is not part of it
+    (chain_report)."""
     newest = read_latest(ctx.store, ctx.keys)
-    return [] if newest is None else [*(read_manifest(ctx.store, ctx.keys, v) for v in range(newest.version)), newest]
+    return [] if newest is None else [*(read_manifest(ctx.store, ctx.keys, v) for v in range(newest.version)),
+                                      newest]
 
 
 def fragment_versions(ctx: RunContext, store: Store | None = None) -> list[int | None]:
@@ -93,10 +97,10 @@ def fragment_versions(ctx: RunContext, store: Store | None = None) -> list[int |
 
 
 class ChainWatch:
-    """The newest version (and manifest) of every chain, kept between polls: each poll lists only what is above the
-    version it knows (storage.latest_version's `after`: S3's StartAfter), so a poller's cost follows what is new,
-    not the run's age, and a manifest reads only when its chain moved. For the roles' stop checks, the evaluator's
-    and the supervisor's polls."""
+    """The newest version (and manifest) of every chain, kept between polls: each poll lists only what is
+    above the version it knows (storage.latest_version's `after`: S3's StartAfter), so a poller's cost follows
+    what is new, not the run's age, and a manifest reads only when its chain moved. For the roles' stop
+    checks, the evaluator's and the supervisor's polls."""
 
     def __init__(self, ctx: RunContext, store: Store | None = None) -> None:
         self.ctx, self.store = ctx, store or ctx.store
@@ -106,9 +110,9 @@ class ChainWatch:
         self._heads: list[Manifest | None] = [None] * count
 
     def versions(self) -> list[int | None]:
-        """Every chain's newest version (None before version 0), in fragment order: a version the listing shows is
-        taken once its manifest reads and chains (read_latest), so a poller never acts on a stray or unreadable one.
-        StorageError from the bucket."""
+        """Every chain's newest version (None before version 0), in fragment order: a version the listing
+        shows is taken once its manifest reads and chains (read_latest), so a poller never acts on a stray or
+        unreadable one. StorageError from the bucket."""
         for index, keys in enumerate(self.keys):
             known = self.known[index]
             if latest_version(self.store, keys, after=known) == known:
@@ -133,8 +137,9 @@ class ChainWatch:
 
 
 def chain_report(ctx: RunContext) -> list[str]:
-    """One line per manifest key of the run's chains that is no version (above a gap, unreadable or not chained):
-    what `diloco status` reports and every reader of the newest version steps over (storage.chain_problems)."""
+    """One line per manifest key of the run's chains that is no version (above a gap, unreadable or not
+    chained): what `diloco status` reports and every reader of the newest version steps over
+    (storage.chain_problems)."""
     count = len(ctx.fragments) or 1
     chains = [ctx.keys.for_fragment(p) for p in range(count)] if ctx.fragments else [ctx.keys]
     return [line for keys in chains for line in chain_problems(ctx.store, keys)]

@@ -1,5 +1,6 @@
 """Freed memory back to the OS: glibc keeps the blocks a process frees below its mmap threshold (tensors up to
-32 MB, lz4 frames) for reuse, so a process that frees many of them and then allocates one large block holds both.
+32 MB, lz4 frames) for reuse, so a process that frees many of them and then allocates one large block holds
+both.
 
 Contract: `release_freed_memory()` asks glibc (malloc_trim) to return free heap pages; `map_large_blocks()`
 fixes the mmap threshold (every block of at least that size is its own mapping, returned to the OS when

@@ -72,7 +72,8 @@ def describe(lease: SupervisorLease, now: float | None = None) -> str:
     """`pid 123 on host h (local, since 12:00:01, renewed 2 s ago)`."""
     now = time.time() if now is None else now
     since = time.strftime("%H:%M:%S", time.localtime(lease.started_at))
-    return f"pid {lease.pid} on host {lease.host} ({lease.kind}, since {since}, renewed {now - lease.t:.0f} s ago)"
+    return (f"pid {lease.pid} on host {lease.host} ({lease.kind}, since {since}, renewed "
+            f"{now - lease.t:.0f} s ago)")
 
 
 class Lease:
@@ -110,7 +111,8 @@ class Lease:
         """Mark the session ended (roles then no longer watch it); storage trouble is logged, not raised."""
         if self.lost:
             return
-        self.record = self.record.model_copy(update={"t": time.time(), "released": True, "end_reason": reason})
+        self.record = self.record.model_copy(update={"t": time.time(), "released": True,
+                                                     "end_reason": reason})
         try:
             write_record(self.ctx.store, self.key, self.record)
         except StorageError as err:
@@ -125,7 +127,8 @@ def acquire(ctx: RunContext, kind: str, now: float | None = None) -> Lease:
         raise LeaseHeld(_held_message(ctx, current, now))
     record = SupervisorLease(epoch=(current.epoch + 1) if current else 1, owner=uuid.uuid4().hex,
                              host=socket.gethostname(), pid=os.getpid(), kind=kind, started_at=now, t=now,
-                             timeout_s=ctx.cfg.run.heartbeat_timeout_s, deadline=now + ctx.cfg.run.time_limit_s)
+                             timeout_s=ctx.cfg.run.heartbeat_timeout_s,
+                             deadline=now + ctx.cfg.run.time_limit_s)
     try:
         write_record(ctx.store, ctx.keys.lease(record.epoch), record, exclusive=True)
     except Conflict:

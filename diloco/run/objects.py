@@ -18,8 +18,9 @@ from diloco.storage.store import Store
 from diloco.training.tensors import Tensors, to_numpy, to_torch
 
 TRIM_EVERY_BYTES = 64 << 20  # a consuming encode returns freed memory this often
-# reads of a committed object before it is declared corrupt: committed objects are written once and never change,
-# so a check that fails on three fresh GETs is the object's own fault (a torn or damaged transfer fails once)
+# reads of a committed object before it is declared corrupt: committed objects are written once and never
+# change, so a check that fails on three fresh GETs is the object's own fault (a torn or damaged transfer
+# fails once)
 COMMITTED_READS = 3
 
 
@@ -39,15 +40,16 @@ def encode_tensors(
             to_numpy(tensors), codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {},
             shuffle=shuffle, compress=compress,
         )
-    encoder = codec.Encoder(codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {}, shuffle=shuffle,
-                            into_bytearray=True, compress=compress)
+    encoder = codec.Encoder(codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta or {},
+                            shuffle=shuffle, into_bytearray=True, compress=compress)
     freed = 0
     for name in list(tensors):
         tensor = tensors.pop(name)
         freed += tensor.numel() * 4
         encoder.add(name, to_numpy({name: tensor})[name])
         del tensor
-        if freed >= TRIM_EVERY_BYTES:  # the freed tensors' pages to the OS, not kept beside the growing object
+        # the freed tensors' pages to the OS, not kept beside the growing object
+        if freed >= TRIM_EVERY_BYTES:
             release_freed_memory()
             freed = 0
     release_freed_memory()
@@ -60,9 +62,9 @@ def encode_shipped(
 ) -> tuple[bytes, Tensors]:
     """encode_tensors' bytes and what decode_tensors gives back from them, bit for bit (the codec's decode of
     each stream just made, without the lz4/zstd round trip): a learner's delta and the values it ships, which
-    its error feedback keeps. `tensors` must not change until this returns. `buffers`: the model's buffers, stored
-    after the tensors, exactly (each its own fp32 codec, whatever `codec_name`), their count in the meta (`buffers`);
-    not among the shipped values."""
+    its error feedback keeps. `tensors` must not change until this returns. `buffers`: the model's buffers,
+    stored after the tensors, exactly (each its own fp32 codec, whatever `codec_name`), their count in the
+    meta (`buffers`); not among the shipped values."""
     meta = {**(meta or {}), **({"buffers": len(buffers)} if buffers else {})}
     encoder = codec.Encoder(codec=codec_name, kind=kind, fingerprint=fingerprint, meta=meta, shuffle=shuffle)
     shipped: Tensors = {}
@@ -86,9 +88,9 @@ def write_state(
     store: Store, key: str, tensors: Tensors, *, kind: str, fingerprint: str,
     meta: dict[str, Any] | None = None, consume: bool = False,
 ) -> tuple[int, str]:
-    """A version's fp32 state (params, outer state), encoded and put; returns (size in bytes, object checksum).
-    Stored raw, neither shuffled nor lz4-framed: lz4 shrinks fp32 weights by only about a tenth, and on a
-    124M-parameter model it cost the merger more time than anything else in writing a version
+    """A version's fp32 state (params, outer state), encoded and put; returns (size in bytes, object
+    checksum). Stored raw, neither shuffled nor lz4-framed: lz4 shrinks fp32 weights by only about a tenth,
+    and on a 124M-parameter model it cost the merger more time than anything else in writing a version
     (docs/bench/scale.md). `consume`: see encode_tensors."""
     data = encode_tensors(tensors, codec_name="fp32", kind=kind, fingerprint=fingerprint, meta=meta,
                           consume=consume, shuffle=False, compress=False)
@@ -97,7 +99,8 @@ def write_state(
 
 def put_checksummed(store: Store, key: str, data: bytes | bytearray) -> str:
     """Put `data` and return its object checksum, the hash computed on a second thread while the put writes
-    (both release the GIL: a 500 MB object's BLAKE2b no longer waits for its write). `data` must not change."""
+    (both release the GIL: a 500 MB object's BLAKE2b no longer waits for its write). `data` must not
+    change."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum") as pool:
         checksum = pool.submit(codec.object_checksum, data)
         store.put(key, data)
@@ -105,7 +108,8 @@ def put_checksummed(store: Store, key: str, data: bytes | bytearray) -> str:
 
 
 def read_checked(store: Store, key: str, checksum: str | None = None) -> bytes:
-    """Get an object's bytes and verify the checksum recorded for it (when given): CodecError naming the key."""
+    """Get an object's bytes and verify the checksum recorded for it (when given): CodecError naming the
+    key."""
     data = store.get(key)
     if checksum and (got := codec.object_checksum(data)) != checksum:
         raise codec.CodecError(f"{key}: checksum {got} != recorded {checksum}")
@@ -126,9 +130,10 @@ def read_tensors(
 
 def read_committed(store: Store, key: str, *, checksum: str, fingerprint: str | None = None,
                    what: str = "") -> tuple[codec.Header, Tensors]:
-    """read_tensors of an object a manifest commits (`what` says which, e.g. "version 7's update"): a failed check
-    is read again, COMMITTED_READS reads in all, then CorruptObject naming the object — the caller stops instead
-    of retrying forever. StorageError (the bucket, not the object) passes through for the caller to retry."""
+    """read_tensors of an object a manifest commits (`what` says which, e.g. "version 7's update"): a failed
+    check is read again, COMMITTED_READS reads in all, then CorruptObject naming the object — the caller stops
+    instead of retrying forever. StorageError (the bucket, not the object) passes through for the caller to
+    retry."""
     for _ in range(COMMITTED_READS):
         try:
             return read_tensors(store, key, fingerprint=fingerprint, checksum=checksum)
@@ -145,12 +150,14 @@ def corrupt_message(what: str, key: str, failure: str) -> str:
 
 
 def verify_written(store: Store, key: str, checksum: str, what: str) -> None:
-    """Read back an object just put, before a manifest may name it: the same checksum, and the codec's own checks
-    pass (header and payload crc). CorruptObject naming it otherwise: nothing that cannot be read is committed."""
+    """Read back an object just put, before a manifest may name it: the same checksum, and the codec's own
+    checks pass (header and payload crc). CorruptObject naming it otherwise: nothing that cannot be read is
+    committed."""
     data = store.get(key)
     try:
         if codec.object_checksum(data) != checksum:
-            raise codec.CodecError(f"read back with checksum {codec.object_checksum(data)}, written {checksum}")
+            raise codec.CodecError(f"read back with checksum {codec.object_checksum(data)}, written "
+                                   f"{checksum}")
         codec.verify(data)
     except codec.CodecError as err:
         raise CorruptObject(f"the merger wrote {what} {key} and read it back corrupt ({err}); "

@@ -1,4 +1,5 @@
-"""The control objects every role of a run watches: the stop request, a learner's removal, the supervisor's lease.
+"""The control objects every role of a run watches: the stop request, a learner's removal, the supervisor's
+lease.
 
 Contract: `control/stop` (any reason) ends every role after its phase; `control/removed-<learner>` ends that
 learner for good and no supervisor starts it again; a supervisor whose lease stopped moving for its timeout
@@ -30,13 +31,14 @@ TARGET_REASON = "target version"  # the supervisor's stop reason when the run re
 
 
 class StopSignal:
-    """`control/stop` in the bucket, or the target version committed (or the token budget merged: run.num_tokens);
-    checked at most every `every_s`."""
+    """`control/stop` in the bucket, or the target version committed (or the token budget merged:
+    run.num_tokens); checked at most every `every_s`."""
 
     def __init__(self, ctx: RunContext, target_version: int | None = None, every_s: float = 1.0) -> None:
         self.ctx, self.target, self.every_s = ctx, target_version, every_s
         self.store = ctx.store.with_retries(1)  # checked often: an outage must not stall the caller
-        self.watch = ChainWatch(ctx, self.store)  # each check lists what is new on each chain, not every version
+        # each check lists what is new on each chain, not every version
+        self.watch = ChainWatch(ctx, self.store)
         self._last, self._stopped = 0.0, False
         self.reason: str | None = None  # once stopped: control/stop's reason, or TARGET_REASON
 
@@ -103,7 +105,8 @@ class SupervisorSignal:
     this process's clock (no clock skew between hosts), or the lease's deadline (the time limit) passed by as
     much again. A run with no lease, or whose supervisor released it, is not watched (roles run by hand)."""
 
-    def __init__(self, ctx: RunContext, every_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ctx: RunContext, every_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.ctx, self.every_s, self.clock = ctx, every_s, clock
         self.store = ctx.store.with_retries(1)
         self._last = 0.0
@@ -140,7 +143,8 @@ class RoleStop:
     version, a lost supervisor (then recorded as control/stop, so every role and `diloco status` see it).
     `why` once it fired: "removed", "finished" (the target version) or "stopped"; `reason` the detail."""
 
-    def __init__(self, ctx: RunContext, target_version: int | None = None, learner: str | None = None) -> None:
+    def __init__(self, ctx: RunContext, target_version: int | None = None,
+                 learner: str | None = None) -> None:
         self.ctx = ctx
         self.stop = StopSignal(ctx, target_version)
         self.removed = RemovedSignal(ctx, learner) if learner else None
@@ -190,6 +194,6 @@ class RoleStop:
             self.why, self.reason = "stopped", self.supervisor.reason
             # Conflict: another role (or the supervisor) recorded it first; trouble: the next role will
             with contextlib.suppress(StorageError):
-                write_record(self.ctx.store, self.ctx.keys.stop(), StopRequest(reason=self.reason, t=time.time()),
-                             exclusive=True)
+                write_record(self.ctx.store, self.ctx.keys.stop(),
+                             StopRequest(reason=self.reason, t=time.time()), exclusive=True)
         return self.why is not None

@@ -34,7 +34,8 @@ from diloco.training.spec import (
 
 
 class SpecFiles:
-    """The run's spec files in the bucket (<run>/spec/<name>): get, and put-if-absent returning what is stored."""
+    """The run's spec files in the bucket (<run>/spec/<name>): get, and put-if-absent returning what is
+    stored."""
 
     def __init__(self, store: Store, keys: RunKeys) -> None:
         self.store, self.keys = store, keys
@@ -103,8 +104,8 @@ def build_model(spec: TrainSpec, seed: int) -> nn.Module:
 
 
 def check_layout(ctx: RunContext, model: nn.Module, who: str) -> None:
-    """RunError unless the model's layout is the run's (names, shapes, dtypes, in order), and so are the buffers the
-    run merges."""
+    """RunError unless the model's layout is the run's (names, shapes, dtypes, in order), and so are the
+    buffers the run merges."""
     if not ctx.layout:
         return  # a run created before layouts were recorded: its fingerprint still guards every object
     diff = first_difference(ctx.layout, model_layout(model))
@@ -116,8 +117,8 @@ def check_layout(ctx: RunContext, model: nn.Module, who: str) -> None:
 
 def probe(spec: TrainSpec, model: nn.Module, ranks: set[int] = frozenset({1})) -> int:
     """Run the spec's functions once on CPU (a batch and its loss, the held-out batches; the batch split in
-    equal slices for every rank count of the run's learners): SpecError early. Returns the batch's tokens (what the
-    run records as its tokens per step: the merge bounds a delta's counters with it)."""
+    equal slices for every rank count of the run's learners): SpecError early. Returns the batch's tokens
+    (what the run records as its tokens per step: the merge bounds a delta's counters with it)."""
     try:
         batch = next(iter(itertools.islice(spec.batches(0, 1, 0), 1)), None)
     except Exception as err:  # noqa: BLE001 - user code

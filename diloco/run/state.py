@@ -1,9 +1,9 @@
 """Where a run stands, read from the bucket: running, finished, stopped, or idle — and how to continue it.
 
 Contract: read-only; "finished" means the target version is committed (or the token budget merged, on every
-chain: run/target.py), "stopped" that control/stop exists (with its reason), "running" that a supervisor holds a
-live lease, "idle" anything else (never supervised, or its supervisor vanished before anyone recorded a stop:
-`diloco run` takes it up again).
+chain: run/target.py), "stopped" that control/stop exists (with its reason), "running" that a supervisor holds
+a live lease, "idle" anything else (never supervised, or its supervisor vanished before anyone recorded a
+stop: `diloco run` takes it up again).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def read_run_state(ctx: RunContext) -> RunState:
     if progress.reached:
         return RunState("finished", version, target, read_stop_reason(ctx), lease, tokens, budget)
     if ctx.store.exists(ctx.keys.stop()):
-        return RunState("stopped", version, target, read_stop_reason(ctx) or "stop requested", lease, tokens, budget)
+        return RunState("stopped", version, target, read_stop_reason(ctx) or "stop requested", lease, tokens,
+                        budget)
     return RunState("running" if is_live(lease) else "idle", version, target, None, lease, tokens, budget)
 
 
@@ -68,12 +69,13 @@ def continue_hint(ctx: RunContext) -> str:
 
 
 def ended_note(ctx: RunContext) -> str | None:
-    """For a control filed on a finished or stopped run (an op, a removal): the line that says it applies only once
-    the run is resumed; None for a run that is not over."""
+    """For a control filed on a finished or stopped run (an op, a removal): the line that says it applies only
+    once the run is resumed; None for a run that is not over."""
     state = read_run_state(ctx)
     if not state.ended:
         return None
-    return f"run {ctx.run_id!r} has ended ({state.title()}): this applies when it is resumed; {continue_hint(ctx)}"
+    return (f"run {ctx.run_id!r} has ended ({state.title()}): this applies when it is resumed; "
+            f"{continue_hint(ctx)}")
 
 
 def refuse_if_ended(ctx: RunContext, doing: str) -> RunState:

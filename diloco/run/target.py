@@ -1,10 +1,11 @@
-"""A run's end: `run.num_versions` committed, or `run.num_tokens` merged (a token budget; 0: none) — on every chain.
+"""A run's end: `run.num_versions` committed, or `run.num_tokens` merged (a token budget; 0: none) — on every
+chain.
 
 Contract: a chain (the root, or one fragment's) has reached the target once its newest manifest's version is
 >= num_versions or its tokens_total >= num_tokens > 0; the run has once every chain has (so each merger stops
 its own chains, and the run ends exactly when the last one does). Without a token budget this reads only the
-versions (one listing per chain), as before; with one, the newest manifest of each chain too. A poller passes its
-ChainWatch: each check then lists only what is new (a stray manifest key above a gap ends nothing).
+versions (one listing per chain), as before; with one, the newest manifest of each chain too. A poller passes
+its ChainWatch: each check then lists only what is new (a stray manifest key above a gap ends nothing).
 """
 
 from __future__ import annotations
@@ -81,5 +82,6 @@ def run_tokens(ctx: RunContext, store: Store | None = None) -> int:
 
 def target_reached(ctx: RunContext, store: Store | None = None, target: Target | None = None,
                    watch: ChainWatch | None = None) -> bool:
-    """Whether every chain of the run has reached `target` (default: the run's own); `watch`: see run_progress."""
+    """Whether every chain of the run has reached `target` (default: the run's own); `watch`: see
+    run_progress."""
     return run_progress(ctx, store, target, watch).reached

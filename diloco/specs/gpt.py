@@ -1,11 +1,13 @@
-"""The built-in spec: the byte-level GPT on a text corpus (Shakespeare by default) — one TrainSpec among others.
+"""The built-in spec: the byte-level GPT on a text corpus (Shakespeare by default) — one TrainSpec among
+others.
 
 Contract: `make_spec(run_config)` (the engine passes the run's Config) builds exactly what the engine trained
 before specs existed: the model from `model.*` under `data.seed`, batches of `data.batch_size` random windows
-of `model.ctx_len + 1` bytes from the learner's contiguous shard, or from the whole text (`data.sampling`; batch
-i a pure function of (seed, shard, i)), the mean cross-entropy per byte with every target byte a token, `eval.*`
-fixed held-out batches, AdamW and warmup + cosine from `inner.*` (the engine's defaults), and text sampled from
-a prompt (by default the start of the held-out text: specs/text.default_prompt). Metric: nats/byte.
+of `model.ctx_len + 1` bytes from the learner's contiguous shard, or from the whole text (`data.sampling`;
+batch i a pure function of (seed, shard, i)), the mean cross-entropy per byte with every target byte a token,
+`eval.*` fixed held-out batches, AdamW and warmup + cosine from `inner.*` (the engine's defaults), and text
+sampled from a prompt (by default the start of the held-out text: specs/text.default_prompt). Metric:
+nats/byte.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def load_corpus(data: DataConfig) -> Corpus:
 
 
 def make_spec(run_config: Config, corpus: Corpus | None = None) -> TrainSpec:
-    """The byte-level GPT of `run_config.model` on `run_config.data`; `corpus` (Python only) skips reading it."""
+    """The byte-level GPT of `run_config.model` on `run_config.data`; `corpus` (Python only) skips reading
+    it."""
     cfg = run_config
     text = corpus or load_corpus(cfg.data)
 
@@ -42,9 +45,11 @@ def make_spec(run_config: Config, corpus: Corpus | None = None) -> TrainSpec:
         return eval_batches(text.heldout, cfg.eval.num_batches, cfg.eval.batch_size, cfg.model.ctx_len,
                             seed=cfg.data.seed)
 
-    def sample(model: torch.nn.Module, prompt: str = default_prompt(text), max_bytes: int = 240, seed: int = 0) -> str:
+    def sample(model: torch.nn.Module, prompt: str = default_prompt(text), max_bytes: int = 240,
+               seed: int = 0) -> str:
         idx = torch.tensor([list(prompt.encode())], dtype=torch.long)
-        out = model.generate(idx, max_bytes, temperature=0.8, top_k=40, generator=torch.Generator().manual_seed(seed))
+        out = model.generate(idx, max_bytes, temperature=0.8, top_k=40,
+                             generator=torch.Generator().manual_seed(seed))
         return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
     return TrainSpec(build_model=lambda: build_model(cfg.model, seed=cfg.data.seed), batches=batches,

@@ -1,13 +1,13 @@
-"""A Hugging Face `transformers` causal LM built from a config (no weights downloaded) on a text corpus, with a
-byte-level tokenizer or a BPE one trained locally on the run's training text (`pip install 'diloco[hf]'`).
+"""A Hugging Face `transformers` causal LM built from a config (no weights downloaded) on a text corpus, with
+a byte-level tokenizer or a BPE one trained locally on the run's training text (`pip install 'diloco[hf]'`).
 
 Contract: `make_spec(run_config, files, **spec_args)`: the model is `AutoModelForCausalLM.from_config` of
 `model_type` (default llama) with the given sizes; the tokenizer is trained once, by the run's creator, with
 the `tokenizers` library, and stored in the run's spec files (`tokenizer.json`), so every learner and the
 evaluator tokenize alike; batches are `batch_size` random windows of `seq_len` tokens from the learner's
 contiguous shard of the training tokens, or from all of them (`data.sampling`; batch i a pure function of
-(data.seed, shard, i)); loss is the model's own (labels = inputs, shifted inside), `batch_size * (seq_len - 1)`
-tokens; the held-out metric is nats per token on fixed windows of the held-out text; `export` writes a
+(data.seed, shard, i)); loss is the model's own (labels = inputs, shifted inside), `batch_size * (seq_len -
+1)` tokens; the held-out metric is nats per token on fixed windows of the held-out text; `export` writes a
 `save_pretrained` folder (model and tokenizer) that `transformers` loads with `from_pretrained`. The corpus
 comes from `data.*` as for the GPT.
 """
@@ -29,7 +29,8 @@ from diloco.training.spec import SpecError, TrainSpec
 MAX_POSITIONS = 256  # rotary positions: no parameters; a sample's prompt + continuation fits in it
 EOT = "<|endoftext|>"  # the one special token: id 0, also BOS/EOS of the model
 QUIET = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-         "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}  # no hub: these machines cannot reach one
+         # no hub: these machines cannot reach one
+         "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _tokenizers():
@@ -37,7 +38,8 @@ def _tokenizers():
         import tokenizers
         import transformers  # noqa: F401
     except ImportError:
-        raise SpecError("the Hugging Face spec needs transformers and tokenizers: pip install 'diloco[hf]'") from None
+        raise SpecError("the Hugging Face spec needs transformers and tokenizers: pip install "
+                        "'diloco[hf]'") from None
     return tokenizers
 
 
@@ -49,7 +51,8 @@ def train_tokenizer(text: bytes, kind: str, vocab_size: int) -> str:
     tok.decoder = tk.decoders.ByteLevel()
     tok.post_processor = tk.processors.ByteLevel(trim_offsets=False)
     size = 256 + 1 if kind == "byte" else vocab_size  # "byte": the alphabet and EOT, no merges
-    trainer = tk.trainers.BpeTrainer(vocab_size=size, min_frequency=2, special_tokens=[EOT], show_progress=False,
+    trainer = tk.trainers.BpeTrainer(vocab_size=size, min_frequency=2, special_tokens=[EOT],
+                                     show_progress=False,
                                      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
     lines = text.decode("utf-8", errors="replace").split("\n")
     tok.train_from_iterator(lines if kind == "bpe" else [], trainer=trainer)
@@ -70,7 +73,8 @@ def _build_model(model_type: str, vocab: int, eot: int, sizes: dict[str, Any]) -
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.for_model(model_type, vocab_size=vocab, bos_token_id=eot, eos_token_id=eot, **sizes)
+        config = AutoConfig.for_model(model_type, vocab_size=vocab, bos_token_id=eot, eos_token_id=eot,
+                                      **sizes)
     except (ValueError, TypeError) as err:
         raise SpecError(f"Hugging Face config {model_type!r}: {err}") from None
     return AutoModelForCausalLM.from_config(config)
@@ -81,8 +85,8 @@ def make_spec(run_config: Config, files: Any = None, *, model_type: str = "llama
               num_key_value_heads: int = 2, tie_word_embeddings: bool = True, seq_len: int = 64,
               batch_size: int = 8, tokenizer: str = "bpe", vocab_size: int = 1024,
               prompt: str | None = None) -> TrainSpec:
-    """A tiny Llama by default; every size is a spec argument (`--spec-arg hidden_size=128`); `prompt`: a sample's
-    default (None: the start of the held-out text)."""
+    """A tiny Llama by default; every size is a spec argument (`--spec-arg hidden_size=128`); `prompt`: a
+    sample's default (None: the start of the held-out text)."""
     for name, value in QUIET.items():
         os.environ.setdefault(name, value)
     tk = _tokenizers()
@@ -102,18 +106,21 @@ def make_spec(run_config: Config, files: Any = None, *, model_type: str = "llama
     for part, ids in (("train", train_ids), ("held-out", held_ids)):
         if len(ids) <= seq_len:
             raise SpecError(f"the {part} text has {len(ids)} tokens: fewer than seq_len + 1 = {seq_len + 1}")
-    sizes = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+    sizes = dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                 num_hidden_layers=num_hidden_layers,
                  num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                  max_position_embeddings=max(seq_len, MAX_POSITIONS), tie_word_embeddings=tie_word_embeddings)
 
     def batches(shard: int, num_shards: int, start: int) -> Iterator[torch.Tensor]:
         n = len(train_ids)
-        mine = train_ids if cfg.data.sampling == "whole" else train_ids[shard * n // num_shards:(shard + 1) * n // num_shards]
+        mine = (train_ids if cfg.data.sampling == "whole"
+                else train_ids[shard * n // num_shards:(shard + 1) * n // num_shards])
         if len(mine) <= seq_len:
             raise SpecError(f"shard {shard}/{num_shards} has {len(mine)} tokens, fewer than seq_len + 1")
         i = start
         while True:
-            yield _windows(mine, np.random.default_rng([cfg.data.seed % 2**63, shard, i]), batch_size, seq_len)
+            yield _windows(mine, np.random.default_rng([cfg.data.seed % 2**63, shard, i]), batch_size,
+                           seq_len)
             i += 1
 
     def loss(model: torch.nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -60,7 +60,8 @@ def resolve(ref: str) -> Callable[..., TrainSpec]:
         try:
             module = importlib.import_module(module_name)
         except Exception as err:  # noqa: BLE001 - user code: report any import failure in one line
-            raise SpecError(f"spec module {module_name!r} could not be imported: {type(err).__name__}: {err}") from err
+            raise SpecError(f"spec module {module_name!r} could not be imported: "
+                            f"{type(err).__name__}: {err}") from err
     factory = getattr(module, attr, None)
     if factory is None:
         raise SpecError(f"spec {ref!r}: module {module_name!r} has no attribute {attr!r}")
@@ -118,7 +119,8 @@ def parse_spec_args(pairs: list[str]) -> dict[str, Any]:
 
 def build_spec(ref: str, args: dict[str, Any] | None = None, *, run_config: Any = None,
                files: Any = None) -> TrainSpec:
-    """Call the factory with `args` (and what it asks for of run_config/files); SpecError on anything wrong."""
+    """Call the factory with `args` (and what it asks for of run_config/files); SpecError on anything
+    wrong."""
     factory = resolve(ref)
     args = dict(args or {})
     clash = sorted(set(args) & set(INJECTED))

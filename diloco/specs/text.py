@@ -31,7 +31,8 @@ SEPARATOR = b"\n\n"  # between documents and files
 JSONL = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz")
 MAGIC = {b"PK\x03\x04": "a zip archive", b"\x1f\x8b": "gzip-compressed", b"BZh": "bzip2-compressed",
          b"\xfd7zXZ": "xz-compressed", b"(\xb5/\xfd": "zstd-compressed", b"PAR1": "a Parquet file",
-         b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"%PDF": "a PDF", b"\x7fELF": "an executable"}
+         b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"%PDF": "a PDF",
+         b"\x7fELF": "an executable"}
 
 
 @dataclass
@@ -46,7 +47,8 @@ PROMPT_BYTES = 64  # a sample's default prompt: at most this much of the held-ou
 
 def default_prompt(corpus: Corpus, max_bytes: int = PROMPT_BYTES) -> str:
     """The start of the held-out text, cut after its last line break within `max_bytes` (a sample then goes on
-    from a line's start, in the corpus's own format): what a text spec samples from when no prompt is given."""
+    from a line's start, in the corpus's own format): what a text spec samples from when no prompt is
+    given."""
     head = bytes(corpus.heldout[:max_bytes])
     cut = head.rfind(b"\n")
     return (head[:cut + 1] if cut >= 0 else head).decode("utf-8", errors="ignore")
@@ -119,8 +121,10 @@ def _parquet(data: bytes, name: str, field: str) -> list[bytes]:
 
     try:
         table = pq.read_table(io.BytesIO(data), columns=[field])
-    except (KeyError, ValueError, OSError) as err:  # pyarrow: ArrowInvalid is a ValueError; a missing column a KeyError
-        raise DataError(f"data.corpus {name}: no readable text column {field!r} (data.text_field): {err}") from None
+    # pyarrow: ArrowInvalid is a ValueError; a missing column a KeyError
+    except (KeyError, ValueError, OSError) as err:
+        raise DataError(f"data.corpus {name}: no readable text column {field!r} (data.text_field): "
+                        f"{err}") from None
     return [str(v).encode() for v in table.column(field).to_pylist() if v is not None]
 
 
@@ -147,7 +151,8 @@ def _documents(data: bytes, name: str, field: str, alone: bool) -> list[bytes] |
 def _files(source: str) -> tuple[fsspec.AbstractFileSystem, list[str], bool]:
     """(filesystem, files sorted by path, whether one file was named alone)."""
     try:
-        fs, path = fsspec.core.url_to_fs(source.removeprefix("file://") if source.startswith("file://") else source)
+        fs, path = fsspec.core.url_to_fs(source.removeprefix("file://") if source.startswith("file://")
+                                         else source)
     except (ValueError, ImportError) as err:
         raise DataError(f"data.corpus {source!r}: cannot open: {err}") from None
     if any(ch in path for ch in "*?["):

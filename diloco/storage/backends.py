@@ -35,8 +35,8 @@ class Backend(Protocol):
     def modified(self, key: str) -> float: ...  # unix seconds of the last write
     def write(self, key: str, data: bytes) -> None: ...
     def create(self, key: str, data: bytes) -> None: ...
-    # every key under folder ('' = all), any order; `after` (a key) is a hint: a backend that can start its listing
-    # there (S3's StartAfter) leaves out the keys up to it, others list all (ObjectStore.list filters)
+    # every key under folder ('' = all), any order; `after` (a key) is a hint: a backend that can start its
+    # listing there (S3's StartAfter) leaves out the keys up to it, others list all (ObjectStore.list filters)
     def walk(self, folder: str, after: str = "") -> list[str]: ...
     def folders(self, folder: str) -> list[str]: ...  # the names of folder's direct subfolders, any order
     def walk_sizes(self, folder: str) -> dict[str, int]: ...  # walk's keys with their sizes
@@ -134,7 +134,8 @@ class FsspecBackend:
         return f"{self.root}/{key}" if self.root else key
 
     def read(self, key: str) -> bytes:
-        if self.protocol in _ATOMIC_CREATE_PROTOCOLS:  # one GET: s3fs's concurrent read first HEADs every object
+        # one GET: s3fs's concurrent read first HEADs every object
+        if self.protocol in _ATOMIC_CREATE_PROTOCOLS:
             return bytes(self.fs.cat_file(self._path(key), max_concurrency=1))
         return bytes(self.fs.cat_file(self._path(key)))
 
@@ -255,8 +256,8 @@ def open_backend(url: str, storage_options: dict[str, Any]) -> tuple[str, Backen
         return f"file://{root}", LocalBackend(root)
     protocol = url.split("://", 1)[0].lower()
     if protocol not in SUPPORTED_PROTOCOLS:
-        raise BadRequest(f"storage url {url!r}: protocol {protocol + '://'!r} is not supported (a run commits by "
-                         "exclusive create: use file://DIR, s3://bucket/prefix or memory://name)")
+        raise BadRequest(f"storage url {url!r}: protocol {protocol + '://'!r} is not supported (a run "
+                         "commits by exclusive create: use file://DIR, s3://bucket/prefix or memory://name)")
     options = _s3_options(storage_options) if protocol in ("s3", "s3a") else storage_options
     try:
         fs, root = fsspec.url_to_fs(url, **options)

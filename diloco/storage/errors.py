@@ -193,7 +193,8 @@ _REQUEST_BACKOFF = Backoff(BACKOFF_BASE_S, BACKOFF_CAP_S, jitter=True)
 
 
 def backoff_s(attempt: int) -> float:
-    """Jittered exponential backoff before retry number attempt+1 of a storage request (equal jitter, capped)."""
+    """Jittered exponential backoff before retry number attempt+1 of a storage request (equal jitter,
+    capped)."""
     return _REQUEST_BACKOFF.wait_for(attempt)
 
 

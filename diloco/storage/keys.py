@@ -90,8 +90,9 @@ class RunKeys:
     """The keys of one run, all under `<run_id>/`."""
 
     run_id: str
-    # a fragment's own namespace `<run>/fragments/<p:04d>/` for its versions, globals and deltas (None: the run's
-    # root, the whole model); everything else (run.json, control, learners, evals, events) stays at the root
+    # a fragment's own namespace `<run>/fragments/<p:04d>/` for its versions, globals and deltas (None: the
+    # run's root, the whole model); everything else (run.json, control, learners, evals, events) stays at the
+    # root
     fragment: int | None = None
 
     def __post_init__(self) -> None:

@@ -53,7 +53,8 @@ class Record(BaseModel):
         try:
             return cls.model_validate(obj)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(record)'}: {e['msg']}" for e in exc.errors())
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(record)'}: {e['msg']}"
+                                 for e in exc.errors())
             raise RecordError(f"{name} is malformed: {problems}") from None
 
     @classmethod
@@ -79,17 +80,17 @@ class RunRecord(Record):
     # the model's layout: [{"name", "shape", "dtype", "direct"}], what the merger and audit work from without
     # the user's code ([] in runs made before TrainSpecs: their fingerprint still guards every object)
     layout: list[dict[str, Any]] = []
-    # the model's buffers the run ships and merges (outer.buffers "mean"): [{"name", "shape", "dtype"}]; None (not
-    # written) for a model without any, a run that keeps them, and runs made before buffers were merged
+    # the model's buffers the run ships and merges (outer.buffers "mean"): [{"name", "shape", "dtype"}]; None
+    # (not written) for a model without any, a run that keeps them, and runs made before buffers were merged
     buffers: list[dict[str, Any]] | None = None
     # fragments.count > 1: the fragment layout (diloco.training.fragments.plan_fragments), fixed at creation
     fragments: list[dict[str, Any]] = []
-    # tokens in one batch of the spec, as the run was created (None in runs made before): a delta's tokens per step
-    # are counted up to TOKENS_SLACK x this in the merge (merger/step.py CounterBounds)
+    # tokens in one batch of the spec, as the run was created (None in runs made before): a delta's tokens per
+    # step are counted up to TOKENS_SLACK x this in the merge (merger/step.py CounterBounds)
     tokens_per_step: int | None = None
-    # the rules the merge judges by (trust/guard.py TRUST_RULES): 2 = the outlier window takes one sample per learner
-    # per merge and its median is over learners, the last eligible members are never quarantined; None (runs made
-    # before): 1, as their manifests were folded
+    # the rules the merge judges by (trust/guard.py TRUST_RULES): 2 = the outlier window takes one sample per
+    # learner per merge and its median is over learners, the last eligible members are never quarantined; None
+    # (runs made before): 1, as their manifests were folded
     trust_rules: int | None = None
     forked_from: dict[str, Any] | None = None  # `diloco fork`: run_id, storage, version, checksums, by, t
     # STORAGE_FORMAT of the run's chains; None (not written) in runs made before the log: format 1
@@ -133,21 +134,24 @@ class LearnerStatus(Record):
     tokens_per_phase: int | None = None  # the figures of the phase just ended, after a phase
     stall_s: float | None = None
     steps_per_s: float | None = None
-    # inner steps per second of compute, averaged over the last phases (inner.dylu: peers read it to set their H)
+    # inner steps per second of compute, averaged over the last phases (inner.dylu: peers read it to set their
+    # H)
     compute_steps_per_s: float | None = Field(None, gt=0, allow_inf_nan=False)
-    # own deltas shipped and not yet decided by the version(s) it holds (summed over a fragmented learner's chains;
-    # learner.max_unmerged bounds each chain's count; None: not known, e.g. after a resume from local state until an
-    # install)
+    # own deltas shipped and not yet decided by the version(s) it holds (summed over a fragmented learner's
+    # chains; learner.max_unmerged bounds each chain's count; None: not known, e.g. after a resume from local
+    # state until an install)
     unmerged: int | None = Field(None, ge=0)
-    # state "failed" (diloco.run.failure): the error's last line, whether a restart cannot fix it (the user's code or
-    # config at the learner's start), where its log is, and whether the supervisor left it down for good
+    # state "failed" (diloco.run.failure): the error's last line, whether a restart cannot fix it (the user's
+    # code or config at the learner's start), where its log is, and whether the supervisor left it down for
+    # good
     error: str | None = None
     fatal: bool | None = None
     log: str | None = None
     given_up: bool | None = None
 
 
-FINAL_STATES = ("finished", "stopped", "removed", "failed")  # a learner's state once its loop (or process) ended
+# a learner's state once its loop (or process) ended
+FINAL_STATES = ("finished", "stopped", "removed", "failed")
 # how far ahead of the reader's clock a heartbeat may be and still count: the skew of two honest clocks (NTP
 # keeps them within a second); further ahead it is from the future
 CLOCK_SKEW_S = 60.0
@@ -180,7 +184,8 @@ class SupervisorLease(Record):
     started_at: float  # unix seconds, the supervisor's clock
     t: float  # the last renewal, the supervisor's clock
     beat: int = 0  # renewals so far
-    timeout_s: float = Field(gt=0)  # no renewal for this long: the supervisor is gone (run.heartbeat_timeout_s)
+    # no renewal for this long: the supervisor is gone (run.heartbeat_timeout_s)
+    timeout_s: float = Field(gt=0)
     deadline: float  # started_at + run.time_limit_s
     released: bool = False  # the session ended (end_reason says why)
     end_reason: str | None = None

@@ -1,5 +1,5 @@
-"""The Store interface, and ObjectStore: one implementation for the URLs a run can live at (file://, memory://,
-s3://bucket/prefix; other protocols are refused: a run needs an atomic exclusive create).
+"""The Store interface, and ObjectStore: one implementation for the URLs a run can live at (file://,
+memory://, s3://bucket/prefix; other protocols are refused: a run needs an atomic exclusive create).
 
 Contract: keys are '/'-separated relative paths under the store root; listings are never served
 from a cache; put_if_absent is a true atomic exclusive create; errors are translated in one place.
@@ -170,7 +170,8 @@ class ObjectStore:
         return sorted(
             key
             for key in found
-            if key.startswith(prefix) and key > after and not any(s.startswith(TMP_PREFIX) for s in key.split("/"))
+            if key.startswith(prefix) and key > after
+            and not any(s.startswith(TMP_PREFIX) for s in key.split("/"))
         )
 
     def folders(self, prefix: str) -> list[str]:

@@ -45,7 +45,8 @@ class Traffic:
 
     sent: Counter[str] = field(default_factory=Counter)
     received: Counter[str] = field(default_factory=Counter)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # the publisher thread puts while the learner gets
+    # the publisher thread puts while the learner gets
+    lock: threading.Lock = field(default_factory=threading.Lock)
     # which counters (a report sums the last figures of each: two learners run one after the other in one
     # process are two sets of counters, not one)
     id: str = field(default_factory=lambda: secrets.token_hex(4))

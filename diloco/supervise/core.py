@@ -1,10 +1,10 @@
 """The supervisor core: one watch loop, one restart policy, the silence check and the stop/removed signals,
-shared by every backend (local processes in supervise/local.py, Prefect deployments in supervise/deployments.py).
+shared by every backend (local processes: supervise/local.py, Prefect deployments: supervise/deployments.py).
 
 Contract: a role that ended, or a learner that went silent, while the run goes on is started again after a
 back-off, at most `run.max_restarts` times in a row without a healthy stretch, then given up (a learner whose
-start failed for a reason a restart cannot fix, its own status says, at once; each failed learner's error line and
-log are in its `exit` / `give_up` events and its status: supervise/failures.py); a learner an
+start failed for a reason a restart cannot fix, its own status says, at once; each failed learner's error line
+and log are in its `exit` / `give_up` events and its status: supervise/failures.py); a learner an
 operator removed (`control/removed-<name>`) ends itself, is never started again, and is killed if it has not
 ended REMOVE_GRACE_S (or run.heartbeat_timeout_s, if longer) after its removal was seen; a planned restart
 (chaos, operator) is not a crash, and a paused role is left alone; the run ends at the target version, on a
@@ -62,7 +62,7 @@ class Job:
 
     role: str  # "learner" | "merger" | "evaluator"
     name: str
-    spec: dict[str, Any] = field(default_factory=dict)  # what the backend needs to start it (deployment, tags)
+    spec: dict[str, Any] = field(default_factory=dict)  # what the backend starts it with (deployment, tags)
     handle: Any = None  # the backend's: a process, or a flow-run id; None while it is not running
     started_at: float = 0.0  # when its current start was asked for
     running_since: float | None = None  # first seen running (a flow run starts seconds after submission)
@@ -114,7 +114,7 @@ class Supervisor:
         self._removed = {}  # learner -> its RemovedSignal
         self._stop = StopSignal(ctx, None)
         self.watch = ChainWatch(ctx)  # its ticks list what is new on each chain, not every version
-        self.learner_spec: Callable[[str], dict[str, Any]] = lambda name: {}  # a backend's spec of a learner job
+        self.learner_spec: Callable[[str], dict[str, Any]] = lambda name: {}  # a backend's learner job spec
         self._members_at = 0.0
         self.lease: Lease | None = None  # held by run_to_end
 
@@ -127,9 +127,9 @@ class Supervisor:
         return job
 
     def add_run_roles(self) -> None:
-        """The merger (every shard: merger, merger-s1, ...), the run's learners (run.json's, plus the admitted,
-        minus the removed) and the evaluator, started in that order: the mergers' start (imports, flow run,
-        state) is under way before the first delta arrives, a learner's first phase later."""
+        """The merger (every shard: merger, merger-s1, ...), the run's learners (run.json's, plus the
+        admitted, minus the removed) and the evaluator, started in that order: the mergers' start (imports,
+        flow run, state) is under way before the first delta arrives, a learner's first phase later."""
         for merger_id in merger_ids(self.ctx):
             self.add("merger", merger_id)
         for name in self._members():
@@ -151,7 +151,8 @@ class Supervisor:
         self.events.emit("submit_failed", role=job.role, learner=job.name, reason=refused[:200])
         log.warning("run %s: could not start %s (%s); retrying", self.ctx.run_id, job.name, refused)
         if job.refusals >= MAX_REFUSALS:
-            raise RoleUnstartable(f"{job.role} {job.name} could not be started {job.refusals} times in a row: {refused}")
+            raise RoleUnstartable(f"{job.role} {job.name} could not be started {job.refusals} times in a "
+                                  f"row: {refused}")
         return False
 
     def start_all(self) -> None:
@@ -166,7 +167,7 @@ class Supervisor:
                 self.start(job, asked)
 
     def joined(self, job: Job) -> bool:
-        """Whether the job's current process has written a status since it was started (learners do at join)."""
+        """Whether the job's current process has written a status since its start (learners do at join)."""
         if job.handle is None:
             return False
         try:
@@ -250,7 +251,8 @@ class Supervisor:
         if job.paused:
             self.resume(job.name)  # a stopped process cannot see its removal
         self.events.emit("removed", role=job.role, learner=job.name)
-        log.info("learner %s was removed by an operator; it ends after its phase and is not restarted", job.name)
+        log.info("learner %s was removed by an operator; it ends after its phase and is not restarted",
+                 job.name)
 
     def _check(self, job: Job, now: float) -> None:
         state, detail = self.backend.state(job)
@@ -270,13 +272,14 @@ class Supervisor:
 
     def _ended(self, job: Job, detail: Any, now: float) -> None:
         job.exits.append(detail)
-        job.failure = None  # the latest process's: its error line, where its log is, whether a restart can fix it
+        job.failure = None  # the latest process's: its error line, its log, whether a restart can fix it
         if not job.removed and job.planned_restart_at is None and failed_exit(detail):
             job.failure = read_failure(self.ctx, self.backend, job, detail)
-            log.error("%s %s failed: %s (log: %s)", job.role, job.name, job.failure.error, job.failure.log or "none")
+            log.error("%s %s failed: %s (log: %s)", job.role, job.name, job.failure.error,
+                      job.failure.log or "none")
         job.handle = None
-        self.events.emit("exit", role=job.role, learner=job.name, **({"code": detail} if isinstance(detail, int)
-                                                                       else {"state": str(detail)}),
+        self.events.emit("exit", role=job.role, learner=job.name,
+                         **({"code": detail} if isinstance(detail, int) else {"state": str(detail)}),
                          **(job.failure.fields() if job.failure else {}))
         if job.planned_restart_at is not None:
             job.next_start = job.planned_restart_at
@@ -290,7 +293,7 @@ class Supervisor:
             self.start(job)
             return
         fatal = job.failure is not None and job.failure.fatal
-        if job.restarts >= self.cfg.run.max_restarts or fatal:  # a user error at its start: the next start repeats it
+        if job.restarts >= self.cfg.run.max_restarts or fatal:  # a user error at start: a restart repeats it
             log.error("%s %s; leaving it down", job.name, "cannot be fixed by a restart" if fatal else
                       f"exceeded max_restarts={self.cfg.run.max_restarts}")
             self.events.emit("give_up", role=job.role, learner=job.name, restarts=job.restarts,
@@ -340,7 +343,7 @@ class Supervisor:
             return -1
 
     def target_reached(self) -> bool:
-        """The target version (or the token budget, run.num_tokens) reached on every chain; False on trouble."""
+        """The target version (or token budget, run.num_tokens) reached on every chain; False on trouble."""
         try:
             return target_reached(self.ctx, watch=self.watch)
         except StorageError:
@@ -364,7 +367,7 @@ class Supervisor:
                 reason = "target version"
                 break
             if self._stop():
-                reason = "stop requested"  # the roles end their phase and exit; restarting them would be wrong
+                reason = "stop requested"  # the roles end their phase and exit; a restart would be wrong
                 break
             if until is not None and until(self):
                 reason = "done"
@@ -373,14 +376,15 @@ class Supervisor:
                 hook(self)
             self.heal()
             if merger := next((j for j in self.jobs.values() if j.role == "merger" and j.given_up), None):
-                reason = f"{MERGER_FAILED}: {merger.failure.error if merger.failure else 'it ended too often'}"
-                log.error("run %s: %s; the run ends", self.ctx.run_id, reason)  # nothing can be merged any more
+                reason = (f"{MERGER_FAILED}: "
+                          f"{merger.failure.error if merger.failure else 'it ended too often'}")
+                log.error("run %s: %s; the run ends", self.ctx.run_id, reason)  # nothing can be merged now
                 break
             if self._every_learner_crashed():
                 reason = LEARNERS_CRASHED
-                log.error("run %s: every learner is down for good (given up after run.max_restarts=%d restarts in a "
-                          "row, or failed for a reason a restart cannot fix); the run ends", self.ctx.run_id,
-                          self.cfg.run.max_restarts)
+                log.error("run %s: every learner is down for good (given up after run.max_restarts=%d "
+                          "restarts in a row, or failed for a reason a restart cannot fix); the run ends",
+                          self.ctx.run_id, self.cfg.run.max_restarts)
                 break
             if on_tick:
                 on_tick(self)
@@ -396,7 +400,7 @@ class Supervisor:
         return bool(learners) and all(j.removed for j in learners) and any(j.given_up for j in learners)
 
     def shutdown(self, reason: str, grace_s: float = 60.0) -> None:
-        """Ask everyone to stop (control/stop), wait for them (the final evaluation), then end what is left."""
+        """Ask everyone to stop (control/stop), wait for them (the final evaluation), end what is left."""
         try:
             if not self.ctx.store.exists(self.ctx.keys.stop()):
                 request_stop(self.ctx, reason)

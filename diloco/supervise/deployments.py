@@ -41,7 +41,8 @@ def region_of(deployment: str) -> str:
 
 
 def regional_names(num_learners: int, deployments: tuple[str, ...] = LEARNER_DEPLOYMENTS) -> dict[str, str]:
-    """Learners named after their region, round-robin over the regional deployments: us-east-0, eu-west-0, …"""
+    """Learners named after their region, round-robin over the regional deployments: us-east-0, eu-west-0,
+    …"""
     plan: dict[str, str] = {}
     counts: dict[str, int] = {}
     for i in range(num_learners):
@@ -82,7 +83,8 @@ def add_deployment_jobs(sup: Supervisor, learners: dict[str, str], merger_deploy
         sup.add("learner", name, **learner_job_spec(base, run_tag, name, deployment))
     # a learner admitted later goes round-robin over the regions
     sup.learner_spec = lambda name: learner_job_spec(
-        base, run_tag, name, LEARNER_DEPLOYMENTS[sum(j.role == "learner" for j in sup.jobs.values()) % len(LEARNER_DEPLOYMENTS)])
+        base, run_tag, name,
+        LEARNER_DEPLOYMENTS[sum(j.role == "learner" for j in sup.jobs.values()) % len(LEARNER_DEPLOYMENTS)])
 
 
 def learner_job_spec(base: dict, run_tag: str, name: str, deployment: str) -> dict:
@@ -142,7 +144,8 @@ class DeploymentBackend:
         live = FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING])
         try:
             runs = self.client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=tags), state=FlowRunFilterState(type=live)),
+                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=tags),
+                                              state=FlowRunFilterState(type=live)),
                 sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=1)
         except self._api_errors() as err:
             log.warning("could not look for a live flow run of %s: %s", job.name, err)
@@ -202,7 +205,8 @@ class DeploymentBackend:
 def deployment_supervisor(ctx: RunContext, client: SyncPrefectClient, learners: dict[str, str], *,
                           merger_deployment: str = MERGER_DEPLOYMENT,
                           evaluator_deployment: str = EVALUATOR_DEPLOYMENT,
-                          aws_credentials_block: str | None = None, events: EventLog | None = None) -> Supervisor:
+                          aws_credentials_block: str | None = None,
+                          events: EventLog | None = None) -> Supervisor:
     """A supervisor whose roles are runs of their deployments (the `train` flow's deployment mode)."""
     events = events or EventLog(ctx.store, ctx.keys, "supervisor")
     sup = Supervisor(ctx, DeploymentBackend(ctx, client, events), events=events)

@@ -1,11 +1,11 @@
 """What the supervisor learns when a learner's process fails, and what it records: the error's last line (the
-learner's own `failed` status, else the tail of its log, else the exit), where its log is, whether a restart can
-fix it.
+learner's own `failed` status, else the tail of its log, else the exit), where its log is, whether a restart
+can fix it.
 
-Contract: a failed exit is a non-zero exit code or a FAILED / CRASHED flow run (a planned restart, a removal and
-a run's own shutdown are not failures); read_failure never raises (storage trouble: what the backend knows);
-the learner's status says `failed` once read_failure has run (written here when the process could not write it),
-and `given_up` once the supervisor leaves it down (mark_given_up).
+Contract: a failed exit is a non-zero exit code or a FAILED / CRASHED flow run (a planned restart, a removal
+and a run's own shutdown are not failures); read_failure never raises (storage trouble: what the backend
+knows); the learner's status says `failed` once read_failure has run (written here when the process could not
+write it), and `given_up` once the supervisor leaves it down (mark_given_up).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def failed_exit(detail: Any) -> bool:
 
 
 def read_failure(ctx: RunContext, backend: Any, job: Any, detail: Any) -> Failure:
-    """Why the job's latest process failed: the status it wrote as it failed (this process's, since job.started_at),
-    else what the backend knows (its log's last error line, a flow run's state message); recorded in the learner's
-    status when the process did not."""
+    """Why the job's latest process failed: the status it wrote as it failed (this process's, since
+    job.started_at), else what the backend knows (its log's last error line, a flow run's state message);
+    recorded in the learner's status when the process did not."""
     error, where = _backend_knows(backend, job)
     if job.role != "learner":  # a merger or the evaluator: no status of its own to read or write
         return Failure(error_line(error or (f"exit code {detail}" if isinstance(detail, int)
@@ -72,8 +72,8 @@ def read_failure(ctx: RunContext, backend: Any, job: Any, detail: Any) -> Failur
 def mark_given_up(ctx: RunContext, job: Any, failure: Failure | None) -> None:
     """The learner's status says `failed`, given up: the supervisor will not start it again."""
     failure = failure or Failure("left down: it ended too many times in a row", None, False)
-    write_failed_status(ctx.store.with_retries(1), ctx.keys, job.name, error=failure.error, fatal=failure.fatal,
-                        log_at=failure.log, given_up=True)
+    write_failed_status(ctx.store.with_retries(1), ctx.keys, job.name, error=failure.error,
+                        fatal=failure.fatal, log_at=failure.log, given_up=True)
 
 
 def _backend_knows(backend: Any, job: Any) -> tuple[str | None, str | None]:
@@ -83,7 +83,8 @@ def _backend_knows(backend: Any, job: Any) -> tuple[str | None, str | None]:
 
 
 def last_error_line(path: str | None) -> str | None:
-    """The last line of a log that reads as an error (ERROR_LINE), else its last non-empty line; None without one."""
+    """The last line of a log that reads as an error (ERROR_LINE), else its last non-empty line; None without
+    one."""
     if not path or not os.path.exists(path):
         return None
     with open(path, "rb") as f:

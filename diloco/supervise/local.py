@@ -4,11 +4,11 @@ Contract: a role's process runs `python -m diloco.launch <role> ...` (or `python
 as a Prefect flow run): with `run.start_method: fork` (the default, with or without Prefect; not on CUDA:
 zygote.forks_roles) it is forked from a zygote (diloco.supervise.zygote_process), one process that paid the
 imports once (prefect's and the flows' too when the roles are flow runs), so a (re)start is a fork and a join;
-otherwise it is exec'd, with a warm standby per learner when `run.warm_standby` is on. Each process has its own
-session (kill, SIGSTOP and SIGCONT reach its process group). A process's `start` event is stamped when the start
-was asked for, so the zygote's imports at the first start count in the roles' start-up, as an exec's do.
-`supervise_local` runs a whole run this way to its end (`diloco run`, diloco.api, the `train` flow's local mode;
-no Prefect import here: a plain local run does not pay for it).
+otherwise it is exec'd, with a warm standby per learner when `run.warm_standby` is on. Each process has its
+own session (kill, SIGSTOP and SIGCONT reach its process group). A process's `start` event is stamped when the
+start was asked for, so the zygote's imports at the first start count in the roles' start-up, as an exec's do.
+`supervise_local` runs a whole run this way to its end (`diloco run`, diloco.api, the `train` flow's local
+mode; no Prefect import here: a plain local run does not pay for it).
 
 Warm standby (exec only): each learner has a spare process that has paid the imports and waits, blocked on
 its stdin, without touching the bucket. A (re)start writes one line to the spare (it then opens the run,
@@ -71,7 +71,8 @@ class ProcessBackend:
         return os.path.join(self.log_dir, f"{name}.log")
 
     def _env_of(self, log_path: str | None) -> dict[str, str]:
-        """The environment of a role's process: ours, and where its output goes (a failing learner records it)."""
+        """The environment of a role's process: ours, and where its output goes (a failing learner records
+        it)."""
         return {**self.env, LOG_ENV: os.path.abspath(log_path)} if log_path else self.env
 
     def failure_detail(self, job: Job) -> tuple[str | None, str | None]:
@@ -111,7 +112,8 @@ class ProcessBackend:
         job.handle = forked or self._popen(cmd, job.name, subprocess.DEVNULL)
         job.history.append(str(job.handle.pid))
         self.events.emit("start", t=asked, role=job.role, learner=job.name, pid=job.handle.pid,
-                         restarts=job.restarts, forked=forked is not None, start_s=round(time.time() - asked, 4))
+                         restarts=job.restarts, forked=forked is not None,
+                         start_s=round(time.time() - asked, 4))
         return None
 
     # ---- watching and ending ---------------------------------------------------------------------
@@ -125,7 +127,8 @@ class ProcessBackend:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            self.events.emit("kill", role=job.role, learner=job.name, signal=int(signal.SIGKILL), reason=reason)
+            self.events.emit("kill", role=job.role, learner=job.name, signal=int(signal.SIGKILL),
+                             reason=reason)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
 
@@ -212,18 +215,19 @@ class ProcessBackend:
 
 def local_supervisor(ctx: RunContext, *, prefect: bool = False, events: EventLog | None = None,
                      env: dict[str, str] | None = None, log_dir: str | None = None) -> Supervisor:
-    """A supervisor of the run's roles as processes of this machine (`diloco run`, the `train` flow's local mode)."""
+    """A supervisor of the run's roles as processes of this machine (`diloco run`, the `train` flow's local
+    mode)."""
     events = events or EventLog(ctx.store, ctx.keys, "supervisor")
     backend = ProcessBackend(ctx, events, prefect=prefect, env=env, log_dir=log_dir)
     return Supervisor(ctx, backend, events=events)
 
 
 def supervise_local(ctx: RunContext, *, prefect: bool, log_dir: str | None,
-                    attach: Callable[[Supervisor], object] | None = None, on_tick: Callable[[Any], None] | None = None,
-                    env: dict[str, str] | None = None) -> str:
+                    attach: Callable[[Supervisor], object] | None = None,
+                    on_tick: Callable[[Any], None] | None = None, env: dict[str, str] | None = None) -> str:
     """Start every role (with `env` added to their environment), heal, stop at the end, shut down; returns why
-    the run ended. `attach` gets the supervisor before it starts: a chaos plan's agent, which the caller brings
-    (diloco.chaos.agent.attach_chaos: a leaf the core never imports)."""
+    the run ended. `attach` gets the supervisor before it starts: a chaos plan's agent, which the caller
+    brings (diloco.chaos.agent.attach_chaos: a leaf the core never imports)."""
     supervisor = local_supervisor(ctx, prefect=prefect, log_dir=log_dir, env=env)
     if attach is not None:
         attach(supervisor)

@@ -1,6 +1,6 @@
 """The operator's controls — the functions the CLI (diloco/cli/operate.py), the Python facade
-(diloco.api.operate) and the Prefect `operate` flow call: admit, remove, readmit, pause and resume merges, live
-settings, prepare a resume (fork: diloco.inspect.fork, which replays merges from the log).
+(diloco.api.operate) and the Prefect `operate` flow call: admit, remove, readmit, pause and resume merges,
+live settings, prepare a resume (fork: diloco.inspect.fork, which replays merges from the log).
 
 Contract: each control validates its input against the run as it is now (the newest manifest plus the ops
 not merged yet) and raises RunError / ConfigError / InvalidName naming the problem with nothing written;
@@ -53,10 +53,12 @@ def admit_learner(storage: str | Store | RunContext, run_id: str | None, learner
     ctx = _ctx(storage, run_id)
     state = _policy(ctx).state
     if learner in state.removed:
-        raise RunError(f"learner {learner} was removed from run {ctx.run_id}; removal is for good (admit a new name)")
+        raise RunError(f"learner {learner} was removed from run {ctx.run_id}; removal is for good (admit a "
+                       "new name)")
     if learner in state.members:
         raise RunError(f"learner {learner} is already admitted to run {ctx.run_id}")
-    return write_op(ctx.store, ctx.keys, "admit", learner=learner, values={"start": start}, reason=reason, by=by)
+    return write_op(ctx.store, ctx.keys, "admit", learner=learner, values={"start": start}, reason=reason,
+                    by=by)
 
 
 def remove_learner(storage: str | Store | RunContext, run_id: str | None, learner: str, *,
@@ -87,7 +89,8 @@ def readmit(storage: str | Store | RunContext, run_id: str | None, learner: str,
     state = _policy(ctx).state
     if learner not in state.quarantined:
         quarantined = ", ".join(state.quarantined) or "none"
-        raise RunError(f"learner {learner} is not quarantined in run {ctx.run_id} (quarantined: {quarantined})")
+        raise RunError(f"learner {learner} is not quarantined in run {ctx.run_id} (quarantined: "
+                       f"{quarantined})")
     return write_op(ctx.store, ctx.keys, "readmit", learner=learner, reason=reason, by=by)
 
 
@@ -165,7 +168,8 @@ def _newest_beat(ctx: RunContext) -> tuple[str, float] | None:
 
 def run_state(ctx: RunContext) -> str:
     """"stopped" (control/stop), "finished" (the target version committed, or the token budget), "live" (a
-    learner beat within run.heartbeat_timeout_s), else "idle" (nothing runs: a crashed or never started session)."""
+    learner beat within run.heartbeat_timeout_s), else "idle" (nothing runs: a crashed or never started
+    session)."""
     if ctx.store.exists(ctx.keys.stop()):
         return "stopped"
     if target_reached(ctx):
@@ -191,8 +195,9 @@ def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, ver
                    wait_s: float = QUIET_WAIT_S) -> dict[str, Any]:
     """Make a finished, stopped or idle run continue: the target becomes the newest version + `versions`
     (default: run.json's run.num_versions more), the time limit `time_limit_s` (default run.json's), the stop
-    is cleared. The roles started next (diloco.api.supervise) rejoin at the newest version. The plan's `prefect`:
-    whether the run's last supervisor reported to Prefect (its lease's kind; True for a run never supervised)."""
+    is cleared. The roles started next (diloco.api.supervise) rejoin at the newest version. The plan's
+    `prefect`: whether the run's last supervisor reported to Prefect (its lease's kind; True for a run never
+    supervised)."""
     ctx = _ctx(storage, run_id)
     record = read_record(ctx.store, ctx.keys.run_json(), RunRecord)
     base = config_from_record(record.config)
@@ -209,7 +214,8 @@ def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, ver
         raise held_error(ctx, lease)
     state = run_state(ctx)
     if state == "live":
-        raise RunError(f"run {ctx.run_id} is live (its learners beat within {ctx.cfg.run.heartbeat_timeout_s:g}s): "
+        raise RunError(f"run {ctx.run_id} is live (its learners beat within "
+                       f"{ctx.cfg.run.heartbeat_timeout_s:g}s): "
                        "change it with `diloco set`, or `diloco stop` it first")
     latest = run_version(ctx) or 0  # fragments: the slowest fragment's version
     values = {"run.num_versions": latest + more, "run.time_limit_s": float(limit)}
@@ -221,6 +227,7 @@ def prepare_resume(storage: str | Store | RunContext, run_id: str | None, *, ver
     op = write_op(ctx.store, ctx.keys, "resume", values=values, by=by,
                   reason=f"resume of a {state} run at version {latest}: {more} more versions")
     ctx.store.delete(ctx.keys.stop())
-    return {"run_id": ctx.run_id, "state": state, "latest": latest, "previous_target": ctx.cfg.run.num_versions,
+    return {"run_id": ctx.run_id, "state": state, "latest": latest,
+            "previous_target": ctx.cfg.run.num_versions,
             "target": latest + more, "time_limit_s": float(limit), "op": op,
             "prefect": lease is None or lease.kind != "local"}

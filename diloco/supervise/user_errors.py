@@ -15,8 +15,8 @@ from diloco.training.data import DataError
 from diloco.training.spec import SpecError
 from diloco.trust.signing import SigningError
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, RunError, InvalidName, DataError, SpecError, StorageError,
-                                            SigningError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, RunError, InvalidName, DataError, SpecError,
+                                            StorageError, SigningError)
 
 
 def describe(err: BaseException) -> str:

@@ -1,8 +1,8 @@
 """The supervisor's handle on a zygote (the program is supervise/zygote_process.py): start it, fork roles from
 it, close it.
 
-Contract: `Zygote` starts `python -m diloco.supervise.zygote_process`, which imports torch and every role's code
-and runs a throwaway training step (launch.warm_up), then forks on request.
+Contract: `Zygote` starts `python -m diloco.supervise.zygote_process`, which imports torch and every role's
+code and runs a throwaway training step (launch.warm_up), then forks on request.
 A forked child starts its own session (a process group the supervisor can SIGKILL or SIGSTOP),
 points stdin at /dev/null and stdout/stderr at its log, takes the environment it was given, and
 runs the launch entry (diloco.launch) with the given arguments; it is a warm process from its first
@@ -32,9 +32,9 @@ READY_TIMEOUT_S = 120.0  # imports on a loaded machine; the supervisor falls bac
 
 
 def forks_roles(cfg: Config) -> bool:
-    """Whether a local run's roles are forked from a zygote: `run.start_method: fork`, unless they train or score
-    on CUDA (a process forked after torch looked for a GPU cannot use it: "Cannot re-initialize CUDA in forked
-    subprocess", seen on an H200), where each role is exec'd instead."""
+    """Whether a local run's roles are forked from a zygote: `run.start_method: fork`, unless they train or
+    score on CUDA (a process forked after torch looked for a GPU cannot use it: "Cannot re-initialize CUDA in
+    forked subprocess", seen on an H200), where each role is exec'd instead."""
     if cfg.run.start_method != "fork":
         return False
     from diloco.training.inner import uses_cuda
@@ -75,14 +75,17 @@ class Forked:
 class Zygote:
     """The supervisor's handle: start it, fork roles from it, close it."""
 
-    def __init__(self, env: dict[str, str], label: str, log_path: str | None = None, flows: bool = False) -> None:
+    def __init__(self, env: dict[str, str], label: str, log_path: str | None = None,
+                 flows: bool = False) -> None:
         """`label` shows in `ps` (the run id); the zygote's own stderr goes to `log_path` (else nowhere);
         `flows`: it also imports prefect and the flows, to fork roles as Prefect flow runs."""
         self.flows = flows
-        err = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the child keeps a copy)
+        # the child keeps a copy of the log file
+        err = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "diloco.supervise.zygote_process", label, *(["--flows"] if flows else [])],
+                [sys.executable, "-m", "diloco.supervise.zygote_process", label,
+                 *(["--flows"] if flows else [])],
                 env=env, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=err, start_new_session=True,
             )
@@ -132,7 +135,8 @@ class Zygote:
                 self.proc.stdin.flush()
             except OSError as err:
                 raise ZygoteError(f"the zygote is gone: {err}") from None
-            if not self._cond.wait_for(lambda: self._replies or not self.alive, timeout=30.0) or not self._replies:
+            if (not self._cond.wait_for(lambda: self._replies or not self.alive, timeout=30.0)
+                    or not self._replies):
                 raise ZygoteError("the zygote did not answer")
             reply = self._replies.pop(0)
         if "pid" not in reply:

@@ -22,8 +22,8 @@ import signal
 import sys
 import traceback
 
-# entry -> (module, its warm-up): what a child runs (`main(argv)`, as `python -m <module>` would) and what the zygote
-# imports first; the module's `main` and warm-up are looked up when the zygote starts, by name
+# entry -> (module, its warm-up): what a child runs (`main(argv)`, as `python -m <module>` would) and what the
+# zygote imports first; the module's `main` and warm-up are looked up when the zygote starts, by name
 ENTRIES = {"launch": ("diloco.launch", "warm_up"), "flows": ("diloco.flows.roles", "warm_up_flows")}
 
 # ---- the zygote process ------------------------------------------------------------------------

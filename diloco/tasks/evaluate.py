@@ -14,7 +14,8 @@ from diloco.tasks.common import artifact_key
 def evaluate_task(evaluator: Evaluator, version: int) -> dict:
     record = evaluator.evaluate_version(version)
     if record is not None:
-        rows = [{"version": r["version"], "held_out": round(r["loss"], 4), "metric": r.get("metric", "nats/byte"),
+        rows = [{"version": r["version"], "held_out": round(r["loss"], 4),
+                 "metric": r.get("metric", "nats/byte"),
                  "bits_per_byte": None if r.get("bits_per_byte") is None else round(r["bits_per_byte"], 4),
                  "tokens": r.get("tokens_total", 0)}
                 for r in read_evals(evaluator.ctx)]

@@ -1,5 +1,6 @@
-"""Merge task: one outer step of one chain (the root's, or a fragment's), and its table artifact (who was merged,
-weights, staleness, bytes). The merger's loop calls it once the chain is due: a task per merge, never per poll."""
+"""Merge task: one outer step of one chain (the root's, or a fragment's), and its table artifact (who was
+merged, weights, staleness, bytes). The merger's loop calls it once the chain is due: a task per merge, never
+per poll."""
 
 from __future__ import annotations
 
@@ -25,24 +26,28 @@ def merge_table(manifest: Manifest) -> list[dict]:
     rows.append({"learner": "(merge)", "seq": manifest.version, "status": "committed", "weight": 1.0,
                  "staleness": 0, "base_version": manifest.parent, "tokens": manifest.tokens_total,
                  "bytes": int(manifest.stats.get("update_bytes", 0)),
-                 "reason": f"wait {timing.get('quorum_wait_s', 0):.2f}s grace {timing.get('grace_s', 0):.2f}s "
-                           f"merge {timing.get('merge_s', 0):.3f}s"})
+                 "reason": f"wait {timing.get('quorum_wait_s', 0):.2f}s grace "
+                           f"{timing.get('grace_s', 0):.2f}s merge {timing.get('merge_s', 0):.3f}s"})
     rows.append(trust_row(manifest))
     return rows
 
 
 def trust_row(manifest: Manifest) -> dict:
-    """The guard after this merge: quarantined learners, the outlier bound, pause, the ops this merge applied."""
+    """The guard after this merge: quarantined learners, the outlier bound, pause, the ops this merge
+    applied."""
     guard, stats = manifest.guard, manifest.stats
     quarantined = ", ".join(f"{k} ({v})" for k, v in guard.quarantined.items()) if guard else ""
     bound = stats.get("outlier_bound")
-    ops = "; ".join(f"{e.kind}{' ' + e.learner if e.learner else ''} by {e.by}" + (f" REFUSED: {e.refused}" if e.refused else "")
+    ops = "; ".join(f"{e.kind}{' ' + e.learner if e.learner else ''} by {e.by}"
+                    + (f" REFUSED: {e.refused}" if e.refused else "")
                     for e in manifest.controls)
-    return {"learner": "(trust)", "seq": manifest.version, "status": "paused" if guard and guard.paused else "guarded",
+    return {"learner": "(trust)", "seq": manifest.version,
+            "status": "paused" if guard and guard.paused else "guarded",
             "weight": 0.0, "staleness": 0, "base_version": manifest.parent, "tokens": 0, "bytes": 0,
             "check": "", "norm": None if bound is None else round(bound, 6),
             "reason": f"quarantined: {quarantined or 'none'}; outlier bound (norm/step) "
-                      f"{'warming up' if bound is None else f'{bound:.3g}'}" + (f"; controls: {ops}" if ops else "")}
+                      f"{'warming up' if bound is None else f'{bound:.3g}'}"
+                      + (f"; controls: {ops}" if ops else "")}
 
 
 @task(name="merge", cache_policy=NO_CACHE)

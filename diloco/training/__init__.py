@@ -1,4 +1,5 @@
-"""Pure PyTorch training pieces: the TrainSpec contract, model, data, inner loop, outer optimizer, merge rules.
+"""Pure PyTorch training pieces: the TrainSpec contract, model, data, inner loop, outer optimizer, merge
+rules.
 
 Contract: imports neither Prefect nor fsspec; everything here is deterministic given its seeds.
 """

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 20  # fp64 elements per chunk of an elementwise pass (8 MB; a multiple of any SIMD width)
+# fp64 elements per chunk of an elementwise pass (8 MB; a multiple of any SIMD width)
+CHUNK_ELEMENTS = 1 << 20
 
 
 class Fp64Scratch:

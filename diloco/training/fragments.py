@@ -59,8 +59,8 @@ def plan_fragments(layout: list[dict[str, Any]], count: int) -> list[dict[str, A
     target = math.ceil(total / count)
     pieces = [p for e in layout for p in _split(e, target)]
     if len(pieces) < count:
-        raise FragmentError(f"fragments.count ({count}) is more than the model's {len(pieces)} tensors and row "
-                            "ranges: some fragment would be empty")
+        raise FragmentError(f"fragments.count ({count}) is more than the model's {len(pieces)} tensors and "
+                            "row ranges: some fragment would be empty")
     order = {p["key"]: i for i, p in enumerate(pieces)}
     loads, members = [0] * count, [[] for _ in range(count)]
     for piece in sorted(pieces, key=lambda p: (-p["numel"], order[p["key"]])):  # LPT, ties in layout order

@@ -40,7 +40,8 @@ def pick_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"learner.device is 'cuda', but this machine has no CUDA device (torch {torch.__version__})")
+        raise ValueError("learner.device is 'cuda', but this machine has no CUDA device (torch "
+                         f"{torch.__version__})")
     return name
 
 
@@ -66,7 +67,8 @@ class InnerTrainer:
     """
 
     def __init__(self, model: nn.Module, cfg: InnerConfig, device: str = "cpu", step: int = 0, *,
-                 optimizer: torch.optim.Optimizer | None = None, lr_at_step: Callable[[int], float] | None = None,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 lr_at_step: Callable[[int], float] | None = None,
                  loss: Callable[[nn.Module, Any], tuple[torch.Tensor, int]] | None = None,
                  forward_model: nn.Module | None = None,
                  reduce: Callable[[float, int], tuple[float, int, bool]] | None = None) -> None:
@@ -76,8 +78,8 @@ class InnerTrainer:
         self.cfg = cfg
         self.device = device
         self.step = step
-        # inner.schedule_clock "run": the schedule's step is step + clock_offset, the learner moving the offset
-        # to the run's progress at each install (set_clock); 0 with the own clock
+        # inner.schedule_clock "run": the schedule's step is step + clock_offset, the learner moving the
+        # offset to the run's progress at each install (set_clock); 0 with the own clock
         self.clock_offset = 0
         self.last_grad_norm = 0.0  # before clipping, of the last train_step
         self.last_tokens = 0  # tokens of the last train_step (the spec's count)
@@ -107,7 +109,8 @@ class InnerTrainer:
         return max(0, self.step + self.clock_offset)
 
     def set_clock(self, run_step: int) -> None:
-        """inner.schedule_clock "run": the schedule is at `run_step` now and advances one per step from here."""
+        """inner.schedule_clock "run": the schedule is at `run_step` now and advances one per step from
+        here."""
         self.clock_offset = run_step - self.step
         self._set_lr()
 
@@ -140,7 +143,8 @@ class InnerTrainer:
         if self.reduce is not None:  # every rank agrees before the backward pass (DDP's all-reduce needs all)
             loss_value, tokens, finite = self.reduce(loss_value, tokens)
         if not finite:
-            raise FloatingPointError(f"inner step {self.step}: loss is {loss_value if self.reduce is None else 'nan'}")
+            raise FloatingPointError(f"inner step {self.step}: loss is "
+                                     f"{loss_value if self.reduce is None else 'nan'}")
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(list(self.named.values()), self.cfg.grad_clip)

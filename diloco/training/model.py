@@ -28,8 +28,8 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)  # residual projection
 
     def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """`cache` (generation): this layer's keys and values of the positions before x, extended in place; x's
-        positions attend to all of them."""
+        """`cache` (generation): this layer's keys and values of the positions before x, extended in place;
+        x's positions attend to all of them."""
         B, T, C = x.shape  # (B, T, C)
         q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -98,11 +98,13 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(self._trunk(idx, caches)[:, -1, :]))  # (B, V)
 
     def _trunk(self, idx: torch.Tensor, caches: list[list[torch.Tensor]] | None = None) -> torch.Tensor:
-        """idx (B, T) -> the last block's output (B, T, C), at positions after the cached ones (see next_logits)."""
+        """idx (B, T) -> the last block's output (B, T, C), at positions after the cached ones (see
+        next_logits)."""
         past = caches[0][0].size(2) if caches and caches[0] else 0
         T = idx.size(1)
         if past and T > 1:  # the attention's causal mask would not be offset by the cached positions
-            raise ValueError(f"next_logits takes one position at a time once keys and values are cached, got {T}")
+            raise ValueError("next_logits takes one position at a time once keys and values are cached, got "
+                             f"{T}")
         if self.cfg.ctx_len < past + T:
             raise ValueError(f"sequence length {past + T} exceeds model.ctx_len {self.cfg.ctx_len}")
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(past, past + T, device=idx.device)))  # (B, T, C)
@@ -113,9 +115,9 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
                  top_k: int | None = 40, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append max_new_tokens sampled bytes to idx (B, T); the context is cropped to ctx_len. Keys and values
-        are cached while the whole sequence fits the context (positions are absolute: a cropped window starts
-        again at position 0, so it is recomputed whole)."""
+        """Append max_new_tokens sampled bytes to idx (B, T); the context is cropped to ctx_len. Keys and
+        values are cached while the whole sequence fits the context (positions are absolute: a cropped window
+        starts again at position 0, so it is recomputed whole)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         was_training = self.training
@@ -174,7 +176,8 @@ def get_flat_params(model: nn.Module) -> dict[str, torch.Tensor]:
     accelerator: one device-to-host transfer of all of them into pinned memory, then split."""
     named = list(model.named_parameters())
     if not named or named[0][1].device.type == "cpu":
-        return {name: p.detach().to(device="cpu", dtype=torch.float32).contiguous().clone() for name, p in named}
+        return {name: p.detach().to(device="cpu", dtype=torch.float32).contiguous().clone()
+                for name, p in named}
     with torch.no_grad():
         flat = torch.cat([p.detach().float().reshape(-1) for _, p in named])
         host = torch.empty(flat.shape, dtype=torch.float32, pin_memory=True)

@@ -49,7 +49,8 @@ def state_tensors(opt: torch.optim.Optimizer,
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 if not value.is_floating_point():
-                    raise ValueError(f"optimizer state {key}/{name} is {value.dtype}: only float tensors are saved")
+                    raise ValueError(f"optimizer state {key}/{name} is {value.dtype}: only float tensors are "
+                                     "saved")
                 yield f"{key}/{name}", value.detach()
 
 
@@ -67,7 +68,8 @@ def state_meta(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter], step:
             elif isinstance(value, bool | int | float):
                 scalars.setdefault(name, {})[key] = value
             else:
-                raise ValueError(f"optimizer state {key}/{name} is a {type(value).__name__}: not saved pickle-free")
+                raise ValueError(f"optimizer state {key}/{name} is a {type(value).__name__}: not saved "
+                                 "pickle-free")
     meta = {"format": STATE_FORMAT, "step": step, "scalars": scalars}
     steps = {n: s["step"] for n, s in scalars.items() if isinstance(s.get("step"), dict)}
     if steps:
@@ -123,7 +125,8 @@ def import_state(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter], ten
         p = named[name]
         for key, value in entry.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(p.shape):
-                raise ValueError(f"optimizer state {key}/{name}: shape {tuple(value.shape)} differs from {tuple(p.shape)}")
+                raise ValueError(f"optimizer state {key}/{name}: shape {tuple(value.shape)} differs from "
+                                 f"{tuple(p.shape)}")
             if value is None:
                 raise ValueError(f"optimizer state {key}/{name}: missing")
         new_state[p] = {k: (_placed(v, p, copy) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)

@@ -20,7 +20,8 @@ Tensors = dict[str, torch.Tensor]
 def _check_same(params: Tensors, other: Tensors, what: str) -> None:
     if set(other) != set(params):
         missing, extra = sorted(set(params) - set(other)), sorted(set(other) - set(params))
-        raise ValueError(f"{what}: tensor names differ from the params: missing {missing}, unexpected {extra}")
+        raise ValueError(f"{what}: tensor names differ from the params: missing {missing}, unexpected "
+                         f"{extra}")
     for name, p in params.items():
         if tuple(other[name].shape) != tuple(p.shape):
             raise ValueError(f"{what}[{name}]: shape {tuple(other[name].shape)} != {tuple(p.shape)}")
@@ -100,8 +101,8 @@ class OuterState:
         try:
             pending = {k: tensors[f"pending/{k}"] for k in params} if "pending_share" in tensors else {}
             share = float(tensors["pending_share"].reshape(-1)[0]) if pending else 0.0
-            return cls({k: tensors[f"momentum/{k}"] for k in params}, {k: tensors[f"residual/{k}"] for k in params},
-                       pending, share)
+            return cls({k: tensors[f"momentum/{k}"] for k in params},
+                       {k: tensors[f"residual/{k}"] for k in params}, pending, share)
         except KeyError as err:
             raise ValueError(f"outer state lacks tensor {err}") from None
 
@@ -150,7 +151,8 @@ class OuterOptimizer:
         """rounds(), capped at 1: the scale of a partial merge's pseudo-gradient."""
         return min(1.0, self.rounds(merged_steps))
 
-    def update(self, params: Tensors, state: OuterState, grad: Tensors | None, merged_steps: int) -> OuterUpdate:
+    def update(self, params: Tensors, state: OuterState, grad: Tensors | None,
+               merged_steps: int) -> OuterUpdate:
         """The exact update for the combined pseudo-gradient `grad` (None: every delta was rejected, a
         no-op version that ships the residual and keeps the momentum)."""
         share = self.round_share(merged_steps)
@@ -173,7 +175,8 @@ class OuterOptimizer:
         exact = {k: (new_params[k] - params[k]) + state.residual[k] for k in params}
         return OuterUpdate(exact, momentum, share)
 
-    def _delayed(self, params: Tensors, state: OuterState, grad: Tensors, share: float, rounds: float) -> OuterUpdate:
+    def _delayed(self, params: Tensors, state: OuterState, grad: Tensors, share: float,
+                 rounds: float) -> OuterUpdate:
         """Delayed Nesterov (Asynchronous Local-SGD): a partial-round merge is applied plainly (lr * g) and
         kept pending; once the pending shares add up to a round, the buffer takes them all (buf = mu*buf +
         sum) and that merge adds the look-ahead: a round of partial merges moves the global by exactly one
@@ -182,7 +185,8 @@ class OuterOptimizer:
         total = grad if not state.pending else {k: state.pending[k] + grad[k] for k in grad}
         total_share = state.pending_share + share
         if total_share < 1.0 - 1e-9:  # not a round yet: plain SGD, the buffer waits
-            new_params = {k: params[k].detach().float().add(grad[k].float(), alpha=-self.cfg.lr) for k in params}
+            new_params = {k: params[k].detach().float().add(grad[k].float(), alpha=-self.cfg.lr)
+                          for k in params}
             exact = {k: (new_params[k] - params[k]) + state.residual[k] for k in params}
             return OuterUpdate(exact, state.momentum, share, total, total_share)
         spread = rounds > 1.0 and self.experimental.backlog_momentum == "round_rate"

@@ -6,8 +6,9 @@ on (seed, shard, i), so a cursor resumes it); `loss(model, batch)` -> (scalar lo
 the tokens weigh the merge; optional `eval_batches()`, `build_optimizer(params)`, `lr_at(step)` (a multiplier
 of each parameter group's lr), `sample(model)`, `metric_name`, `export(model, folder)` (a folder in the
 model's own format), and `data_source` (one line naming the data, shown when a run is created). A batch is a
-tensor or a tuple/list/dict of tensors. The model's layout (parameter names, shapes, dtypes; tied weights once) is
-what a run records and checks; its persistent buffers are recorded and merged beside it (diloco.training.buffers).
+tensor or a tuple/list/dict of tensors. The model's layout (parameter names, shapes, dtypes; tied weights
+once) is what a run records and checks; its persistent buffers are recorded and merged beside it
+(diloco.training.buffers).
 """
 
 from __future__ import annotations
@@ -40,13 +41,16 @@ class TrainSpec:
     lr_at: Callable[[int], float] | None = None
     sample: Callable[..., str] | None = None
     metric_name: str = "loss"
-    export: Callable[[nn.Module, Path], None] | None = None  # an extra: e.g. a Hugging Face save_pretrained folder
-    data_source: str = ""  # one line naming the data ("<corpus>: 12 files (3 skipped: not text)"), shown at creation
+    # an extra: e.g. a Hugging Face save_pretrained folder
+    export: Callable[[nn.Module, Path], None] | None = None
+    # one line naming the data ("<corpus>: 12 files (3 skipped: not text)"), shown at creation
+    data_source: str = ""
 
     def __post_init__(self) -> None:
         for name in ("build_model", "batches", "loss"):
             if not callable(getattr(self, name)):
-                raise SpecError(f"TrainSpec.{name} must be callable, got {type(getattr(self, name)).__name__}")
+                raise SpecError(f"TrainSpec.{name} must be callable, got "
+                                f"{type(getattr(self, name)).__name__}")
         for name in ("eval_batches", "build_optimizer", "lr_at", "sample", "export"):
             value = getattr(self, name)
             if value is not None and not callable(value):
@@ -59,7 +63,8 @@ class TrainSpec:
 
 # ---- the model's layout -----------------------------------------------------------------------------
 def check_model(model: object) -> nn.Module:
-    """The model build_model returned, or SpecError: it must be an nn.Module with floating-point parameters."""
+    """The model build_model returned, or SpecError: it must be an nn.Module with floating-point
+    parameters."""
     if not isinstance(model, nn.Module):
         raise SpecError(f"build_model returned {type(model).__name__}, not a torch.nn.Module")
     params = list(model.named_parameters())
@@ -67,7 +72,8 @@ def check_model(model: object) -> nn.Module:
         raise SpecError("build_model returned a model without parameters")
     not_float = [n for n, p in params if not p.is_floating_point()]
     if not_float:
-        raise SpecError(f"build_model's parameters must be floating point; {not_float[0]!r} is {params[0][1].dtype}")
+        raise SpecError(f"build_model's parameters must be floating point; {not_float[0]!r} is "
+                        f"{params[0][1].dtype}")
     return model
 
 
@@ -80,7 +86,8 @@ def embedding_names(model: nn.Module) -> set[str]:
 
 def model_layout(model: nn.Module) -> list[dict[str, Any]]:
     """Every parameter once (tied weights under their first name), in named_parameters order: what a delta
-    carries. Buffers are not part of it (nor of the fingerprint): run.json lists them apart (training.buffers)."""
+    carries. Buffers are not part of it (nor of the fingerprint): run.json lists them apart
+    (training.buffers)."""
     direct = embedding_names(model)
     return [{"name": name, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."),
              "direct": name in direct} for name, p in model.named_parameters()]
@@ -101,7 +108,8 @@ def first_difference(expected: list[dict[str, Any]], got: list[dict[str, Any]]) 
     if len(expected) != len(got):
         more, fewer = (got, expected) if len(got) > len(expected) else (expected, got)
         side = "an extra" if more is got else "no"
-        return f"{side} parameter {more[len(fewer)]['name']!r} ({len(got)} parameters, the run has {len(expected)})"
+        return (f"{side} parameter {more[len(fewer)]['name']!r} ({len(got)} parameters, the run has "
+                f"{len(expected)})")
     return None
 
 
@@ -136,7 +144,8 @@ def slice_batch(batch: Any, rank: int, size: int) -> Any:
         if batch.dim() == 0:
             return batch
         if batch.shape[0] % size:
-            raise ValueError(f"learner.ranks = {size} does not divide the batch's first dimension {batch.shape[0]}: "
+            raise ValueError(f"learner.ranks = {size} does not divide the batch's first dimension "
+                             f"{batch.shape[0]}: "
                              "every rank takes an equal slice")
         return batch.chunk(size, dim=0)[rank]
     if isinstance(batch, tuple | list):

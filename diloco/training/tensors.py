@@ -17,7 +17,8 @@ def to_numpy(tensors: Tensors) -> dict[str, np.ndarray]:
 
 
 def to_torch(arrays: dict[str, np.ndarray]) -> Tensors:
-    # asarray(order="C"), not ascontiguousarray: that one turns a 0-d array (a scalar parameter) into shape (1,)
+    # asarray(order="C"), not ascontiguousarray: that one turns a 0-d array (a scalar parameter) into shape
+    # (1,)
     return {k: torch.from_numpy(np.asarray(v, dtype=np.float32, order="C")) for k, v in arrays.items()}
 
 

@@ -25,7 +25,8 @@ def _latest_merge_artifact(run: DeployedRun):
 
     with run.client() as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[artifact_key("merge", run.run_id)])), sort=ArtifactSort.CREATED_DESC, limit=1)
+            key=ArtifactFilterKey(any_=[artifact_key("merge", run.run_id)])),
+            sort=ArtifactSort.CREATED_DESC, limit=1)
     assert found, "no merge artifact"
     return found[0]
 

@@ -71,20 +71,23 @@ def all_injected(agent: ChaosAgent) -> bool:
     and every follow-up (a resume, a window's end, the second step of seq_backwards) done."""
     lasting = (StorageOutage, StorageDegraded)
     left = [d for d in agent.pending
-            if not isinstance(d.fault, lasting) and not (isinstance(d.fault, SlowLearner) and d.fault.at_s == 0)]
+            if not isinstance(d.fault, lasting)
+            and not (isinstance(d.fault, SlowLearner) and d.fault.at_s == 0)]
     return not left and not agent.timers
 
 
 def merger_kills_claimed(agent: ChaosAgent) -> bool:
     """Every ordered merger self-kill claimed by the merger it targets (it dies right after)."""
     try:
-        return all(agent.ctx.store.exists(done_key(agent.ctx.keys, k.fault_id)) for k in agent.control.merger_kills)
+        return all(agent.ctx.store.exists(done_key(agent.ctx.keys, k.fault_id))
+                   for k in agent.control.merger_kills)
     except StorageError:
         return False
 
 
 def loss_fell(sup: Supervisor) -> bool:
-    """The newest evaluated version's held-out loss is below version 0's (training recovered from the faults)."""
+    """The newest evaluated version's held-out loss is below version 0's (training recovered from the
+    faults)."""
     try:
         evals = read_evals(sup.ctx)
     except StorageError:
@@ -126,7 +129,8 @@ def assert_invariants(run: ChaosRun) -> None:
         _version, status, reason = seen[0]
         assert status == "merged" or reason, f"delta {key} {status} without a reason"
     _assert_pending_after_final_merge(run)
-    guard = guard_figures(run.ctx)  # the run's own learners are honest: the guard must never reject or clip one
+    # the run's own learners are honest: the guard must never reject or clip one
+    guard = guard_figures(run.ctx)
     assert guard["guard_rejections"] == 0 and guard["guard_clips"] == 0, guard
     evals = read_evals(run.ctx)
     assert evals and evals[0]["version"] == 0
@@ -147,7 +151,8 @@ def _assert_pending_after_final_merge(run: ChaosRun) -> None:
         assert mtime > last_commit - slack_s, f"{key} published long before the final merge, never decided"
 
 
-TEST_STARTED = 0.0  # when the current test started (tests/chaos/conftest.py): older processes are not its run's
+# when the current test started (tests/chaos/conftest.py): older processes are not its run's
+TEST_STARTED = 0.0
 
 
 def _of_the_run(proc: psutil.Process) -> bool:

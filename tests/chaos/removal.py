@@ -21,12 +21,14 @@ from diloco.supervise.local import local_supervisor
 
 
 def seqs_of(ctx, name: str) -> list[int]:
-    return sorted(p[1] for p in (parse_delta_key(k) for k in ctx.store.list(ctx.keys.deltas_prefix(name))) if p)
+    return sorted(p[1] for p in (parse_delta_key(k) for k in ctx.store.list(ctx.keys.deltas_prefix(name)))
+                  if p)
 
 
 def check_removal(tmp_path: Path, *, prefect: bool, env: dict[str, str] | None = None) -> None:
     # a long heartbeat timeout: on 2 busy cores (the deployment tests run a deployed run beside this one) an
-    # exec'd Prefect learner can take a minute to join, and a silence kill would be a restart this test forbids
+    # exec'd Prefect learner can take a minute to join, and a silence kill would be a restart this test
+    # forbids
     cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "run.num_versions": 1_000_000,
                                               "run.time_limit_s": 300, "run.restart_backoff_s": 0.2,
                                               "run.heartbeat_timeout_s": 180})
@@ -41,8 +43,8 @@ def check_removal(tmp_path: Path, *, prefect: bool, env: dict[str, str] | None =
         if "removed_at" not in state:
             if seqs_of(ctx, gone) and seqs_of(ctx, ctx.learners[0]):  # both learners publish
                 done = subprocess.run([sys.executable, "-m", "diloco.cli", "remove-learner", "--storage", url,
-                                       "--run-id", ctx.run_id, "--learner", gone], capture_output=True, text=True,
-                                      timeout=60, env={**s.backend.env})
+                                       "--run-id", ctx.run_id, "--learner", gone],
+                                      capture_output=True, text=True, timeout=60, env={**s.backend.env})
                 assert done.returncode == 0, done.stderr
                 state["removed_at"], state["version"] = now, latest_version(ctx.store, ctx.keys)
             return False

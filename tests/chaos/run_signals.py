@@ -40,8 +40,8 @@ def write_config(tmp_path: Path, **run: object) -> Path:
 def start_run(tmp_path: Path, config: Path, run_id: str, env: dict[str, str | None] | None = None,
               prefect: bool = False) -> subprocess.Popen:
     """`diloco run` in tmp_path; `env` adds variables to this process's (None: removes one)."""
-    cmd = [sys.executable, "-m", "diloco.cli", "run", "--config", str(config), "--run-id", run_id, "--no-live",
-           "--json", "--prefect" if prefect else "--no-prefect"]
+    cmd = [sys.executable, "-m", "diloco.cli", "run", "--config", str(config), "--run-id", run_id,
+           "--no-live", "--json", "--prefect" if prefect else "--no-prefect"]
     full = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(env or {})}
     return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={k: v for k, v in full.items() if v is not None})
@@ -81,19 +81,22 @@ def processes_of(run_id: str) -> list[str]:
 
 
 def audit_ok(tmp_path: Path, run_id: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "diloco.cli", "audit", "--storage", f"file://{tmp_path}/runs",
+    done = subprocess.run([sys.executable, "-m", "diloco.cli", "audit", "--storage",
+                           f"file://{tmp_path}/runs",
                            "--run-id", run_id, "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["ok"]
 
 
 def check_signal_ends_the_run(tmp_path: Path, proc: subprocess.Popen, run_id: str, sig: int) -> RunContext:
-    """Signal a live `diloco run`, then: its exit code, the stop reason, the summary, nothing left, audit ok."""
+    """Signal a live `diloco run`, then: its exit code, the stop reason, the summary, nothing left, audit
+    ok."""
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
     reason = {signal.SIGTERM: "terminated", signal.SIGINT: "interrupted"}[sig]
     assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
-    assert f"{reason} (signal {int(sig)}) at version" in err and "every process of the run has ended" in err, err
+    assert (f"{reason} (signal {int(sig)}) at version" in err
+            and "every process of the run has ended" in err), err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["run_id"] == run_id and summary["initial_eval_loss"] is not None
     assert summary["extra"]["state"] == "stopped" and summary["extra"]["stop_reason"] == reason

@@ -1,9 +1,9 @@
 """Chaos runs: real learner, merger and evaluator processes on file:// storage under fault plans.
 
 Fault families are combined into two short runs of the tiny recipe with two learners: (1) learners
-killed (restarted by a fork from the zygote), paused and slowed, a storage outage then errors/latency/bandwidth
-cap, and hostile deltas; (2) the merger killed at every stage of a merge, and a second merger racing it
-(no learner is killed). After each run the invariants hold.
+killed (restarted by a fork from the zygote), paused and slowed, a storage outage then
+errors/latency/bandwidth cap, and hostile deltas; (2) the merger killed at every stage of a merge, and a
+second merger racing it (no learner is killed). After each run the invariants hold.
 Each run ends as soon as its faults are all injected and claimed, its checks can be made and the
 loss has recovered (at least 30 s), or at a cap. Run: `.venv/bin/pytest -m chaos tests/chaos`
 (about 80 s on 2 cores, with test_standby.py; longer on a loaded machine, up to the caps).
@@ -62,8 +62,8 @@ faults:
   - {kind: kill_merger, stage: after_manifest, at_version: 2, merger_id: merger-2}
 """
 
-EXPECTED_REASON = {"corrupt": "checksum", "truncated": "truncated", "duplicated": "header says", "nan": "non-finite",
-                   "oversized": "oversized", "stale": "stale"}
+EXPECTED_REASON = {"corrupt": "checksum", "truncated": "truncated", "duplicated": "header says",
+                   "nan": "non-finite", "oversized": "oversized", "stale": "stale"}
 
 
 MIN_RUN_S = 30.0  # past the storage windows (outage 20-24 s, then errors/latency/bandwidth); time to recover
@@ -112,8 +112,9 @@ def merger_done() -> Callable[[Supervisor, ChaosAgent], bool]:
     def done(sup: Supervisor, agent: ChaosAgent) -> bool:
         winners.add(latest_merger(sup) or "")
         exits = sum(len(p.exits) for p in sup.jobs.values() if p.role == "merger")
-        return (time.time() - sup.started_at >= MIN_RUN_S and all_injected(agent) and merger_kills_claimed(agent)
-                and exits >= 4 and {"merger", "merger-2"} <= winners and sup.latest() >= 8 and loss_fell(sup))
+        return (time.time() - sup.started_at >= MIN_RUN_S and all_injected(agent)
+                and merger_kills_claimed(agent) and exits >= 4 and {"merger", "merger-2"} <= winners
+                and sup.latest() >= 8 and loss_fell(sup))
 
     return done
 

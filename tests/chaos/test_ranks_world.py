@@ -34,7 +34,8 @@ def test_a_killed_rank_restarts_its_whole_learner_and_it_rejoins(tmp_path: Path)
                 and loss_fell(sup) and time.time() - start > 20)
 
     run = run_plan(tmp_path, PLAN, "ranks", until=done, **{"run.num_learners": 2, "learner.ranks": 2,
-                                                           "run.time_limit_s": 200, "run.restart_backoff_s": 0.2})
+                                                           "run.time_limit_s": 200,
+                                                           "run.restart_backoff_s": 0.2})
     assert_invariants(run)
     killed = faults(run)
     assert len(killed) == 1 and killed[0]["rank"] == 1

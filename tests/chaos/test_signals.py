@@ -2,7 +2,8 @@
 timeouts and Ctrl-C send them: SIGTERM / SIGINT end every process of the run, record the true stop reason,
 print the summary so far and exit 143 / 130, and the history audits clean; a second `diloco run` of the live
 run is refused; a supervisor killed with SIGKILL leaves no role training — each notices its lease stopped
-moving (run.heartbeat_timeout_s) and ends, recording why. The Prefect variants: tests/deployment/test_signals_prefect.py.
+moving (run.heartbeat_timeout_s) and ends, recording why. The Prefect variants:
+tests/deployment/test_signals_prefect.py.
 
 Run: .venv/bin/pytest tests/chaos/test_signals.py   (real processes, ~3 min on 2 cores)
 """
@@ -67,7 +68,8 @@ def test_a_killed_supervisor_leaves_no_role_training(tmp_path: Path) -> None:
             proc.kill()
     ctx = open_run(f"file://{tmp_path}/runs", run_id)
     reason = read_stop_reason(ctx)
-    assert reason and reason.startswith("supervisor lost") and f"not renewed for {HEARTBEAT_TIMEOUT_S:g} s" in reason
+    assert (reason and reason.startswith("supervisor lost")
+            and f"not renewed for {HEARTBEAT_TIMEOUT_S:g} s" in reason)
     for name in ctx.learners:
         assert read_record(ctx.store, ctx.keys.status(name), LearnerStatus).state == "stopped"
     audit_ok(tmp_path, run_id)

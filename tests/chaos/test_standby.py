@@ -40,27 +40,31 @@ def test_standby_activation_joins_newest_version(tmp_path: Path, monkeypatch: py
     try:
         backend.spawn_standby(proc)
         log_file = logs / f"{proc.name}.log"
-        wait_for(lambda: log_file.exists() and "standby ready" in log_file.read_text(), 120, "the spare to warm up")
+        wait_for(lambda: log_file.exists() and "standby ready" in log_file.read_text(), 120,
+                 "the spare to warm up")
         before = snapshot(root)
         time.sleep(1.5)
         assert snapshot(root) == before, "a standby wrote to the bucket before it was activated"
         assert not any("status" in k or "/events/" in k for k in before)
         # a newer version than the spare could have seen when it started: it must join this one
         v0 = read_manifest(ctx.store, ctx.keys, 0)
-        commit(ctx.store, ctx.keys, v0.model_copy(update={"version": 1, "parent": 0, "created_at": time.time()}))
+        commit(ctx.store, ctx.keys, v0.model_copy(update={"version": 1, "parent": 0,
+                                                          "created_at": time.time()}))
         spare_pid = backend.standbys[proc.name].pid
         sup.start(proc)
         assert proc.handle is not None and proc.handle.pid == spare_pid and proc.name not in backend.standbys
         sup.events.flush()
         joins = wait_for(lambda: [e for e in read_events(ctx.store, ctx.keys)
-                                  if e.get("kind") == "join" and e.get("source") == proc.name], 60, "the join")
+                                  if e.get("kind") == "join" and e.get("source") == proc.name],
+                         60, "the join")
         assert joins[0]["version"] == 1
         # the next spare is started; one that dies is respawned
         sup.heal()
         assert proc.name in backend.standbys and backend.standbys[proc.name].pid != spare_pid
         dead = backend.standbys[proc.name].pid
         os.killpg(dead, signal.SIGKILL)
-        wait_for(lambda: (sup.heal(), proc.name in backend.standbys and backend.standbys[proc.name].pid != dead)[1], 10,
+        wait_for(lambda: (sup.heal(),
+                          proc.name in backend.standbys and backend.standbys[proc.name].pid != dead)[1], 10,
                  "a dead spare to be respawned")
     finally:
         sup.shutdown("test", grace_s=30)

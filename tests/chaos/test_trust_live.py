@@ -36,18 +36,20 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def cli(*args: str, cwd: Path, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=ENV, timeout=timeout_s)
+    done = subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=ENV, timeout=timeout_s)
     assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
     return done
 
 
 def plant_1000x(ctx, learner: str, base: int) -> None:
-    real = sorted(k for k in ctx.store.list(ctx.keys.deltas_prefix(ctx.learners[0])) if k.endswith(".delta"))[-1]
+    real = sorted(k for k in ctx.store.list(ctx.keys.deltas_prefix(ctx.learners[0]))
+                  if k.endswith(".delta"))[-1]
     header, delta = read_tensors(ctx.store, real)
     meta = {**header.meta, "learner": learner, "seq": 0, "base_version": base}
-    ctx.store.put(ctx.keys.delta(learner, 0), encode_tensors({k: v * 1000 for k, v in delta.items()}, codec_name="fp32",
-                                                             kind="delta", fingerprint=ctx.fingerprint, meta=meta))
+    ctx.store.put(ctx.keys.delta(learner, 0),
+                  encode_tensors({k: v * 1000 for k, v in delta.items()}, codec_name="fp32",
+                                 kind="delta", fingerprint=ctx.fingerprint, meta=meta))
 
 
 def decided(ctx, learner: str):
@@ -69,15 +71,17 @@ def test_a_rogue_in_a_live_run_then_resume_and_fork_from_the_cli(tmp_path: Path)
     def until(s) -> bool:
         latest = read_latest(ctx.store, ctx.keys)
         if "planted" not in state:
-            if latest is not None and "outlier_median" in latest.stats:  # the window holds enough honest deltas
-                cli("admit-learner", "--storage", url, "--run-id", ctx.run_id, "--learner", "bad-0", "--no-start",
-                    cwd=tmp_path)
+            # the window holds enough honest deltas
+            if latest is not None and "outlier_median" in latest.stats:
+                cli("admit-learner", "--storage", url, "--run-id", ctx.run_id, "--learner", "bad-0",
+                    "--no-start", cwd=tmp_path)
                 latest = read_latest(ctx.store, ctx.keys)  # the command took seconds: versions moved on
                 plant_1000x(ctx, "rogue-0", latest.version)
                 plant_1000x(ctx, "bad-0", latest.version)
                 state["planted"] = latest.version
             return False
-        return bool(decided(ctx, "rogue-0") and decided(ctx, "bad-0") and latest.version >= state["planted"] + 3)
+        return bool(decided(ctx, "rogue-0") and decided(ctx, "bad-0")
+                    and latest.version >= state["planted"] + 3)
 
     assert sup.run_to_end(shutdown_grace_s=30, tick_s=0.2, until=until) == "done"
     (_, rogue), (_, bad) = decided(ctx, "rogue-0"), decided(ctx, "bad-0")
@@ -94,8 +98,8 @@ def test_a_rogue_in_a_live_run_then_resume_and_fork_from_the_cli(tmp_path: Path)
     finished = chain[-1].version
     seqs = {n: max(p[1] for p in map(parse_delta_key, ctx.store.list(ctx.keys.deltas_prefix(n))) if p)
             for n in ctx.learners}
-    out = cli("resume", "--storage", url, "--run-id", ctx.run_id, "--versions", "3", "--no-prefect", "--no-live",
-              "--json", cwd=tmp_path)
+    out = cli("resume", "--storage", url, "--run-id", ctx.run_id, "--versions", "3", "--no-prefect",
+              "--no-live", "--json", cwd=tmp_path)
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["num_versions"] >= finished + 3, summary
     for n in ctx.learners:  # seqs continue where they were: no reuse, no gap after the resume
@@ -105,7 +109,8 @@ def test_a_rogue_in_a_live_run_then_resume_and_fork_from_the_cli(tmp_path: Path)
     assert report.ok and report.num_versions == summary["num_versions"] + 1, report.problems
     assert any(e.kind == "resume" for m in manifests(ctx) for e in m.controls)
 
-    cli("fork", "--storage", url, "--run-id", ctx.run_id, "--at-version", "2", "--new-run-id", "live-fork", cwd=tmp_path)
+    cli("fork", "--storage", url, "--run-id", ctx.run_id, "--at-version", "2", "--new-run-id", "live-fork",
+        cwd=tmp_path)
     child = open_run(url, "live-fork")
     theirs, ours = params_at(ctx, 2)[0], params_at(child, 0)[0]  # each from its checkpoint and updates
     assert all(torch.equal(theirs[k], ours[k]) for k in theirs)

@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
 
 def joins(ctx, name: str) -> list[dict]:
-    return [e for e in read_events(ctx.store, ctx.keys) if e.get("kind") == "join" and e.get("source") == name]
+    return [e for e in read_events(ctx.store, ctx.keys)
+            if e.get("kind") == "join" and e.get("source") == name]
 
 
 def test_forked_restart_then_exec_after_the_zygote_dies(tmp_path: Path) -> None:
@@ -41,7 +42,8 @@ def test_forked_restart_then_exec_after_the_zygote_dies(tmp_path: Path) -> None:
         # a planned restart is a fork: it joins again within seconds, and no spare was ever started
         first = proc.handle.pid
         assert sup.restart_after(name, 0.0, reason="test")
-        wait_for(lambda: (sup.heal(), sup.alive(proc) and proc.handle.pid != first)[1], 30, "the forked restart")
+        wait_for(lambda: (sup.heal(), sup.alive(proc) and proc.handle.pid != first)[1], 30,
+                 "the forked restart")
         wait_for(lambda: len(joins(ctx, name)) >= 2, 30, "the second join")
         assert not backend.standbys
         # the zygote dies: the next restart is an exec, recorded, and the learner joins again
@@ -49,13 +51,15 @@ def test_forked_restart_then_exec_after_the_zygote_dies(tmp_path: Path) -> None:
         backend.zygote.proc.wait(timeout=10)
         second = proc.handle.pid
         assert sup.restart_after(name, 0.0, reason="test")
-        wait_for(lambda: (sup.heal(), sup.alive(proc) and proc.handle.pid != second)[1], 30, "the exec restart")
+        wait_for(lambda: (sup.heal(), sup.alive(proc) and proc.handle.pid != second)[1], 30,
+                 "the exec restart")
         wait_for(lambda: len(joins(ctx, name)) >= 3, 120, "the join after the exec restart")
         sup.events.flush()
     finally:
         sup.shutdown("test", grace_s=30)
     events = read_events(ctx.store, ctx.keys)
-    starts = [e for e in events if e.get("source") == "supervisor" and e["kind"] == "start" and e.get("learner") == name]
+    starts = [e for e in events
+              if e.get("source") == "supervisor" and e["kind"] == "start" and e.get("learner") == name]
     assert [e.get("forked") for e in starts] == [True, True, False]
     assert any(e["kind"] == "zygote_failed" for e in events)
     assert not any(e["kind"] == "standby" for e in events)

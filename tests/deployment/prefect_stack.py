@@ -76,7 +76,8 @@ class Stack:
         done = subprocess.run([PREFECT, "--no-prompt", *args], cwd=REPO, env=self.env, capture_output=True,
                               text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
         if done.returncode != 0:
-            raise RuntimeError(f"prefect {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+            raise RuntimeError(f"prefect {' '.join(args)} failed "
+                               f"({done.returncode}):\n{done.stdout}\n{done.stderr}")
         return done
 
     def start_worker(self, pool: str) -> subprocess.Popen:
@@ -93,7 +94,8 @@ class Stack:
 
 SERVER_SETTINGS = {  # SQLite on 2 busy cores: wait longer for the lock, skip services no test needs
     "PREFECT_SERVER_DATABASE_TIMEOUT": "60", "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
-    "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "false", "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_PAUSE_EXPIRATIONS_ENABLED": "false",
 }
 
 

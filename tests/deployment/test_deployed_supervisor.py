@@ -22,11 +22,13 @@ from diloco.supervise.deployments import add_deployment_jobs, placement, regiona
 @pytest.fixture
 def ctx(tmp_path: Path) -> RunContext:
     cfg = load_config("tiny")
-    return create_run(open_store(f"file://{tmp_path}/bucket"), "sup-1", cfg, learners=["us-east-0", "eu-west-0"])
+    return create_run(open_store(f"file://{tmp_path}/bucket"), "sup-1", cfg,
+                      learners=["us-east-0", "eu-west-0"])
 
 
 def test_learners_are_named_and_placed_by_region() -> None:
-    assert regional_names(3) == {"us-east-0": "learner/learner-us-east", "eu-west-0": "learner/learner-eu-west",
+    assert regional_names(3) == {"us-east-0": "learner/learner-us-east",
+                                 "eu-west-0": "learner/learner-eu-west",
                                  "us-east-1": "learner/learner-us-east"}
     assert placement(["a", "b"], {"b": "learner-eu-west"}) == {"a": "learner/learner-us-east",
                                                                "b": "learner/learner-eu-west"}

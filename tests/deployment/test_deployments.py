@@ -51,7 +51,8 @@ def test_deploy_all_registers_every_deployment_on_its_pool(deployed_run: Deploye
         deployed = {}
         for d in client.read_deployments():
             deployed[f"{client.read_flow(d.flow_id).name}/{d.name}"] = d.work_pool_name
-    assert deployed == {"learner/learner-us-east": "region-us-east", "learner/learner-eu-west": "region-eu-west",
+    assert deployed == {"learner/learner-us-east": "region-us-east",
+                        "learner/learner-eu-west": "region-eu-west",
                         "outer-merge/outer-merge": "control", "evaluate/evaluate": "control",
                         "train/train": "control", "operate/operate": "control"}
 
@@ -64,7 +65,8 @@ def test_run_reaches_versions_and_is_visible_through_the_api(deployed_run: Deplo
     names = {r.name for r in runs}
     assert {f"train-{deployed_run.run_id}", f"merge-{deployed_run.run_id}", "us-east-0", "eu-west-0"} <= names
     learners = flow_runs(deployed_run, f"run:{deployed_run.run_id}", "role:learner")
-    assert {t for r in learners for t in r.tags if t.startswith("region:")} == {"region:us-east", "region:eu-west"}
+    assert {t for r in learners for t in r.tags if t.startswith("region:")} == {"region:us-east",
+                                                                                 "region:eu-west"}
     merge_tables = artifacts(deployed_run, artifact_key("merge", deployed_run.run_id))
     assert merge_tables and merge_tables[0].type == "table"
     assert artifacts(deployed_run, artifact_key("progress", deployed_run.run_id))
@@ -98,7 +100,8 @@ def test_killed_learner_is_resubmitted_and_rejoins_at_the_newest_version(deploye
 
 
 @pytest.mark.long  # ~75 s under load; make test covers removal on the local path and of a deployed run
-def test_a_removed_learner_of_a_local_prefect_run_stays_ended(deployed_run: DeployedRun, tmp_path: Path) -> None:
+def test_a_removed_learner_of_a_local_prefect_run_stays_ended(
+        deployed_run: DeployedRun, tmp_path: Path) -> None:
     """`diloco run` with Prefect: local processes running the flows; before, the local supervisor
     started the removed learner's flow again and again."""
     env = {k: v for k, v in deployed_run.stack.env.items() if k.startswith("PREFECT_")}
@@ -111,7 +114,8 @@ def test_a_removed_learner_of_the_deployed_run_stays_ended(deployed_run: Deploye
     name = "eu-west-0"
     subprocess.run([sys.executable, "-m", "diloco.cli", "remove-learner", "--storage", deployed_run.storage,
                     "--run-id", deployed_run.run_id, "--learner", name], check=True, timeout=120)
-    wait_for(lambda: all(r.state and r.state.type.value in FINAL for r in flow_runs(deployed_run, f"learner:{name}")),
+    wait_for(lambda: all(r.state and r.state.type.value in FINAL
+                         for r in flow_runs(deployed_run, f"learner:{name}")),
              240, f"the flow runs of {name} to end")
     ended = len(flow_runs(deployed_run, f"learner:{name}"))
     time.sleep(10)  # several supervisor ticks and back-offs

@@ -38,7 +38,8 @@ def _run_operate(run: DeployedRun, *params: str) -> str:
     return wait_for(final, 300, f"the operate flow run {flow_run_id}", every_s=2)
 
 
-def test_the_operate_deployment_records_who_and_refuses_bad_input(deployed_run: DeployedRun, tmp_path: Path) -> None:
+def test_the_operate_deployment_records_who_and_refuses_bad_input(
+        deployed_run: DeployedRun, tmp_path: Path) -> None:
     url = f"file://{tmp_path}/bucket"
     ctx = create_run(open_store(url), "operated", load_config("tiny").with_overrides({"run.num_learners": 2}))
     assert _run_operate(deployed_run, f"storage={url}", "run_id=operated", "action=admit-learner",
@@ -54,11 +55,13 @@ def test_the_operate_deployment_records_who_and_refuses_bad_input(deployed_run: 
     assert len(read_ops(ctx.store, ctx.keys)) == 2
 
 
-def test_signing_keys_come_from_prefect_secret_blocks(deployed_run: DeployedRun, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_signing_keys_come_from_prefect_secret_blocks(
+        deployed_run: DeployedRun, monkeypatch: pytest.MonkeyPatch) -> None:
     from prefect.blocks.system import Secret
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: deployed_run.stack.api_url}):  # this process's settings are loaded
+    # this process's settings are loaded
+    with temporary_settings({PREFECT_API_URL: deployed_run.stack.api_url}):
         _keys_from_blocks(Secret, monkeypatch)
 
 

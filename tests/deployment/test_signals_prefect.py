@@ -9,8 +9,8 @@
 - A run whose every learner crashes (run.max_restarts times in a row) ends its `train` flow run Failed, not
   Completed, with the reason.
 
-Run: .venv/bin/pytest tests/deployment/test_signals_prefect.py   (~20 s for SIGTERM, which starts its own server;
-the other two start the shared stack first)
+Run: .venv/bin/pytest tests/deployment/test_signals_prefect.py   (~20 s for SIGTERM, which starts its own
+server; the other two start the shared stack first)
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def _flow_runs(api_url: str, run_id: str) -> list:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
     with SyncPrefectClient(api_url) as client:
-        return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run_id}"])))
+        return client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"run:{run_id}"])))
 
 
 def _parents(api_url: str, runs: list) -> dict[str, str | None]:
@@ -57,7 +58,8 @@ def test_sigterm_ends_a_prefect_run_and_its_local_server(tmp_path: Path) -> None
     proc = start_run(tmp_path, write_config(tmp_path), run_id, env=env, prefect=True)
     record = tmp_path / ".diloco" / "prefect" / "server.json"
     try:
-        wait_for(lambda: record.exists() and training(tmp_path, run_id), 600, "the local server and version 2")
+        wait_for(lambda: record.exists() and training(tmp_path, run_id), 600,
+                 "the local server and version 2")
         server = json.loads(record.read_text())
         wait_for(lambda: len(_flow_runs(server["api_url"], run_id)) >= 4, 120, "the roles' flow runs")
         parents = _parents(server["api_url"], _flow_runs(server["api_url"], run_id))
@@ -68,11 +70,13 @@ def test_sigterm_ends_a_prefect_run_and_its_local_server(tmp_path: Path) -> None
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert not psutil.pid_exists(server["pid"]) or psutil.Process(server["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert (not psutil.pid_exists(server["pid"])
+            or psutil.Process(server["pid"]).status() == psutil.STATUS_ZOMBIE)
     assert not record.exists()
 
 
-def test_sigint_ends_a_prefect_run_reporting_to_a_shared_server(deployed_run: DeployedRun, tmp_path: Path) -> None:
+def test_sigint_ends_a_prefect_run_reporting_to_a_shared_server(
+        deployed_run: DeployedRun, tmp_path: Path) -> None:
     run_id = "sig-prefect-int"
     api = deployed_run.stack.api_url
     proc = start_run(tmp_path, write_config(tmp_path), run_id, env={"PREFECT_API_URL": api}, prefect=True)
@@ -93,7 +97,8 @@ def test_sigint_ends_a_prefect_run_reporting_to_a_shared_server(deployed_run: De
     assert states[f"train-{run_id}"] == "COMPLETED", states
 
 
-def test_a_missing_deployment_fails_the_train_flow_with_its_reason(deployed_run: DeployedRun, tmp_path: Path) -> None:
+def test_a_missing_deployment_fails_the_train_flow_with_its_reason(
+        deployed_run: DeployedRun, tmp_path: Path) -> None:
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
@@ -104,7 +109,8 @@ def test_a_missing_deployment_fails_the_train_flow_with_its_reason(deployed_run:
     done = stack.cli("deployment", "run", "train/train", "-p", f"storage={storage}", "-p", f"run_id={run_id}",
                      "-p", "mode=deployments", "-p", "config=tiny",
                      "-p", 'learners={"us-east-0": "learner-nope"}',
-                     "-p", 'overrides={"run.num_versions": 1000, "run.time_limit_s": 600, "run.restart_backoff_s": 0.5}')
+                     "-p", 'overrides={"run.num_versions": 1000, "run.time_limit_s": 600, '
+                           '"run.restart_backoff_s": 0.5}')
     flow_run_id = next(line.split("UUID:")[1].strip() for line in done.stdout.splitlines() if "UUID:" in line)
 
     def final_state() -> str | None:
@@ -130,7 +136,8 @@ def test_a_missing_deployment_fails_the_train_flow_with_its_reason(deployed_run:
     assert read_stop_reason(open_run(storage, run_id)).startswith("error: RoleUnstartable")
 
 
-def test_a_run_whose_learners_all_crash_fails_the_train_flow(deployed_run: DeployedRun, tmp_path: Path) -> None:
+def test_a_run_whose_learners_all_crash_fails_the_train_flow(
+        deployed_run: DeployedRun, tmp_path: Path) -> None:
     """Its learners' flow runs fail at once (learner.device cuda on a worker without CUDA, which only `diloco
     run` refuses up front); the supervisor gives each up after run.max_restarts and the run ends. Before, the
     `train` flow run ended Completed, the reason only in its logs."""
@@ -143,8 +150,9 @@ def test_a_run_whose_learners_all_crash_fails_the_train_flow(deployed_run: Deplo
     done = stack.cli("deployment", "run", "train/train", "-p", f"storage={storage}", "-p", f"run_id={run_id}",
                      "-p", "mode=deployments", "-p", "config=tiny",
                      "-p", 'learners={"us-east-0": "learner-us-east"}',
-                     "-p", 'overrides={"run.num_learners": 1, "learner.device": "cuda", "run.max_restarts": 0, '
-                           '"run.num_versions": 1000, "run.time_limit_s": 600, "run.restart_backoff_s": 0.5}')
+                     "-p", 'overrides={"run.num_learners": 1, "learner.device": "cuda", "run.max_restarts": '
+                           '0, "run.num_versions": 1000, "run.time_limit_s": 600, '
+                           '"run.restart_backoff_s": 0.5}')
     flow_run_id = next(line.split("UUID:")[1].strip() for line in done.stdout.splitlines() if "UUID:" in line)
 
     def final_state():

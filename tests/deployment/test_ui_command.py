@@ -2,7 +2,8 @@
 pages at the right API (GET /ui-settings says so), a live server of the same home is reported rather than
 doubled, and Ctrl-C stops it — nothing left running.
 
-Run: .venv/bin/pytest tests/deployment/test_ui_command.py   (starts one Prefect server: the command under test)
+Run: .venv/bin/pytest tests/deployment/test_ui_command.py   (starts one Prefect server: the command under
+test)
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def test_ui_serves_the_right_api_url_and_stops_on_ctrl_c(tmp_path: Path) -> None
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_UI_API_URL")}
     env["PREFECT_API_URL"] = "http://127.0.0.1:1/api"  # a stale one in the user's shell must not leak in
     proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "ui", "--port", "0", "--home", str(home)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=tmp_path)
     try:
         lines: list[str] = []
         deadline = time.time() + 240
@@ -41,14 +43,15 @@ def test_ui_serves_the_right_api_url_and_stops_on_ctrl_c(tmp_path: Path) -> None
             line = proc.stdout.readline()
             assert line or proc.poll() is None, "diloco ui ended:\n" + "".join(lines)
             lines.append(line)
-        match = re.search(r"Prefect UI (http://127\.0\.0\.1:\d+) \(API (http://127\.0\.0\.1:\d+/api)\)", "".join(lines))
+        match = re.search(r"Prefect UI (http://127\.0\.0\.1:\d+) \(API (http://127\.0\.0\.1:\d+/api)\)",
+                          "".join(lines))
         assert match, "".join(lines)
         ui, api = match.groups()
         assert api == f"{ui}/api"
         assert _get_json(f"{api}/health") is True
         assert _get_json(f"{ui}/ui-settings")["api_url"] == api  # the pages talk to this server
-        again = subprocess.run([sys.executable, "-m", "diloco.cli", "ui", "--home", str(home)], capture_output=True,
-                               text=True, timeout=120, env=env, cwd=tmp_path)
+        again = subprocess.run([sys.executable, "-m", "diloco.cli", "ui", "--home", str(home)],
+                               capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
         assert again.returncode == 0 and f"is up (a run is using it): UI {ui}" in again.stdout, again.stdout
         server_pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         proc.send_signal(signal.SIGINT)
@@ -57,5 +60,6 @@ def test_ui_serves_the_right_api_url_and_stops_on_ctrl_c(tmp_path: Path) -> None
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0
-    assert not [p for p in server_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in server_pids
+                if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not (home / "server.json").exists()

@@ -30,7 +30,8 @@ def test_the_readme_block_is_the_example_file() -> None:
 def test_the_example_runs_as_written(tmp_path: Path) -> None:
     script = tmp_path / "my_model.py"
     script.write_text(readme_example())
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     before, after = map(float, re.search(r"held-out ([\d.]+) -> ([\d.]+)", done.stdout).groups())
     assert after < before - 0.5, done.stdout

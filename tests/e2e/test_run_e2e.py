@@ -63,13 +63,15 @@ def test_run_on_local_disk(tmp_path):
 
 
 @pytest.mark.s3
-@pytest.mark.long  # ~40 s on moto; make test covers S3 in tests/integration (conformance, races, policies, rejoin);
+# ~40 s on moto; make test covers S3 in tests/integration (conformance, races, policies, rejoin);
+@pytest.mark.long
 # the same run on file:// stays in make test
 def test_run_on_s3(s3_url):
-    # tiny's own 10-step phases: three learners would publish ~15-20 deltas/s on 2 cores, more than moto (one Python
-    # process) serves the merger's reads of. learner.max_unmerged holds each learner to 4 deltas not merged yet
-    # (the rest of its progress ships with a later delta), so the merger keeps up: without it the run stopped at its
-    # 120 s limit at version 8-15, each version merging a growing backlog (docs/ENGINE.md, "Back-pressure").
+    # tiny's own 10-step phases: three learners would publish ~15-20 deltas/s on 2 cores, more than moto (one
+    # Python process) serves the merger's reads of. learner.max_unmerged holds each learner to 4 deltas not
+    # merged yet (the rest of its progress ships with a later delta), so the merger keeps up: without it the
+    # run stopped at its 120 s limit at version 8-15, each version merging a growing backlog (docs/ENGINE.md,
+    # "Back-pressure").
     summary = _run_and_audit(s3_url, "e2e-s3")
     assert summary["deltas_merged"] <= 20 * 3 * 4  # no backlog: at most max_unmerged per learner a version
     assert summary["storage"].startswith("s3://")
@@ -84,7 +86,8 @@ def test_bad_input_is_one_clear_line(tmp_path):
         (("run", "--config", "tiny", "--run-id", "../escape", "--storage", storage), "run id"),
         (("learner", "--storage", storage, "--run-id", "missing", "--learner", "Bad/Name"), "learner"),
         (("audit", "--storage", storage, "--run-id", "missing"), "no run"),
-        (("run", "--config", "tiny", "--corpus", str(tmp_path / "absent.txt"), "--storage", storage), "corpus"),
+        (("run", "--config", "tiny", "--corpus", str(tmp_path / "absent.txt"), "--storage", storage),
+         "corpus"),
     ]
     for args, needle in cases:
         result = _diloco(*args, timeout=60)

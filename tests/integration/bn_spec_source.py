@@ -1,6 +1,7 @@
-"""The source of a user's spec whose model has BatchNorm (or, with bn=False, the same model without it): an MLP
-regressing a fixed function of inputs far from zero mean and unit variance, so a BatchNorm layer evaluated with
-its initial running statistics (mean 0, variance 1) predicts badly. The tests write it to a temporary folder.
+"""The source of a user's spec whose model has BatchNorm (or, with bn=False, the same model without it): an
+MLP regressing a fixed function of inputs far from zero mean and unit variance, so a BatchNorm layer evaluated
+with its initial running statistics (mean 0, variance 1) predicts badly. The tests write it to a temporary
+folder.
 
 Not a test module; tests import BN_SPEC_SOURCE and write it to a file.
 """
@@ -50,6 +51,7 @@ def make_spec(hidden=32, batch=32, seed=7, bn=True, lr=0.01):
 
     return diloco.TrainSpec(
         build_model=lambda: Net(hidden, bn), batches=batches, loss=loss, eval_batches=eval_batches,
-        build_optimizer=lambda params: torch.optim.AdamW(params, lr=lr), lr_at=lambda step: 1.0, metric_name="mse",
+        build_optimizer=lambda params: torch.optim.AdamW(params, lr=lr), lr_at=lambda step: 1.0,
+        metric_name="mse",
     )
 '''

@@ -1,6 +1,6 @@
-"""The source of a user's spec whose model holds the awkward tensors: a 0-d parameter (a learned gain), odd lengths,
-lengths one past a codec block, an empty parameter and a one-element bias as the very last tensor (a regression
-head). The tests write it to a temporary folder and train it.
+"""The source of a user's spec whose model holds the awkward tensors: a 0-d parameter (a learned gain), odd
+lengths, lengths one past a codec block, an empty parameter and a one-element bias as the very last tensor (a
+regression head). The tests write it to a temporary folder and train it.
 
 Not a test module; tests import ODD_SPEC_SOURCE and write it to a file.
 """
@@ -36,7 +36,7 @@ class Odd(nn.Module):
 
 
 def make_spec(hidden=257, batch=32, seed=3, dtype="float32"):
-    dtype = getattr(torch, dtype)  # bfloat16 / float16: the parameters' own dtype (deltas are fp32 all the same)
+    dtype = getattr(torch, dtype)  # bfloat16 / float16: the parameters' own dtype (deltas are fp32 anyway)
 
     def batches(shard, num_shards, start):
         i = start

@@ -1,7 +1,7 @@
-"""A user's model with every awkward tensor (a 0-d gain, odd lengths, a 257-wide layer, an empty parameter, a one-
-element bias as its last tensor) trains with every pair of delta codec and update codec, and audits bit for bit; a
-learner that meets a corrupt committed object stops with an error naming it instead of training on at version 0;
-the merger never commits an update it cannot read back.
+"""A user's model with every awkward tensor (a 0-d gain, odd lengths, a 257-wide layer, an empty parameter, a
+one-element bias as its last tensor) trains with every pair of delta codec and update codec, and audits bit
+for bit; a learner that meets a corrupt committed object stops with an error naming it instead of training on
+at version 0; the merger never commits an update it cannot read back.
 
 Run: .venv/bin/pytest tests/integration/test_any_model.py   (about a minute on 2 cores)
 """
@@ -31,7 +31,8 @@ from diloco.storage.store import Store
 
 pytestmark = pytest.mark.slow
 OVERRIDES = {"inner.steps_per_phase": 8, "run.num_learners": 2, "learner.probe_every_steps": 4,
-             "merger.quorum": 2, "outer.lr": 0.7, "outer.momentum": 0.5, "inner.lr": 0.01, "inner.warmup_steps": 2}
+             "merger.quorum": 2, "outer.lr": 0.7, "outer.momentum": 0.5, "inner.lr": 0.01,
+             "inner.warmup_steps": 2}
 
 
 def write_spec(folder: Path) -> Path:
@@ -85,7 +86,8 @@ def test_the_odd_model_trains_through_the_command_line(tmp_path: Path, fragments
     spec = write_spec(tmp_path / "elsewhere")
     storage = f"file://{tmp_path}/runs"
     done = subprocess.run(
-        [sys.executable, "-m", "diloco.cli", "run", "--config", "tiny", "--spec", f"{spec}:make_spec", "--learners", "2",
+        [sys.executable, "-m", "diloco.cli", "run", "--config", "tiny", "--spec", f"{spec}:make_spec",
+         "--learners", "2",
          "--versions", "8", "--no-prefect", "--no-live", "--json", "--storage", storage, "--run-id", "odd",
          "-o", "merger.quorum=2", "-o", "inner.lr=0.01", "-o", f"fragments.count={fragments}"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -93,10 +95,11 @@ def test_the_odd_model_trains_through_the_command_line(tmp_path: Path, fragments
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["num_versions"] >= 8 and summary["final_eval_loss"] < 0.8 * summary["initial_eval_loss"]
     record = json.loads((tmp_path / "runs" / "odd" / "run.json").read_text())
-    assert [(p["name"], p["shape"]) for p in record["layout"]][-3:] == [("mid.bias", [257]), ("head.weight", [1, 257]),
-                                                                      ("head.bias", [1])]
+    assert [(p["name"], p["shape"]) for p in record["layout"]][-3:] == [
+        ("mid.bias", [257]), ("head.weight", [1, 257]), ("head.bias", [1])]
     assert ("gain", []) in [(p["name"], p["shape"]) for p in record["layout"]]
-    audited = subprocess.run([sys.executable, "-m", "diloco.cli", "audit", "--storage", storage, "--run-id", "odd"],
+    audited = subprocess.run([sys.executable, "-m", "diloco.cli", "audit", "--storage", storage, "--run-id",
+                              "odd"],
                              capture_output=True, text=True, timeout=300)
     assert audited.returncode == 0 and "replay ok" in audited.stdout, audited.stdout + audited.stderr
 
@@ -123,9 +126,12 @@ def test_a_learner_stops_on_a_corrupt_update_naming_it(tmp_path: Path, prefetch:
     manifest = merger.merge_once()
     _corrupt(ctx.store, manifest.update_key)  # the bucket damaged it after the commit (the writer checked it)
     # (the manifest's checksum is of the good bytes: a torn read would pass on a retry; this never will)
-    with pytest.raises(CorruptObject, match=rf"version 2's update {manifest.update_key} is corrupt .*read 3 times"):
-        deadline = time.time() + 120  # with a prefetcher the thread meets it first (slowly on a loaded machine),
-        while time.time() < deadline:  # and the training thread raises it
+    with pytest.raises(CorruptObject,
+                       match=rf"version 2's update {manifest.update_key} is corrupt .*read 3 times"):
+        # with a prefetcher the thread meets it first (slowly on a loaded machine), and the training thread
+        # raises it
+        deadline = time.time() + 120
+        while time.time() < deadline:
             learner.maybe_install()
             if prefetch:
                 learner.prefetcher._thread.join(0.02)
@@ -135,9 +141,11 @@ def test_a_learner_stops_on_a_corrupt_update_naming_it(tmp_path: Path, prefetch:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_odd_model_trains_with_half_precision_parameters(tmp_path: Path, dtype: str) -> None:
-    """Parameters held in bf16 or fp16 by the spec: deltas and versions are the canonical fp32 all the same."""
+    """Parameters held in bf16 or fp16 by the spec: deltas and versions are the canonical fp32 all the
+    same."""
     ctx, merger = _train_in_process(tmp_path, write_spec(tmp_path / "user"), f"odd-{dtype}", rounds=3,
-                                    spec_args={"dtype": dtype}, **{"learner.codec": "int4", "outer.update_codec": "int4"})
+                                    spec_args={"dtype": dtype},
+                                    **{"learner.codec": "int4", "outer.update_codec": "int4"})
     assert {p["dtype"] for p in ctx.layout} == {dtype}
     evaluator = Evaluator(ctx)
     first, last = evaluator.evaluate_version(0)["loss"], evaluator.evaluate_version(3)["loss"]
@@ -146,7 +154,8 @@ def test_the_odd_model_trains_with_half_precision_parameters(tmp_path: Path, dty
     assert report.ok and report.replay_ok, report.problems
 
 
-def test_the_merger_commits_no_update_it_cannot_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_merger_commits_no_update_it_cannot_read_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = write_spec(tmp_path / "user")
     ctx, merger = _train_in_process(tmp_path, spec, "unreadable", rounds=1)
     for name in ctx.learners:

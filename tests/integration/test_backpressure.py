@@ -1,8 +1,8 @@
-"""Back-pressure (learner.max_unmerged): a learner with that many of its own deltas shipped and not decided by the
-version it holds trains on and ships their progress with a later delta, so a merger that cannot keep up gets
-fewer, larger deltas, never a backlog that grows without bound. Nothing is lost: the deferred steps ship with the
-next delta, and the run audits clean. Whole-model learners and fragment lanes (each lane on its own chain).
-Run: .venv/bin/pytest tests/integration/test_backpressure.py -q
+"""Back-pressure (learner.max_unmerged): a learner with that many of its own deltas shipped and not decided by
+the version it holds trains on and ships their progress with a later delta, so a merger that cannot keep up
+gets fewer, larger deltas, never a backlog that grows without bound. Nothing is lost: the deferred steps ship
+with the next delta, and the run audits clean. Whole-model learners and fragment lanes (each lane on its own
+chain). Run: .venv/bin/pytest tests/integration/test_backpressure.py -q
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def _deferred(ctx) -> list[dict]:
 
 def test_a_learner_with_max_unmerged_deltas_trains_on_and_ships_them_later(tmp_path, corpus):
     ctx = _run(tmp_path, **{"learner.max_unmerged": 2})
-    worker = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus), events=EventLog(ctx.store, ctx.keys, "local-0"))
+    worker = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus),
+                     events=EventLog(ctx.store, ctx.keys, "local-0"))
     worker.join()
     h = ctx.cfg.inner.steps_per_phase
     seqs = []
@@ -64,13 +65,16 @@ def test_a_learner_with_max_unmerged_deltas_trains_on_and_ships_them_later(tmp_p
     assert merger.merge_once() is not None  # both pending deltas, one version
     assert worker.maybe_install() == 1 and worker.state.merged == 1 and worker.state.unmerged() == 0
     assert _reported(worker) == 0
-    assert worker.publish(worker.run_phase()) == 2 and worker.state.unmerged() == 1  # the three phases since seq 1
+    # the three phases since seq 1
+    assert worker.publish(worker.run_phase()) == 2 and worker.state.unmerged() == 1
     worker.publisher.drain()
     assert [(d.seq, d.steps) for d in merger.merge_once().merged()] == [(2, 3 * h)]
     worker.close()
-    assert [(m.version, [d.seq for d in m.merged()]) for m in manifests(ctx)] == [(0, []), (1, [0, 1]), (2, [2])]
+    assert [(m.version, [d.seq for d in m.merged()])
+            for m in manifests(ctx)] == [(0, []), (1, [0, 1]), (2, [2])]
     deferred = _deferred(ctx)
-    assert [(e["reason"], e["unmerged"], e["steps"]) for e in deferred] == [("unmerged", 2, h), ("unmerged", 2, 2 * h)]
+    assert [(e["reason"], e["unmerged"], e["steps"])
+            for e in deferred] == [("unmerged", 2, h), ("unmerged", 2, 2 * h)]
     assert audit_run(ctx).ok
 
 
@@ -104,9 +108,9 @@ def test_a_rejoin_knows_what_of_its_own_was_merged(tmp_path, corpus):
 
 
 def test_a_resume_from_local_state_keeps_holding_back(tmp_path, corpus, monkeypatch):
-    """The local state keeps the learner's cursor: a process restarted on its host while the merger is down holds
-    back at once, instead of shipping a delta every phase until its first install (seen: 3,386 deltas each in two
-    minutes, with the merger unable to load its version)."""
+    """The local state keeps the learner's cursor: a process restarted on its host while the merger is down
+    holds back at once, instead of shipping a delta every phase until its first install (seen: 3,386 deltas
+    each in two minutes, with the merger unable to load its version)."""
     monkeypatch.setenv("DILOCO_LOCAL_DIR", str(tmp_path / "local"))
     ctx = _run(tmp_path, **{"learner.max_unmerged": 2, "learner.local_state_every_steps": 5})
     first = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
@@ -123,18 +127,21 @@ def test_a_resume_from_local_state_keeps_holding_back(tmp_path, corpus, monkeypa
 def test_a_fragment_lane_with_max_unmerged_deltas_ships_everything_later(tmp_path, corpus):
     ctx = _run(tmp_path, **{"learner.max_unmerged": 1, "fragments.count": 2, "fragments.overlap_steps": 0,
                             "inner.steps_per_phase": 4, "learner.codec": "fp32", "learner.prefetch": False})
-    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus), events=EventLog(ctx.store, ctx.keys, "local-0"))
+    learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus),
+                      events=EventLog(ctx.store, ctx.keys, "local-0"))
     learner.join()
     learner.publisher.full = lambda *_: False  # uploads never hold a ship back here: only the unmerged
     learner.run_phase(num_steps=4)  # H = 4: fragment 0 ships at step 4, fragment 1 at step 2
     learner.drain()
     assert [lane.seq for lane in learner.lanes.lanes] == [1, 1]
     learner.run_phase(num_steps=4)  # both lanes due again, each with one delta not merged: deferred
-    assert [lane.seq for lane in learner.lanes.lanes] == [1, 1] and [lane.steps for lane in learner.lanes.lanes] == [4, 6]
+    assert ([lane.seq for lane in learner.lanes.lanes] == [1, 1]
+            and [lane.steps for lane in learner.lanes.lanes] == [4, 6])
     assert _reported(learner) == 2  # one delta of each lane: summed over the chains
     for shard in range(ctx.cfg.merger.shards):
         ShardMerger(ctx, shard).poll_once()
-    assert sorted(learner.maybe_install()) == [0, 1] and [lane.unmerged() for lane in learner.lanes.lanes] == [0, 0]
+    assert (sorted(learner.maybe_install()) == [0, 1]
+            and [lane.unmerged() for lane in learner.lanes.lanes] == [0, 0])
     assert _reported(learner) == 0
     learner.run_phase(num_steps=4)
     learner.drain()

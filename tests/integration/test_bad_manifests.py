@@ -1,8 +1,8 @@
-"""A bad newest manifest ends nothing and is installed by no one (issue #44, invariant 3): the newest version is the top
-of the consecutive versions whose manifest parses and chains to its parent. A junk `versions/<99999>.json` or a
-forged well-formed one planted in a live run leaves its learners, merger and supervisor on the real chain to its
-target, and `diloco status` names the key; an unreadable manifest at the top of the chain is stepped over by every
-reader of the newest version.
+"""A bad newest manifest ends nothing and is installed by no one (issue #44, invariant 3): the newest version
+is the top of the consecutive versions whose manifest parses and chains to its parent. A junk
+`versions/<99999>.json` or a forged well-formed one planted in a live run leaves its learners, merger and
+supervisor on the real chain to its target, and `diloco status` names the key; an unreadable manifest at the
+top of the chain is stepped over by every reader of the newest version.
 
 Run: .venv/bin/pytest tests/integration/test_bad_manifests.py   (about 30 s on 2 cores: real processes)
 """
@@ -30,14 +30,15 @@ pytestmark = pytest.mark.slow
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=240,
-                          cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True,
+                          timeout=240, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
 
 
 def test_junk_and_forged_manifests_above_the_chain_end_nothing(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/runs"
     run = subprocess.Popen([sys.executable, "-m", "diloco.cli", "run", "--config", "tiny", "--learners", "2",
-                            "--versions", "8", "--no-prefect", "--no-live", "--json", "--storage", url, "--run-id", "j"],
+                            "--versions", "8", "--no-prefect", "--no-live", "--json", "--storage", url,
+                            "--run-id", "j"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     store = open_store(url)
@@ -69,7 +70,8 @@ def test_an_unreadable_newest_manifest_is_stepped_over(tmp_path: Path) -> None:
     assert latest_version(ctx.store, ctx.keys) == 1  # the listing's top ...
     assert read_latest(ctx.store, ctx.keys) == version0  # ... but no reader takes it
     assert chain_report(ctx) == [f"{ctx.keys.manifest(1)}: unreadable (manifest is not valid JSON: Expecting "
-                                 "property name enclosed in double quotes: line 1 column 2 (char 1)); stepped over"]
+                                 "property name enclosed in double quotes: line 1 column 2 (char 1)); "
+                                 "stepped over"]
     ctx.store.put(ctx.keys.manifest(2), version0.model_copy(update={"version": 2, "parent": 0}).to_bytes())
     assert read_latest(ctx.store, ctx.keys) == version0 and len(chain_report(ctx)) == 2  # 2 names 0, not 1
     watch = ChainWatch(ctx)

@@ -1,14 +1,14 @@
-"""Buffers reach the model that is evaluated and exported (outer.buffers: mean): a user's MLP with BatchNorm trained
-by two in-process learners scores its held-out metric like the same MLP without BatchNorm, while `outer.buffers:
-keep` (the behaviour before buffers were merged: the evaluator's model keeps the initial running statistics) does
-not and is warned once at creation; audit replays the merged buffers bit for bit; the safetensors export, the
-sampled model, a fork and a (re)joining learner carry the version's buffers; a delta with missing or wrong buffers is
-rejected with a reason and the merge goes on, a merge without any learner's buffers carries its parent's forward;
-a fragmented run carries the buffers with fragment 0's chain; a 2-rank learner ships rank 0's; a learner resumed from
-its local state keeps its own.
+"""Buffers reach the model that is evaluated and exported (outer.buffers: mean): a user's MLP with BatchNorm
+trained by two in-process learners scores its held-out metric like the same MLP without BatchNorm, while
+`outer.buffers: keep` (the behaviour before buffers were merged: the evaluator's model keeps the initial
+running statistics) does not and is warned once at creation; audit replays the merged buffers bit for bit; the
+safetensors export, the sampled model, a fork and a (re)joining learner carry the version's buffers; a delta
+with missing or wrong buffers is rejected with a reason and the merge goes on, a merge without any learner's
+buffers carries its parent's forward; a fragmented run carries the buffers with fragment 0's chain; a 2-rank
+learner ships rank 0's; a learner resumed from its local state keeps its own.
 
-Run: .venv/bin/pytest tests/integration/test_buffers.py -q   (about 15 s on 2 cores: one learner process, the rest
-in-process)
+Run: .venv/bin/pytest tests/integration/test_buffers.py -q   (about 15 s on 2 cores: one learner process, the
+rest in-process)
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def spec_path(tmp_path: Path) -> Path:
     return path
 
 
-def _create(tmp_path: Path, spec_path: Path, run_id: str, *, bn: bool = True, buffers: str = "mean", **overrides):
+def _create(tmp_path: Path, spec_path: Path, run_id: str, *, bn: bool = True, buffers: str = "mean",
+            **overrides):
     cfg = load_config("tiny").with_overrides({
         "spec": f"{spec_path}:make_spec", "spec_args": {"bn": bn}, "run.num_learners": 2, "merger.quorum": 2,
         "merger.grace_cap_s": 0.0, "inner.steps_per_phase": 10, "learner.local_state_every_steps": 0,
@@ -60,7 +61,8 @@ def _create(tmp_path: Path, spec_path: Path, run_id: str, *, bn: bool = True, bu
 
 
 def _train(ctx, rounds: int = ROUNDS) -> tuple[float, float]:
-    """Both learners ship a phase, the merger merges both, the learners install; (held-out at 0, at the end)."""
+    """Both learners ship a phase, the merger merges both, the learners install; (held-out at 0, at the
+    end)."""
     learners = [Learner(ctx, name) for name in ctx.learners]
     for learner in learners:
         learner.join()
@@ -89,7 +91,8 @@ def test_batchnorm_scores_like_the_model_without_it(tmp_path, spec_path, caplog)
         kept_ctx = _create(tmp_path, spec_path, "kept", buffers="keep")
         _create(tmp_path, spec_path, "kept", buffers="keep")  # joined, not created: no second warning
     warned = [r.getMessage() for r in caplog.records if "outer.buffers is keep" in r.getMessage()]
-    assert len(warned) == 1 and "body.1.running_mean, body.1.running_var, body.1.num_batches_tracked" in warned[0]
+    assert (len(warned) == 1
+            and "body.1.running_mean, body.1.running_var, body.1.num_batches_tracked" in warned[0])
     kept = _train(kept_ctx)
     ctx = _create(tmp_path, spec_path, "merged")
     merged = _train(ctx)
@@ -102,12 +105,14 @@ def test_batchnorm_scores_like_the_model_without_it(tmp_path, spec_path, caplog)
     assert report.ok and report.replay_ok and report.deltas_merged == 2 * ROUNDS, report.problems
     latest = read_latest(ctx.store, ctx.keys)
     buffers = run_buffers(ctx, latest.version)
-    assert buffers["body.1.num_batches_tracked"].item() == 10 * ROUNDS  # the maximum of the learners' step counts
+    # the maximum of the learners' step counts
+    assert buffers["body.1.num_batches_tracked"].item() == 10 * ROUNDS
     _check_readers(tmp_path, ctx, latest.version, buffers)
 
 
 def _check_readers(tmp_path: Path, ctx, version: int, buffers: dict) -> None:
-    """Export, load_model (sample, native export), a fork and a joining learner carry the version's buffers."""
+    """Export, load_model (sample, native export), a fork and a joining learner carry the version's
+    buffers."""
     from safetensors import safe_open
 
     out, _ = export_safetensors(ctx, tmp_path / "model.safetensors")
@@ -149,7 +154,8 @@ def test_bad_buffers_are_rejected_and_a_merge_without_any_carries_them_forward(t
     reasons = {d.seq: d.reason for d in first.rejected()}
     assert [d.learner for d in first.merged()] == ["local-0"]
     assert "carries 0 buffers where the run merges 3" in reasons[0] and "of shape [31]" in reasons[1]
-    assert all(torch.equal(run_buffers(ctx, 1)[k], v) for k, v in good.items())  # one learner: its own, exactly
+    # one learner: its own, exactly
+    assert all(torch.equal(run_buffers(ctx, 1)[k], v) for k, v in good.items())
     _put_delta(ctx, "local-1", 2, {**good, "body.1.running_mean": torch.full((32,), float("nan"))})
     second = merger.merge_once()  # every delta rejected: the version carries its parent's buffers
     assert not second.merged() and "non-finite" in second.rejected()[0].reason
@@ -189,7 +195,8 @@ def test_a_fragmented_run_carries_buffers_with_fragment_zero(tmp_path, spec_path
         "body.1.num_batches_tracked"].item() > 0
 
 
-def test_a_learner_resumed_from_its_local_state_keeps_its_own_buffers(tmp_path, spec_path, monkeypatch) -> None:
+def test_a_learner_resumed_from_its_local_state_keeps_its_own_buffers(
+        tmp_path, spec_path, monkeypatch) -> None:
     monkeypatch.setenv("DILOCO_LOCAL_DIR", str(tmp_path / "local"))
     ctx = _create(tmp_path, spec_path, "local", **{"learner.local_state_every_steps": 5})
     first = Learner(ctx, "local-0")
@@ -207,13 +214,17 @@ def test_a_learner_resumed_from_its_local_state_keeps_its_own_buffers(tmp_path, 
 
 
 def test_a_two_rank_learner_ships_rank_zeros_buffers(tmp_path, spec_path) -> None:
-    ctx = _create(tmp_path, spec_path, "ranks", **{"learner.ranks": 2, "run.num_learners": 1, "merger.quorum": 1})
-    done = subprocess.run([sys.executable, "-m", "diloco.launch", "learner", "--storage", ctx.store.url, "--run-id",
-                           "ranks", "--name", "local-0", "--phases", "2"], capture_output=True, text=True, timeout=240,
+    ctx = _create(tmp_path, spec_path, "ranks",
+                  **{"learner.ranks": 2, "run.num_learners": 1, "merger.quorum": 1})
+    done = subprocess.run([sys.executable, "-m", "diloco.launch", "learner", "--storage", ctx.store.url,
+                           "--run-id",
+                           "ranks", "--name", "local-0", "--phases",
+                           "2"], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     header, delta = read_tensors(ctx.store, ctx.keys.delta("local-0", 1))
-    assert header.meta["buffers"] == 3 and delta["body.1.num_batches_tracked"].item() == 20  # rank 0's own steps
+    # rank 0's own steps
+    assert header.meta["buffers"] == 3 and delta["body.1.num_batches_tracked"].item() == 20
     assert read_record(ctx.store, ctx.keys.status("local-0"), LearnerStatus).ranks == 2
     merger = Merger(ctx)
     merger.load()
@@ -230,7 +241,8 @@ def test_a_run_made_before_buffers_were_merged_runs_as_before(tmp_path, spec_pat
     del v0["run_json_checksum"]  # nor did it pin run.json in version 0 (diloco.run.pin)
     ctx.store.put(ctx.keys.manifest(0), json.dumps(v0, sort_keys=True, indent=1).encode())
     old = open_run(ctx.store, "old")
-    assert old.buffers == [] and old.fingerprint == ctx.fingerprint  # the layout's fingerprint: buffers never in it
+    # the layout's fingerprint: buffers never in it
+    assert old.buffers == [] and old.fingerprint == ctx.fingerprint
     _train(old, rounds=2)
     header, _ = read_tensors(old.store, old.keys.delta("local-0", 1))
     assert "buffers" not in header.meta and all(t.codec is None for t in header.tensors)

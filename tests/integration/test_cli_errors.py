@@ -21,9 +21,10 @@ from diloco.run.create import create_run
 from diloco.storage import open_store
 
 
-def _diloco(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})}, cwd=cwd)
+def _diloco(*args: str, env: dict[str, str] | None = None,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 def _one_line_error(done: subprocess.CompletedProcess, needle: str) -> None:
@@ -61,10 +62,12 @@ def test_unsupported_protocol_missing_config_and_unknown_learner(tmp_path: Path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
-def test_cuda_learners_on_a_machine_without_cuda_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+def test_cuda_learners_on_a_machine_without_cuda_are_refused_before_anything_is_written(
+        tmp_path: Path) -> None:
     """Before, the run was created and every learner crashed max_restarts times, found on no GPU at all."""
     url = f"file://{tmp_path}/bucket"
-    _one_line_error(_diloco("run", "--config", "tiny", "--storage", url, "--no-prefect", "-o", "learner.device=cuda"),
+    _one_line_error(_diloco("run", "--config", "tiny", "--storage", url, "--no-prefect", "-o",
+                            "learner.device=cuda"),
                     "learner.device is 'cuda', but this machine has no CUDA device")
     assert not (tmp_path / "bucket").exists()
 
@@ -86,7 +89,8 @@ def test_a_run_refused_after_its_early_prefect_server_launched_leaves_none(tmp_p
     import psutil
 
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    done = subprocess.run([sys.executable, "-m", "diloco.cli", "run", "--config", "tiny", "--storage", "ftp://x/y"],
+    done = subprocess.run([sys.executable, "-m", "diloco.cli", "run", "--config", "tiny", "--storage",
+                           "ftp://x/y"],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     _one_line_error(done, "'ftp://' is not supported")
     assert (tmp_path / ".diloco" / "prefect").is_dir()  # the server was launched: its home exists

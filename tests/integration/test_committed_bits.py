@@ -35,7 +35,8 @@ from diloco.storage import list_versions, open_store, read_manifest
 
 GOLDEN = Path(__file__).with_name("committed_bits.json")
 ROUNDS = 4
-OVERRIDES = {"run.num_learners": 2, "merger.quorum": 2, "inner.steps_per_phase": 8, "learner.probe_every_steps": 4,
+OVERRIDES = {"run.num_learners": 2, "merger.quorum": 2, "inner.steps_per_phase": 8,
+             "learner.probe_every_steps": 4,
              "inner.dylu": False, "learner.local_state_every_steps": 0, "learner.prefetch": False,
              "outer.momentum": 0.5, "outer.update_codec": "int4", "learner.codec": "int4"}
 
@@ -52,7 +53,8 @@ def machine() -> str:
 
 
 def _drive(tmp_path: Path, fragments: int) -> dict:
-    """A run of ROUNDS rounds: each learner's phase in turn, then every waiting delta merged; the committed bits."""
+    """A run of ROUNDS rounds: each learner's phase in turn, then every waiting delta merged; the committed
+    bits."""
     from diloco.learner.learner import Learner
     from diloco.merger.loop import ShardMerger
 
@@ -114,4 +116,5 @@ def test_the_committed_versions_are_pinned(tmp_path: Path, fragments: int) -> No
                 assert (mine["params_sha256"], mine["update_sha256"]) == \
                     (theirs["params_sha256"], theirs["update_sha256"]), (chain, mine["version"])
             else:
-                assert mine["params_norm"] == pytest.approx(theirs["params_norm"], rel=1e-6), (chain, mine["version"])
+                assert mine["params_norm"] == pytest.approx(theirs["params_norm"],
+                                                            rel=1e-6), (chain, mine["version"])

@@ -1,8 +1,8 @@
 """DyLU in the engine (inner.dylu): a learner reads its live peers' compute speeds from their status.json (a
 finished, silent or hostile peer is skipped) and runs H_w = floor(v_w / v_max * H) steps a phase; a fragmented
-learner's lanes are retimed to H_w, so each fragment ships once in every H_w steps. The slow learner is a chaos
-slowdown (its steps take 6x longer: still well under half the speed with the other on a busy core), the fast
-one runs as is.
+learner's lanes are retimed to H_w, so each fragment ships once in every H_w steps. The slow learner is a
+chaos slowdown (its steps take 6x longer: still well under half the speed with the other on a busy core), the
+fast one runs as is.
 Run: .venv/bin/pytest tests/integration/test_dylu.py -q
 """
 
@@ -32,18 +32,21 @@ def corpus():
 
 
 def _status(name: str, speed: float, state: str = "training", age_s: float = 0.0) -> LearnerStatus:
-    return LearnerStatus(learner=name, state=state, t=time.time() - age_s, pid=1, seq=0, base_version=0, step=5,
-                         cursor=5, loss=1.0, bytes_published=0, compute_steps_per_s=speed)
+    return LearnerStatus(learner=name, state=state, t=time.time() - age_s, pid=1, seq=0, base_version=0,
+                         step=5, cursor=5, loss=1.0, bytes_published=0, compute_steps_per_s=speed)
 
 
 def test_the_fastest_live_peer_is_read_from_the_statuses(store_url):
-    ctx = create_run(open_store(store_url), "pace", load_config("tiny").with_overrides({"run.num_learners": 6}))
+    ctx = create_run(open_store(store_url), "pace",
+                     load_config("tiny").with_overrides({"run.num_learners": 6}))
     me, live, slower, done, silent, hostile = ctx.learners
     for name, status in ((live, _status(live, 3.0)), (slower, _status(slower, 1.5)),
-                         (done, _status(done, 9.0, state="finished")), (silent, _status(silent, 8.0, age_s=600))):
+                         (done, _status(done, 9.0, state="finished")),
+                         (silent, _status(silent, 8.0, age_s=600))):
         write_record(ctx.store, ctx.keys.status(name), status)
-    ctx.store.put(ctx.keys.status(hostile), _status(hostile, 1.0).to_bytes().replace(b'"compute_steps_per_s":1.0',
-                                                                                     b'"compute_steps_per_s":-7e9'))
+    ctx.store.put(ctx.keys.status(hostile),
+                  _status(hostile, 1.0).to_bytes().replace(b'"compute_steps_per_s":1.0',
+                                                           b'"compute_steps_per_s":-7e9'))
     pace = Pace(ctx.store, ctx.keys, me, ctx.learners, H, timeout_s=60.0)
     pace.refresh()
     assert pace.peers_steps_per_s == 3.0  # not the finished one, not the silent one, not the hostile one
@@ -75,7 +78,8 @@ def test_a_slow_learner_runs_its_share_of_h_and_the_fast_one_all_of_it(corpus, f
         learner.pace.refresh()  # the peer's status of the phase just run
         status = read_record(ctx.store, ctx.keys.status(learner.name), LearnerStatus)
         assert status.compute_steps_per_s == pytest.approx(learner.pace.own_steps_per_s)
-    assert slow.pace.own_steps_per_s < 0.5 * fast.pace.own_steps_per_s  # 6x the compute time, whatever the noise
+    # 6x the compute time, whatever the noise
+    assert slow.pace.own_steps_per_s < 0.5 * fast.pace.own_steps_per_s
     expected = phase_steps(H, slow.pace.own_steps_per_s, fast.pace.own_steps_per_s, slow.pace.min_steps)
     assert slow.pace.min_steps <= expected <= H // 2
     assert learner_step(fast, lambda: False).steps == H

@@ -59,11 +59,13 @@ def test_a_safetensors_export_loads_back_to_the_recorded_loss(tmp_path: Path) ->
     out = tmp_path / "out" / "model.safetensors"
     result = CliRunner().invoke(app, ["export", "--storage", url, "--run-id", "exp", "--out", str(out)])
     assert result.exit_code == 0 and "wrote version 3" in result.output, result.output
-    fresh = build_model(cfg.model, seed=999)  # another init: only the export's tensors make it the run's model
+    # another init: only the export's tensors make it the run's model
+    fresh = build_model(cfg.model, seed=999)
     set_params(fresh, load_file(out))
     spec = load_run_spec(ctx)
     assert evaluate(fresh, spec.eval_batches(), loss=spec.loss) == pytest.approx(evals[-1]["loss"], abs=1e-6)
-    bad = CliRunner().invoke(app, ["export", "--storage", url, "--run-id", "exp", "--version", "9", "--out", str(out)])
+    bad = CliRunner().invoke(app, ["export", "--storage", url, "--run-id", "exp", "--version", "9", "--out",
+                                   str(out)])
     assert bad.exit_code == 2 and "no committed version 9" in bad.output
 
 
@@ -72,10 +74,12 @@ def test_the_hugging_face_spec_trains_and_exports_for_transformers(tmp_path: Pat
     from transformers import AutoModelForCausalLM
 
     text = tmp_path / "corpus.txt"
-    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}.\n" for i in range(2500)))
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}.\n"
+                            for i in range(2500)))
     cfg = load_config("tiny").with_overrides({
         "spec": "diloco.specs.hf:make_spec", "data.corpus": str(text), "run.num_learners": 2,
-        "spec_args": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "spec_args": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                      "num_attention_heads": 2,
                       "num_key_value_heads": 1, "seq_len": 32, "batch_size": 4, "vocab_size": 300},
         "learner.local_state_every_steps": 0, "inner.steps_per_phase": 10,
     })
@@ -92,6 +96,7 @@ def test_the_hugging_face_spec_trains_and_exports_for_transformers(tmp_path: Pat
     loaded = AutoModelForCausalLM.from_pretrained(out)
     spec = load_run_spec(ctx)
     with torch.no_grad():
-        assert evaluate(loaded, spec.eval_batches(), loss=spec.loss) == pytest.approx(evals[-1]["loss"], abs=1e-5)
+        assert evaluate(loaded, spec.eval_batches(),
+                        loss=spec.loss) == pytest.approx(evals[-1]["loss"], abs=1e-5)
     sampled = CliRunner().invoke(app, ["sample", "--storage", url, "--run-id", "hf", "--prompt", "line 3"])
     assert sampled.exit_code == 0 and sampled.output.startswith("line 3"), sampled.output

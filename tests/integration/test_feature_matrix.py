@@ -1,9 +1,10 @@
-"""Every learner and merger option works with the whole model (P = 1) and with fragments (P = 3): ranks, local state,
-bucket checkpoints, sync mode, signing, DyLU, prefetch, back-pressure, the units a Prefect flow wraps as tasks,
-merger shards, fork and resume. Each cell is a short real run (file:// storage, the real roles; in one process
-where the option allows, a learner process for ranks) that must train, commit versions and audit clean, plus
-what the option itself promises. A cell that cannot work must be refused with a reason; since issue #40 no cell
-is refused that the other column supports (merger.shards <= fragments.count holds in both: one chain has one owner).
+"""Every learner and merger option works with the whole model (P = 1) and with fragments (P = 3): ranks, local
+state, bucket checkpoints, sync mode, signing, DyLU, prefetch, back-pressure, the units a Prefect flow wraps
+as tasks, merger shards, fork and resume. Each cell is a short real run (file:// storage, the real roles; in
+one process where the option allows, a learner process for ranks) that must train, commit versions and audit
+clean, plus what the option itself promises. A cell that cannot work must be refused with a reason; since
+issue #40 no cell is refused that the other column supports (merger.shards <= fragments.count holds in both:
+one chain has one owner).
 
 Run: .venv/bin/pytest tests/integration/test_feature_matrix.py   (about a minute on 2 cores)
 """
@@ -31,8 +32,8 @@ from diloco.storage import open_store
 
 pytestmark = pytest.mark.slow
 PARTS = [1, 3]  # the whole model, and three fragments
-# cells the engine still refused or dropped when this matrix was written (issue #40 folds the twins so each works);
-# strict: a cell that starts working fails here until its mark is removed
+# cells the engine still refused or dropped when this matrix was written (issue #40 folds the twins so each
+# works); strict: a cell that starts working fails here until its mark is removed
 NOT_YET: dict[str, str] = {}  # every cell works since the learner and the merger were folded
 
 
@@ -43,11 +44,13 @@ def parts(option: str) -> list:
     return [1, pytest.param(3, marks=pytest.mark.xfail(strict=True, reason=f"#40: {NOT_YET[option]}"))]
 BASE = {"run.num_learners": 2, "merger.quorum": 2, "merger.grace_cap_s": 0.0, "merger.quorum_timeout_s": 5.0,
         "inner.steps_per_phase": 6, "learner.probe_every_steps": 3, "learner.local_state_every_steps": 0,
-        "learner.checkpoint": False, "inner.dylu": False, "learner.prefetch": False, "fragments.overlap_steps": 1}
+        "learner.checkpoint": False, "inner.dylu": False, "learner.prefetch": False,
+        "fragments.overlap_steps": 1}
 
 
 class Run:
-    """A run of the tiny recipe with `overrides`, its learners and merger built as the processes build them."""
+    """A run of the tiny recipe with `overrides`, its learners and merger built as the processes build
+    them."""
 
     def __init__(self, tmp_path: Path, parts: int, overrides: dict | None = None, run_id: str = "m",
                  learners: bool = True) -> None:
@@ -108,8 +111,10 @@ def test_plain(tmp_path: Path, parts: int) -> None:
 
 @pytest.mark.parametrize("parts", parts("ranks"))
 def test_ranks(tmp_path: Path, parts: int) -> None:
-    run = Run(tmp_path, parts, {"learner.ranks": 2, "run.num_learners": 1, "merger.quorum": 1}, learners=False)
-    done = subprocess.run([sys.executable, "-m", "diloco.launch", "learner", "--storage", run.url, "--run-id", "m",
+    run = Run(tmp_path, parts, {"learner.ranks": 2, "run.num_learners": 1, "merger.quorum": 1},
+              learners=False)
+    done = subprocess.run([sys.executable, "-m", "diloco.launch", "learner", "--storage", run.url, "--run-id",
+                           "m",
                            "--name", "local-0", "--phases", "2"], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -246,11 +251,12 @@ def test_back_pressure(tmp_path: Path, parts: int) -> None:
 
 @pytest.mark.parametrize("parts", parts("task_units"))
 def test_task_units(tmp_path: Path, parts: int) -> None:
-    """The units a Prefect flow wraps as tasks (launch.Units: a learner's join and phase, a merge) are called by the
-    roles' own loops for the whole model and for fragments alike."""
+    """The units a Prefect flow wraps as tasks (launch.Units: a learner's join and phase, a merge) are called
+    by the roles' own loops for the whole model and for fragments alike."""
     from diloco.launch import Units, run_role
 
-    run = Run(tmp_path, parts, {"run.num_learners": 1, "merger.quorum": 1, "run.num_versions": 2}, learners=False)
+    run = Run(tmp_path, parts, {"run.num_learners": 1, "merger.quorum": 1, "run.num_versions": 2},
+              learners=False)
     calls: dict[str, int] = {"join": 0, "phase": 0, "merge": 0}
 
     def counted(kind: str, unit):
@@ -270,8 +276,9 @@ def test_task_units(tmp_path: Path, parts: int) -> None:
     thread = threading.Thread(target=merging, daemon=True)
     thread.start()
     units = Units(join=counted("join", lambda learner: learner.join()), phase=counted("phase", learner_step))
-    # until the run's target (its stop signal), at most 40 phases: a bound of 4 let a merger that started after the
-    # learner take a chain's every delta in one merge, and that chain then waited for ever for its second version
+    # until the run's target (its stop signal), at most 40 phases: a bound of 4 let a merger that started
+    # after the learner take a chain's every delta in one merge, and that chain then waited for ever for its
+    # second version
     run_role("learner", run.url, "m", "local-0", phases=40, units=units)
     thread.join(60)
     stop.set()

@@ -1,12 +1,12 @@
 """Fragmented learners in cohorts (`fragments.cohorts`) and with prefetched lanes (`learner.prefetch`).
 
-- cohorts 2: learner k's fragment schedule is offset by (k % 2) * H / 2 steps, so half a phase in, learner 0 has
-  shipped the fragments due in the first half of a phase and learner 1 those of the second; a rejoin keeps the
-  offset; a bad value is refused naming the key.
+- cohorts 2: learner k's fragment schedule is offset by (k % 2) * H / 2 steps, so half a phase in, learner 0
+  has shipped the fragments due in the first half of a phase and learner 1 those of the second; a rejoin keeps
+  the offset; a bad value is refused naming the key.
 - the model out of a fragmented run (sample, exports) is its run version put together from every fragment, not
   the root chain's version 0.
-- prefetch: each lane's prefetcher fetches its fragment's newer versions; the learner installs them at its next
-  step past the overlap without a request of its own, with the bits every learner and the merger hold.
+- prefetch: each lane's prefetcher fetches its fragment's newer versions; the learner installs them at its
+  next step past the overlap without a request of its own, with the bits every learner and the merger hold.
 Run: .venv/bin/pytest tests/integration/test_fragment_cohorts.py -q
 """
 
@@ -59,7 +59,8 @@ def _shipped(ctx, name: str) -> set[int]:
     out = set()
     for p in range(COUNT):
         keys = ctx.keys.for_fragment(p)
-        if any((parsed := parse_delta_key(k)) and parsed[0] == name for k in ctx.store.list(keys.deltas_prefix())):
+        if any((parsed := parse_delta_key(k)) and parsed[0] == name
+               for k in ctx.store.list(keys.deltas_prefix())):
             out.add(p)
     return out
 
@@ -73,7 +74,8 @@ def test_cohorts_offset_each_learners_schedule_by_half_a_phase(tmp_path, corpus)
     for learner in learners:
         learner.run_phase(num_steps=H // 2)
         learner.drain()
-    # fragment p is due at step p * H / COUNT (+ H/2 for learner 1) of every phase; step 0 of a phase is step H
+    # fragment p is due at step p * H / COUNT (+ H/2 for learner 1) of every phase; step 0 of a phase is step
+    # H
     assert _shipped(ctx, ctx.learners[0]) == {1, 2}  # due at steps 2 and 4
     assert _shipped(ctx, ctx.learners[1]) == {3, 0}  # due at its steps 6 and 8 (= 4 + 2, 4 + 4)
     learners[1].close()
@@ -104,7 +106,8 @@ def test_prefetched_lanes_install_the_merged_fragment_bit_for_bit(tmp_path, corp
     learners[0].run_phase(num_steps=H)  # ships every fragment once
     learners[0].drain()
     merged, deadline = [], time.time() + 30
-    while len(merged) < COUNT and time.time() < deadline:  # as run_merger polls (a pass may find one not due yet)
+    # as run_merger polls (a pass may find one not due yet)
+    while len(merged) < COUNT and time.time() < deadline:
         merged += shard.poll_once()
     assert sorted(m.version for m in merged) == [1] * COUNT
     reader = learners[1]

@@ -83,8 +83,8 @@ class Meter:
             return loss
 
         def shipped(index, dequantized):
-            put_(delta := {k: torch.zeros_like(v) for k, v in self.total.items()}, learner.lanes.lanes[index].fragment,
-                 dequantized)
+            put_(delta := {k: torch.zeros_like(v) for k, v in self.total.items()},
+                 learner.lanes.lanes[index].fragment, dequantized)
             for k in self.shipped:
                 self.shipped[k] += delta[k]
             return feedback(index, dequantized)
@@ -136,7 +136,8 @@ def test_staggered_schedule_and_rejoin_at_the_newest_fragments(corpus):
     learner.join()
     shipped_at: list[tuple[int, int]] = []
     ship = learner.ship
-    learner.ship = lambda index, stats=None: shipped_at.append((learner.steps_done, index)) or ship(index, stats)
+    learner.ship = lambda index, stats=None: (shipped_at.append((learner.steps_done, index))
+                                              or ship(index, stats))
     learner.run_phase(num_steps=8)
     learner.drain()
     # H = 4, P = 4: one fragment per step, fragment p at step p (mod 4), fragment 0 first at step 4
@@ -155,14 +156,15 @@ def test_staggered_schedule_and_rejoin_at_the_newest_fragments(corpus):
 
 
 def test_sync_mode_installs_each_fragment_tau_steps_after_shipping(corpus):
-    """Sync: tau steps after a fragment ships the learner waits for the version deciding it; installs go by the
-    compact (int8) updates and hold exactly the committed params' bits."""
+    """Sync: tau steps after a fragment ships the learner waits for the version deciding it; installs go by
+    the compact (int8) updates and hold exactly the committed params' bits."""
     cfg = _cfg(2, "int8", 1).with_overrides({"learner.mode": "sync", "outer.update_codec": "int8"})
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", cfg)
     learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.join()
     stop = threading.Event()
-    shards = [threading.Thread(target=run_merger, args=(ShardMerger(ctx, s),), kwargs={"should_stop": stop.is_set})
+    shards = [threading.Thread(target=run_merger, args=(ShardMerger(ctx, s),),
+                               kwargs={"should_stop": stop.is_set})
               for s in range(2)]
     for t in shards:
         t.start()
@@ -172,7 +174,8 @@ def test_sync_mode_installs_each_fragment_tau_steps_after_shipping(corpus):
         stop.set()
         for t in shards:
             t.join(timeout=30)
-    assert learner.awaiting == {0: 1}  # H = 4, P = 2: fragment 0 ships at steps 4 and 8 (the last: not waited yet)
+    # H = 4, P = 2: fragment 0 ships at steps 4 and 8 (the last: not waited yet)
+    assert learner.awaiting == {0: 1}
     for lane in learner.lanes.lanes:
         m = read_manifest(ctx.store, ctx.keys.for_fragment(lane.index), lane.base)
         assert lane.base >= 1 and m.cursors["local-0"] >= lane.seq - 1 - (lane.index in learner.awaiting)
@@ -187,7 +190,8 @@ def test_a_full_publisher_defers_a_lane_which_ships_everything_next_time(corpus)
     learner.join()
     learner.publisher.full = lambda *_: True  # two deltas still uploading: storage slow or down
     learner.run_phase(num_steps=4)
-    assert [lane.seq for lane in learner.lanes.lanes] == [0, 0] and [lane.steps for lane in learner.lanes.lanes] == [4, 4]
+    assert ([lane.seq for lane in learner.lanes.lanes] == [0, 0]
+            and [lane.steps for lane in learner.lanes.lanes] == [4, 4])
     learner.publisher.full = lambda *_: False
     learner.run_phase(num_steps=4)  # H = 4: fragment 1 due at step 6, fragment 0 at step 8
     learner.drain()
@@ -204,7 +208,8 @@ def _train_ship_merge_install(corpus, background: bool) -> tuple[dict, dict, lis
     cfg = _cfg(4, "int4", 0, background).with_overrides({"learner.probe_every_steps": 1})
     ctx = create_run(open_store(f"memory://lanes-{uuid.uuid4().hex[:10]}"), "lanes", cfg)
     learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
-    learner.publisher.full = lambda *_: False  # no deferral (it depends on upload timing): every due ship ships
+    # no deferral (it depends on upload timing): every due ship ships
+    learner.publisher.full = lambda *_: False
     learner.join()
     for steps in (5, 3, 6, 2, 7):
         learner.run_phase(num_steps=steps)  # installs (probing every step) within phases, encodes in flight
@@ -213,7 +218,8 @@ def _train_ship_merge_install(corpus, background: bool) -> tuple[dict, dict, lis
     learner.drain()
     deltas = {key: decode_tensors(ctx.store.get(key))[1] for index in range(4)
               for key in ctx.store.list(ctx.keys.for_fragment(index).deltas_prefix())}
-    events = [(e["fragment"], e["seq"], e["steps"], e["version"]) for e in learner.events._buf if e["kind"] == "publish"]
+    events = [(e["fragment"], e["seq"], e["steps"], e["version"])
+              for e in learner.events._buf if e["kind"] == "publish"]
     theta = learner.theta()
     learner.close()
     return deltas, theta, events
@@ -230,9 +236,11 @@ def test_encoding_in_the_background_ships_the_same_bits(corpus):
     assert all(torch.equal(theta_inline[k], theta_background[k]) for k in theta_inline)
 
 
-def _slow_encodes(monkeypatch, seconds: float, fail_seq: int | None = None, fragment: int | None = None) -> None:
-    """Fragment deltas (every fragment's, or `fragment`'s) take `seconds` longer to encode (a 125 MB fragment on
-    one core); the one of `fail_seq` (`fragment`'s, when given) fails as the codec does on a non-finite value."""
+def _slow_encodes(monkeypatch, seconds: float, fail_seq: int | None = None,
+                  fragment: int | None = None) -> None:
+    """Fragment deltas (every fragment's, or `fragment`'s) take `seconds` longer to encode (a 125 MB fragment
+    on one core); the one of `fail_seq` (`fragment`'s, when given) fails as the codec does on a non-finite
+    value."""
     from diloco.learner import ship as shipping
     from diloco.storage.codec import CodecError
 
@@ -285,8 +293,8 @@ def test_an_outage_defers_ships_while_deltas_are_still_encoding(corpus, monkeypa
     _slow_encodes(monkeypatch, 1.0)  # far longer than the steps between two ships, even on a loaded machine
     faulty.windows[:] = [StorageWindow(t0=time.time(), outage=True)]
     done = threading.Event()
-    trainer = threading.Thread(target=lambda: [learner.run_phase(num_steps=4) for _ in range(3)] and done.set(),
-                               daemon=True)
+    trainer = threading.Thread(target=lambda: [learner.run_phase(num_steps=4) for _ in range(3)]
+                               and done.set(), daemon=True)
     trainer.start()
     trainer.join(timeout=60)
     training_went_on = done.is_set()
@@ -309,8 +317,8 @@ def test_a_failed_background_encode_ends_the_learner(corpus, monkeypatch):
     learner = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus))
     learner.publisher.full = lambda *_: False  # every due ship ships: seq 1 is taken in every lane
     learner.join()
-    # one delta fails: fragment 0's seq 1 would fail too, and still be queued when fragment 1's is raised if the
-    # encoder thread lags a step behind (a loaded machine), so close() would raise it
+    # one delta fails: fragment 0's seq 1 would fail too, and still be queued when fragment 1's is raised if
+    # the encoder thread lags a step behind (a loaded machine), so close() would raise it
     _slow_encodes(monkeypatch, 0.0, fail_seq=1, fragment=1)
     with pytest.raises(RuntimeError, match="encoding fragment 1's delta seq 1 failed: CodecError"):
         learner.run_phase(num_steps=12)

@@ -44,12 +44,14 @@ def _cfg(count: int, shards: int = 1):
 
 def _full_deltas(params: dict, rounds: int) -> list[dict[str, dict]]:
     gen = torch.Generator().manual_seed(3)
-    return [{name: {k: torch.randn(v.shape, generator=gen) * 1e-2 for k, v in params.items()} for name in LEARNERS}
+    return [{name: {k: torch.randn(v.shape, generator=gen) * 1e-2 for k, v in params.items()}
+             for name in LEARNERS}
             for _ in range(rounds)]
 
 
 def _publish(ctx, keys, learner: str, seq: int, tensors: dict, base: int = 0) -> None:
-    meta = {"learner": learner, "seq": seq, "base_version": base, "tokens": 640 * (1 + LEARNERS.index(learner)),
+    meta = {"learner": learner, "seq": seq, "base_version": base,
+            "tokens": 640 * (1 + LEARNERS.index(learner)),
             "steps": 10, "phase_time_s": 0.0, "train_loss": 2.0, "created_at": 0.0}
     data = encode_tensors(tensors, codec_name="fp32", kind="delta", fingerprint=ctx.fingerprint, meta=meta)
     ctx.store.put_if_absent(keys.delta(learner, seq), data)
@@ -102,14 +104,17 @@ def test_fragments_equal_the_whole_model_merge_bit_for_bit(tmp_path):
         assert all(torch.equal(expected[k], got[k]) for k in expected)
     report = audit_run(frag)
     assert report.ok, report.problems
-    assert report.num_versions == 3 and report.fragment_versions == [3, 3, 3, 3] and report.deltas_merged == 16
+    assert (report.num_versions == 3 and report.fragment_versions == [3, 3, 3, 3]
+            and report.deltas_merged == 16)
 
 
 def test_a_merger_rebuilt_from_the_log_commits_what_the_one_holding_its_state_does(tmp_path):
     store = open_store(f"file://{tmp_path}")
-    cfg = _cfg(1).with_overrides({"state.checkpoint_every": 10})  # no checkpoint but version 0's: all replayed
+    # no checkpoint but version 0's: all replayed
+    cfg = _cfg(1).with_overrides({"state.checkpoint_every": 10})
     old, new = create_run(store, "old", cfg), create_run(store, "new", cfg)
-    assert new.fragments == [] and open_store(f"file://{tmp_path}").exists("new/versions/" + "0" * 20 + ".json")
+    assert (new.fragments == []
+            and open_store(f"file://{tmp_path}").exists("new/versions/" + "0" * 20 + ".json"))
     held = ShardMerger(old)
     for seq, deltas in enumerate(_full_deltas(_params(old, old.keys, 0), 3)):
         _publish_round(old, deltas, seq, seq)
@@ -179,8 +184,8 @@ def test_a_count_the_model_cannot_fill_creates_nothing(tmp_path):
 
 
 def test_a_fork_of_a_fragmented_run_starts_every_chain_at_its_version_v(tmp_path):
-    """Each fragment's version V (params and outer state, byte for byte) is the fork's version 0 of that fragment;
-    the fork's root holds the whole model at V; it audits, and its shards merge on from there."""
+    """Each fragment's version V (params and outer state, byte for byte) is the fork's version 0 of that
+    fragment; the fork's root holds the whole model at V; it audits, and its shards merge on from there."""
     from diloco.inspect.fork import fork_run
     from diloco.run.context import RunError
 

@@ -17,13 +17,16 @@ from diloco.storage import list_versions, read_manifest
 
 
 def _diloco(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True,
+                          timeout=240)
 
 
 def test_fragmented_sharded_run_audits_clean(tmp_path):
     storage = f"file://{tmp_path}/runs"
-    done = _diloco("run", "--config", "tiny", "--storage", storage, "--run-id", "frag", "--no-prefect", "--no-live",
-                   "--json", "--learners", "2", "--versions", "3", "-o", "fragments.count=4", "-o", "merger.shards=2")
+    done = _diloco("run", "--config", "tiny", "--storage", storage, "--run-id", "frag", "--no-prefect",
+                   "--no-live",
+                   "--json", "--learners", "2", "--versions", "3", "-o", "fragments.count=4", "-o",
+                   "merger.shards=2")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     ctx = open_run(storage, "frag")
@@ -39,5 +42,6 @@ def test_fragmented_sharded_run_audits_clean(tmp_path):
     audit = _diloco("audit", "--storage", storage, "--run-id", "frag", "--json")
     assert audit.returncode == 0, audit.stderr[-2000:]
     report = json.loads(audit.stdout.strip().splitlines()[-1])
-    assert report["ok"] and report["replay_ok"] and report["decisions_replayed"] == report["deltas_merged"] > 0
+    assert (report["ok"] and report["replay_ok"]
+            and report["decisions_replayed"] == report["deltas_merged"] > 0)
     assert len(report["fragment_versions"]) == 4

@@ -23,7 +23,8 @@ class CrashBeforeManifest(Exception):
 
 
 def test_orphans_of_a_crashed_merge_are_collected(tmp_path):
-    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0})
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1,
+                                              "merger.grace_cap_s": 0.0})
     ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "gc", cfg)
     learner = Learner(ctx, "local-0", make_spec(ctx.cfg, load_corpus(cfg.data)))
     learner.join()

@@ -26,8 +26,8 @@ def corpus():
 
 def _setup(corpus, window_s: float):
     cfg = load_config("tiny").with_overrides({
-        "run.num_learners": 2, "merger.quorum": 1, "merger.poll_interval_s": 0.02, "learner.checkpoint": False,
-        "learner.local_state_every_steps": 0})
+        "run.num_learners": 2, "merger.quorum": 1, "merger.poll_interval_s": 0.02,
+        "learner.checkpoint": False, "learner.local_state_every_steps": 0})
     ctx = create_run(open_store(f"memory://grace-{uuid.uuid4().hex[:10]}"), "grace", cfg)
     learners = [Learner(ctx, name, make_spec(ctx.cfg, corpus)) for name in ctx.learners]
     for learner in learners:
@@ -48,7 +48,8 @@ def test_the_window_is_over_once_every_learner_has_a_delta_pending(corpus) -> No
     for learner in learners:
         _publish(learner)
     manifest = merger.merge_once()
-    assert manifest is not None and sorted(d.learner for d in manifest.merged()) == sorted(lr.name for lr in learners)
+    assert (manifest is not None
+            and sorted(d.learner for d in manifest.merged()) == sorted(lr.name for lr in learners))
     assert manifest.timing["grace_s"] < LONG_S / 2  # it did not wait the window out
     for learner in learners:
         learner.close()

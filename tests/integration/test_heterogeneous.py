@@ -28,12 +28,14 @@ def test_fast_learners_never_wait_and_everyone_counts():
     cfg = load_config("tiny").with_overrides({
         "run.num_learners": 3, "run.num_versions": 14, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
         "inner.steps_per_phase": 5, "outer.max_staleness": 50,
-        "inner.dylu": False,  # one H for all: the slow learner's phases take 6x the wall time (DyLU: test_dylu.py)
+        # one H for all: the slow learner's phases take 6x the wall time (DyLU: test_dylu.py)
+        "inner.dylu": False,
     })
     ctx = create_run(open_store(f"memory://hetero-{uuid.uuid4().hex[:10]}"), "hetero", cfg)
     corpus = load_corpus(cfg.data)
     slow_name = ctx.learners[2]
-    learners = [Learner(ctx, name, make_spec(ctx.cfg, corpus), slowdown=6.0 if name == slow_name else 1.0) for name in ctx.learners]
+    learners = [Learner(ctx, name, make_spec(ctx.cfg, corpus), slowdown=6.0 if name == slow_name else 1.0)
+                for name in ctx.learners]
     phases: dict[str, list] = {lr.name: [] for lr in learners}
     threads = [threading.Thread(target=run_learner, args=(lr,), daemon=True,
                                 kwargs={"should_stop": StopSignal(ctx, None, every_s=0.1),

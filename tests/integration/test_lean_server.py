@@ -63,8 +63,9 @@ def test_concurrent_writes_wait_for_the_lock_instead_of_answering_503(server: tu
             flow_run = client.post("/flow_runs/", json={"flow_id": flow_id, "name": uuid.uuid4().hex[:12]})
             seen.append(flow_run.status_code)
             for i in range(12 if flow_run.status_code == 201 else 0):
-                task_run = client.post("/task_runs/", json={"flow_run_id": flow_run.json()["id"], "name": f"t{i}",
-                                                            "task_key": "phase", "dynamic_key": str(i)})
+                task_run = client.post("/task_runs/",
+                                       json={"flow_run_id": flow_run.json()["id"], "name": f"t{i}",
+                                             "task_key": "phase", "dynamic_key": str(i)})
                 seen.append(task_run.status_code)
                 if task_run.status_code == 201:
                     seen.append(client.post(f"/task_runs/{task_run.json()['id']}/set_state",

@@ -1,8 +1,8 @@
 """The run lifecycle without training processes: the supervisor's lease (one live supervisor, takeover of a
 dead one), roles that notice a vanished supervisor and record the stop, stop checks that give up at once in
 a storage outage and a watched one that never waits on a hanging bucket, where a run stands (running,
-finished, stopped, idle) and what `diloco run`, `learner`, `merge` and `status` say about an ended run (and `status`
-about a paused one; operator commands on an ended run say they apply once it is resumed),
+finished, stopped, idle) and what `diloco run`, `learner`, `merge` and `status` say about an ended run (and
+`status` about a paused one; operator commands on an ended run say they apply once it is resumed),
 SIGTERM / SIGINT during supervision (a real signal to this process), and a learner that finds its run ended
 (it neither joins nor overwrites its status).
 
@@ -47,7 +47,8 @@ def ctx(tmp_path: Path) -> RunContext:
 
 
 def _diloco(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True,
+                          timeout=120)
 
 
 def test_one_live_supervisor_per_run_and_a_dead_ones_lease_is_taken_over(ctx: RunContext) -> None:
@@ -171,7 +172,8 @@ def test_where_a_run_stands_and_what_its_commands_say(ctx: RunContext) -> None:
     with pytest.raises(LeaseHeld):
         refuse_to_start(ctx)
     config = str(Path(ctx.store.url.removeprefix("file://")).parent / "life.yaml")
-    renewing = threading.Event()  # renewed as a live supervisor does, however slowly the CLI starts under load
+    # renewed as a live supervisor does, however slowly the CLI starts under load
+    renewing = threading.Event()
 
     def renew() -> None:
         while not renewing.wait(1.0):
@@ -187,11 +189,13 @@ def test_where_a_run_stands_and_what_its_commands_say(ctx: RunContext) -> None:
     assert done.returncode == 2 and "already supervised by pid" in done.stderr, done.stderr
     request_stop(ctx, "interrupted")
     lease.release("interrupted")
-    with pytest.raises(RunError, match=r"stopped at version 0 of 3 \(interrupted\).*continue with: diloco resume"):
+    with pytest.raises(RunError,
+                       match=r"stopped at version 0 of 3 \(interrupted\).*continue with: diloco resume"):
         refuse_to_start(ctx)
     for role in (("learner", "--learner", "local-0"), ("merge",)):
         done = _diloco(*role, "--storage", ctx.store.url, "--run-id", ctx.run_id)
-        assert done.returncode == 2 and "is stopped at version 0 of 3 (interrupted)" in done.stderr, done.stderr
+        assert (done.returncode == 2
+                and "is stopped at version 0 of 3 (interrupted)" in done.stderr), done.stderr
         assert f"diloco resume --run-id {ctx.run_id}" in done.stderr
     status = _diloco("status", "--storage", ctx.store.url, "--run-id", ctx.run_id, "--json")
     report = json.loads(status.stdout.strip().splitlines()[-1])
@@ -199,8 +203,8 @@ def test_where_a_run_stands_and_what_its_commands_say(ctx: RunContext) -> None:
 
 
 def test_status_of_a_paused_run_says_paused_not_pending(ctx: RunContext) -> None:
-    """A pause is in effect within a second (the merger reads the ops while it waits): the title says so, and the
-    op is not listed as pending until a merge that, paused, never comes."""
+    """A pause is in effect within a second (the merger reads the ops while it waits): the title says so, and
+    the op is not listed as pending until a merge that, paused, never comes."""
     from typer.testing import CliRunner
 
     from diloco.api.operate import pause_merges
@@ -227,18 +231,21 @@ def test_operator_commands_on_an_ended_run_say_it_applies_when_resumed(ctx: RunC
     from diloco.cli import app
 
     def diloco(*args: str):
-        return CliRunner().invoke(app, [args[0], "--storage", ctx.store.url, "--run-id", ctx.run_id, *args[1:]],
+        return CliRunner().invoke(app, [args[0], "--storage", ctx.store.url, "--run-id", ctx.run_id,
+                                        *args[1:]],
                                   terminal_width=200)
 
     live = diloco("set", "merger.quorum=1")
     assert live.exit_code == 0 and "has ended" not in live.output, live.output
     request_stop(ctx, "interrupted")
-    for args in (("pause-merges",), ("resume-merges",), ("set", "merger.quorum=2"), ("remove-learner", "--learner",
-                 "local-1"), ("admit-learner", "--learner", "local-7", "--no-start")):
+    for args in (("pause-merges",), ("resume-merges",), ("set", "merger.quorum=2"),
+                 ("remove-learner", "--learner", "local-1"),
+                 ("admit-learner", "--learner", "local-7", "--no-start")):
         done = diloco(*args)
         assert done.exit_code == 0, (args, done.output)
-        assert f"run {ctx.run_id!r} has ended (stopped at version 0 of 3 (interrupted)): this applies when it is " \
-               f"resumed; continue with: diloco resume --run-id {ctx.run_id}" in done.output, (args, done.output)
+        assert f"run {ctx.run_id!r} has ended (stopped at version 0 of 3 (interrupted)): this applies when " \
+               f"it is resumed; continue with: diloco resume --run-id {ctx.run_id}" in done.output, \
+            (args, done.output)
     stop = diloco("stop")
     assert stop.exit_code == 2 and "nothing to stop" in stop.output, stop.output
     assert read_stop_reason(ctx) == "interrupted"  # the reason the run stopped for is kept
@@ -249,14 +256,16 @@ def test_learner_words_in_status() -> None:
         def __init__(self, word: str) -> None:
             self.word, self.ended = word, word in ("finished", "stopped")
 
-    assert learner_word("training", False, _Run("finished")) == "finished"  # killed at the end: the run's word
+    # killed at the end: the run's word
+    assert learner_word("training", False, _Run("finished")) == "finished"
     assert learner_word("training", True, _Run("running")) == "removed"
     assert learner_word("removed", False, _Run("stopped")) == "removed"
     assert learner_word("training", False, _Run("running")) == "training"
 
 
 class _Backend:
-    """Roles that run until killed; the supervisor's decisions are tested in tests/unit/test_supervisor_core.py."""
+    """Roles that run until killed; the supervisor's decisions are tested in
+    tests/unit/test_supervisor_core.py."""
 
     defer_evaluator = False
     kind = "local"

@@ -1,8 +1,8 @@
-"""The real-link harness (diloco/bench/links.py): a capped veth link carries a site's bytes and the kernel counts
-them; a cut link is down, then up; nothing is left behind — on exit, on error, when its owner is killed outright
-(the next harness sweeps it) and when `bench wan --links real` is stopped by SIGTERM or SIGINT mid-run; without
-CAP_NET_ADMIN it refuses in one line. Tests that build links are skipped (reason printed) without the privilege.
-Run: .venv/bin/pytest tests/integration/test_links.py -ra
+"""The real-link harness (diloco/bench/links.py): a capped veth link carries a site's bytes and the kernel
+counts them; a cut link is down, then up; nothing is left behind — on exit, on error, when its owner is killed
+outright (the next harness sweeps it) and when `bench wan --links real` is stopped by SIGTERM or SIGINT
+mid-run; without CAP_NET_ADMIN it refuses in one line. Tests that build links are skipped (reason printed)
+without the privilege. Run: .venv/bin/pytest tests/integration/test_links.py -ra
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import pytest
 from diloco.bench import links
 from diloco.bench.links import LinkNet, LinksUnavailable
 
-netadmin = pytest.mark.skipif(not links.has_net_admin(), reason="needs CAP_NET_ADMIN (network namespaces, veth, tc)")
+netadmin = pytest.mark.skipif(not links.has_net_admin(),
+                              reason="needs CAP_NET_ADMIN (network namespaces, veth, tc)")
 
 
 def leftovers(tag: str) -> list[str]:
@@ -56,7 +57,8 @@ def test_a_capped_link_carries_the_bytes_and_the_kernel_counts_them() -> None:
     num_bytes = 300_000
     with LinkNet(1, 1.0) as net:
         assert net.host_addr.startswith(("198.18.", "198.19."))
-        shaped = subprocess.run(["tc", "qdisc", "show", "dev", net.sites[0].host_if], capture_output=True, text=True)
+        shaped = subprocess.run(["tc", "qdisc", "show", "dev", net.sites[0].host_if], capture_output=True,
+                                text=True)
         assert "tbf" in shaped.stdout and "rate 8Mbit" in shaped.stdout
         server = socket.create_server((net.host_addr, 0))
         got = [0]
@@ -113,7 +115,8 @@ def test_a_harness_whose_owner_was_killed_outright_is_swept() -> None:
 
 
 @netadmin
-@pytest.mark.slow  # ~20 s each: the bench's imports, DP's curve, then the links and DP over them until the signal
+# ~20 s each: the bench's imports, DP's curve, then the links and DP over them until the signal
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_bench_stopped_mid_run_leaves_no_namespace_veth_bridge_or_server(sig: signal.Signals) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "diloco.cli", "bench", "wan", "--links", "real", "--quick",
@@ -142,9 +145,11 @@ def test_without_the_privilege_it_refuses_in_one_line(monkeypatch) -> None:
     monkeypatch.setattr(links, "has_net_admin", lambda: False)
     with pytest.raises(LinksUnavailable, match=r"--links real needs CAP_NET_ADMIN .*--links modelled"):
         LinkNet(2, 1.0).__enter__()
-    proc = subprocess.run([sys.executable, "-c", "import diloco.bench.links as l; l.has_net_admin = lambda: False; "
-                           "from diloco.cli import main; import sys; sys.argv = ['diloco', 'bench', 'wan', '--links', "
-                           "'real', '--quick']; main()"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c",
+                           "import diloco.bench.links as l; l.has_net_admin = lambda: False; "
+                           "from diloco.cli import main; import sys; sys.argv = ['diloco', 'bench', 'wan', "
+                           "'--links', 'real', '--quick']; main()"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "CAP_NET_ADMIN" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -165,12 +170,14 @@ def test_bad_link_flags_are_one_line_errors() -> None:
 def test_quick_real_wan_counts_bytes_in_the_kernel_and_records_the_cut(tmp_path) -> None:
     out = tmp_path / "wan.json"
     proc = subprocess.run([sys.executable, "-m", "diloco.cli", "bench", "wan", "--links", "real", "--quick",
-                           "--no-peer", "--caps", "1", "--cut-s", "3", "--json", str(out)], capture_output=True,
+                           "--no-peer", "--caps", "1", "--cut-s", "3", "--json",
+                           str(out)], capture_output=True,
                           text=True, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["link_mode"] == r["config"]["link_mode"] == "real" and r["link_mb_s"] > 0
-    for key in ("speedup_vs_dp", "traffic_ratio_vs_dp", "time_to_target_s", "final_loss", "dp_step_s_measured"):
+    for key in ("speedup_vs_dp", "traffic_ratio_vs_dp", "time_to_target_s", "final_loss",
+                "dp_step_s_measured"):
         assert key in r, key
     m = r["config"]["num_learners"]
     dp, dec = r["methods"]["dp"], r["methods"]["decoupled"]
@@ -181,9 +188,10 @@ def test_quick_real_wan_counts_bytes_in_the_kernel_and_records_the_cut(tmp_path)
     for name in ("sync_diloco", "decoupled"):
         row = r["methods"][name]
         assert len(row["kernel_bytes_sent"]) == len(row["kernel_bytes_received"]) == m
-        for way in ("sent", "received"):  # the kernel sees the payload plus headers per request and per segment
-            for kernel, app, requests in zip(row[f"kernel_bytes_{way}"], row[f"app_bytes_{way}"], row["requests"],
-                                             strict=True):
+        # the kernel sees the payload plus headers per request and per segment
+        for way in ("sent", "received"):
+            for kernel, app, requests in zip(row[f"kernel_bytes_{way}"], row[f"app_bytes_{way}"],
+                                             row["requests"], strict=True):
                 assert app < kernel < 1.10 * app + 3000 * requests, (name, way, kernel, app, requests)
     for way in ("sent", "received"):
         assert r["traffic_ratio_vs_dp"][way] == pytest.approx(

@@ -62,8 +62,8 @@ def _cli(ctx, *args: str):
 def test_inputs_that_broke_a_live_run_are_refused_and_honest_ones_round_trip(tmp_path: Path) -> None:
     ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 1})
     stop = threading.Event()
-    thread = threading.Thread(target=run_merger, args=(ShardMerger(ctx),), kwargs={"should_stop": stop.is_set},
-                              daemon=True)
+    thread = threading.Thread(target=run_merger, args=(ShardMerger(ctx),),
+                              kwargs={"should_stop": stop.is_set}, daemon=True)
     thread.start()
     try:
         publish_all(learners)

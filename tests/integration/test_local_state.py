@@ -43,7 +43,8 @@ def new_run(tmp_path, run_id="local", **overrides):
 
 
 def learner(ctx, corpus) -> Learner:
-    return Learner(ctx, "local-0", make_spec(ctx.cfg, corpus), events=EventLog(ctx.store, ctx.keys, "local-0"))
+    return Learner(ctx, "local-0", make_spec(ctx.cfg, corpus),
+                   events=EventLog(ctx.store, ctx.keys, "local-0"))
 
 
 def ship(worker: Learner, merger: Merger, phases: int) -> None:
@@ -68,7 +69,8 @@ def started(tmp_path, corpus, phases: int) -> tuple:
 def joins(ctx, worker: Learner | None = None) -> list[dict]:
     if worker is not None:
         worker.events.flush()
-    return [e for e in read_events(ctx.store, ctx.keys) if e["kind"] == "join" and e.get("learner") == "local-0"]
+    return [e for e in read_events(ctx.store, ctx.keys)
+            if e["kind"] == "join" and e.get("learner") == "local-0"]
 
 
 def test_restart_resumes_mid_phase_from_local_state(tmp_path, corpus):
@@ -95,11 +97,13 @@ def test_restart_resumes_mid_phase_from_local_state(tmp_path, corpus):
     assert audit_run(ctx).ok
 
 
-@pytest.mark.parametrize("clock", ["own", "run"])  # run: the join cannot read the run's clock either, and goes on
+# run: the join cannot read the run's clock either, and goes on
+@pytest.mark.parametrize("clock", ["own", "run"])
 def test_delta_kept_from_an_outage_lands_after_the_restart(tmp_path, corpus, clock):
     ctx = new_run(tmp_path, **{"inner.schedule_clock": clock})
     faulty = FaultyStore(ctx.store, [])
-    learner_ctx = dataclasses.replace(ctx, store=faulty)  # the learner's view of the bucket; the merger's is real
+    # the learner's view of the bucket; the merger's is real
+    learner_ctx = dataclasses.replace(ctx, store=faulty)
     merger = Merger(ctx)
     merger.load()
     first = learner(learner_ctx, corpus)
@@ -127,7 +131,8 @@ def test_delta_kept_from_an_outage_lands_after_the_restart(tmp_path, corpus, clo
     assert second.state.seq == 2 and second.trainer.clock_offset == 0
     faulty.windows.clear()  # storage is back
     assert second.publisher.drain(timeout_s=60)
-    assert ctx.store.get(ctx.keys.delta("local-0", 1)) == spooled[0][1]  # the very bytes computed before the crash
+    # the very bytes computed before the crash
+    assert ctx.store.get(ctx.keys.delta("local-0", 1)) == spooled[0][1]
     second.local.flush()
     assert second.local.spooled() == []
     merger.merge_once()

@@ -1,7 +1,8 @@
-"""The merger's poll lists what is new, not the run: one listing of the learners' folders, then one per learner
-from its cursor's key on (S3's StartAfter), so a poll costs O(learners + new deltas) however long the run. A
-writer nobody admitted is still found (and rejected), and a folder that is no learner's name is skipped.
-On the real S3 server, through s3fs. Run: .venv/bin/pytest tests/integration/test_merger_listing.py -q
+"""The merger's poll lists what is new, not the run: one listing of the learners' folders, then one per
+learner from its cursor's key on (S3's StartAfter), so a poll costs O(learners + new deltas) however long the
+run. A writer nobody admitted is still found (and rejected), and a folder that is no learner's name is
+skipped. On the real S3 server, through s3fs. Run: .venv/bin/pytest tests/integration/test_merger_listing.py
+-q
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def plant(ctx, learner: str, seq: int, base_version: int) -> None:
 
 
 def test_a_poll_lists_only_the_deltas_after_each_cursor(s3_url):
-    cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "merger.quorum": 2, "merger.grace_cap_s": 0.0,
-                                              "merger.quorum_timeout_s": 0.2})  # the last merge: one member pending
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "merger.quorum": 2,
+                                              "merger.grace_cap_s": 0.0,
+                                              # the last merge: one member pending
+                                              "merger.quorum_timeout_s": 0.2})
     store = Listings(open_store(s3_url))
     ctx = create_run(store, "listing", cfg)
     for seq in range(3):  # three rounds of both learners, each merged before the next
@@ -57,15 +60,18 @@ def test_a_poll_lists_only_the_deltas_after_each_cursor(s3_url):
     plant(ctx, "stranger", 0, base_version=3)  # never admitted: found, and rejected unread
     store.log.clear()
     pending = merger.pending()
-    assert pending.ready == {ctx.learners[0]: [3]} and pending.strangers == {"stranger": (0, 0)}  # one decision
+    # one decision
+    assert pending.ready == {ctx.learners[0]: [3]} and pending.strangers == {"stranger": (0, 0)}
     deltas = [(prefix, after, n) for prefix, after, n in store.log if "/deltas/" in prefix]
     assert sorted(deltas) == sorted([
-        (ctx.keys.deltas_prefix(ctx.learners[0]), ctx.keys.delta(ctx.learners[0], 2), 1),  # seqs 0-2 not listed
+        # seqs 0-2 not listed
+        (ctx.keys.deltas_prefix(ctx.learners[0]), ctx.keys.delta(ctx.learners[0], 2), 1),
         (ctx.keys.deltas_prefix(ctx.learners[1]), ctx.keys.delta(ctx.learners[1], 2), 0),
         (ctx.keys.deltas_prefix("stranger"), "", 1),
     ])
     merger.refresh_policy()
     version = merger.merge_once()
     decided = {(d.learner, d.seq): (d.status, d.check) for d in version.decisions}
-    assert decided[(ctx.learners[0], 3)][0] == "merged" and decided[("stranger", 0)] == ("rejected", "admission")
+    assert (decided[(ctx.learners[0], 3)][0] == "merged"
+            and decided[("stranger", 0)] == ("rejected", "admission"))
     assert [m.version for m in manifests(ctx)] == [0, 1, 2, 3, 4]

@@ -45,7 +45,8 @@ def test_pause_and_resume_merges_while_learners_publish(tmp_path: Path) -> None:
     ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 1})
     stop = threading.Event()
     shard = ShardMerger(ctx, events=merger.events)  # the run's one merger loop over its one chain
-    thread = threading.Thread(target=run_merger, args=(shard,), kwargs={"should_stop": stop.is_set}, daemon=True)
+    thread = threading.Thread(target=run_merger, args=(shard,), kwargs={"should_stop": stop.is_set},
+                              daemon=True)
     thread.start()
     try:
         publish_all(learners)
@@ -104,7 +105,8 @@ def test_resume_continues_a_finished_run(tmp_path: Path) -> None:
     report = audit_run(open_run(ctx.store, ctx.run_id))
     assert report.ok and report.num_versions == 6 and report.controls_applied == 1, report.problems
     # a live run (a learner beat just now, no stop, target not reached) is refused
-    status = read_record(ctx.store, ctx.keys.status("local-0"), LearnerStatus).model_copy(update={"t": time.time()})
+    status = read_record(ctx.store, ctx.keys.status("local-0"),
+                         LearnerStatus).model_copy(update={"t": time.time()})
     write_record(ctx.store, ctx.keys.status("local-0"), status)
     prepare_resume(ctx, None, versions=1)  # finished (v5 >= 5): allowed, target 6
     with pytest.raises(RunError, match="is live"):
@@ -133,7 +135,8 @@ def test_fork_is_bit_equal_to_the_parent_at_v_and_leaves_it_untouched(tmp_path: 
     from diloco.merger.merger import Merger
 
     m = Merger(child)
-    assert m.load() == 0 and all(bool((m.outer.momentum[k] == merger_outer(ctx, 2)[k]).all()) for k in m.params)
+    assert (m.load() == 0
+            and all(bool((m.outer.momentum[k] == merger_outer(ctx, 2)[k]).all()) for k in m.params))
     one_round(kids, m)
     install_all(kids, 1)
     for kid in kids:
@@ -192,7 +195,8 @@ def test_every_bad_operator_input_is_one_line_exit_2_and_writes_nothing(tmp_path
 
 
 def test_resume_refuses_a_run_a_live_supervisor_holds_and_writes_nothing(tmp_path: Path) -> None:
-    """A stopped run whose supervisor still holds its lease (it is ending its roles) is not changed under it."""
+    """A stopped run whose supervisor still holds its lease (it is ending its roles) is not changed under
+    it."""
     from diloco.configs import load_config
     from diloco.run.create import create_run
     from diloco.run.lease import acquire
@@ -210,8 +214,8 @@ def test_resume_refuses_a_run_a_live_supervisor_holds_and_writes_nothing(tmp_pat
 
 
 def test_resume_keeps_the_way_the_run_was_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run started with --no-prefect resumes without Prefect (its last lease's kind says how it was supervised);
-    a flag given still wins, and a run supervised with Prefect resumes with it."""
+    """A run started with --no-prefect resumes without Prefect (its last lease's kind says how it was
+    supervised); a flag given still wins, and a run supervised with Prefect resumes with it."""
     from diloco import api
     from diloco.cli import view
     from diloco.configs import load_config
@@ -222,13 +226,15 @@ def test_resume_keeps_the_way_the_run_was_started(tmp_path: Path, monkeypatch: p
     ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "how", load_config("tiny").with_overrides(
         {"run.num_learners": 1}))
     asked: list[bool] = []
-    monkeypatch.setattr(api, "supervise", lambda ctx, *, prefect, announce: asked.append(prefect) or "target version")
-    monkeypatch.setattr(view, "final_report", lambda *a, **k: {"failure": None})  # the summary: nothing failed
+    monkeypatch.setattr(api, "supervise",
+                        lambda ctx, *, prefect, announce: asked.append(prefect) or "target version")
+    # the summary: nothing failed
+    monkeypatch.setattr(view, "final_report", lambda *a, **k: {"failure": None})
 
     def resume(kind: str, *flags: str) -> str:
         acquire(ctx, kind).release("interrupted")  # how the session before this one was supervised
-        result = CliRunner().invoke(app, ["resume", "--storage", ctx.store.url, "--run-id", ctx.run_id, "--versions",
-                                          "1", "--no-live", *flags], terminal_width=200)
+        result = CliRunner().invoke(app, ["resume", "--storage", ctx.store.url, "--run-id", ctx.run_id,
+                                          "--versions", "1", "--no-live", *flags], terminal_width=200)
         assert result.exit_code == 0, result.output
         return " ".join(result.output.split())  # the console wraps at its width
 

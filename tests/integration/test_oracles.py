@@ -73,7 +73,8 @@ def test_sync_diloco_oracle():
         workers.append(model)
         trainers.append(InnerTrainer(model, cfg.inner))
         shard, n = shard_of(name, ctx.learners)
-        samplers.append(ShardSampler(corpus.train, shard, n, cfg.data.batch_size, cfg.model.ctx_len, cfg.data.seed))
+        samplers.append(ShardSampler(corpus.train, shard, n, cfg.data.batch_size, cfg.model.ctx_len,
+                                     cfg.data.seed))
     momentum = {k: torch.zeros_like(v) for k, v in global_params.items()}
     lr, mu = cfg.outer.lr, cfg.outer.momentum
     previous = {k: v.clone() for k, v in global_params.items()}

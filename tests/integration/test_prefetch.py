@@ -44,7 +44,8 @@ def _wait_for(predicate, timeout_s: float = 10.0) -> None:
 
 
 def _two_versions(ctx, corpus) -> tuple[Learner, Learner]:
-    a, b = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus)), Learner(ctx, "local-1", make_spec(ctx.cfg, corpus))
+    a, b = (Learner(ctx, "local-0", make_spec(ctx.cfg, corpus)),
+            Learner(ctx, "local-1", make_spec(ctx.cfg, corpus)))
     a.join(), b.join()
     if a.prefetcher is not None:  # the writer trains the same steps in both runs: no installs of its own
         a.prefetcher.close()
@@ -133,7 +134,8 @@ class Flaky(WrapperStore):
 def test_storage_errors_are_retried_on_the_next_poll(corpus) -> None:
     ctx = _run(False)
     a, b = _two_versions(ctx, corpus)
-    fetcher = Prefetcher(ctx, Flaky(ctx.store, 3), "local-1", 0, b.state.glob, poll_s=0.01, max_updates_behind=4)
+    fetcher = Prefetcher(ctx, Flaky(ctx.store, 3), "local-1", 0, b.state.glob, poll_s=0.01,
+                         max_updates_behind=4)
     _wait_for(lambda: fetcher.fetches == 2)
     version, glob = fetcher.take()
     assert version == 2 and set(glob) == set(b.state.glob)

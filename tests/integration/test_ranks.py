@@ -29,8 +29,10 @@ BASE = {"learner.codec": "fp32", "run.num_learners": 2, "learner.local_state_eve
 
 
 def learner(url: str, run_id: str, name: str, phases: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "diloco.launch", "learner", "--storage", url, "--run-id", run_id,
-                             "--name", name, "--phases", str(phases)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+    return subprocess.Popen([sys.executable, "-m", "diloco.launch", "learner", "--storage", url, "--run-id",
+                             run_id,
+                             "--name", name, "--phases",
+                             str(phases)], env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -42,7 +44,8 @@ def finish(proc: subprocess.Popen) -> None:
 def test_two_ranks_equal_one_rank_step_for_step(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/store"
     for ranks in (1, 2):
-        create_run(open_store(url), f"r{ranks}", load_config("tiny").with_overrides({**BASE, "learner.ranks": ranks}))
+        create_run(open_store(url), f"r{ranks}",
+                   load_config("tiny").with_overrides({**BASE, "learner.ranks": ranks}))
         finish(learner(url, f"r{ranks}", "local-0", 3))
     one, two = open_run(url, "r1"), open_run(url, "r2")
     for seq in range(3):  # three phases of 10 steps, no merge in between: 30 steps compared
@@ -58,9 +61,9 @@ def test_two_ranks_equal_one_rank_step_for_step(tmp_path: Path) -> None:
 
 
 def test_two_ranks_follow_rank_0s_run_clock(tmp_path: Path) -> None:
-    """inner.schedule_clock "run": a learner joining version 1 moves its schedule to the run's clock at its first
-    step; rank 0 sends it to rank 1, so the 2-rank learner still equals the 1-rank one (and differs from the own
-    clock's)."""
+    """inner.schedule_clock "run": a learner joining version 1 moves its schedule to the run's clock at its
+    first step; rank 0 sends it to rank 1, so the 2-rank learner still equals the 1-rank one (and differs from
+    the own clock's)."""
     url = f"file://{tmp_path}/store"
     deltas = {}
     for ranks, clock in ((1, "run"), (2, "run"), (1, "own")):
@@ -77,13 +80,15 @@ def test_two_ranks_follow_rank_0s_run_clock(tmp_path: Path) -> None:
         assert merger.merge_once().version == 1
         finish(learner(url, run_id, "local-1", 2))
         run = open_run(url, run_id)
-        deltas[ranks, clock] = [read_tensors(run.store, run.keys.delta("local-1", seq))[1] for seq in range(2)]
+        deltas[ranks, clock] = [read_tensors(run.store,
+                                             run.keys.delta("local-1", seq))[1] for seq in range(2)]
     moved = 0.0
     for seq in range(2):
         one, two, own = (deltas[key][seq] for key in ((1, "run"), (2, "run"), (1, "own")))
         for k in one:
             scale = float(one[k].abs().max()) or 1.0
-            # fp32 drift over 20 steps: 2.3e-5 of the scale at most (measured); rank 1 on its own clock: 0.4-0.7
+            # fp32 drift over 20 steps: 2.3e-5 of the scale at most (measured); rank 1 on its own clock:
+            # 0.4-0.7
             assert float((one[k] - two[k]).abs().max()) <= 1e-4 * scale, (seq, k)
             moved = max(moved, float((one[k] - own[k]).abs().max()) / scale)
     assert moved > 1e-2  # the run's clock is 5 steps ahead in the warmup: another lr, other deltas
@@ -109,7 +114,8 @@ def test_a_one_rank_and_a_two_rank_learner_merge_by_their_tokens(tmp_path: Path)
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"learner.ranks": 0}, "learner.ranks: Input should be greater than or equal to 1"),
     ({"learner.ranks": 65}, "learner.ranks: Input should be less than or equal to 64"),
-    ({"learner.ranks_per_learner": {"local-1": 0}}, r"learner.ranks_per_learner.local-1: 0 must be an int in \[1, 64\]"),
+    ({"learner.ranks_per_learner": {"local-1": 0}},
+     r"learner.ranks_per_learner.local-1: 0 must be an int in \[1, 64\]"),
     ({"learner.ranks_per_learner": {"Bad_Name": 2}}, "is not a learner name"),
 ])
 def test_bad_rank_counts_are_refused_naming_the_field(overrides: dict, message: str) -> None:
@@ -123,13 +129,15 @@ def test_bench_ranks_smoke(tmp_path: Path) -> None:
     from diloco.cli import app
 
     out = tmp_path / "ranks.json"
-    result = CliRunner().invoke(app, ["bench", "ranks", "--config", "tiny", "--phases", "2", "--json", str(out)])
+    result = CliRunner().invoke(app, ["bench", "ranks", "--config", "tiny", "--phases", "2", "--json",
+                                      str(out)])
     assert result.exit_code == 0, result.output
     import json
 
     data = json.loads(out.read_text())
     assert [r["ranks"] for r in data["rows"]] == [1, 2] and all(r["tokens_per_s"] > 0 for r in data["rows"])
-    assert data["speedup_2_vs_1"] == pytest.approx(data["rows"][1]["tokens_per_s"] / data["rows"][0]["tokens_per_s"])
+    assert data["speedup_2_vs_1"] == pytest.approx(data["rows"][1]["tokens_per_s"]
+                                                   / data["rows"][0]["tokens_per_s"])
 
 
 def test_a_batch_the_ranks_cannot_split_is_refused_at_creation(tmp_path: Path) -> None:

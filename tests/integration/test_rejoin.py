@@ -1,6 +1,6 @@
-"""Rejoin: a learner restarted on another host (no local state) starts from the newest version, continues its seq, and resumes its
-optimizer step and data cursor from the checkpoint written after its last published delta.
-Also: the corpus can come from an fsspec URL.
+"""Rejoin: a learner restarted on another host (no local state) starts from the newest version, continues its
+seq, and resumes its optimizer step and data cursor from the checkpoint written after its last published
+delta. Also: the corpus can come from an fsspec URL.
 Run: .venv/bin/pytest tests/integration/test_rejoin.py -q
 """
 
@@ -20,11 +20,13 @@ from diloco.storage import open_store
 
 
 def test_restarted_learner_resumes_cursor_step_and_seq(tmp_path):
-    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1,
+                                              "merger.grace_cap_s": 0.0,
                                               "learner.local_state_every_steps": 0})
     ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "rejoin", cfg)
     corpus = load_corpus(cfg.data)
-    first = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus), events=EventLog(ctx.store, ctx.keys, "local-0"))
+    first = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus),
+                    events=EventLog(ctx.store, ctx.keys, "local-0"))
     first.join()
     merger = Merger(ctx)
     merger.load()
@@ -38,7 +40,8 @@ def test_restarted_learner_resumes_cursor_step_and_seq(tmp_path):
     first.run_phase()  # a phase that never ships: its batches must be read again after the crash
     first.publisher.close()  # the crash: nothing more reaches the bucket
 
-    second = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus), events=EventLog(ctx.store, ctx.keys, "local-0"))
+    second = Learner(ctx, "local-0", make_spec(ctx.cfg, corpus),
+                     events=EventLog(ctx.store, ctx.keys, "local-0"))
     assert second.join() == merger.version == 2
     assert second.state.seq == 2  # never reuses a seq
     assert second.cursor == published_cursor  # the unshipped phase is replayed, nothing skipped

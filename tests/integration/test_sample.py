@@ -1,6 +1,7 @@
-"""`diloco sample`: `--seed` and `--max-bytes` reach the spec's sample by name (one it does not take is one line,
-exit 2), and without `--prompt` the built-in GPT continues the start of the run's held-out text, not a fixed string;
-and `diloco run` names the data its spec read (a folder's files, those skipped) when it creates the run.
+"""`diloco sample`: `--seed` and `--max-bytes` reach the spec's sample by name (one it does not take is one
+line, exit 2), and without `--prompt` the built-in GPT continues the start of the run's held-out text, not a
+fixed string; and `diloco run` names the data its spec read (a folder's files, those skipped) when it creates
+the run.
 
 Run: .venv/bin/pytest tests/integration/test_sample.py -q   (a tiny run's version 0, a few seconds)
 """
@@ -22,7 +23,8 @@ from diloco.storage import open_store
 def test_the_default_prompt_is_the_held_out_texts_start_to_a_line_break() -> None:
     held = np.frombuffer(b"# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore. A platform before the castle.\n",
                          dtype=np.uint8)
-    assert default_prompt(Corpus(held, held, "t")) == "# Hamlet\n\n## ACT I\n\n"  # 64 bytes cut after a line break
+    # 64 bytes cut after a line break
+    assert default_prompt(Corpus(held, held, "t")) == "# Hamlet\n\n## ACT I\n\n"
     assert default_prompt(Corpus(held, held[:7], "t")) == "# Hamle"  # no line break: what there is
     assert default_prompt(Corpus(held, np.frombuffer("é".encode() * 40, dtype=np.uint8), "t")) == "é" * 32
 
@@ -74,8 +76,11 @@ def test_run_creation_names_the_data_the_spec_read(tmp_path: Path, monkeypatch) 
     (corpus / "b.txt").write_text(" ".join(f"v{i % 991}" for i in range(20000)))
     (corpus / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
     monkeypatch.setattr(api, "supervise", lambda ctx, **kw: "target version")
-    monkeypatch.setattr(view, "final_report", lambda *a, **k: {"failure": None})  # the summary: nothing failed
-    result = CliRunner().invoke(app, ["run", "--config", "tiny", "--corpus", str(corpus), "--no-prefect", "--no-live",
-                                      "--run-id", "data", "--storage", f"file://{tmp_path}/bucket"], terminal_width=200)
+    # the summary: nothing failed
+    monkeypatch.setattr(view, "final_report", lambda *a, **k: {"failure": None})
+    result = CliRunner().invoke(app, ["run", "--config", "tiny", "--corpus", str(corpus), "--no-prefect",
+                                      "--no-live",
+                                      "--run-id", "data", "--storage",
+                                      f"file://{tmp_path}/bucket"], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert f"data: {corpus}: 2 files (1 skipped: not text)" in " ".join(result.output.split()), result.output

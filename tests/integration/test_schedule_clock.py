@@ -1,6 +1,6 @@
 """inner.schedule_clock and data.sampling: with "run", a learner's lr schedule moves at each install to the
-run's clock (tokens merged / (learners x its tokens per step)) and advances one per own step from there, on the
-training thread's fetch, the prefetcher's and a fragment's; "own" (the default) keeps the own step count.
+run's clock (tokens merged / (learners x its tokens per step)) and advances one per own step from there, on
+the training thread's fetch, the prefetcher's and a fragment's; "own" (the default) keeps the own step count.
 `data.sampling: whole` draws each learner's windows from the whole text, its own random stream.
 Run: `.venv/bin/pytest tests/integration/test_schedule_clock.py`.
 """
@@ -105,8 +105,8 @@ def test_run_clock_on_a_fragment_install(corpus):
     assert ShardMerger(ctx, 0).poll_once()
     b.run_phase(3)
     assert b.maybe_install() == [0, 1]
-    # each chain merged the steps its delta carried: fragment 0 all 8 (shipped at step H), fragment 1 the first 4
-    # (shipped at H/2); the last install (fragment 1) sets the clock: 4 steps / 2 learners
+    # each chain merged the steps its delta carried: fragment 0 all 8 (shipped at step H), fragment 1 the
+    # first 4 (shipped at H/2); the last install (fragment 1) sets the clock: 4 steps / 2 learners
     assert b.trainer.step == 3 and b.trainer.schedule_step == H // 4
     for learner in (a, b):
         learner.close()

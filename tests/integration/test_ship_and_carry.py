@@ -109,7 +109,8 @@ def test_a_phase_ends_at_its_next_probe_once_the_run_has_ended(corpus):
     full = learner.run_phase()
     assert full.steps == 20
     polls = []
-    learner.stop_check = lambda: polls.append(learner.trainer.step) or len(polls) >= 2  # ends at the 2nd probe
+    # ends at the 2nd probe
+    learner.stop_check = lambda: polls.append(learner.trainer.step) or len(polls) >= 2
     cut = learner.run_phase()
     assert cut.steps == 10 and polls == [25, 30] and learner.trainer.step == 30
     assert learner.state.steps_since_publish == 30 and cut.tokens == full.tokens // 2

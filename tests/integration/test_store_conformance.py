@@ -133,8 +133,10 @@ def test_list_after_a_key_gives_the_keys_sorting_after_it(store_url: str, connec
     store.put(keys.delta("l-1", 5), b"d")
     store.put(f"{keys.deltas_prefix('l-0')}sub/x", b"x")
     prefix = keys.deltas_prefix("l-0")
-    assert store.list(prefix, keys.delta("l-0", 3)) == [keys.delta("l-0", 7), keys.delta("l-0", 11), f"{prefix}sub/x"]
-    assert store.list(prefix, keys.delta("l-0", 4)) == store.list(prefix, keys.delta("l-0", 3))  # need not exist
+    assert store.list(prefix, keys.delta("l-0", 3)) == [keys.delta("l-0", 7), keys.delta("l-0", 11),
+                                                        f"{prefix}sub/x"]
+    # need not exist
+    assert store.list(prefix, keys.delta("l-0", 4)) == store.list(prefix, keys.delta("l-0", 3))
     assert store.list(prefix, f"{prefix}sub/x") == [] and store.list(prefix, "") == store.list(prefix)
     assert store.list("run/deltas/l-", keys.delta("l-0", 11)) == [f"{prefix}sub/x", keys.delta("l-1", 5)]
     with pytest.raises(BadRequest, match="not a key under"):
@@ -148,7 +150,8 @@ def test_folders_are_the_direct_subfolders(store_url: str, connect: Connect) -> 
     for key in ["top/b/1", "top/a/x/2", "top/file", "top/c/3", "other/d/4"]:
         store.put(key, b"k")
     assert store.folders("top/") == ["a", "b", "c"]
-    assert store.folders("top/a/") == ["x"] and store.folders("top/a/x/") == [] and store.folders("none/") == []
+    assert (store.folders("top/a/") == ["x"] and store.folders("top/a/x/") == []
+            and store.folders("none/") == [])
     assert store.folders("") == ["other", "top"]
     with pytest.raises(BadRequest, match="ends in '/'"):
         store.folders("top")
@@ -296,7 +299,8 @@ def test_read_manifest_checks_the_version_it_holds(tmp_path: os.PathLike) -> Non
 # ---------------------------------------------------------------- URLs and the local disk
 
 
-def test_file_urls_resolve_relative_absolute_and_bare(tmp_path: os.PathLike, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_urls_resolve_relative_absolute_and_bare(
+        tmp_path: os.PathLike, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     open_store("file://runs").put("x", b"1")
     open_store("bare/dir").put("y", b"2")
@@ -359,7 +363,8 @@ def test_missing_bucket_is_a_bad_request(s3_url: str) -> None:
 
 
 @pytest.mark.s3
-def test_dead_endpoint_is_transient_after_bounded_retries(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dead_endpoint_is_transient_after_bounded_retries(
+        s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket() as sock:  # a port that nobody listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

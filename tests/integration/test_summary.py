@@ -29,8 +29,8 @@ from diloco.storage.records import LearnerStatus, write_record
 
 def _diloco(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "80"}
-    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=120,
-                          env=env, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=cwd)
 
 
 def test_a_run_the_evaluator_never_saw_gets_a_complete_summary(tmp_path: Path) -> None:
@@ -46,7 +46,8 @@ def test_a_run_the_evaluator_never_saw_gets_a_complete_summary(tmp_path: Path) -
     assert missing_evals(ctx) == [0, 1]
     assert complete_evals(ctx) == [0, 1] and missing_evals(ctx) == []
     s = build_summary(ctx)
-    assert s["initial_eval_loss"] is not None and s["final_eval_version"] == 1 and s["final_eval_loss"] is not None
+    assert (s["initial_eval_loss"] is not None and s["final_eval_version"] == 1
+            and s["final_eval_loss"] is not None)
     assert s["deltas_merged"] == 3 and s["deltas_pending"] == 1 and s["bytes_pending"] > 0
     assert s["state"] == "stopped" and s["continue"].startswith("continue with: diloco resume --run-id short")
     rows = {r["learner"]: r for r in s["learners"]}
@@ -73,7 +74,8 @@ def test_a_run_the_evaluator_never_saw_gets_a_complete_summary(tmp_path: Path) -
 
 
 def test_the_run_summary_type_names_every_key_a_summary_has(tmp_path: Path) -> None:
-    """diloco.api.RunSummary (what diloco.train returns, `diloco run --json` prints) names the keys of a real one."""
+    """diloco.api.RunSummary (what diloco.train returns, `diloco run --json` prints) names the keys of a real
+    one."""
     from diloco.api.summary import RunSummary, RunSummaryExtra
     from diloco.inspect.report import summary_json
 
@@ -87,10 +89,12 @@ def test_the_run_summary_type_names_every_key_a_summary_has(tmp_path: Path) -> N
 def test_busy_is_time_in_inner_steps_over_each_processs_wall_time() -> None:
     def phase(learner, pid, start, duration, compute=None):
         extra = {} if compute is None else {"compute_s": compute}
-        return {"kind": "phase", "learner": learner, "pid": pid, "t_start": start, "duration_s": duration, **extra}
+        return {"kind": "phase", "learner": learner, "pid": pid, "t_start": start, "duration_s": duration,
+                **extra}
 
     events = [phase("a", 1, 100.0, 10.0, 9.0), phase("a", 1, 111.0, 9.0, 8.0),  # process 1: 20 s, 17 in steps
-              phase("a", 2, 500.0, 10.0, 3.0),  # a restart: its own 10 s (the gap between is not its wall time)
+              # a restart: its own 10 s (the gap between is not its wall time)
+              phase("a", 2, 500.0, 10.0, 3.0),
               phase("b", 3, 100.0, 10.0),  # a run from before compute_s was recorded: not guessed
               {"kind": "phase", "learner": "a", "pid": 1, "t_start": "soon", "duration_s": 1, "compute_s": 1},
               {"kind": "publish", "learner": "a", "duration_s": 99.0}]
@@ -106,8 +110,10 @@ def test_status_at_80_columns_keeps_every_name_whole(tmp_path: Path) -> None:
     ctx = create_run(open_store(url), "a-fairly-long-run-identifier-2026", cfg, learners=names)
     for name in names:  # every cell filled, with figures as wide as a long run's
         write_record(ctx.store, ctx.keys.status(name), LearnerStatus(
-            learner=name, state="stopped", t=time.time() - 125, pid=4242, seq=1234, base_version=2468, step=49360,
-            cursor=0, loss=1.6543, bytes_published=123_456_789, steps_per_s=41.5, unmerged=3 if name == names[1] else 0))
+            learner=name, state="stopped", t=time.time() - 125, pid=4242, seq=1234, base_version=2468,
+            step=49360,
+            cursor=0, loss=1.6543, bytes_published=123_456_789, steps_per_s=41.5,
+            unmerged=3 if name == names[1] else 0))
     request_stop(ctx, "operator")
     done = _diloco("status", "--storage", url, "--run-id", ctx.run_id)
     assert done.returncode == 0, done.stderr
@@ -115,20 +121,26 @@ def test_status_at_80_columns_keeps_every_name_whole(tmp_path: Path) -> None:
     assert max(len(line) for line in lines) <= 80
     for name in names[:2]:  # whole: they fit
         assert any(name in line and "stopped" in line for line in lines), (name, done.stdout)
-    long = next(line for line in lines if "…" in line)  # the long one shortened from the middle, its suffix kept
+    # the long one shortened from the middle, its suffix kept
+    long = next(line for line in lines if "…" in line)
     assert "name-0" in long and "stopped" in long and names[2] not in done.stdout, done.stdout
     assert "a-fairly-long-run-identifier-2026" in done.stdout and "stopped at version 0" in done.stdout
     text = "".join(done.stdout.split())  # folded figures read whole once the table's spacing is gone
     assert "beat" in text and text.count("ago") == len(names), done.stdout  # the last column is not cut off
     assert text.count("123.46") >= len(names), done.stdout  # MB out
-    assert "deltastherunendedwithoutmerging:us-east-13" in text, done.stdout  # the one with some, in a stopped run
-    rows = [{"learner": "us-east-0", "unmerged": 0}, {"learner": "us-east-1", "unmerged": 3}, {"learner": "eu-west-0"}]
-    assert unmerged_lines(rows, 4) == ["deltas not merged yet: us-east-1 3 (learner.max_unmerged 4 per chain: a "
-                                       "learner at it trains on and ships the progress later)"]  # a live run
-    assert unmerged_lines(rows[:1], 4) == [] and unmerged_lines(rows, 0) == ["deltas not merged yet: us-east-1 3"]
+    # the one with some, in a stopped run
+    assert "deltastherunendedwithoutmerging:us-east-13" in text, done.stdout
+    rows = [{"learner": "us-east-0", "unmerged": 0}, {"learner": "us-east-1", "unmerged": 3},
+            {"learner": "eu-west-0"}]
+    assert unmerged_lines(rows,
+                          4) == ["deltas not merged yet: us-east-1 3 (learner.max_unmerged 4 per chain: a "
+                                 "learner at it trains on and ships the progress later)"]  # a live run
+    assert (unmerged_lines(rows[:1], 4) == []
+            and unmerged_lines(rows, 0) == ["deltas not merged yet: us-east-1 3"])
     gone = [{**rows[1], "state": "finished"}]  # its loop over in a live run: its count is stale, left out
     assert unmerged_lines(gone, 4) == [] and unmerged_lines(gone, 4, ended=True) != []
     everyday = _diloco("status", "--storage", url, "--run-id", create_run(
         open_store(url), "demo-20261203-083742", cfg, learners=["us-east-0", "us-east-1"]).run_id)
     header = next(line for line in everyday.stdout.splitlines() if "learner" in line)
-    assert all(col in header.split() for col in ("state", "ranks", "steps/s", "beat")), everyday.stdout  # unfolded
+    # unfolded
+    assert all(col in header.split() for col in ("state", "ranks", "steps/s", "beat")), everyday.stdout

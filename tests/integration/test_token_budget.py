@@ -1,6 +1,6 @@
 """A token budget ends a run: `run.num_tokens` > 0 finishes it at the first version whose merged tokens reach
-the budget (on every chain of a fragmented run), whatever `run.num_versions` says; roles started after it end at
-once, `status` says so in tokens, and `diloco resume` grows the budget by run.json's again.
+the budget (on every chain of a fragmented run), whatever `run.num_versions` says; roles started after it end
+at once, `status` says so in tokens, and `diloco resume` grows the budget by run.json's again.
 
 Run: .venv/bin/pytest tests/integration/test_token_budget.py -q
 """
@@ -23,8 +23,8 @@ from diloco.storage import Manifest, open_store, read_latest, read_manifest
 
 
 def _manifest(version: int, tokens: int) -> Manifest:
-    return Manifest(run_id="r", version=version, parent=max(0, version - 1), created_at=0.0, merger_id="merger",
-                    params_key="p", params_checksum="c", tokens_total=tokens)
+    return Manifest(run_id="r", version=version, parent=max(0, version - 1), created_at=0.0,
+                    merger_id="merger", params_key="p", params_checksum="c", tokens_total=tokens)
 
 
 def test_a_chain_reaches_the_target_by_versions_or_by_tokens() -> None:
@@ -52,7 +52,8 @@ def test_the_merger_stops_at_the_first_version_that_reaches_the_budget(tmp_path)
     assert run_role("merger", url, "tok", merges=5) == 1  # the three pending deltas in one merge, then done
     assert target_reached(ctx) and run_tokens(ctx) == 4 * per_delta
     state = read_run_state(ctx)
-    assert state.word == "finished" and state.title() == f"finished: version 2, {4 * per_delta:,} of {budget:,} tokens"
+    assert (state.word == "finished"
+            and state.title() == f"finished: version 2, {4 * per_delta:,} of {budget:,} tokens")
     assert run_role("merger", url, "tok", merges=5) == 0  # nothing more to merge: the run is done
     [listed] = list_runs(open_store(url))
     assert (listed["state"], listed["tokens"], listed["token_budget"]) == ("finished", 4 * per_delta, budget)
@@ -64,14 +65,17 @@ def test_the_merger_stops_at_the_first_version_that_reaches_the_budget(tmp_path)
 
 
 def _diloco(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, "-m", "diloco.cli", *args], capture_output=True, text=True,
+                          timeout=240)
 
 
 def test_a_fragmented_run_ends_on_its_token_budget(tmp_path) -> None:
     storage = f"file://{tmp_path}/runs"
     tiny = load_config("tiny")
-    budget = 5 * tiny.inner.steps_per_phase * tiny.data.batch_size * tiny.model.ctx_len  # about 5 phases' tokens
-    done = _diloco("run", "--config", "tiny", "--storage", storage, "--run-id", "tokf", "--no-prefect", "--no-live",
+    # about 5 phases' tokens
+    budget = 5 * tiny.inner.steps_per_phase * tiny.data.batch_size * tiny.model.ctx_len
+    done = _diloco("run", "--config", "tiny", "--storage", storage, "--run-id", "tokf", "--no-prefect",
+                   "--no-live",
                    "--json", "--learners", "2", "--versions", "200", "-o", f"run.num_tokens={budget}",
                    "-o", "fragments.count=2", "-o", "merger.shards=2")
     assert done.returncode == 0, done.stderr[-3000:]

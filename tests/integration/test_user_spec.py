@@ -50,8 +50,8 @@ def test_a_user_spec_trains_through_the_cli(tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "elsewhere")
     done = cli("run", "--config", "tiny", "--spec", f"{spec}:make_spec", "--spec-arg", "hidden=24",
                "--spec-arg", "step_s=0.005",
-               "--learners", "2", "--versions", "10", "--no-prefect", "--no-live", "--json", "-o", "merger.quorum=2",
-               "--storage", f"file://{tmp_path}/runs", "--run-id", "mlp")
+               "--learners", "2", "--versions", "10", "--no-prefect", "--no-live", "--json", "-o",
+               "merger.quorum=2", "--storage", f"file://{tmp_path}/runs", "--run-id", "mlp")
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["num_versions"] >= 10 and summary["extra"]["metric"] == "mse"
@@ -60,8 +60,10 @@ def test_a_user_spec_trains_through_the_cli(tmp_path: Path) -> None:
         "target", False, None, [])
     assert summary["final_eval_loss"] < 0.85 * summary["initial_eval_loss"]
     record = json.loads((tmp_path / "runs" / "mlp" / "run.json").read_text())
-    assert record["config"]["spec"] == f"{spec}:make_spec" and record["config"]["spec_args"] == {"hidden": 24, "step_s": 0.005}
-    assert [p["name"] for p in record["layout"]] == ["body.0.weight", "body.0.bias", "body.2.weight", "body.2.bias"]
+    assert (record["config"]["spec"] == f"{spec}:make_spec"
+            and record["config"]["spec_args"] == {"hidden": 24, "step_s": 0.005})
+    assert [p["name"] for p in record["layout"]] == ["body.0.weight", "body.0.bias", "body.2.weight",
+                                                     "body.2.bias"]
     audited = cli("audit", "--storage", f"file://{tmp_path}/runs", "--run-id", "mlp")
     assert audited.returncode == 0 and "replay ok" in audited.stdout, audited.stdout + audited.stderr
 
@@ -69,7 +71,8 @@ def test_a_user_spec_trains_through_the_cli(tmp_path: Path) -> None:
 def test_a_user_spec_trains_through_the_python_api(tmp_path: Path) -> None:
     factory = resolve(f"{write_spec(tmp_path / 'api')}:make_spec")
     summary = diloco.train(factory, config="tiny", learners=2, versions=10, storage=f"file://{tmp_path}/runs",
-                           run_id="api", spec_args={"hidden": 12, "step_s": 0.005}, time_limit_s=180, overrides={"merger.quorum": 2})
+                           run_id="api", spec_args={"hidden": 12, "step_s": 0.005}, time_limit_s=180,
+                           overrides={"merger.quorum": 2})
     assert summary["run_id"] == "api" and summary["num_versions"] >= 10
     assert summary["final_eval_loss"] < 0.85 * summary["initial_eval_loss"]
     report = audit_run(open_run(f"file://{tmp_path}/runs", "api"))
@@ -77,12 +80,14 @@ def test_a_user_spec_trains_through_the_python_api(tmp_path: Path) -> None:
 
 
 def _in_process_run(tmp_path: Path, spec_path: Path, **spec_args) -> tuple:
-    cfg = load_config("tiny").with_overrides({**OVERRIDES, "spec": f"{spec_path}:make_spec", "spec_args": spec_args})
+    cfg = load_config("tiny").with_overrides({**OVERRIDES, "spec": f"{spec_path}:make_spec",
+                                              "spec_args": spec_args})
     ctx = create_run(open_store(f"file://{tmp_path}/store"), "inproc", cfg)
     return cfg, ctx
 
 
-def test_a_restarted_learner_continues_its_data_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_restarted_learner_continues_its_data_exactly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from diloco.learner.learner import Learner
 
     monkeypatch.setenv("DILOCO_LOCAL_DIR", str(tmp_path / "local"))
@@ -93,7 +98,8 @@ def test_a_restarted_learner_continues_its_data_exactly(tmp_path: Path, monkeypa
     for _ in range(2):
         first.publish(first.run_phase())
     first.publisher.drain()
-    for _ in range(7):  # part of a third phase: 7 steps after the last publish, a local save at step 5 of them
+    # part of a third phase: 7 steps after the last publish, a local save at step 5 of them
+    for _ in range(7):
         first.trainer.train_step(first._next_batch())
         first.state.steps_since_publish += 1
     first.save_local()
@@ -126,14 +132,18 @@ def test_the_merger_and_audit_need_no_user_code(tmp_path: Path, monkeypatch: pyt
         learner.publish(learner.run_phase())
         learner.close()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    probe = subprocess.run([sys.executable, "-c", "import usermod_only_here; print(usermod_only_here.__file__)"], capture_output=True, env=env)
+    probe = subprocess.run([sys.executable, "-c",
+                            "import usermod_only_here; print(usermod_only_here.__file__)"],
+                           capture_output=True, env=env)
     assert probe.returncode != 0, probe.stdout  # the merger's environment cannot import the spec
-    merged = subprocess.run([sys.executable, "-m", "diloco.launch", "merger", "--storage", url, "--run-id", "nocode",
-                             "--merges", "1"], capture_output=True, text=True, env=env, timeout=180)
+    merged = subprocess.run([sys.executable, "-m", "diloco.launch", "merger", "--storage", url, "--run-id",
+                             "nocode", "--merges", "1"], capture_output=True, text=True, env=env, timeout=180)
     assert merged.returncode == 0, merged.stderr[-2000:]
-    audited = subprocess.run([sys.executable, "-m", "diloco.cli", "audit", "--storage", url, "--run-id", "nocode"],
+    audited = subprocess.run([sys.executable, "-m", "diloco.cli", "audit", "--storage", url, "--run-id",
+                              "nocode"],
                              capture_output=True, text=True, env=env, timeout=180)
-    assert audited.returncode == 0 and "audit OK: 2 versions" in audited.stdout, audited.stdout + audited.stderr
+    assert (audited.returncode == 0
+            and "audit OK: 2 versions" in audited.stdout), audited.stdout + audited.stderr
 
 
 def test_a_learner_whose_spec_builds_another_layout_is_refused(tmp_path: Path,

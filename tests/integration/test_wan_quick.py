@@ -26,14 +26,16 @@ def test_quick_wan_writes_the_issue_keys(tmp_path: Path) -> None:
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
-    for key in ("link_mb_s", "target_loss", "time_to_target_s", "speedup_vs_dp", "traffic_ratio_vs_dp", "final_loss"):
+    for key in ("link_mb_s", "target_loss", "time_to_target_s", "speedup_vs_dp", "traffic_ratio_vs_dp",
+                "final_loss"):
         assert key in r, key
     assert set(r["time_to_target_s"]) == set(r["final_loss"]) == {"dp", "sync_diloco", "decoupled"}
     assert r["traffic_ratio_vs_dp"]["sent"] > 1 and r["traffic_ratio_vs_dp"]["received"] > 1
     caps = [row["link_mb_s"] for row in r["rows"]]
     assert caps == pytest.approx([caps[0], 2 * caps[0], caps[0] / 2])
     dec = r["methods"]["decoupled"]
-    assert r["config"]["decoupled_fragments"] == 8 and r["config"]["decoupled_cohorts"] is True  # the default row
+    # the default row
+    assert r["config"]["decoupled_fragments"] == 8 and r["config"]["decoupled_cohorts"] is True
     assert dec["versions"] >= 2 and 0 < dec["busy_mean"] <= 1.0 + 1e-9
     assert dec["delta_bytes_sent_per_learner"] > 0 and dec["global_bytes_received_per_learner"] > 0
     assert r["methods"]["dp"]["modelled"] and r["config"]["torchft_skipped"] == "--no-peer"

@@ -17,17 +17,18 @@ from diloco.run.events import EventLog
 from diloco.run.objects import encode_tensors, read_tensors
 from diloco.storage import Manifest, open_store
 
-OVERRIDES = {"run.num_learners": 2, "merger.quorum": 2, "merger.grace_cap_s": 0.0, "merger.quorum_timeout_s": 5.0,
-             "learner.local_state_every_steps": 0,
+OVERRIDES = {"run.num_learners": 2, "merger.quorum": 2, "merger.grace_cap_s": 0.0,
+             "merger.quorum_timeout_s": 5.0, "learner.local_state_every_steps": 0,
              "outer.lr": 0.7, "outer.momentum": 0.9}  # Nesterov momentum on, as the states replayed here need
 
 
 def tiny_run(tmp_path: Path, run_id: str = "trust", keys: dict[str, bytes] | None = None,
-             keyring: dict[str, list[bytes]] | None = None, **overrides) -> tuple[RunContext, list[Learner], Merger]:
+             keyring: dict[str, list[bytes]] | None = None,
+             **overrides) -> tuple[RunContext, list[Learner], Merger]:
     cfg = load_config("tiny").with_overrides({**OVERRIDES, **overrides})
     ctx = create_run(open_store(f"file://{tmp_path}/bucket"), run_id, cfg)
-    learners = [Learner(ctx, n, events=EventLog(ctx.store, ctx.keys, n),
-                        signing_key=(keys or {}).get(n)) for n in ctx.learners]
+    learners = [Learner(ctx, n, events=EventLog(ctx.store, ctx.keys, n), signing_key=(keys or {}).get(n))
+                for n in ctx.learners]
     for learner in learners:
         learner.join()
     merger = Merger(ctx, events=EventLog(ctx.store, ctx.keys, "merger"), keyring=keyring)
@@ -56,7 +57,8 @@ def one_round(learners: list[Learner], merger: Merger) -> Manifest:
     return manifest
 
 
-def plant(ctx: RunContext, learner: str, seq: int, *, like: tuple[str, int], scale: float, base: int) -> bytes:
+def plant(ctx: RunContext, learner: str, seq: int, *, like: tuple[str, int], scale: float,
+          base: int) -> bytes:
     """A well-formed, finite delta under `learner`/`seq`: a real learner's delta `like` times `scale`."""
     header, delta = read_tensors(ctx.store, ctx.keys.delta(*like))
     meta = {**header.meta, "learner": learner, "seq": seq, "base_version": base}

@@ -28,7 +28,8 @@ class Net(nn.Module):
     def __init__(self, hidden):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(IN, hidden), nn.GELU(), nn.Linear(hidden, OUT))
-        self.register_buffer("calls", torch.zeros(()))  # a buffer: not in the layout; merged (run.json `buffers`)
+        # a buffer: not in the layout; merged (run.json `buffers`)
+        self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x):
         return self.body(x)

@@ -1,6 +1,6 @@
-"""Prefect's usage analytics are off in `make run` as in `make test`, and for every `diloco` command: the server's
-setting and the SDK's DO_NOT_TRACK (Prefect 3.9 prints a telemetry notice through the live table without it);
-a value the environment sets wins.
+"""Prefect's usage analytics are off in `make run` as in `make test`, and for every `diloco` command: the
+server's setting and the SDK's DO_NOT_TRACK (Prefect 3.9 prints a telemetry notice through the live table
+without it); a value the environment sets wins.
 
 Run: .venv/bin/pytest tests/unit/test_analytics.py -q
 """

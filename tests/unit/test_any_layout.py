@@ -1,11 +1,12 @@
-"""Any tensor a user's model can hold goes through every path that writes or reads tensors: random layouts with the
-awkward shapes drawn often (0-d, one element, empty, odd lengths, one past and one short of a block or a pack), in
-random order, through every codec, checked against a plain reference.
+"""Any tensor a user's model can hold goes through every path that writes or reads tensors: random layouts
+with the awkward shapes drawn often (0-d, one element, empty, odd lengths, one past and one short of a block
+or a pack), in random order, through every codec, checked against a plain reference.
 
-The paths: a learner's delta (whole model and fragment lanes), the merger's in-place outer step against the pure
-`outer_step`, a version's params and outer state, the learner's optimizer checkpoint (AdamW state of fp32, bf16 and
-fp16 parameters), its local state, and the model the evaluator and export load. The reference for the codecs is
-`reference_decode` below: the block quantizers written out in whole-array numpy, bit for bit what docs/CODEC.md says.
+The paths: a learner's delta (whole model and fragment lanes), the merger's in-place outer step against the
+pure `outer_step`, a version's params and outer state, the learner's optimizer checkpoint (AdamW state of
+fp32, bf16 and fp16 parameters), its local state, and the model the evaluator and export load. The reference
+for the codecs is `reference_decode` below: the block quantizers written out in whole-array numpy, bit for bit
+what docs/CODEC.md says.
 
 Run: .venv/bin/pytest tests/unit/test_any_layout.py   (about 20 s)
 """
@@ -71,7 +72,8 @@ def layouts(draw: Any) -> dict[str, torch.Tensor]:
 
 
 def reference_decode(x: np.ndarray, codec: str) -> np.ndarray:
-    """What `codec` ships for x (any shape): the whole tensor quantized at once, padded with zeros to whole blocks."""
+    """What `codec` ships for x (any shape): the whole tensor quantized at once, padded with zeros to whole
+    blocks."""
     if codec == "fp32":
         return x.copy()
     if codec == "bf16":
@@ -99,10 +101,12 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @SETTINGS
 @given(params=layouts(), codec=st.sampled_from(CODECS))
-def test_a_delta_of_any_layout_decodes_to_what_was_shipped_and_to_the_reference(params: dict, codec: str) -> None:
+def test_a_delta_of_any_layout_decodes_to_what_was_shipped_and_to_the_reference(
+        params: dict, codec: str) -> None:
     data, shipped = encode_shipped(params, codec_name=codec, kind="delta", fingerprint="f")
     header, decoded = decode_tensors(data)
-    assert _same(decoded, shipped) and [t.shape for t in header.tensors] == [tuple(v.shape) for v in params.values()]
+    assert (_same(decoded, shipped)
+            and [t.shape for t in header.tensors] == [tuple(v.shape) for v in params.values()])
     for name, x in params.items():
         np.testing.assert_array_equal(decoded[name].numpy(), reference_decode(x.numpy(), codec), err_msg=name)
     # the consuming encode (a version's state, a checkpoint) writes the same bytes
@@ -130,7 +134,8 @@ def test_fragment_lanes_of_any_layout_cover_every_element_once(params: dict, cod
         assert _same(decoded, shipped)
         put_(whole, fragment, decoded)
         put_(marks, fragment, {k: torch.ones_like(v) for k, v in part.items()})
-    assert all(torch.equal(m, torch.ones_like(m)) for m in marks.values())  # every element in exactly one piece
+    # every element in exactly one piece
+    assert all(torch.equal(m, torch.ones_like(m)) for m in marks.values())
     if codec == "fp32":
         assert _same(whole, params)
 
@@ -145,7 +150,8 @@ def test_the_in_place_outer_step_is_the_pure_step_for_any_layout(params: dict, c
     gen = torch.Generator().manual_seed(7)
     deltas = [{k: torch.randn(v.shape, generator=gen) * 1e-2 for k, v in params.items()} for _ in range(2)]
     outer = None if first else OuterState({k: torch.randn(v.shape, generator=gen) for k, v in params.items()},
-                                          {k: torch.randn(v.shape, generator=gen) * 1e-3 for k, v in params.items()})
+                                          {k: torch.randn(v.shape, generator=gen) * 1e-3
+                                           for k, v in params.items()})
 
     def stream() -> GradientStream:
         s = GradientStream(0, cfg.outer.merge_rule, cfg.outer.staleness_power)
@@ -159,7 +165,8 @@ def test_the_in_place_outer_step_is_the_pure_step_for_any_layout(params: dict, c
 
     pure = outer_step(params, outer or OuterState.zeros_like(params), stream(), "f", optimizer)
     in_place = outer_step_in_place(clone(params), None if outer is None else
-                                   OuterState(clone(outer.momentum), clone(outer.residual)), stream(), "f", optimizer)
+                                   OuterState(clone(outer.momentum), clone(outer.residual)), stream(), "f",
+                                   optimizer)
     assert in_place.update_bytes == pure.update_bytes
     assert _same(in_place.params, pure.params) and _same(in_place.outer.momentum, pure.outer.momentum)
     assert _same(in_place.outer.residual, pure.outer.residual)
@@ -169,7 +176,8 @@ def test_the_in_place_outer_step_is_the_pure_step_for_any_layout(params: dict, c
 
 @SETTINGS
 @given(params=layouts())
-def test_a_versions_params_and_outer_state_round_trip_through_the_bucket(tmp_path_factory: Any, params: dict) -> None:
+def test_a_versions_params_and_outer_state_round_trip_through_the_bucket(
+        tmp_path_factory: Any, params: dict) -> None:
     store = open_store(f"file://{tmp_path_factory.mktemp('store')}")
     outer = OuterState(clone(params), {k: -v for k, v in params.items()})
     for key, tensors in (("p", params), ("o", outer.to_tensors())):
@@ -203,9 +211,11 @@ def test_checkpoint_local_state_and_the_evaluated_model_of_any_layout(tmp_path_f
     loss = sum((p.float() ** 2).sum() for p in model.parameters())
     loss.backward()
     opt.step()
-    # the checkpoint: AdamW state (0-d moments of a 0-d parameter go to the meta) through the codec, then restored
+    # the checkpoint: AdamW state (0-d moments of a 0-d parameter go to the meta) through the codec, then
+    # restored
     tensors, meta = export_state(opt, model.named(), step=1)
-    _, back = decode_tensors(encode_tensors(tensors, codec_name="fp32", kind="state", fingerprint="f", meta=meta))
+    _, back = decode_tensors(encode_tensors(tensors, codec_name="fp32", kind="state", fingerprint="f",
+                                            meta=meta))
     twin = Holder(params, dtype)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3, eps=eps)
     assert import_state(twin_opt, twin.named(), back, meta) == 1
@@ -241,4 +251,5 @@ def test_a_one_element_tensor_changed_after_encoding_keeps_its_shipped_bytes(cod
         encoder.add("bias", value)
         value[0] = 0.0
         _, out = decode_tensors(encoder.finish())
-        assert out["bias"].numpy().tolist() == reference_decode(np.array([0.25], np.float32), name_codec).tolist()
+        assert (out["bias"].numpy().tolist()
+                == reference_decode(np.array([0.25], np.float32), name_codec).tolist())

@@ -1,6 +1,7 @@
-"""Buffers merged by the run (diloco.training.buffers, merger/step.py): which buffers ship, the merge rule (float: the
-token-weighted mean, fp64 sums; integer and bool: the maximum; nothing added: None, so the parent's carry forward),
-loading values back into a model, and every way a delta's buffers are refused before a merge sees them.
+"""Buffers merged by the run (diloco.training.buffers, merger/step.py): which buffers ship, the merge rule
+(float: the token-weighted mean, fp64 sums; integer and bool: the maximum; nothing added: None, so the
+parent's carry forward), loading values back into a model, and every way a delta's buffers are refused before
+a merge sees them.
 
 Run: .venv/bin/pytest tests/unit/test_buffer_merge.py -q
 """
@@ -26,7 +27,8 @@ class Model(nn.Module):
         super().__init__()
         self.lin = nn.Linear(2, 3)
         self.bn = nn.BatchNorm1d(3)
-        self.register_buffer("table", torch.arange(4.0), persistent=False)  # rebuilt by build_model: never ships
+        # rebuilt by build_model: never ships
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
         self.register_buffer("phase", torch.zeros(2, dtype=torch.complex64))  # fp32 cannot carry it
 
 
@@ -39,8 +41,8 @@ def test_the_persistent_buffers_ship_in_order_and_others_are_named() -> None:
     ships, cannot = buffer_layout(Model())
     assert ships == LAYOUT and cannot == ["phase (complex64)"]
     assert buffer_difference(LAYOUT, ships) is None
-    assert "buffer 1 ('bn.running_var'): shape [4]" in buffer_difference(LAYOUT, [LAYOUT[0], {**LAYOUT[1], "shape": [4]},
-                                                                                   LAYOUT[2]])
+    assert "buffer 1 ('bn.running_var'): shape [4]" in buffer_difference(
+        LAYOUT, [LAYOUT[0], {**LAYOUT[1], "shape": [4]}, LAYOUT[2]])
     assert "no buffer 'bn.num_batches_tracked'" in buffer_difference(LAYOUT, LAYOUT[:2])
 
 
@@ -79,7 +81,8 @@ def test_values_load_into_the_model_in_its_own_dtypes() -> None:
 
 
 def _delta(buffers: dict[str, torch.Tensor] | None, codec: str = "int8", **meta):
-    data, _ = encode_shipped({"lin.weight": torch.randn(3, 2)}, codec_name=codec, kind="delta", fingerprint="f",
+    data, _ = encode_shipped({"lin.weight": torch.randn(3, 2)}, codec_name=codec, kind="delta",
+                             fingerprint="f",
                              meta={"base_version": 0, "tokens": 64, "steps": 2, **meta}, buffers=buffers)
     return decode_tensors(data)
 
@@ -93,7 +96,8 @@ def test_a_delta_carries_its_buffers_exactly_after_its_parameters() -> None:
     group = LearnerGroup("a")  # a judged delta keeps them after its parameters: the group takes them off
     header, delta = _delta(values)
     group.add(0, header, delta)
-    assert list(group.total) == ["lin.weight"] and torch.equal(group.buffers["bn.running_var"], values["bn.running_var"])
+    assert (list(group.total) == ["lin.weight"]
+            and torch.equal(group.buffers["bn.running_var"], values["bn.running_var"]))
     stream = GradientStream(0, "mean", 0.5, buffers=LAYOUT)
     stream.add(group)
     assert torch.equal(stream.merged_buffers()["bn.running_mean"], values["bn.running_mean"])
@@ -111,9 +115,11 @@ def _forged(rename: str | None = None, shape: list[int] | None = None):
 
 BAD = {
     "missing": (lambda: _delta(None), "carries 0 buffers where the run merges 3"),
-    "one short": (lambda: _delta(dict(list(_values([0.0] * 3, [1.0] * 3, 1).items())[:2])), "carries 2 buffers"),
+    "one short": (lambda: _delta(dict(list(_values([0.0] * 3, [1.0] * 3, 1).items())[:2])),
+                  "carries 2 buffers"),
     "renamed": (lambda: _forged(rename="bn.running_vor"), "buffer 1 is 'bn.running_vor'"),
-    "reshaped": (lambda: _forged(shape=[4]), "of shape \\[4\\], where the run has 'bn.running_var' of shape \\[3\\]"),
+    "reshaped": (lambda: _forged(shape=[4]),
+                 "of shape \\[4\\], where the run has 'bn.running_var' of shape \\[3\\]"),
     "not a number": (lambda: _delta(_values([float("nan"), 0.0, 0.0], [1.0] * 3, 1)), "non-finite"),
     "infinite": (lambda: _delta(_values([0.0] * 3, [float("inf"), 1.0, 1.0], 1)), "non-finite"),
     "a fraction of a step": (lambda: _delta({**_values([0.0] * 3, [1.0] * 3, 1),
@@ -132,7 +138,8 @@ def test_bad_buffers_are_refused_with_a_reason(case: str) -> None:
 def test_buffers_stored_inexactly_or_miscounted_are_refused() -> None:
     header, delta = _delta(_values([0.0] * 3, [1.0] * 3, 1))
     quantized = header.__class__(**{**header.__dict__, "tensors": tuple(
-        t.__class__(t.name, t.shape, None) for t in header.tensors)})  # as if the buffers were int8 like the rest
+        # as if the buffers were int8 like the rest
+        t.__class__(t.name, t.shape, None) for t in header.tensors)})
     with pytest.raises(DeltaInvalid, match="stored as int8, not exactly"):
         split_buffers(quantized, dict(delta), LAYOUT)
     for count in (-1, 9, "3", True):

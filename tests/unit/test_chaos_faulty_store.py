@@ -61,7 +61,8 @@ def test_error_rate_is_about_right_and_real_store_is_reached(tmp_path: Path) -> 
 
 
 def test_retries_ride_out_errors(tmp_path: Path) -> None:
-    inner = ObjectStore(f"file://{tmp_path}/store", max_retries=20)  # 20 puts x 0.5**21: a spurious failure ~1e-5
+    # 20 puts x 0.5**21: a spurious failure ~1e-5
+    inner = ObjectStore(f"file://{tmp_path}/store", max_retries=20)
     store = FaultyStore(inner, [StorageWindow(t0=0.0, error_rate=0.5)], seed=1, sleep=lambda s: None)
     for i in range(20):
         store.put(f"k/{i}", b"x")  # call_with_retries absorbs the injected TransientErrors

@@ -75,7 +75,8 @@ def test_closed_form_goodput() -> None:
 
 def test_dp_slowdown_efficiency() -> None:
     plan = ev(0.0, "chaos", "chaos_plan", faults=[{"kind": "slow_learner", "learner": "b", "factor": 3.0}])
-    g = compute_goodput(sorted([*EVENTS, plan], key=lambda e: e["t"]), CHAIN, ["a", "b"], checkpoint_cost_s=2.0)
+    g = compute_goodput(sorted([*EVENTS, plan], key=lambda e: e["t"]), CHAIN, ["a", "b"],
+                        checkpoint_cost_s=2.0)
     assert g.dp_goodput == pytest.approx(0.73 * (1.0 + 3.0) / 2 / 3.0)
 
 
@@ -96,8 +97,8 @@ def test_timeline_states_and_points() -> None:
     assert a == [("starting", 0.0, 1.0), ("training", 1.0, 11.0), ("idle", 11.0, 50.0), ("down", 50.0, 55.0),
                  ("starting", 55.0, 60.0), ("idle", 60.0, 100.0)]
     b = [(s, t0, t1) for who, s, t0, t1 in rows if who == "b"]
-    assert b == [("starting", 0.0, 1.0), ("training", 1.0, 21.0), ("idle", 21.0, 70.0), ("paused", 70.0, 75.0),
-                 ("idle", 75.0, 100.0)]
+    assert b == [("starting", 0.0, 1.0), ("training", 1.0, 21.0), ("idle", 21.0, 70.0),
+                 ("paused", 70.0, 75.0), ("idle", 75.0, 100.0)]
     assert ("merger", "merge", 40.0, 40.0) in rows
     assert ("chaos", "fault:kill_learner", 45.0, 45.0) in rows
     assert [r[2] for r in rows] == sorted(r[2] for r in rows)
@@ -105,9 +106,12 @@ def test_timeline_states_and_points() -> None:
 
 def test_per_learner_breakdown_adds_up_to_the_goodput() -> None:
     rows = per_learner(EVENTS, CHAIN, ["a", "b"])
-    assert rows["a"] == pytest.approx({"provisioned_s": 100.0, "alive_s": 95.0, "ready_s": 89.0, "phase_s": 10.0,
-                                       "phase_steps": 10, "merged_steps": 30, "step_time_s": 1.0, "useful_s": 30.0})
+    assert rows["a"] == pytest.approx({"provisioned_s": 100.0, "alive_s": 95.0, "ready_s": 89.0,
+                                       "phase_s": 10.0,
+                                       "phase_steps": 10, "merged_steps": 30, "step_time_s": 1.0,
+                                       "useful_s": 30.0})
     assert rows["b"]["ready_s"] == pytest.approx(94.0) and rows["b"]["useful_s"] == pytest.approx(20.0)
     g = compute_goodput(EVENTS, CHAIN, ["a", "b"])
     assert sum(r["useful_s"] for r in rows.values()) == pytest.approx(g.useful_s)
-    assert sum(r["alive_s"] for r in rows.values()) - 5.0 == pytest.approx(g.up_s)  # b's pause is alive, not up
+    # b's pause is alive, not up
+    assert sum(r["alive_s"] for r in rows.values()) - 5.0 == pytest.approx(g.up_s)

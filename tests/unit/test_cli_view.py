@@ -28,9 +28,9 @@ def test_never_below_the_minimum() -> None:
 
 
 def test_prefects_log_goes_to_the_log_file_while_the_table_is_live(tmp_path, monkeypatch, capsys) -> None:
-    """Prefect's console handler, made (on Prefect's import) while the table is live, prints with a rich Console of
-    its own, which wrote around the Live's redirection into the table; now its lines go to the run's log file, and
-    to the terminal again once the table is gone."""
+    """Prefect's console handler, made (on Prefect's import) while the table is live, prints with a rich
+    Console of its own, which wrote around the Live's redirection into the table; now its lines go to the
+    run's log file, and to the terminal again once the table is gone."""
     import io
     import logging
     import sys
@@ -49,7 +49,8 @@ def test_prefects_log_goes_to_the_log_file_while_the_table_is_live(tmp_path, mon
     logger.propagate = False
     log_path = tmp_path / "logs" / "supervisor.log"
     with view.LiveView(SimpleNamespace(run_id="r"), console, True, log_path):
-        handler = PrefectConsoleHandler(stream=sys.stderr)  # as Prefect's dictConfig makes it: ext://sys.stderr
+        # as Prefect's dictConfig makes it: ext://sys.stderr
+        handler = PrefectConsoleHandler(stream=sys.stderr)
         logger.addHandler(handler)
         logger.warning("Beginning flow run 'train-r'")
     try:

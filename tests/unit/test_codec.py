@@ -96,7 +96,8 @@ def test_fp32_state_stored_raw_round_trips_exactly_across_frames(monkeypatch: py
 
     monkeypatch.setattr(codec_header, "FRAME_BYTES", 64)
     monkeypatch.setattr(codec_payload, "FRAME_BYTES", 64)
-    tensors = {"w": np.zeros((10, 7), np.float32), "b": np.arange(3, dtype=np.float32)}  # zeros: lz4 would shrink them
+    # zeros: lz4 would shrink them
+    tensors = {"w": np.zeros((10, 7), np.float32), "b": np.arange(3, dtype=np.float32)}
     data = encode_tensors_raw(tensors)
     obj, payload = _split(data)
     assert obj["shuffle"] is False and obj["tensors"][0]["frames"] == [64, 64, 64, 64, 24]  # raw, not lz4
@@ -193,13 +194,15 @@ def test_int3_has_seven_levels_in_blocks_of_512_and_fewer_bytes_than_int4() -> N
     header, out = decode(data)
     assert header.block_size == 512 and out["x"][:8].tolist() == [3.0, 0.0, 1.0, -1.0, 1.0, 2.0, -3.0, 2.0]
     assert out["x"][512:516].tolist() == [6.0, 0.0, 2.0, -4.0]  # rint(x / 2) x 2
-    assert decode(encode({"x": x}, codec="int3", kind="update", fingerprint="f", block_size=256))[0].block_size == 256
+    assert decode(encode({"x": x}, codec="int3", kind="update", fingerprint="f",
+                         block_size=256))[0].block_size == 256
     gauss = np.random.default_rng(2).normal(size=1 << 16).astype(np.float32)
     sizes = {c: len(encode({"g": gauss}, codec=c, kind="update", fingerprint="f")) for c in ("int4", "int3")}
     assert sizes["int3"] < 0.7 * sizes["int4"]  # the same nibbles, but zstd takes back the unused codes
     shipped = decode(encode({"g": gauss}, codec="int3", kind="update", fingerprint="f"))[1]["g"]
     steps = np.abs(gauss.reshape(-1, 512)).max(1, keepdims=True) / 3
-    assert set(np.unique(np.round(shipped.reshape(-1, 512) / steps, 4))) <= {-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0}
+    assert set(np.unique(np.round(shipped.reshape(-1, 512) / steps,
+                                  4))) <= {-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0}
     assert 0.25 < np.linalg.norm(shipped - gauss) / np.linalg.norm(gauss) < 0.35
 
 
@@ -393,8 +396,8 @@ def test_hostile_objects_are_refused(case: str) -> None:
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "nf2"])
 def test_a_tensor_may_carry_its_own_codec(codec: str) -> None:
-    """A model's buffers in a quantized delta: entries of their own codec (fp32) decode exactly, 0-d shapes kept;
-    the other entries decode to the bits of an object without them, and carry no `codec` key."""
+    """A model's buffers in a quantized delta: entries of their own codec (fp32) decode exactly, 0-d shapes
+    kept; the other entries decode to the bits of an object without them, and carry no `codec` key."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal(300).astype(np.float32)
     running_var, steps = (rng.random(7) * 100).astype(np.float32), np.float32(12345)
@@ -469,7 +472,8 @@ def test_hostile_sizes_are_refused_before_allocating(shape: list[int], frames: l
 
 
 def _skewed(n: int, seed: int = 0) -> np.ndarray:
-    """Laplace values, like a delta's: most of a block near zero, a few large (int4 codes ~3 bits of entropy)."""
+    """Laplace values, like a delta's: most of a block near zero, a few large (int4 codes ~3 bits of
+    entropy)."""
     return np.random.default_rng(seed).laplace(size=n).astype(np.float32)
 
 

@@ -22,7 +22,8 @@ def test_the_consuming_encoder_writes_the_codecs_bytes(codec):
     tensors = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
     expected = encode_tensors(tensors, codec_name=codec, kind="params", fingerprint="fp", meta={"x": 1})
     consumed = dict(tensors)
-    got = encode_tensors(consumed, codec_name=codec, kind="params", fingerprint="fp", meta={"x": 1}, consume=True)
+    got = encode_tensors(consumed, codec_name=codec, kind="params", fingerprint="fp", meta={"x": 1},
+                         consume=True)
     assert bytes(got) == expected and consumed == {}
 
 
@@ -41,7 +42,8 @@ def test_the_encoders_shipped_tensor_is_what_decode_gives_back(codec):
 def test_encode_shipped_is_the_encoded_bytes_and_their_decode(codec, shuffle):
     gen = torch.Generator().manual_seed(9)
     tensors = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
-    kwargs = {"codec_name": codec, "kind": "delta", "fingerprint": "fp", "meta": {"seq": 3}, "shuffle": shuffle}
+    kwargs = {"codec_name": codec, "kind": "delta", "fingerprint": "fp", "meta": {"seq": 3},
+              "shuffle": shuffle}
     data, shipped = encode_shipped(tensors, **kwargs)
     assert bytes(data) == bytes(encode_tensors(tensors, **kwargs))
     _, decoded = decode_tensors(data)

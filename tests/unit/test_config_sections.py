@@ -56,9 +56,11 @@ def test_a_knob_without_effect_on_the_chosen_path_is_named_once() -> None:
     assert "learner.probe_every_steps" in fork[1]  # set by the tiny recipe, and a sync learner never probes
     assert knob_warnings("tiny", overrides, cfg, "exec") == fork[1:]
     assert [w.split()[0] for w in knob_warnings("tiny", {}, load_config("tiny"), "prefect")] == []
-    # a local Prefect run forks its flow runs from the zygote too (start_method matters there), not deployments
+    # a local Prefect run forks its flow runs from the zygote too (start_method matters there), not
+    # deployments
     assert knob_warnings("tiny", {"run.start_method": "exec"}, cfg, "prefect") == fork[1:]
-    assert knob_warnings("tiny", {"run.start_method": "exec"}, cfg, "deployments")[0].startswith("run.start_method")
+    assert knob_warnings("tiny", {"run.start_method": "exec"}, cfg,
+                         "deployments")[0].startswith("run.start_method")
 
 
 def test_a_removed_key_is_refused_with_its_reason_and_an_old_record_still_opens() -> None:

@@ -1,5 +1,6 @@
-"""The demo's figures are stated by its recipe (diloco/configs/demo.yaml): README's token budget and learner count
-agree with it, and `diloco run --help` restates no number of its own (it names the recipe's key instead).
+"""The demo's figures are stated by its recipe (diloco/configs/demo.yaml): README's token budget and learner
+count agree with it, and `diloco run --help` restates no number of its own (it names the recipe's key
+instead).
 
 Run: .venv/bin/pytest tests/unit/test_demo_figures.py -q
 """

@@ -110,7 +110,8 @@ def test_take_and_put_round_trip_with_row_splits():
 
 
 def test_too_many_fragments_is_an_error_naming_the_key():
-    layout = [{"name": "a", "shape": [1], "dtype": "float32"}, {"name": "b", "shape": [1], "dtype": "float32"}]
+    layout = [{"name": "a", "shape": [1], "dtype": "float32"},
+              {"name": "b", "shape": [1], "dtype": "float32"}]
     with pytest.raises(FragmentError, match="fragments.count"):
         plan_fragments(layout, 3)
     with pytest.raises(ConfigError, match="fragments.count"):

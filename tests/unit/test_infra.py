@@ -27,7 +27,8 @@ def _pools() -> set[str]:
 
 
 def _workers(services: dict) -> dict[str, dict]:
-    return {name: s for name, s in services.items() if "worker" in s.get("command", []) and "start" in s["command"]}
+    return {name: s for name, s in services.items()
+            if "worker" in s.get("command", []) and "start" in s["command"]}
 
 
 def _pool(service: dict) -> str:
@@ -69,14 +70,17 @@ def test_no_credentials_are_written_in_the_repo(services: dict) -> None:
     for name, service in services.items():
         for key, value in (service.get("environment") or {}).items():
             if secret_names.search(key):
-                assert str(value).startswith("${") and ":?" in str(value), f"{name}.{key} must come from infra/.env"
+                assert (str(value).startswith("${")
+                        and ":?" in str(value)), f"{name}.{key} must come from infra/.env"
             if "@" in str(value):  # a URL with a password in it
-                assert re.search(r":\$\{[A-Z_]+:\?[^}]*\}@", str(value)), f"{name}.{key}: password must be ${{VAR}}"
+                assert re.search(r":\$\{[A-Z_]+:\?[^}]*\}@",
+                                 str(value)), f"{name}.{key}: password must be ${{VAR}}"
     assert "change-me" in (REPO / "infra" / ".env.example").read_text()  # placeholders only
 
 
 def test_the_image_installs_cpu_torch_before_the_project() -> None:
-    lines = [line for line in (REPO / "infra" / "Dockerfile").read_text().splitlines() if line.startswith("RUN")]
+    lines = [line for line in (REPO / "infra" / "Dockerfile").read_text().splitlines()
+             if line.startswith("RUN")]
     torch = next(i for i, line in enumerate(lines) if "torch==2.13.0" in line)
     project = next(i for i, line in enumerate(lines) if re.search(r"pip install '?\.(\[|'| |$)", line))
     assert torch < project

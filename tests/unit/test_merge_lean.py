@@ -19,7 +19,8 @@ from diloco.training.fp64 import CHUNK_ELEMENTS
 M = 3
 BASE = load_config("tiny").with_overrides({"run.num_learners": M, "outer.lr": 0.7, "outer.momentum": 0.9})
 H = BASE.inner.steps_per_phase
-SHAPES = {"wte.weight": (40, 64), "h.0.w": (33, 7), "ln.b": (5,), "odd": (CHUNK_ELEMENTS + 77,)}  # odd: 2 chunks
+# odd: 2 chunks
+SHAPES = {"wte.weight": (40, 64), "h.0.w": (33, 7), "ln.b": (5,), "odd": (CHUNK_ELEMENTS + 77,)}
 MERGES = [[("a", H, 0)], [("a", H, 0), ("b", 2 * H, 1)], [], [("c", 7, 0)],
           [("a", 5 * H, 0), ("b", H, 0), ("c", H, 2)], [("a", H, 0), ("b", H, 0), ("c", H, 0)]]
 
@@ -28,8 +29,8 @@ def _stream(params, version, cfg, gen, spec):
     stream = gradient_stream(params, version, cfg.outer)
     for name, steps, stale in spec:
         delta = {k: torch.randn(s, generator=gen) * 0.05 for k, s in SHAPES.items()}
-        stream.add(LearnerGroup(name, seqs=[0], tokens=steps * 64, steps=steps, min_base=max(0, version - stale),
-                                total=delta))
+        stream.add(LearnerGroup(name, seqs=[0], tokens=steps * 64, steps=steps,
+                                min_base=max(0, version - stale), total=delta))
     return stream
 
 
@@ -54,7 +55,8 @@ def test_the_in_place_step_commits_the_bits_of_outer_step(mode, codec):
     lean_p, lean_o = {k: v.clone() for k, v in params.items()}, None  # None: version 0's zeros
     for version, spec in enumerate(MERGES):
         seed = int(torch.randint(1 << 30, (1,), generator=gen))
-        ref = outer_step(ref_p, ref_o, _stream(ref_p, version, cfg, torch.Generator().manual_seed(seed), spec),
+        ref = outer_step(ref_p, ref_o, _stream(ref_p, version, cfg, torch.Generator().manual_seed(seed),
+                                               spec),
                          "fp", outer_optimizer(cfg, M))
         lean = outer_step_in_place(lean_p, lean_o, _stream(lean_p, version, cfg,
                                                            torch.Generator().manual_seed(seed), spec),

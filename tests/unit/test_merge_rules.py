@@ -17,7 +17,8 @@ DIM = 4096  # random vectors this long are nearly orthogonal
 
 def _random_deltas(num: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [{"w": torch.randn(DIM, generator=gen), "emb": torch.randn(8, 4, generator=gen)} for _ in range(num)]
+    return [{"w": torch.randn(DIM, generator=gen),
+             "emb": torch.randn(8, 4, generator=gen)} for _ in range(num)]
 
 
 def _norm(t: torch.Tensor) -> float:

@@ -1,7 +1,8 @@
-"""How a run ended, from the bucket's records alone (diloco.inspect.outcome): what ended it, and when that is a
-failure — the target, the user's own stop or signal and a time limit with nothing failed are not; a learner that
-failed for a reason a restart cannot fix or was given up, no delta merged, an end nobody asked for, and a time limit
-after learner failures are. `diloco.RunFailed` is importable from the package and carries the summary.
+"""How a run ended, from the bucket's records alone (diloco.inspect.outcome): what ended it, and when that is
+a failure — the target, the user's own stop or signal and a time limit with nothing failed are not; a learner
+that failed for a reason a restart cannot fix or was given up, no delta merged, an end nobody asked for, and a
+time limit after learner failures are. `diloco.RunFailed` is importable from the package and carries the
+summary.
 
 Run: .venv/bin/pytest tests/unit/test_outcome.py
 """
@@ -49,7 +50,8 @@ def test_the_target_the_users_stop_and_a_clean_time_limit_are_not_failures() -> 
         out = run_outcome(state, [], [], deltas_merged=5)
         assert out["failure"] is None and out["failed_learners"] == []
     short = run_outcome(stopped("time limit"), [], [], deltas_merged=5)
-    assert short == {"ended_by": "time limit", "short_of_target": True, "failed_learners": [], "failure": None}
+    assert short == {"ended_by": "time limit", "short_of_target": True, "failed_learners": [],
+                     "failure": None}
     assert run_outcome(stopped("operator"), [], [], deltas_merged=0)["failure"] is None  # the user asked
 
 
@@ -58,23 +60,27 @@ def test_a_restarted_learner_is_shown_and_fails_the_run_only_when_the_time_limit
     done = run_outcome(RunState("finished", 12, 12, None, LEASE), [], events, deltas_merged=5)
     assert done["failure"] is None and done["failed_learners"] == [
         {"learner": "a", "failures": 1, "fatal": False, "given_up": False, "down": False,
-         "error": "RuntimeError: boom", "log": "/logs/a.log"}]  # the earlier session's failure is not this one's
+         # the earlier session's failure is not this one's
+         "error": "RuntimeError: boom", "log": "/logs/a.log"}]
     assert failure_lines(done["failed_learners"]) == [
         "learner a failed 1 time, restarted: RuntimeError: boom (log: /logs/a.log)"]
     short = run_outcome(stopped("time limit"), [], events, deltas_merged=5)["failure"]
-    assert short == "the time limit ended it short of its target after learner failures: learner a: RuntimeError: boom"
+    assert short == ("the time limit ended it short of its target after learner failures: learner a: "
+                     "RuntimeError: boom")
 
 
 def test_a_fatal_or_given_up_learner_no_contribution_and_an_unasked_end_fail_the_run() -> None:
-    rows = [{"learner": "a", "state": "failed", "t": 1002.0, "error": "learner a: another layout", "fatal": True,
-             "log": "/logs/a.log", "given_up": True},
+    rows = [{"learner": "a", "state": "failed", "t": 1002.0, "error": "learner a: another layout",
+             "fatal": True, "log": "/logs/a.log", "given_up": True},
             {"learner": "b", "state": "training", "t": 1003.0}]
-    out = run_outcome(stopped(LEARNERS_CRASHED), rows, [exit_event("a", 1001.0, "learner a: another layout", True)],
-                      deltas_merged=0)
-    assert out["failure"] == ("learner a failed, and a restart cannot fix it: learner a: another layout; the run ended "
-                              f"at version 3 of 12: {LEARNERS_CRASHED}; no learner contributed (not one delta merged)")
+    out = run_outcome(stopped(LEARNERS_CRASHED), rows,
+                      [exit_event("a", 1001.0, "learner a: another layout", True)], deltas_merged=0)
+    assert out["failure"] == ("learner a failed, and a restart cannot fix it: learner a: another layout; the "
+                              f"run ended at version 3 of 12: {LEARNERS_CRASHED}; no learner contributed "
+                              "(not one delta merged)")
     assert [f["learner"] for f in out["failed_learners"]] == ["a"] and out["failed_learners"][0]["down"]
-    given_up = [{"kind": "exit", "learner": "b", "t": 1001.0 + i, "error": "RuntimeError: x"} for i in range(3)]
+    given_up = [{"kind": "exit", "learner": "b", "t": 1001.0 + i,
+                 "error": "RuntimeError: x"} for i in range(3)]
     given_up.append({"kind": "give_up", "learner": "b", "t": 1005.0, "error": "RuntimeError: x"})
     failed = failed_learners([], given_up, since=1000.0)
     assert failed[0]["failures"] == 3 and failed[0]["given_up"]
@@ -87,4 +93,5 @@ def test_a_fatal_or_given_up_learner_no_contribution_and_an_unasked_end_fail_the
 def test_run_failed_is_part_of_the_package_and_carries_the_summary() -> None:
     assert "RunFailed" in diloco.__all__
     err = diloco.RunFailed("run r failed: no learner contributed", {"run_id": "r"})
-    assert isinstance(err, RuntimeError) and err.summary == {"run_id": "r"} and "no learner contributed" in str(err)
+    assert (isinstance(err, RuntimeError) and err.summary == {"run_id": "r"}
+            and "no learner contributed" in str(err))

@@ -12,7 +12,8 @@ import torch
 from diloco.configs import load_config
 from diloco.merger.step import LearnerGroup, OuterState, gradient_stream, outer_optimizer, outer_step
 
-CFG = load_config("tiny").with_overrides({"run.num_learners": 2, "outer.update_codec": "fp32", "outer.lr": 0.7, "outer.momentum": 0.9})
+CFG = load_config("tiny").with_overrides({"run.num_learners": 2, "outer.update_codec": "fp32",
+                                          "outer.lr": 0.7, "outer.momentum": 0.9})
 PHASE_TOKENS = CFG.inner.steps_per_phase * CFG.data.batch_size * CFG.model.ctx_len
 LR, MU = CFG.outer.lr, CFG.outer.momentum
 
@@ -50,8 +51,8 @@ def test_a_round_or_less_is_the_plain_partial_nesterov_step():
 
 
 def test_momentum_per_round_makes_a_round_of_partial_merges_one_outer_step():
-    """`experimental.momentum_per: round`: a merge carrying share s decays the buffer by mu**s and looks ahead by
-    s*mu*buf. Two half-round merges of the same pseudo-gradient then move the params like one whole
+    """`experimental.momentum_per: round`: a merge carrying share s decays the buffer by mu**s and looks ahead
+    by s*mu*buf. Two half-round merges of the same pseudo-gradient then move the params like one whole
     round does under the per-merge rule at steady state, where per merge they overshoot."""
     cfg = CFG.with_overrides({"experimental.momentum_per": "round"})
     delta = torch.tensor([1.0, -2.0, 0.5, 4.0])

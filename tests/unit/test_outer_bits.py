@@ -23,7 +23,8 @@ from diloco.training.model import EMBEDDING_PARAMS
 from diloco.training.tensors import add_, clone
 
 M = 3  # learners in the run
-BASE = load_config("tiny").with_overrides({"run.num_learners": M, "outer.lr": 0.7, "outer.momentum": 0.9})  # momentum on
+# momentum on
+BASE = load_config("tiny").with_overrides({"run.num_learners": M, "outer.lr": 0.7, "outer.momentum": 0.9})
 H, B, CTX = BASE.inner.steps_per_phase, BASE.data.batch_size, BASE.model.ctx_len
 SHAPES = {"wte.weight": (16, 8), "wpe.weight": (4, 8), "h.0.attn.weight": (8, 8), "ln_f.bias": (8,)}
 
@@ -43,11 +44,13 @@ def _old_nesterov_step(params, grad, momentum_buf, lr, momentum, nesterov=True, 
 
 
 def _old_outer_step(params, outer, groups, version, cfg, num_learners, fingerprint):
-    """The former GradientStream (weights, tokens-based rounds, finish) + outer_step, verbatim in arithmetic."""
+    """The former GradientStream (weights, tokens-based rounds, finish) + outer_step, verbatim in
+    arithmetic."""
     combiner = Combiner(cfg.outer.merge_rule, direct=tuple(k for k in params if k in EMBEDDING_PARAMS))
     weights, tokens = {}, 0
     for learner, g_tokens, g_steps, min_base, total in groups:
-        weights[learner] = delta_weight(g_tokens, g_steps, max(0, version - min_base), cfg.outer.staleness_power)
+        weights[learner] = delta_weight(g_tokens, g_steps, max(0, version - min_base),
+                                        cfg.outer.staleness_power)
         tokens += g_tokens
         combiner.add(total, weights[learner])
     per_phase = cfg.inner.steps_per_phase * cfg.data.batch_size * cfg.model.ctx_len
@@ -87,7 +90,8 @@ def _old_outer_step(params, outer, groups, version, cfg, num_learners, fingerpri
 def _groups(gen, version: int, spec: list[tuple[str, int, int]]):
     """spec: (learner, phases' steps, staleness) -> (learner, tokens, steps, min_base, random delta)."""
     return [(name, steps * B * CTX, steps, max(0, version - stale),
-             {k: torch.randn(s, generator=gen) * 0.05 for k, s in SHAPES.items()}) for name, steps, stale in spec]
+             {k: torch.randn(s, generator=gen) * 0.05 for k, s in SHAPES.items()})
+            for name, steps, stale in spec]
 
 
 def _new_outer_step(params, outer, groups, version, cfg, fingerprint):

@@ -12,7 +12,8 @@ import torch
 from diloco.configs import load_config
 from diloco.training.outer import OuterOptimizer, OuterState, nesterov_step
 
-CFG = load_config("tiny").with_overrides({"experimental.momentum_per": "delayed", "outer.update_codec": "fp32",
+CFG = load_config("tiny").with_overrides({"experimental.momentum_per": "delayed",
+                                          "outer.update_codec": "fp32",
                                           "outer.lr": 0.7, "outer.momentum": 0.9})
 H, M = CFG.inner.steps_per_phase, 2
 LR, MU = CFG.outer.lr, CFG.outer.momentum
@@ -49,7 +50,8 @@ def test_full_rounds_are_the_plain_nesterov_step_bit_for_bit() -> None:
     g = {"w": torch.tensor([0.7, -0.3, 0.9])}
     delayed = _opt().update(params, state, g, H * M)
     merge = _opt(CFG.with_overrides({"experimental.momentum_per": "merge"})).update(params, state, g, H * M)
-    assert torch.equal(delayed.exact["w"], merge.exact["w"]) and torch.equal(delayed.momentum["w"], merge.momentum["w"])
+    assert (torch.equal(delayed.exact["w"], merge.exact["w"])
+            and torch.equal(delayed.momentum["w"], merge.momentum["w"]))
 
 
 def test_pending_round_trips_and_other_rules_store_no_pending() -> None:

@@ -1,6 +1,6 @@
-"""DyLU's rule (inner.dylu, diloco.learner.pace) and the lanes' retime: H_w = floor(v_w / v_max * H) outside the
-dead band, never below its floor (min_steps, H / 8); a retimed schedule keeps its place in the cycle, and in
-every later cycle each fragment ships once. Run: .venv/bin/pytest tests/unit/test_pace.py -q
+"""DyLU's rule (inner.dylu, diloco.learner.pace) and the lanes' retime: H_w = floor(v_w / v_max * H) outside
+the dead band, never below its floor (min_steps, H / 8); a retimed schedule keeps its place in the cycle, and
+in every later cycle each fragment ships once. Run: .venv/bin/pytest tests/unit/test_pace.py -q
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`diloco plot`: a PNG of held-out loss per version and a learner timeline, from a run's bucket only; no two of
-its labels collide (the version labels thinned, the legends beside the timeline, text inside the figure).
+"""`diloco plot`: a PNG of held-out loss per version and a learner timeline, from a run's bucket only; no two
+of its labels collide (the version labels thinned, the legends beside the timeline, text inside the figure).
 
 Run: .venv/bin/pytest tests/unit/test_plot.py   (a tiny run on file:// with synthetic evals and events)
 """
@@ -66,7 +66,8 @@ def test_loss_is_plotted_against_tokens_when_known() -> None:
 
 def test_cli_plot(run: RunContext, tmp_path: Path) -> None:
     out = tmp_path / "cli.png"
-    result = CliRunner().invoke(app, ["plot", "--storage", run.store.url, "--run-id", run.run_id, "--out", str(out)])
+    result = CliRunner().invoke(app, ["plot", "--storage", run.store.url, "--run-id", run.run_id, "--out",
+                                      str(out)])
     assert result.exit_code == 0, result.output
     assert out.stat().st_size > 0
     bad = CliRunner().invoke(app, ["plot", "--storage", run.store.url, "--run-id", "nope", "--out", str(out)])
@@ -82,12 +83,14 @@ def test_start_up_is_starting_and_a_gap_between_phases_is_idle() -> None:
           {"t": 28.0, "source": "a", "kind": "join", "learner": "a"},
           {"t": 38.0, "source": "a", "kind": "phase", "learner": "a", "t_start": 28.1},
           {"t": 38.1, "source": "a", "kind": "publish", "learner": "a"},
-          {"t": 48.2, "source": "a", "kind": "phase", "learner": "a", "t_start": 38.2},  # the ship step: training
+          # the ship step: training
+          {"t": 48.2, "source": "a", "kind": "phase", "learner": "a", "t_start": 38.2},
           {"t": 70.0, "source": "a", "kind": "phase", "learner": "a", "t_start": 60.0},  # 12 s idle before
           {"t": 71.0, "source": "supervisor", "kind": "kill", "role": "learner", "learner": "a"},
           {"t": 75.0, "source": "supervisor", "kind": "end"}]
     rows = [(state, round(a, 1), round(b, 1)) for who, state, a, b in timeline(ev) if who == "a"]
-    assert rows == [("starting", 0.0, 28.0), ("idle", 28.0, 28.1), ("training", 28.1, 48.2), ("idle", 48.2, 60.0),
+    assert rows == [("starting", 0.0, 28.0), ("idle", 28.0, 28.1), ("training", 28.1, 48.2),
+                    ("idle", 48.2, 60.0),
                     ("training", 60.0, 70.0), ("idle", 70.0, 71.0), ("down", 71.0, 75.0)]
 
 
@@ -99,20 +102,21 @@ def test_labelled_versions_are_evenly_spaced_and_keep_the_first_and_the_last() -
 
 
 def _drawn_texts(fig) -> list:
-    """Titles, axis labels, annotations, legend entries and the tick labels inside each axis's view (matplotlib
-    keeps labels of ticks beyond the limits, undrawn)."""
+    """Titles, axis labels, annotations, legend entries and the tick labels inside each axis's view
+    (matplotlib keeps labels of ticks beyond the limits, undrawn)."""
     out = [t for ax in fig.axes for t in (ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts)]
     for ax in fig.axes:
         for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
-            out += [t for t, at in zip(axis.get_ticklabels(), axis.get_ticklocs(), strict=True) if lo <= at <= hi]
+            out += [t for t, at in zip(axis.get_ticklabels(), axis.get_ticklocs(),
+                                       strict=True) if lo <= at <= hi]
         for legend in [ax.get_legend(), *ax.artists]:
             out += legend.get_texts() if legend is not None and hasattr(legend, "get_texts") else []
     return out
 
 
 def test_no_two_labels_collide(tmp_path: Path) -> None:
-    """Before: past a dozen versions their labels ran into each other, the legends sat on the bars and merges of the
-    timeline, and a quarantine's label ran across them."""
+    """Before: past a dozen versions their labels ran into each other, the legends sat on the bars and merges
+    of the timeline, and a quarantine's label ran across them."""
     from itertools import combinations
 
     from matplotlib.legend import Legend
@@ -142,10 +146,12 @@ def test_no_two_labels_collide(tmp_path: Path) -> None:
     assert 2 <= len(top.texts) <= MAX_VERSION_LABELS and not bottom.texts
     texts = [t for t in _drawn_texts(fig) if t.get_visible() and t.get_text().strip()]
     boxes = [t.get_window_extent(r) for t in texts]
-    clashes = [(a.get_text(), b.get_text()) for (a, x), (b, y) in combinations(zip(texts, boxes, strict=True), 2)
+    clashes = [(a.get_text(), b.get_text())
+               for (a, x), (b, y) in combinations(zip(texts, boxes, strict=True), 2)
                if x.overlaps(y)]
     assert clashes == []
-    assert all(fig.bbox.contains(b.x0, b.y0) and fig.bbox.contains(b.x1, b.y1) for b in boxes)  # nothing cut off
+    # nothing cut off
+    assert all(fig.bbox.contains(b.x0, b.y0) and fig.bbox.contains(b.x1, b.y1) for b in boxes)
     legends = [a for a in [bottom.get_legend(), *bottom.artists] if isinstance(a, Legend)]
     assert len(legends) == 2
     frames = [legend.get_window_extent(r) for legend in legends]

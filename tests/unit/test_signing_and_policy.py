@@ -45,7 +45,8 @@ def test_keys_come_from_the_environment_and_must_be_long_enough() -> None:
     with pytest.raises(SigningError, match="Secret blocks cannot be read here"):
         learner_key({"DILOCO_SIGNING_KEY_BLOCK": "k"})
     assert learner_key({"DILOCO_SIGNING_KEY_BLOCK": "k"}, load_block=lambda name: f"key-of-{name}-" * 2)
-    ring = load_keyring({"DILOCO_KEYRING": json.dumps({"a-0": KEY.decode(), "b-0": [KEY.decode(), OTHER.decode()]})})
+    ring = load_keyring({"DILOCO_KEYRING": json.dumps({"a-0": KEY.decode(),
+                                                       "b-0": [KEY.decode(), OTHER.decode()]})})
     assert ring == {"a-0": [KEY], "b-0": [KEY, OTHER]}
     assert load_keyring({}, required=False) is None
     with pytest.raises(SigningError, match="no keyring"):
@@ -93,19 +94,23 @@ def test_a_learner_writes_only_its_own_prefixes() -> None:
     assert not allows(p, LIST, B, "runs/r/deltas/")
 
 def test_published_deltas_and_committed_manifests_cannot_be_overwritten() -> None:
-    """A learner's delta and the merger's manifest are written only by an exclusive create (If-None-Match: *, which
-    S3 answers 412 when the key exists): a PutObject without the header is not allowed on them; the parts of a
-    multipart upload (they take no header) are, its completion needs the header again (AWS's example)."""
+    """A learner's delta and the merger's manifest are written only by an exclusive create (If-None-Match: *,
+    which S3 answers 412 when the key exists): a PutObject without the header is not allowed on them; the
+    parts of a multipart upload (they take no header) are, its completion needs the header again (AWS's
+    example)."""
     learner, merger = policy_for(URL, "r", learner="us-east-0"), policy_for(URL, "r", role="merger")
-    delta, manifest = "runs/r/deltas/us-east-0/000000000001.delta", "runs/r/versions/00000000000000000001.json"
+    delta, manifest = ("runs/r/deltas/us-east-0/000000000001.delta",
+                       "runs/r/versions/00000000000000000001.json")
     assert allows(learner, WRITE, B, delta, if_none_match=True) and not allows(learner, WRITE, B, delta)
     assert allows(merger, WRITE, B, manifest, if_none_match=True) and not allows(merger, WRITE, B, manifest)
     assert allows(learner, WRITE, B, delta, part=True) and allows(merger, WRITE, B, manifest, part=True)
-    assert allows(merger, WRITE, B, "runs/r/global/00000000000000000001-abcdef12.params")  # nonce'd: a plain put
+    # nonce'd: a plain put
+    assert allows(merger, WRITE, B, "runs/r/global/00000000000000000001-abcdef12.params")
     once = [st for st in learner["Statement"] if st["Sid"] == "CreateOnce"]
     assert once and once[0]["Condition"] == {"Null": {"s3:if-none-match": "false"}}
     plain = [r for st in learner["Statement"] if st["Sid"] == "PutObject" for r in st["Resource"]]
-    assert not any(fnmatch.fnmatchcase(f"arn:aws:s3:::{B}/{delta}", r) for r in plain)  # else it would allow it
+    # else it would allow it
+    assert not any(fnmatch.fnmatchcase(f"arn:aws:s3:::{B}/{delta}", r) for r in plain)
     with pytest.raises(ValueError, match="StringEquals"):
         allows({"Statement": [{"Effect": "Allow", "Action": [WRITE], "Resource": ["*"],
                                "Condition": {"StringEquals": {"s3:if-none-match": "*"}}}]}, WRITE, B, delta)
@@ -162,7 +167,8 @@ def test_learners_and_the_evaluator_read_the_spec_files_and_the_merger_does_not(
     key = "runs/r/spec/tokenizer.json"
     learner, evaluator = policy_for(URL, "r", learner="us-east-0"), policy_for(URL, "r", role="evaluator")
     merger = policy_for(URL, "r", role="merger")
-    assert allows(learner, READ, B, key) and allows(evaluator, READ, B, key) and not allows(merger, READ, B, key)
+    assert (allows(learner, READ, B, key) and allows(evaluator, READ, B, key)
+            and not allows(merger, READ, B, key))
     assert not any(allows(p, WRITE, B, key) for p in (learner, evaluator, merger))
 
 

@@ -204,8 +204,8 @@ def test_the_retry_window_comes_from_the_environment(monkeypatch: pytest.MonkeyP
 
 def test_a_file_store_without_botocore_still_tells_missing_from_broken(tmp_path) -> None:
     """On a machine without s3fs (a GPU box training into file://), a missing file is NotFound, not a storage
-    failure: before the fix, the stand-in for botocore's error class was OSError, so `exists()` raised and a run
-    could not even be created. Run in a fresh interpreter where importing botocore fails."""
+    failure: before the fix, the stand-in for botocore's error class was OSError, so `exists()` raised and a
+    run could not even be created. Run in a fresh interpreter where importing botocore fails."""
     import os
     import subprocess
     import sys

@@ -1,8 +1,8 @@
 """The house keeps its floors: every import goes down a floor (FLOORS, docs/ENGINE.md "The house"), so the
-package import graph has no circles — `from diloco import X` counts as an arrow to X; training/ and storage/ import
-no orchestration (storage no torch at module level); the leaves (chaos, bench) and the entry points (cli, api,
-flows, launch) are imported by nothing in the core; typer lives only in cli/; no source file is over 450 lines;
-and `import diloco.cli` (what `diloco --help` pays) imports neither torch nor prefect.
+package import graph has no circles — `from diloco import X` counts as an arrow to X; training/ and storage/
+import no orchestration (storage no torch at module level); the leaves (chaos, bench) and the entry points
+(cli, api, flows, launch) are imported by nothing in the core; typer lives only in cli/; no source file is
+over 450 lines; and `import diloco.cli` (what `diloco --help` pays) imports neither torch nor prefect.
 
 Run: .venv/bin/pytest tests/unit/test_structure.py -q
 """
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "diloco"
-CORE = {"configs", "storage", "training", "specs", "run", "trust", "learner", "merger", "evaluator", "supervise",
-        "inspect", "tasks"}
+CORE = {"configs", "storage", "training", "specs", "run", "trust", "learner", "merger", "evaluator",
+        "supervise", "inspect", "tasks"}
 ENTRIES = {"cli", "api", "flows", "launch"}
 LEAVES = {"chaos", "bench"}
 MAY_IMPORT_LEAVES = {"cli", "flows", "launch", "chaos", "bench"}
@@ -55,15 +55,17 @@ ROOMS = rooms()
 
 
 def imports_of(source: str, where: str = "<source>") -> set[str]:
-    """Every module (absolute imports only: the project uses no relative ones) a source imports, at any depth (an
-    import inside a function is an arrow too); `from diloco import X` is diloco.X when X is a room, else diloco."""
+    """Every module (absolute imports only: the project uses no relative ones) a source imports, at any depth
+    (an import inside a function is an arrow too); `from diloco import X` is diloco.X when X is a room, else
+    diloco."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{where}: relative import"
-            if node.module == "diloco":  # `from diloco import api`: an arrow to api (`__version__`: to the door)
+            # `from diloco import api`: an arrow to api (`__version__`: to the door)
+            if node.module == "diloco":
                 names.update(f"diloco.{a.name}" if a.name in ROOMS else "diloco" for a in node.names)
             else:
                 names.add(node.module or "")
@@ -123,8 +125,8 @@ def test_the_package_graph_has_no_circles() -> None:
 
 
 def test_from_diloco_import_x_is_an_arrow_to_x() -> None:
-    """`from diloco import api` inside a function is seen (the circle api -> flows -> operate -> api hid there);
-    `from diloco import __version__` is the package's door, no room."""
+    """`from diloco import api` inside a function is seen (the circle api -> flows -> operate -> api hid
+    there); `from diloco import __version__` is the package's door, no room."""
     source = "def resume():\n    from diloco import api, __version__\n    from diloco.run import context\n"
     assert imports_of(source) == {"diloco.api", "diloco", "diloco.run"}
 
@@ -132,7 +134,8 @@ def test_from_diloco_import_x_is_an_arrow_to_x() -> None:
 def test_every_package_is_on_a_floor_and_every_import_goes_down() -> None:
     floor = {name: i for i, names in enumerate(FLOORS) for name in names}
     assert sorted(ROOMS - set(floor)) == [], "a new room: give it a floor in FLOORS (and docs/ENGINE.md)"
-    up = [f"{a} -> {b}" for a, bs in package_graph().items() if a != "__init__" for b in bs if floor[b] <= floor[a]]
+    up = [f"{a} -> {b}" for a, bs in package_graph().items() if a != "__init__"
+          for b in bs if floor[b] <= floor[a]]
     assert up == []
 
 
@@ -144,7 +147,8 @@ def test_training_and_storage_import_no_orchestration() -> None:
     torch_in_storage = [p for p in ROOT.joinpath("storage").rglob("*.py")
                         for node in ast.parse(p.read_text()).body
                         if isinstance(node, ast.Import | ast.ImportFrom)
-                        and "torch" in {a.name.split(".")[0] for a in node.names} | {(getattr(node, "module", "") or "").split(".")[0]}]
+                        and "torch" in {a.name.split(".")[0] for a in node.names}
+                        | {(getattr(node, "module", "") or "").split(".")[0]}]
     assert torch_in_storage == []
 
 
@@ -161,11 +165,13 @@ def test_typer_lives_only_in_the_cli() -> None:
 
 
 def test_no_source_file_is_over_the_limit() -> None:
-    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := p.read_text().count("\n")) > MAX_LINES}
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
+            if (n := p.read_text().count("\n")) > MAX_LINES}
     assert long == {}
 
 
 def test_the_command_line_imports_neither_torch_nor_prefect() -> None:
     code = "import sys, diloco.cli; print(sorted(m for m in ('torch', 'prefect') if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          check=True)
     assert done.stdout.strip() == "[]"

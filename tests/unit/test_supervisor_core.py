@@ -1,9 +1,10 @@
 """The supervisor core's decisions, the same for every backend: restarts bounded with back-off, a removed
 learner ended and never started again, a silent learner killed and restarted, a refused start not counted
 (and, refused again and again, the run ends with the reason), planned restarts not counted, a paused role
-left alone, a learner that failed for a reason a restart cannot fix given up at once, and every failed learner's
-error line and log recorded (its own, or its log's last error line). The backend here is a scripted one of our own Backend interface (no Prefect, no processes): what
-each backend does for real is tested in tests/chaos (processes) and tests/deployment (a Prefect server).
+left alone, a learner that failed for a reason a restart cannot fix given up at once, and every failed
+learner's error line and log recorded (its own, or its log's last error line). The backend here is a scripted
+one of our own Backend interface (no Prefect, no processes): what each backend does for real is tested in
+tests/chaos (processes) and tests/deployment (a Prefect server).
 
 Run: .venv/bin/pytest tests/unit/test_supervisor_core.py
 """
@@ -213,8 +214,8 @@ def test_shutdown_writes_the_stop_and_kills_what_does_not_end(ctx: RunContext, s
     assert sorted(n for n, _ in sup.backend.killed) == ["a", "b"]
 
 
-def test_an_admitted_learner_is_started_and_a_removed_one_is_not_a_job(ctx: RunContext, sup: Supervisor,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_admitted_learner_is_started_and_a_removed_one_is_not_a_job(
+        ctx: RunContext, sup: Supervisor, monkeypatch: pytest.MonkeyPatch) -> None:
     from diloco.api.operate import admit_learner
 
     monkeypatch.setattr(core, "MEMBERS_EVERY_S", 0.0)
@@ -281,7 +282,8 @@ def test_roles_on_cuda_are_never_forked() -> None:
 
 
 class LoggingBackend(ScriptedBackend):
-    """A backend that knows each job's log (as the local one does), for a process that could not say why it ended."""
+    """A backend that knows each job's log (as the local one does), for a process that could not say why it
+    ended."""
 
     def __init__(self, log_dir: Path) -> None:
         super().__init__()
@@ -294,14 +296,17 @@ class LoggingBackend(ScriptedBackend):
         return last_error_line(path), path
 
 
-def test_a_learner_that_cannot_start_for_a_reason_a_restart_cannot_fix_is_given_up_at_once(ctx: RunContext) -> None:
-    """Its process recorded `failed` and `fatal` (a layout the run does not have: diloco.launch); restarting it would
-    run the same code on the same config, so it is left down at once, its error line and log in its events and status."""
+def test_a_learner_that_cannot_start_for_a_reason_a_restart_cannot_fix_is_given_up_at_once(
+        ctx: RunContext) -> None:
+    """Its process recorded `failed` and `fatal` (a layout the run does not have: diloco.launch); restarting
+    it would run the same code on the same config, so it is left down at once, its error line and log in its
+    events and status."""
     from diloco.run.failure import write_failed_status
 
     sup = Supervisor(ctx, ScriptedBackend())
     sup.start_all()
-    error = "learner a: the spec builds another model than run 'core-1': parameter 0 ('w'): shape [17] where the run has [16]"
+    error = ("learner a: the spec builds another model than run 'core-1': parameter 0 ('w'): shape [17] "
+             "where the run has [16]")
     write_failed_status(ctx.store, ctx.keys, "a", error=error, fatal=True, log_at="/logs/a.log")
     sup.backend.ended["a"] = 2
     sup.heal()  # sees the exit: its failure read
@@ -310,25 +315,29 @@ def test_a_learner_that_cannot_start_for_a_reason_a_restart_cannot_fix_is_given_
     assert job.given_up and sup.backend.started.count("a") == 1 and job.failure.fatal
     sup.events.flush()
     events = {e["kind"]: e for e in read_events(ctx.store, ctx.keys) if e.get("learner") == "a"}
-    assert events["exit"]["error"] == error and events["exit"]["log"] == "/logs/a.log" and events["exit"]["fatal"]
+    assert (events["exit"]["error"] == error and events["exit"]["log"] == "/logs/a.log"
+            and events["exit"]["fatal"])
     assert events["give_up"]["error"] == error and "restart" not in events
     status = read_record(ctx.store, ctx.keys.status("a"), LearnerStatus)
     assert (status.state, status.error, status.fatal, status.given_up) == ("failed", error, True, True)
 
 
-def test_a_crashed_learner_that_wrote_nothing_gets_its_logs_last_error_line_and_a_restart(ctx: RunContext,
-                                                                                       tmp_path: Path) -> None:
+def test_a_crashed_learner_that_wrote_nothing_gets_its_logs_last_error_line_and_a_restart(
+        ctx: RunContext, tmp_path: Path) -> None:
     sup = Supervisor(ctx, LoggingBackend(tmp_path))
     sup.start_all()
-    (tmp_path / "a.log").write_text("2026-12-04 diloco.learner WARNING slow storage\nTraceback (most recent call last):\n"
-                                    '  File "x.py", line 1\nRuntimeError: cannot install version 3: global/3-ab.update\n'
+    (tmp_path / "a.log").write_text("2026-12-04 diloco.learner WARNING slow storage\n"
+                                    "Traceback (most recent call last):\n"
+                                    '  File "x.py", line 1\n'
+                                    "RuntimeError: cannot install version 3: global/3-ab.update\n"
                                     "12:00:01 | INFO | Finished in state Failed\n")
     sup.backend.ended["a"] = 1
     sup.heal()
     job = sup.jobs["a"]
     assert job.restarts == 1 and not job.given_up  # a restart may fix it
     status = read_record(ctx.store, ctx.keys.status("a"), LearnerStatus)
-    assert status.state == "failed" and status.error == "RuntimeError: cannot install version 3: global/3-ab.update"
+    assert (status.state == "failed"
+            and status.error == "RuntimeError: cannot install version 3: global/3-ab.update")
     assert status.log == str(tmp_path / "a.log") and not status.fatal and not status.given_up
     sup.backend.ended["b"] = -9  # killed (out of memory): why is not in its log
     sup.heal()
@@ -343,16 +352,18 @@ class MergerCrashingBackend(LoggingBackend):
 
 
 def test_a_merger_left_down_ends_the_run_with_its_error(ctx: RunContext, tmp_path: Path) -> None:
-    """Nothing can be merged without it: the run ends at once with the merger's error line (a failure, not the time
-    limit's quiet end), and its failures are not counted as a learner's."""
+    """Nothing can be merged without it: the run ends at once with the merger's error line (a failure, not the
+    time limit's quiet end), and its failures are not counted as a learner's."""
     from diloco.inspect.outcome import ended_by, failed_learners
     from diloco.run.state import read_run_state
 
-    (tmp_path / "merger.log").write_text("error: version 3's params global/3-ab.params is corrupt (read 3 times)\n")
+    (tmp_path / "merger.log").write_text("error: version 3's params global/3-ab.params is corrupt (read 3 "
+                                         "times)\n")
     sup = Supervisor(ctx, MergerCrashingBackend(tmp_path))
     sup.start_all()
     reason = sup.run(tick_s=0.0)
-    assert reason == f"{core.MERGER_FAILED}: error: version 3's params global/3-ab.params is corrupt (read 3 times)"
+    assert reason == (f"{core.MERGER_FAILED}: error: version 3's params global/3-ab.params is corrupt "
+                      "(read 3 times)")
     assert sup.jobs["merger"].given_up and sup.backend.started.count("merger") == 1 + ctx.cfg.run.max_restarts
     sup.events.flush()
     assert failed_learners([], read_events(ctx.store, ctx.keys), 0.0) == []

@@ -61,7 +61,8 @@ def test_parquet_by_its_text_column_file_or_folder(tmp_path: Path) -> None:
     assert len(docs) == 20 and docs[0].decode() == words(80, 0) and what.endswith("2 files")
     corpus = load_text(str(folder / "part-0.parquet"))
     text = corpus.train.tobytes() + corpus.heldout.tobytes()
-    assert b"PAR1" not in text and text.startswith(words(80, 0).encode())  # read through the format, not bytes
+    # read through the format, not bytes
+    assert b"PAR1" not in text and text.startswith(words(80, 0).encode())
     with pytest.raises(DataError, match="no readable text column 'body'"):
         read_documents(str(folder), text_field="body")
 
@@ -70,7 +71,8 @@ def test_a_url_corpus_is_read_through_fsspec() -> None:
     import fsspec
 
     fs = fsspec.filesystem("memory")
-    fs.pipe({"/corp/x/1.txt": words(300, 1).encode(), "/corp/y.jsonl": json.dumps({"text": words(300, 2)}).encode()})
+    fs.pipe({"/corp/x/1.txt": words(300, 1).encode(),
+             "/corp/y.jsonl": json.dumps({"text": words(300, 2)}).encode()})
     docs, _ = read_documents("memory://corp")
     assert [d.decode() for d in docs] == [words(300, 1), words(300, 2)]
     fs.rm("/corp", recursive=True)

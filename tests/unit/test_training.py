@@ -209,7 +209,8 @@ def test_different_shards_and_seeds_differ():
 def test_eval_batches_are_fixed(corpus):
     a = eval_batches(corpus.heldout, 3, 4, 32)
     b = eval_batches(corpus.heldout, 3, 4, 32)
-    assert len(a) == 3 and all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b, strict=True))
+    assert (len(a) == 3
+            and all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b, strict=True)))
 
 
 # --- inner loop --------------------------------------------------------------------------------

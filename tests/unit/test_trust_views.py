@@ -12,13 +12,14 @@ from diloco.trust.view import mark_trust, trust_lines
 
 
 def _manifest() -> Manifest:
-    guard = GuardState(members=["a", "b"], quarantined={"b": "since version 7: 3 integrity rejections in a row"},
-                       paused=False)
+    guard = GuardState(members=["a", "b"],
+                       quarantined={"b": "since version 7: 3 integrity rejections in a row"}, paused=False)
     controls = [ControlEntry(name="00000000000000000001-0000000a", kind="set", t=1.0, by="ann@ops",
                              values={"model.d_model": 8}, refused="model.d_model cannot change during a run")]
-    decisions = [DeltaDecision(learner="b", seq=4, status="rejected", check="quarantine", reason="quarantined ...")]
-    return Manifest(run_id="r", version=8, parent=7, created_at=1.0, params_key="r/global/x.params", params_checksum="c",
-                    decisions=decisions, guard=guard, controls=controls,
+    decisions = [DeltaDecision(learner="b", seq=4, status="rejected", check="quarantine",
+                               reason="quarantined ...")]
+    return Manifest(run_id="r", version=8, parent=7, created_at=1.0, params_key="r/global/x.params",
+                    params_checksum="c", decisions=decisions, guard=guard, controls=controls,
                     stats={"outlier_median": 0.5, "outlier_bound": 10.0})
 
 
@@ -33,7 +34,8 @@ def test_the_merge_artifact_has_a_trust_row() -> None:
 
 
 def test_status_lines_name_the_quarantine_the_pause_and_what_is_pending() -> None:
-    lines = trust_lines({"paused": True, "outlier_rule": "reject", "outlier_threshold": 20.0, "outlier_bound": None,
+    lines = trust_lines({"paused": True, "outlier_rule": "reject", "outlier_threshold": 20.0,
+                         "outlier_bound": None,
                          "signed": True, "quarantined": {"b": "since version 7"}, "removed": ["c"],
                          "settings": {"merger.quorum": 2}, "pending_ops": ["resume-merges"]})
     text = "\n".join(lines)

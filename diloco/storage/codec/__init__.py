@@ -47,9 +47,9 @@ from diloco.storage.codec.payload import (
     zstd_available,
 )
 
-__all__ = ["CODECS", "FORMAT_VERSION", "MAGIC", "CodecError", "Encoder", "Header", "TensorSpec", "check_fingerprint", "codec_of", "decode",
-           "encode", "fingerprint_of", "object_checksum", "read_header", "rehead",
-           "verify"]
+__all__ = ["CODECS", "FORMAT_VERSION", "MAGIC", "CodecError", "Encoder", "Header", "TensorSpec",
+           "check_fingerprint", "codec_of", "decode",
+           "encode", "fingerprint_of", "object_checksum", "read_header", "rehead", "verify"]
 
 
 def _as_input(name: Any, value: Any) -> np.ndarray:
@@ -98,10 +98,11 @@ class Encoder:
 
     def add(self, name: Any, value: Any, codec: str | None = None) -> np.ndarray:
         """Frame one tensor; `codec`: its own codec (recorded in its entry), e.g. exact fp32 values in an int4
-        delta (a model's buffers); None: the object's. Shuffling applies to an fp32/bf16 tensor when the header's
-        `shuffle` does (never in a quantized object)."""
+        delta (a model's buffers); None: the object's. Shuffling applies to an fp32/bf16 tensor when the
+        header's `shuffle` does (never in a quantized object)."""
         arr = _as_input(name, value)
-        own = None if codec is None or codec == self.codec else check_tensor_codec(codec, self.block_size, name)
+        own = (None if codec is None or codec == self.codec
+               else check_tensor_codec(codec, self.block_size, name))
         stream = encode_stream(arr.reshape(-1), own or self.codec, self.shuffle, self.block_size, name)
         frames, lengths = frame_stream(stream, self.compression)
         for part in frames:
@@ -114,9 +115,11 @@ class Encoder:
         self.entries.append(entry if own is None else {**entry, "codec": own})
         return stream
 
-    def shipped(self, name: str, shape: tuple[int, ...], stream: np.ndarray, codec: str | None = None) -> np.ndarray:
+    def shipped(self, name: str, shape: tuple[int, ...], stream: np.ndarray,
+                codec: str | None = None) -> np.ndarray:
         """What decode() gives back for the tensor `add` turned into `stream` (a fresh f32 array)."""
-        return decode_stream(stream, codec or self.codec, self.shuffle, self.block_size, TensorSpec(name, tuple(shape)))
+        return decode_stream(stream, codec or self.codec, self.shuffle, self.block_size,
+                             TensorSpec(name, tuple(shape)))
 
     def finish(self) -> bytes | bytearray:
         """The object's bytes (a bytearray when into_bytearray)."""
@@ -157,7 +160,8 @@ def encode(
     """float32 arrays (in the given order) -> bytes. meta must be JSON-serialisable.
 
     shuffle applies to fp32/bf16 only (int8/int4/int3/int2 bytes have no planes); the header records the
-    effective value. The quantized codecs raise CodecError on NaN/Inf; fp32/bf16 carry them. compress: see Encoder.
+    effective value. The quantized codecs raise CodecError on NaN/Inf; fp32/bf16 carry them. compress: see
+    Encoder.
     """
     encoder = Encoder(codec=codec, kind=kind, fingerprint=fingerprint, meta=meta, shuffle=shuffle,
                       block_size=block_size, compress=compress)
@@ -173,8 +177,8 @@ def check_fingerprint(header: Header, expected: str | None) -> None:
 
 
 def verify(data: bytes) -> Header:
-    """The checks decode() makes before it decodes, and nothing allocated: a valid header, sizes that agree, the
-    payload's crc32. CodecError when any fails."""
+    """The checks decode() makes before it decodes, and nothing allocated: a valid header, sizes that agree,
+    the payload's crc32. CodecError when any fails."""
     layout = read_layout(data, None, allow_partial=False)
     if zlib.crc32(memoryview(data).cast("B")[layout.payload_offset :]) != layout.payload_crc32:
         raise CodecError("payload checksum mismatch: the payload is corrupt")

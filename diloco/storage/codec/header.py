@@ -30,10 +30,12 @@ MAX_NAME_CHARS = 1024
 MAX_ELEMENTS = 1 << 36  # 64 G elements in one object (256 GiB fp32): far beyond any delta
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 2, 1 << 20
 FRAME_BYTES = 1 << 24  # raw bytes per lz4 frame (lz4 blocks top out near 2 GiB)
-MAX_FRAME_RATIO = 256  # lz4 cannot expand a block by more than ~255x; bounds claimed raw sizes (zstd frames too)
+# lz4 cannot expand a block by more than ~255x; bounds claimed raw sizes (zstd frames too)
+MAX_FRAME_RATIO = 256
 # How a payload's compressed frames are packed: lz4 (fp32/bf16, and every object written before zstd), or zstd
-# (the quantized codecs: their codes are not repetitive, so lz4 stores them raw; zstd's entropy stage takes ~1/5
-# off int4). The header names it only when it is not lz4, so an lz4 object's bytes are what they always were.
+# (the quantized codecs: their codes are not repetitive, so lz4 stores them raw; zstd's entropy stage takes
+# ~1/5 off int4). The header names it only when it is not lz4, so an lz4 object's bytes are what they always
+# were.
 COMPRESSIONS = ("lz4", "zstd")
 _KIND_RE = re.compile(r"[a-z0-9_-]{1,32}")
 _HEADER_KEYS = {
@@ -109,19 +111,22 @@ def elements_of(shape: tuple[int, ...]) -> int:
     return n
 
 
-VALUES_PER_BYTE = {"int8": 1, "int4": 2, "int3": 2, "int2": 4, "nf2": 4}  # int3: seven levels in int4's nibbles;
-# int2: ternary (-1, 0, 1 x the block's scale); nf2: four levels (-1.5, -0.5, 0.5, 1.5 x the block's scale); 2 bits each
+# int3: seven levels in int4's nibbles;
+VALUES_PER_BYTE = {"int8": 1, "int4": 2, "int3": 2, "int2": 4, "nf2": 4}
+# int2: ternary (-1, 0, 1 x the block's scale); nf2: four levels (-1.5, -0.5, 0.5, 1.5 x the block's scale); 2
+# bits each
 
 
-# values a block shares a scale with, by codec, unless the writer says otherwise (the header records it): int3's
-# codes cost ~2.1 bits, so a 4-byte scale per 256 values would be ~6% of an object; per 512 it is half that and the
-# step only a little coarser (a run's compact updates: 7% smaller, relative error 0.30 -> 0.33; docs/bench/quality.md)
+# values a block shares a scale with, by codec, unless the writer says otherwise (the header records it):
+# int3's codes cost ~2.1 bits, so a 4-byte scale per 256 values would be ~6% of an object; per 512 it is half
+# that and the step only a little coarser (a run's compact updates: 7% smaller, relative error 0.30 -> 0.33;
+# docs/bench/quality.md)
 BLOCK_SIZES = {"int3": 512}
 
 
 def block_size_of(codec: str, block_size: int | None = None) -> int:
-    """The block size an object of `codec` is written with: `block_size` if given, else the codec's (256; a codec
-    that is not a name gets 256 too, and check_encode_args refuses it)."""
+    """The block size an object of `codec` is written with: `block_size` if given, else the codec's (256; a
+    codec that is not a name gets 256 too, and check_encode_args refuses it)."""
     if block_size is not None:
         return block_size
     return BLOCK_SIZES.get(codec, 256) if isinstance(codec, str) else 256
@@ -161,11 +166,13 @@ def check_encode_args(codec: str, kind: str, fingerprint: str, block_size: int) 
 
 
 def check_tensor_codec(codec: Any, block_size: int, name: str) -> str:
-    """A tensor entry's own codec: one of CODECS that the object's block size suits; CodecError naming the tensor."""
+    """A tensor entry's own codec: one of CODECS that the object's block size suits; CodecError naming the
+    tensor."""
     if not isinstance(codec, str) or codec not in CODECS:
         raise CodecError(f"tensor {name!r:.80}: unknown codec {codec!r:.40}; expected one of {CODECS}")
     if VALUES_PER_BYTE.get(codec) == 4 and block_size % 4:
-        raise CodecError(f"tensor {name!r:.80}: {codec} packs 4 values a byte, the object's block_size {block_size} "
+        raise CodecError(f"tensor {name!r:.80}: {codec} packs 4 values a byte, the object's block_size "
+                         f"{block_size} "
                          "is not a multiple of 4")
     return codec
 
@@ -270,7 +277,8 @@ def _check_tensor(entry: Any, codec: str, block_size: int) -> tuple[TensorSpec, 
         or not all(_is_int(d, 0, MAX_ELEMENTS) for d in shape)
     ):
         raise CodecError(
-            f"tensor {name!r}: shape must be a list of <= {MAX_NDIM} ints in [0, {MAX_ELEMENTS}]: {shape!r:.80}"
+            f"tensor {name!r}: shape must be a list of <= {MAX_NDIM} ints in [0, {MAX_ELEMENTS}]: "
+            f"{shape!r:.80}"
         )
     n = elements_of(tuple(shape))
     if n > MAX_ELEMENTS:

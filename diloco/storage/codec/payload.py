@@ -1,5 +1,5 @@
-"""The codec's payload: per-tensor streams (fp32, bf16, block-quantized int8/int4/int3/int2/nf2, byte-shuffled) and
-their frames (lz4, zstd or raw).
+"""The codec's payload: per-tensor streams (fp32, bf16, block-quantized int8/int4/int3/int2/nf2,
+byte-shuffled) and their frames (lz4, zstd or raw).
 
 Contract: encode_stream / decode_stream are exact inverses for fp32 and bounded-error for int8/int4/int3
 (half a step per block); int2 and nf2 clip (compact updates: the merger's residual carries the rest);
@@ -27,9 +27,9 @@ from diloco.storage.codec.header import (
 )
 
 _LEVELS = {"int8": 127, "int4": 7, "int3": 3, "int2": 1, "nf2": 1}
-# int2 (ternary) scales a block by 1.5 x its mean |x|, clipping beyond, not by its absmax: on Gaussian values that
-# ships 56% of a block's L2 norm instead of 19% (relative error 0.44 against 0.81); ~1.2 sigma is the L2-best
-# ternary scale for a Gaussian, and 1.5 x mean |x| is that
+# int2 (ternary) scales a block by 1.5 x its mean |x|, clipping beyond, not by its absmax: on Gaussian values
+# that ships 56% of a block's L2 norm instead of 19% (relative error 0.44 against 0.81); ~1.2 sigma is the
+# L2-best ternary scale for a Gaussian, and 1.5 x mean |x| is that
 TERNARY_SCALE = 1.5
 # nf2 spends all four codes of two bits: a mid-rise grid, q = clip(floor(x / s), -2, 1) decoded as
 # (q + 1/2) x s, levels +-0.5 s and +-1.5 s, no zero. s = 1.25 x the block's mean |x| is the L2-best step
@@ -81,7 +81,8 @@ def _quantize_rows(x2: np.ndarray, scales: np.ndarray, out: np.ndarray, codec: s
 
 def _pack(ts: np.ndarray, q8: np.ndarray, packed: np.ndarray, per_byte: int) -> None:
     """ts (R, B) integral floats -> packed (R, B/per_byte): part k of the block (B/per_byte values each) in
-    bits k*w .. k*w+w-1 of each byte, w = 8/per_byte, two's complement (int4: low nibble first half, high second)."""
+    bits k*w .. k*w+w-1 of each byte, w = 8/per_byte, two's complement (int4: low nibble first half, high
+    second)."""
     c, bits = ts.shape[1] // per_byte, 8 // per_byte
     np.copyto(q8, ts, casting="unsafe")
     np.bitwise_and(q8, (1 << bits) - 1, out=q8)
@@ -107,7 +108,8 @@ def _dequantize_rows(scales: np.ndarray, q: np.ndarray, y2: np.ndarray, codec: s
         p, ts, sc = q[s:e], t[: e - s], scales[s:e, None]
         for k in range(per_byte):
             top = 8 - bits * (k + 1)  # part k shifted to the top bits (the last part is there already)
-            np.right_shift(np.left_shift(p, top, out=ts) if top else p, 8 - bits, out=ts)  # arithmetic: sign-extends
+            # arithmetic: sign-extends
+            np.right_shift(np.left_shift(p, top, out=ts) if top else p, 8 - bits, out=ts)
             part = y2[s:e, k * c : (k + 1) * c]
             np.multiply(ts, sc, out=part)
             if codec == "nf2":  # (q + 1/2) x s
@@ -131,7 +133,8 @@ def _from_bf16(h: np.ndarray) -> np.ndarray:
 def _shuffle(u8: np.ndarray, width: int) -> np.ndarray:
     """(n*width,) bytes -> byte planes: all first bytes, then all second bytes, ... Always a fresh array: a
     transposing ascontiguousarray returns its input itself when it is one value (a (width, 1) view is already
-    contiguous), and a caller that changes the tensor after encoding it would change the stream beneath the crc."""
+    contiguous), and a caller that changes the tensor after encoding it would change the stream beneath the
+    crc."""
     out = np.empty(u8.size, np.uint8)
     out.reshape(width, -1)[...] = u8.reshape(-1, width).T
     return out
@@ -174,7 +177,8 @@ def decode_stream(
 ) -> np.ndarray:
     """Inverse of encode_stream; returns a fresh writable f32 array of spec.shape."""
     n, bsz = elements_of(spec.shape), block_size
-    if codec == "fp32":  # an unshuffled stream unframe_stream just assembled is fresh already: not copied again
+    # an unshuffled stream unframe_stream just assembled is fresh already: not copied again
+    if codec == "fp32":
         y = _unshuffle(stream, 4) if shuffle else stream if stream.flags.owndata else stream.copy()
         return y.view(np.float32).reshape(spec.shape)
     if codec == "bf16":
@@ -233,9 +237,10 @@ def _compress_frame(raw: memoryview, compression: str | None) -> Any:
         return lz4.block.compress(raw, store_size=False)
     if compression == "zstd":
         packed = _zstd().compress(raw, asbytes=True, memory_pool=_pool())
-        # decode refuses a frame claiming more than MAX_FRAME_RATIO x expansion (a bound on what a small object
-        # can make a reader allocate); zstd shrinks a block of zeros far more, so such a frame is padded up to
-        # the bound with a zstd skippable frame, which decompression passes over: lz4's best ratio, no better
+        # decode refuses a frame claiming more than MAX_FRAME_RATIO x expansion (a bound on what a small
+        # object can make a reader allocate); zstd shrinks a block of zeros far more, so such a frame is
+        # padded up to the bound with a zstd skippable frame, which decompression passes over: lz4's best
+        # ratio, no better
         short = -(-(len(raw) - 64) // MAX_FRAME_RATIO) - len(packed)
         if short > 0:
             pad = max(0, short - _ZSTD_SKIPPABLE.size)
@@ -283,7 +288,8 @@ def unframe_stream(view: memoryview, stored: list[int], raw_bytes: int, name: st
         if length < size:
             frame = _decompress_frame(frame, size, compression, name, i)
             if len(frame) != size:
-                raise CodecError(f"tensor {name!r}: {compression} frame {i} holds {len(frame)} bytes, expected {size}")
+                raise CodecError(f"tensor {name!r}: {compression} frame {i} holds {len(frame)} bytes, "
+                                 f"expected {size}")
         if out is None:
             return np.frombuffer(frame, np.uint8)
         out[i * FRAME_BYTES : i * FRAME_BYTES + size] = np.frombuffer(frame, np.uint8)
