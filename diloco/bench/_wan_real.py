@@ -20,7 +20,7 @@ from diloco.bench._dp_links import measure_dp
 from diloco.bench._s3_server import cpu_s, new_bucket, s3_server
 from diloco.bench._wan_runs import WanResult, WanRun
 from diloco.bench.links import LinkNet, tbf_args
-from diloco.storage.throttle import LinkSpec
+from diloco.bench.throttle import LinkSpec
 
 # learners poll for new versions on a thin link every this often per fragment lane: each poll is an HTTP request of
 # ~0.7 kB (SigV4 headers) and its answer, which the modelled link did not charge (docs/BENCHMARKS.md, "Real links")

@@ -19,7 +19,7 @@ import torch
 
 from diloco.bench._quality_runs import HeldOut
 from diloco.configs import Config
-from diloco.storage.throttle import LinkSpec
+from diloco.bench.throttle import LinkSpec
 from diloco.storage.traffic import CountingStore
 
 JOIN_TIMEOUT_S = 120.0  # learners' imports and joins on a loaded 2-core box
@@ -143,7 +143,7 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
     from diloco.run.context import open_run
     from diloco.specs.gpt import make_spec
     from diloco.storage import open_store
-    from diloco.storage.throttle import ThrottledStore
+    from diloco.bench.throttle import ThrottledStore
 
     if run.sites is not None:
         run.sites.enter(site)  # before any socket: every byte to the bucket crosses its capped link

@@ -22,7 +22,7 @@ from typing import Any
 
 from diloco.bench.bandwidth import allreduce_bytes_per_step
 from diloco.configs import Config
-from diloco.storage.throttle import LinkSpec
+from diloco.bench.throttle import LinkSpec
 
 TORCHFT_VERSION = "0.2.0"
 QUORUM_TIMEOUT_S = 300  # replicas' imports take 3-14 s each on a loaded 2-core box; the first quorum waits for all

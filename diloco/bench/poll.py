@@ -19,7 +19,6 @@ version it knows: one new version). Rows {"versions", "full_listing_s", "after_k
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -28,11 +27,9 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from pathlib import Path
+from typing import Annotated
 
-from rich.console import Console
-from rich.table import Table
-
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
 from diloco.merger.waiting import deltas_after
 from diloco.storage import RunKeys, Store, latest_version, open_store
 from diloco.storage.keys import parse_delta_key
@@ -132,8 +129,20 @@ def _moto_endpoint(stack: ExitStack) -> str:
     return "s3://diloco-bench-poll/runs"
 
 
-def bench_poll(json_path: Path | None = None, storage: str | None = None, moto: bool = False, learners: int = 3,
-               deltas: str = "1000,5000,10000", repeats: int = 5, versions: str = "1000,5000,10000") -> dict:
+@benchmark()
+def bench_poll(
+    storage: Annotated[str | None, Opt("--storage", help="Where (s3://bucket/prefix, file://DIR); default a "
+                                                          "temporary folder.")] = None,
+    moto: Annotated[bool, Opt("--moto", help="Start moto's S3 server in this process and use it (dev "
+                                             "dependency).")] = False,
+    learners: Annotated[int, Opt("--learners", min=1, help="Learners the deltas are spread over.")] = 3,
+    deltas: Annotated[str, Opt("--deltas", help="Comma-separated numbers of deltas in the run.")] = "1000,5000,10000",
+    repeats: Annotated[int, Opt("--repeats", min=1, help="Polls timed per row (the median is reported).")] = 5,
+    versions: Annotated[str, Opt("--versions", help="Comma-separated numbers of versions in the chain, for the "
+                                                    "stop check's poll ('' for none).")] = "1000,5000,10000",
+) -> BenchResult:
+    """What one merger poll and one stop check cost against the run's length: every key listed, or after the
+    cursor / the version known."""
     counts = [int(x) for x in deltas.split(",") if x.strip()]
     version_counts = [int(x) for x in versions.split(",") if x.strip()]
     if not counts or min(counts) < learners or learners < 1 or repeats < 1:
@@ -150,23 +159,17 @@ def bench_poll(json_path: Path | None = None, storage: str | None = None, moto: 
         version_rows = [measure_versions(store, v, repeats) for v in version_counts]
     result = {"storage": storage.split("://")[0] + ("://moto" if moto else ""), "learners": learners, "rows": rows,
               "version_rows": version_rows}
-    table = Table(title=f"one merger poll ({result['storage']}, {learners} learners, median of {repeats})")
-    for col in ("deltas in the run", "every delta listed s", "after each cursor s", "keys listed (every)",
-                "keys listed (after)"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(f"{r['deltas']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_cursor_s']:.4f}",
-                      f"{r['keys_full']:,}", f"{r['keys_after_cursor']:,}")
-    Console().print(table)
+    table = Table(f"one merger poll ({result['storage']}, {learners} learners, median of {repeats})",
+                  ["deltas in the run", "every delta listed s", "after each cursor s", "keys listed (every)",
+                   "keys listed (after)"])
+    table.rows = [[f"{r['deltas']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_cursor_s']:.4f}",
+                   f"{r['keys_full']:,}", f"{r['keys_after_cursor']:,}"] for r in rows]
+    tables = [table]
     if version_rows:
-        table = Table(title=f"one poll of the newest version: a stop check ({result['storage']}, median of {repeats})")
-        for col in ("versions in the chain", "every version listed s", "after the known one s", "keys listed (every)",
-                    "keys listed (after)"):
-            table.add_column(col, justify="right")
-        for r in version_rows:
-            table.add_row(f"{r['versions']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_known_s']:.4f}",
-                          f"{r['keys_full']:,}", f"{r['keys_after_known']:,}")
-        Console().print(table)
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2))
-    return result
+        table = Table(f"one poll of the newest version: a stop check ({result['storage']}, median of {repeats})",
+                      ["versions in the chain", "every version listed s", "after the known one s",
+                       "keys listed (every)", "keys listed (after)"])
+        table.rows = [[f"{r['versions']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_known_s']:.4f}",
+                       f"{r['keys_full']:,}", f"{r['keys_after_known']:,}"] for r in version_rows]
+        tables.append(table)
+    return BenchResult(result, tables)

@@ -32,7 +32,7 @@ from diloco.bench._wan_runs import WanResult, WanRun, run_wan
 from diloco.bench.bandwidth import allreduce_bytes_per_step
 from diloco.configs import Config, ConfigError, load_config
 from diloco.specs.gpt import load_corpus
-from diloco.storage.throttle import LinkSpec
+from diloco.bench.throttle import LinkSpec
 from diloco.training.data import ShardSampler
 from diloco.training.inner import InnerTrainer, evaluate
 from diloco.training.model import build_model

@@ -26,7 +26,7 @@ from diloco.bench.wan import (
     speedups,
 )
 from diloco.configs import ConfigError, load_config
-from diloco.storage.throttle import LinkSpec
+from diloco.bench.throttle import LinkSpec
 
 
 def test_default_cap_makes_dp_comm_the_papers_multiple_of_compute() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from diloco.storage import NotFound, open_store
 from diloco.storage.store import ObjectStore
-from diloco.storage.throttle import Link, LinkSpec, ThrottledStore
+from diloco.bench.throttle import Link, LinkSpec, ThrottledStore
 
 
 class Clock:
