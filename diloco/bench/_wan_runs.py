@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from diloco.bench._quality_runs import HeldOut
-from diloco.configs import Config
 from diloco.bench.throttle import LinkSpec
+from diloco.configs import Config
 from diloco.storage.traffic import CountingStore
 
 JOIN_TIMEOUT_S = 120.0  # learners' imports and joins on a loaded 2-core box
@@ -139,11 +139,11 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
                   site: int = 0) -> None:
     """One learner process (forked: `corpus` is the parent's): join through its link, wait for everyone,
     then steps / H phases."""
+    from diloco.bench.throttle import ThrottledStore
     from diloco.learner.learner import Learner
     from diloco.run.context import open_run
     from diloco.specs.gpt import make_spec
     from diloco.storage import open_store
-    from diloco.bench.throttle import ThrottledStore
 
     if run.sites is not None:
         run.sites.enter(site)  # before any socket: every byte to the bucket crosses its capped link

@@ -12,7 +12,6 @@ import resource
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Annotated, Any
 
 import torch

@@ -106,9 +106,9 @@ def bench_moments(
     before: Annotated[int, Opt("--before", min=2, help="Steps trained before the host is lost.")] = 2400,
     after: Annotated[int, Opt("--after", min=1, help="Steps trained after the resume, each variant.")] = 80,
 ) -> BenchResult:
-    """What a lost host's resume loses with exact, int8, C-phase-old or no checkpointed moments, per byte.
-    The learner trains on a cosine horizon of 3x `before` steps, so it is still improving at the cut (past
-    the recipe's horizon its lr is at the floor and no variant loses anything measurable)."""
+    """What a lost host's resume loses with exact, int8, C-phase-old or no checkpointed moments, per byte."""
+    # a cosine horizon of 3x `before` steps: the learner is still improving at the cut (past the recipe's
+    # horizon its lr is at the floor and no variant loses anything measurable)
     cfg = load_config(config).with_overrides({"inner.total_steps": 3 * before})
     t0 = time.time()
     result = measure(cfg, before, after)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from typing import Annotated, Any
 
 from diloco.bench.harness import BenchResult, Opt, Table, benchmark

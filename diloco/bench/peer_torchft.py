@@ -21,8 +21,8 @@ import time
 from typing import Any
 
 from diloco.bench.bandwidth import allreduce_bytes_per_step
-from diloco.configs import Config
 from diloco.bench.throttle import LinkSpec
+from diloco.configs import Config
 
 TORCHFT_VERSION = "0.2.0"
 QUORUM_TIMEOUT_S = 300  # replicas' imports take 3-14 s each on a loaded 2-core box; the first quorum waits for all

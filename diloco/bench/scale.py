@@ -19,7 +19,6 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Annotated, Any
 
 import torch

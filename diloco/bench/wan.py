@@ -18,33 +18,32 @@ defaults); "delta_traffic_ratio_vs_dp" beside is the deltas alone.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
 from diloco.bench._quality_runs import HeldOut
+from diloco.bench._wan_report import (
+    COMM_OVER_COMPUTE,
+    REAL_TARGETS,
+    TARGET_OVER_DP,
+    TARGETS,
+    config_record,
+    shown,
+)
 from diloco.bench._wan_runs import WanResult, WanRun, run_wan
 from diloco.bench.bandwidth import allreduce_bytes_per_step
+from diloco.bench.harness import BenchResult, Opt, benchmark
+from diloco.bench.throttle import LinkSpec
 from diloco.configs import Config, ConfigError, load_config
 from diloco.specs.gpt import load_corpus
-from diloco.bench.throttle import LinkSpec
 from diloco.training.data import ShardSampler
 from diloco.training.inner import InnerTrainer, evaluate
 from diloco.training.model import build_model
 
-# The paper's setting: data-parallel needs ~198 Gbps per site to keep up, the links have 5 Gbps (Decoupled
-# DiLoCo blog; ALGORITHM.md), so each step's all-reduce would take 198 / 5 = 39.6 times its compute.
-PAPER_NEEDED_GBPS, PAPER_LINK_GBPS = 198.0, 5.0
-COMM_OVER_COMPUTE = PAPER_NEEDED_GBPS / PAPER_LINK_GBPS
-TARGET_OVER_DP = 1.02  # the target loss: data-parallel's final held-out loss x this
-TARGETS = {"speedup_vs_dp_min": 20.0, "decoupled_busy_min": 0.95}
-# --links real (issue #43): busy on real compute, traffic counted by the kernel, both ways
-REAL_TARGETS = {"speedup_vs_dp_min": 20.0, "decoupled_busy_min": 0.90, "traffic_ratio_vs_dp_min": 400.0}
 CAP_FACTORS = (1.0, 2.0, 0.5)  # rows: the paper-equivalent cap, twice it, half of it
 QUICK = {"inner.steps_per_phase": 10, "inner.warmup_steps": 5, "eval.num_batches": 2, "eval.batch_size": 16}
 QUICK_STEPS, QUICK_STEP_TIME_S = 40, 0.01
@@ -189,75 +188,54 @@ def _row(cap_mb_s: float, link: LinkSpec, dp: list[tuple[int, float]], runs: dic
     }
 
 
-def _print_rows(rows: list[dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    factor, real = rows[0]["tokens_factor"], rows[0]["link_mode"] == "real"
-    past = f"; DiLoCo methods train {factor:.3g}x data-parallel's tokens" if factor != 1.0 else ""
-    how = "; real links, bytes counted by the kernel" if real else ""
-    table = Table(title=f"time to target held-out loss behind a capped link (per learner, each way){past}{how}")
-    for col in ("cap MB/s", "method", "time to target s", "final nats/byte", "wall s", "busy", "sent MB",
-                "recv MB", "vs DP: speedup / sent / recv"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        for name, m in row["methods"].items():
-            ttt = m["time_to_target_s"]
-            vs = ""
-            if name == "decoupled":
-                sp = row["speedup_vs_dp"] or row["speedup_vs_dp_past_equal_tokens"]
-                vs = (f"{sp:.1f}x" if sp else "-") + f" / {row['traffic_ratio_vs_dp']['sent']:.0f}x" \
-                     f" / {row['traffic_ratio_vs_dp']['received']:.0f}x"
-            counted = "kernel_bytes_{}_per_learner" if real and m.get("kernel_bytes_sent") else "bytes_{}_per_learner"
-            table.add_row(f"{row['link_mb_s']:.4g}", name + (" (modelled)" if m.get("modelled") else ""),
-                          "never" if ttt is None else f"{ttt:.1f}", f"{m['final_loss']:.4f}", f"{m['wall_s']:.1f}",
-                          f"{m['busy_mean']:.3f}", f"{m[counted.format('sent')] / 1e6:.2f}",
-                          f"{m[counted.format('received')] / 1e6:.2f}", vs)
-        table.add_section()
-    Console().print(table)
-    head = rows[0]
-    if factor == 1.0:
-        speed = (f"speedup_vs_dp {head['speedup_vs_dp'] and round(head['speedup_vs_dp'], 1)} "
-                 f"(target >= {TARGETS['speedup_vs_dp_min']:g})")
-    else:
-        past_s = head["speedup_vs_dp_past_equal_tokens"]
-        speed = (f"speedup past equal tokens (DiLoCo at {factor:.3g}x DP's tokens) "
-                 f"{past_s and round(past_s, 1)}; speedup_vs_dp (equal tokens) not measured by this run")
-    where = "the" if head["cap_factor"] == 1.0 else f"{head['cap_factor']:g}x the"
-    targets = REAL_TARGETS if real else TARGETS
-    Console().print(f"target {head['target_loss']:.4f} nats/byte (DP final x {TARGET_OVER_DP}); at {where} "
-                    f"paper-equivalent cap {head['link_mb_s']:.4g} MB/s: {speed}, decoupled busy min "
-                    f"{head['decoupled_busy_min']:.3f} (target >= {targets['decoupled_busy_min']})")
-    if real:
-        dec, dp_m = head["methods"]["decoupled"], head["methods"]["dp"]
-        Console().print(f"real links: DP step {head['dp_step_s_measured']:.3f} s measured over gloo "
-                        f"(compute {dp_m['compute_s_per_step'] * 1e3:.1f} ms); decoupled per learner: kernel "
-                        f"{dec['kernel_bytes_sent_per_learner'] / 1e6:.2f} / {dec['kernel_bytes_received_per_learner'] / 1e6:.2f}"
-                        f" MB sent / received, application {dec['bytes_sent_per_learner'] / 1e6:.2f} / "
-                        f"{dec['bytes_received_per_learner'] / 1e6:.2f} MB in {sum(dec['requests']) / len(dec['requests']):.0f}"
-                        f" requests; traffic vs DP (kernel) {head['traffic_ratio_vs_dp']['sent']:.0f}x / "
-                        f"{head['traffic_ratio_vs_dp']['received']:.0f}x (target >= {targets['traffic_ratio_vs_dp_min']:g}x)")
-        if head.get("cut"):
-            cut = head["cut"]
-            Console().print(f"cut: learner 0's link down {cut['down_s']:g} s: DP lost "
-                            f"{cut['dp']['stall_s']:.1f} s; steps computed while down per learner: decoupled "
-                            f"{cut['decoupled']['steps_during_cut']}, sync_diloco {cut['sync_diloco']['steps_during_cut']}")
 
 
-def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, steps: int | None = None,
-              step_time_s: float = STEP_TIME_S, rtt_ms: float = 2.0, config: str = "bench", quick: bool = False,
-              peer: bool = True, seed: int | None = None, tokens_factor: float = 1.0,
-              cap_factors: tuple[float, ...] = CAP_FACTORS, cohorts: bool = True,
-              fragments: int = 8, links: str = "modelled", cut_s: float = 0.0) -> dict[str, Any]:
-    """DP (modelled), sync DiLoCo and Decoupled DiLoCo (real), torchft DiLoCo (peer) behind capped links.
-    `cap_factors`: the rows, as multiples of the cap. The decoupled row is Decoupled DiLoCo as the paper runs it,
-    streaming: `fragments` fragments (tau = fragments.overlap_steps, merged by one shard, each learner's lanes
-    prefetched), and `cohorts`: the learners in two cohorts half a phase apart (fragments.cohorts 2, quorum M/2)
-    as bench quality's streaming-clock-int4 drives them. fragments 1: whole-model deltas (cohorts then: the odd
-    learners start with half a phase, no grace window), cohorts False: every learner in step.
-    `links` "real": every learner (and DP's ranks, over gloo) in a network namespace behind a tbf-capped veth, the
-    bucket on a real S3 server, compute unpadded, the cap from DP's measured compute step; `cut_s` > 0 (real links
-    only): learner 0's link goes down for that long mid-run in the first row, and across DP's steps."""
+@benchmark(config="bench", quick="Smoke run: H=10, 40 steps, 10 ms steps.")
+def bench_wan(
+    config: str = "bench",
+    quick: bool = False,
+    link_mb_s: Annotated[float | None, Opt("--link-mb-s", min=1e-6, help=(
+        "Cap per learner link, MB/s each way (default: the cap at which DP's all-reduce takes 39.6x its "
+        "compute, the paper's ratio)."))] = None,
+    steps: Annotated[int | None, Opt("--steps", min=1, help="Inner steps per learner (default: the "
+                                                            "recipe's).")] = None,
+    step_time_s: Annotated[float | None, Opt("--step-time-s", min=1e-4, help=(
+        "Emulated compute per inner step (each step is padded to it; default 0.04 s)."))] = None,
+    rtt_ms: Annotated[float, Opt("--rtt-ms", min=0.0, help="Round trip added to every store request.")] = 2.0,
+    peer: Annotated[bool, Opt("--peer/--no-peer", help="Run torchft's DiLoCo too (skipped if not "
+                                                       "installed).")] = True,
+    seed: Annotated[int | None, Opt("--seed", help="Data seed (default: the recipe's).")] = None,
+    tokens_factor: Annotated[float, Opt("--tokens-factor", help=(
+        "DiLoCo methods train this many times DP's tokens (1-10; default 1: equal tokens), to time them to "
+        "DP's target past equal tokens."))] = 1.0,
+    caps: Annotated[str, Opt("--caps", help=(
+        "The rows: caps as multiples of the paper-equivalent cap (or of --link-mb-s), comma-separated; the "
+        "first is the headline."))] = ",".join(f"{f:g}" for f in CAP_FACTORS),
+    cohorts: Annotated[bool, Opt("--cohorts/--in-step", help=(
+        "Decoupled learners in two cohorts half a phase apart (quorum M/2), as bench quality's "
+        "streaming-clock-int4 drives them, or every learner in step."))] = True,
+    fragments: Annotated[int, Opt("--fragments", help=(
+        "Decoupled learners stream this many fragments (each shipped every H steps, staggered, tau 2; one "
+        "merger shard); 1: whole-model deltas."))] = 8,
+    links: Annotated[str, Opt("--links", help=(
+        "real: every learner and DP's gloo ranks in network namespaces behind tbf-capped veth links to a real "
+        "S3 server (needs CAP_NET_ADMIN); modelled: a store wrapper delays requests, DP's time is "
+        "computed."))] = "modelled",
+    cut_s: Annotated[float, Opt("--cut-s", help=(
+        "With --links real: learner 0's link goes down for this many seconds mid-run (first cap) and across "
+        "DP's steps."))] = 0.0,
+) -> BenchResult:
+    """Time to a target loss behind a capped link: DP, sync and decoupled DiLoCo, torchft; links modelled or real."""
+    # `caps`: the rows, as multiples of the cap. The decoupled row is Decoupled DiLoCo as the paper runs it,
+    # streaming: `fragments` fragments (tau = fragments.overlap_steps, merged by one shard, each learner's lanes
+    # prefetched), and `cohorts`: the learners in two cohorts half a phase apart (fragments.cohorts 2, quorum
+    # M/2) as bench quality's streaming-clock-int4 drives them. fragments 1: whole-model deltas (cohorts then:
+    # the odd learners start with half a phase, no grace window), cohorts False: every learner in step. `links`
+    # "real": every learner (and DP's ranks, over gloo) in a network namespace behind a tbf-capped veth, the
+    # bucket on a real S3 server, compute unpadded, the cap from DP's measured compute step; `cut_s` > 0 (real
+    # links only): learner 0's link goes down for that long mid-run in the first row, and across DP's steps.
+    cap_factors = parse_cap_factors(caps)
+    step_time_s = STEP_TIME_S if step_time_s is None else step_time_s
     torch.set_num_threads(1)
     cfg = load_config(config)
     steps = steps or cfg.inner.total_steps
@@ -333,7 +311,7 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
     else:
         rows = rows_at([base_cap * f for f in cap_factors])
     result = {**{k: v for k, v in rows[0].items() if k != "methods"}, "methods": rows[0]["methods"], "rows": rows,
-              "targets": REAL_TARGETS if links == "real" else TARGETS, "config": _config_record(cfg, steps, record_step_s, rtt_ms, num_params, base_cap,
+              "targets": REAL_TARGETS if links == "real" else TARGETS, "config": config_record(cfg, steps, record_step_s, rtt_ms, num_params, base_cap,
                                                              link_mb_s is None, peer_run, time.time() - t_start)}
     result["config"].update(link_mode=links, links=links_record)
     if model_record is not None:
@@ -342,10 +320,7 @@ def bench_wan(json_path: Path | None = None, link_mb_s: float | None = None, ste
                             cap_factors=list(cap_factors), decoupled_cohorts=cohorts, decoupled_fragments=fragments,
                             diloco_steps_per_learner=d_steps,
                             diloco_tokens_per_method=m * d_steps * cfg.data.batch_size * cfg.model.ctx_len)
-    _print_rows(rows)
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return shown(result)
 
 
 def check_links(links: str, cut_s: float) -> None:
@@ -379,40 +354,3 @@ def _peer(cfg: Config, steps: int, step_time_s: float, log) -> tuple[dict[str, A
         return None, str(err)
     log(f"  torchft_diloco: final {run['final_loss']:.4f} ({run['wall_s']:.0f}s)")
     return run, None
-
-
-def _config_record(cfg: Config, steps: int, step_time_s: float, rtt_ms: float, num_params: int, base_cap: float,
-                   cap_is_default: bool, peer_run, wall_s: float) -> dict[str, Any]:
-    m = cfg.run.num_learners
-    dp_bytes = allreduce_bytes_per_step(num_params, m)
-    return {
-        "recipe": cfg.name, "num_learners": m, "num_params": num_params, "steps_per_learner": steps,
-        "inner_steps_per_phase": cfg.inner.steps_per_phase, "batch_size": cfg.data.batch_size,
-        "ctx_len": cfg.model.ctx_len, "tokens_per_method": m * steps * cfg.data.batch_size * cfg.model.ctx_len,
-        "seed": cfg.data.seed, "step_time_s": step_time_s, "rtt_ms": rtt_ms, "codec": cfg.learner.codec,
-        "update_codec": cfg.outer.update_codec, "outer": cfg.outer.model_dump(), "wall_s": wall_s,
-        "cap": {"mb_s": base_cap, "default": cap_is_default, "comm_over_compute": COMM_OVER_COMPUTE,
-                "dp_allreduce_bytes_per_step": dp_bytes,
-                "arithmetic": f"DP all-reduce per step = 2(M-1)/M x 4 B x {num_params:,} = {dp_bytes:,.0f} B; "
-                              f"{PAPER_NEEDED_GBPS:g} Gbps needed / {PAPER_LINK_GBPS:g} Gbps available = "
-                              f"{COMM_OVER_COMPUTE:.1f} x compute; cap = {dp_bytes:,.0f} B / ({COMM_OVER_COMPUTE:.1f} x "
-                              f"{step_time_s:g} s) = {dp_bytes / (COMM_OVER_COMPUTE * step_time_s) / 1e6:.4g} MB/s"},
-        "torchft": None if peer_run is None else {k: v for k, v in peer_run.items() if k != "curve"},
-        "model": {
-            "measured": "sync_diloco and decoupled: real learner processes, every store request through a "
-                        "ThrottledStore (cap each way, FIFO, rtt per request); held-out loss of every committed "
-                        "version at its commit time; bytes each learner's link carried after its join",
-            "emulated": f"compute: every inner step padded to {step_time_s:g} s (the rest slept), so M learners "
-                        "on a shared 2-core box compute at one fixed speed; real step times are in real_step_s_mean",
-            "modelled": "dp: measured loss per step (batch M x B, one AdamW step per step) on a time axis of "
-                        "(decoupled learners' measured step time + ring all-reduce of fp32 gradients at the cap: "
-                        "2(M-1)/M x 4N / cap + (M-1) x rtt) per step; torchft_diloco: its measured loss per sync "
-                        "on a time axis of its steps x the same step time + per sync its measured all-reduce "
-                        "payload as a ring all-reduce at the cap",
-            "tokens": "data-parallel trains tokens_per_method; sync_diloco, decoupled and torchft_diloco "
-                      "train diloco_tokens_per_method (tokens_factor x it, schedules over that length)",
-            "schedules": "sync_diloco: learner.mode sync, quorum M, learners wait for each version; decoupled: "
-                         "the recipe as shipped (carry mode, its quorum and grace window, its learner.prefetch), "
-                         "learners never wait",
-        },
-    }

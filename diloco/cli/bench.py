@@ -56,7 +56,7 @@ class Benchmarks(TyperGroup):
         if cmd_name not in COMMANDS:
             return None
         if cmd_name not in self.commands:
-            one = typer.Typer(rich_markup_mode=None)
+            one = typer.Typer(add_completion=False, rich_markup_mode=None)
             one.command(cmd_name)(command_of(load(COMMANDS[cmd_name])))
             self.commands[cmd_name] = typer.main.get_command(one)
         return self.commands[cmd_name]

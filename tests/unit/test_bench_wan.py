@@ -15,6 +15,7 @@ from diloco.bench._concurrent import clocked
 from diloco.bench._quality_runs import quorum_of, speeds_of
 from diloco.bench._wan_runs import PaddedSteps, WanRun, engine_overrides, phase_plan
 from diloco.bench.peer_torchft import wan_entry
+from diloco.bench.throttle import LinkSpec
 from diloco.bench.wan import (
     COMM_OVER_COMPUTE,
     allreduce_s,
@@ -26,7 +27,6 @@ from diloco.bench.wan import (
     speedups,
 )
 from diloco.configs import ConfigError, load_config
-from diloco.bench.throttle import LinkSpec
 
 
 def test_default_cap_makes_dp_comm_the_papers_multiple_of_compute() -> None:
