@@ -14,7 +14,7 @@ from diloco.bench.scale import bench_scale, peak_window_bytes
 
 def test_quick_scale_bench_writes_the_issue_keys(tmp_path):
     out = tmp_path / "scale.json"
-    bench_scale(json_path=out, learners=2, fragments="1,4", quick=True, checkpoint_every=3)
+    bench_scale.benchmark.run(out, learners=2, fragments="1,4", quick=True, checkpoint_every=3)
     result = json.loads(out.read_text())
     assert set(result) == {"model_params", "learners", "rows", "codec"}
     assert result["learners"] == 2 and result["model_params"] > 0
