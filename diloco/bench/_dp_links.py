@@ -1,12 +1,13 @@
-"""Data-parallel for real behind the links of `bench wan --links real`: M torch.distributed processes (gloo), rank i
-in site i's namespace, DistributedDataParallel all-reducing fp32 gradients through the capped links.
+"""Data-parallel for real behind the links of `bench wan --links real`: M torch.distributed processes (gloo),
+rank i in site i's namespace, DistributedDataParallel all-reducing fp32 gradients through the capped links.
 
-Contract: `measure_dp(...)` times (1) `compute_steps` steps of each rank alone (no collective: the compute part of
-a step, which sets the paper-equivalent cap), then per cap (2) `warm_steps` untimed steps and `steps` timed ones
-of real DP, the kernel's byte counters of every site read before and after the timed steps, and with `cut_s` (3)
-`CUT_STEPS` steps during which site 0's link goes down for cut_s seconds. The ranks draw the global batch (M x B)
-of data-parallel's curve and each trains on its slice: the same algorithm as `wan.dp_curve`, whose loss per step
-does not depend on the link. Nothing is assumed: a rank that fails ends the measurement with its error.
+Contract: `measure_dp(...)` times (1) `compute_steps` steps of each rank alone (no collective: the compute
+part of a step, which sets the paper-equivalent cap), then per cap (2) `warm_steps` untimed steps and `steps`
+timed ones of real DP, the kernel's byte counters of every site read before and after the timed steps, and
+with `cut_s` (3) `CUT_STEPS` steps during which site 0's link goes down for cut_s seconds. The ranks draw the
+global batch (M x B) of data-parallel's curve and each trains on its slice: the same algorithm as
+`wan.dp_curve`, whose loss per step does not depend on the link. Nothing is assumed: a rank that fails ends
+the measurement with its error.
 """
 
 from __future__ import annotations
@@ -114,9 +115,10 @@ def _wait(barrier) -> None:
 
 def measure_dp(net, cfg: Config, corpus, caps_mb_s: Callable[[float], list[float]], *, compute_steps: int,
                warm_steps: int, steps: int, cut_s: float, num_caps: int) -> dict[str, Any]:
-    """Real DP over `net`'s sites. `caps_mb_s(compute_step_s)` gives the rows' caps from the ranks' measured compute
-    step (the median over ranks of each rank's median); returns {"compute_step_s", "caps", "rows": [per cap:
-    {"link_mb_s", "step_s" (all ranks' timed steps), "kernel" (per site, bytes over the timed steps)}], "cut"}."""
+    """Real DP over `net`'s sites. `caps_mb_s(compute_step_s)` gives the rows' caps from the ranks' measured
+    compute step (the median over ranks of each rank's median); returns {"compute_step_s", "caps", "rows":
+    [per cap: {"link_mb_s", "step_s" (all ranks' timed steps), "kernel" (per site, bytes over the timed
+    steps)}], "cut"}."""
     ctx = mp.get_context("fork")
     m, plan = len(net.sites), [(warm_steps, steps)] * num_caps
     barrier, out = ctx.Barrier(m + 1), ctx.Queue()

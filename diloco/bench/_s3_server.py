@@ -1,10 +1,12 @@
-"""The S3 server `bench wan --links real` puts on the host end of the links: moto's server (the one tests/conftest.py
-starts), in a process of its own, listening on the bridge's address; and a fresh bucket in it.
+"""The S3 server `bench wan --links real` puts on the host end of the links: moto's server (the one
+tests/conftest.py starts), in a process of its own, listening on the bridge's address; and a fresh bucket in
+it.
 
-Contract: `s3_server(host)` yields the endpoint URL and the server's process once the server answers and sets AWS_ENDPOINT_URL and moto's
-fake credentials in os.environ for its duration (forked learners inherit them), restoring both and ending the
-server on exit. moto, because no S3-compatible server that runs here (MinIO, SeaweedFS, Garage) is offered by the
-package registries this machine reaches: docs/BENCHMARKS.md ("Real links").
+Contract: `s3_server(host)` yields the endpoint URL and the server's process once the server answers and sets
+AWS_ENDPOINT_URL and moto's fake credentials in os.environ for its duration (forked learners inherit them),
+restoring both and ending the server on exit. moto, because no S3-compatible server that runs here (MinIO,
+SeaweedFS, Garage) is offered by the package registries this machine reaches: docs/BENCHMARKS.md ("Real
+links").
 """
 
 from __future__ import annotations

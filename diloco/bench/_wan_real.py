@@ -1,12 +1,13 @@
-"""`bench wan --links real`: the links, the S3 server, data-parallel measured over gloo, and the rows' kernel bytes.
+"""`bench wan --links real`: the links, the S3 server, data-parallel measured over gloo, and the rows' kernel
+bytes.
 
-Contract: `RealLinks(m)` is a context manager holding a LinkNet of m sites, moto's S3 server on the bridge's host
-address and a fresh bucket; `measure(...)` times data-parallel over the links (bench/_dp_links.py) and fixes
-the rows' caps; `wan_run(run, row, cap)` turns a modelled WanRun into the same run over the real links (its own
-prefix in the bucket, learner i in site i, no padding, the link only counting what the application sends);
-`dp_entry` and `kernel_fields` make the JSON's entries from what was measured. DP's time to target is its steps
-to target on the uncapped curve (the same seed) x its step time measured over the links: its loss per step does
-not depend on the link.
+Contract: `RealLinks(m)` is a context manager holding a LinkNet of m sites, moto's S3 server on the bridge's
+host address and a fresh bucket; `measure(...)` times data-parallel over the links (bench/_dp_links.py) and
+fixes the rows' caps; `wan_run(run, row, cap)` turns a modelled WanRun into the same run over the real links
+(its own prefix in the bucket, learner i in site i, no padding, the link only counting what the application
+sends); `dp_entry` and `kernel_fields` make the JSON's entries from what was measured. DP's time to target is
+its steps to target on the uncapped curve (the same seed) x its step time measured over the links: its loss
+per step does not depend on the link.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from diloco.bench._wan_runs import WanResult, WanRun
 from diloco.bench.links import LinkNet, tbf_args
 from diloco.bench.throttle import LinkSpec
 
-# learners poll for new versions on a thin link every this often per fragment lane: each poll is an HTTP request of
-# ~0.7 kB (SigV4 headers) and its answer, which the modelled link did not charge (docs/BENCHMARKS.md, "Real links")
+# learners poll for new versions on a thin link every this often per fragment lane: each poll is an HTTP
+# request of ~0.7 kB (SigV4 headers) and its answer, which the modelled link did not charge
+# (docs/BENCHMARKS.md, "Real links")
 REAL_PREFETCH_POLL_S = 0.5
 DP_STEPS, DP_WARM_STEPS, DP_COMPUTE_STEPS = 20, 2, 10  # timed DP steps per cap: the mean is stable to ~2% here
 QUICK_DP = {"steps": 3, "warm_steps": 1, "compute_steps": 3}
@@ -51,7 +53,8 @@ def first_at(curve: list[tuple[int, float]], target: float) -> int | None:
 
 
 class RealLinks:
-    """The links, the server and the bucket for one `bench wan --links real`; `dp` holds the DP measurement."""
+    """The links, the server and the bucket for one `bench wan --links real`; `dp` holds the DP
+    measurement."""
 
     def __init__(self, num_learners: int, tag: str | None = None) -> None:
         self.net = LinkNet(num_learners, None, tag)
@@ -106,7 +109,8 @@ def _mean(xs: list[float]) -> float:
 
 def dp_entry(curve: list[tuple[int, float]], measured: dict[str, Any], compute_step_s: float, steps: int,
              target: float) -> dict[str, Any]:
-    """Data-parallel's entry: its curve per step on the measured step time, its bytes from the kernel's counters."""
+    """Data-parallel's entry: its curve per step on the measured step time, its bytes from the kernel's
+    counters."""
     step_s = _mean([t for rank in measured["step_s"] for t in rank])
     per_step = len(measured["step_s"][0])
     sent = [k["sent"] / per_step * steps for k in measured["kernel"]]
@@ -127,8 +131,8 @@ def dp_entry(curve: list[tuple[int, float]], measured: dict[str, Any], compute_s
 
 
 def kernel_fields(result: WanResult) -> dict[str, Any]:
-    """A DiLoCo row's kernel-counted bytes per learner beside the application's, and the difference per request
-    (HTTP headers, TCP/IP/Ethernet headers and ACKs: what the application does not see)."""
+    """A DiLoCo row's kernel-counted bytes per learner beside the application's, and the difference per
+    request (HTTP headers, TCP/IP/Ethernet headers and ACKs: what the application does not see)."""
     if result.kernel is None:
         return {"kernel_bytes_sent": None, "kernel_bytes_received": None}
     sent = [k["sent"] for k in result.kernel]
@@ -147,7 +151,8 @@ def kernel_fields(result: WanResult) -> dict[str, Any]:
 
 
 def cut_fields(result: WanResult, h: int, down_s: float) -> dict[str, Any]:
-    """What learner 0's cut did to a DiLoCo row: steps each learner computed while it was down, busy, bytes shipped."""
+    """What learner 0's cut did to a DiLoCo row: steps each learner computed while it was down, busy, bytes
+    shipped."""
     window = result.extra.get("cut_window_s")
     if not window:
         return {"down_s": down_s, "window_s": None}

@@ -30,11 +30,11 @@ EVAL_PROCS = 2  # after a run its versions are evaluated on both cores
 class WanRun:
     """One method behind one link: `mode` sync (quorum M, learners wait) or carry (the recipe's quorum and
     grace window; learners never wait). `cohorts`: odd learners start with half a phase (two cohorts half a
-    phase apart, quorum M/2, no grace: the cohorts of bench quality's "alternate" schedule, computing at once).
-    `fragments` > 1: learners ship fragment p at step p*H/P of every phase into its own chain and a merger shard merges each
-    fragment once a quorum of its deltas is there (M in step; M/2 in cohorts: fragments.cohorts 2, the odd learners'
-    schedule half a phase later); with the recipe's learner.prefetch each lane fetches its fragment's versions in
-    the background."""
+    phase apart, quorum M/2, no grace: the cohorts of bench quality's "alternate" schedule, computing at
+    once). `fragments` > 1: learners ship fragment p at step p*H/P of every phase into its own chain and a
+    merger shard merges each fragment once a quorum of its deltas is there (M in step; M/2 in cohorts:
+    fragments.cohorts 2, the odd learners' schedule half a phase later); with the recipe's learner.prefetch
+    each lane fetches its fragment's versions in the background."""
 
     name: str
     mode: str
@@ -43,9 +43,9 @@ class WanRun:
     steps: int  # inner steps per learner
     cohorts: bool = False
     fragments: int = 1  # > 1: streaming (fragments.count, tau = fragments.overlap_steps), one merger shard
-    # real links (bench/links.py): the bucket's URL (a real S3 server), the LinkNet whose site i learner i enters
-    # (its link then the kernel's, `link` only counts), steps unpadded when `pad` is False, and a cut (site, at
-    # s after the clock's start, down s)
+    # real links (bench/links.py): the bucket's URL (a real S3 server), the LinkNet whose site i learner i
+    # enters (its link then the kernel's, `link` only counts), steps unpadded when `pad` is False, and a cut
+    # (site, at s after the clock's start, down s)
     storage_url: str | None = None
     sites: Any = None
     pad: bool = True
@@ -204,7 +204,8 @@ def _merge_until_done(merger, procs, drain, deadline_s: float) -> None:
 
 def _merge_fragments_until_done(shard, procs, drain, deadline_s: float) -> None:
     """A fragmented run's _merge_until_done: one shard merges every fragment due; once every learner reported,
-    what still waits below its quorum (a cohort's last ships) is merged at once rather than after the timeout."""
+    what still waits below its quorum (a cohort's last ships) is merged at once rather than after the
+    timeout."""
     deadline = time.time() + deadline_s
     while True:
         reported = len(drain()) == len(procs) or all(not p.is_alive() for p in procs)
@@ -276,7 +277,8 @@ def _run_version_curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float
 
 
 def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
-    """One real run: learners forked from this process (torch already imported: a fork is fast), the merger here."""
+    """One real run: learners forked from this process (torch already imported: a fork is fast), the merger
+    here."""
     from diloco.merger.loop import ShardMerger
     from diloco.merger.merger import Merger
     from diloco.run.create import create_run

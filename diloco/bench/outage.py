@@ -79,7 +79,8 @@ def bench_outage(
     rounds: Annotated[int, Opt("--rounds", min=2, help="Rounds in all.")] = 24,
     jobs: Annotated[int, Opt("--jobs", min=1, help="Rules run side by side in this many processes.")] = 2,
 ) -> BenchResult:
-    """Merger outage: the held-out loss around a backlog merge, momentum taking it whole vs at a round's rate."""
+    """Merger outage: the held-out loss around a backlog merge, momentum taking it whole vs at a round's
+    rate."""
     if at + down >= rounds:
         raise ConfigError(f"--at {at} + --down {down} must be < --rounds {rounds}")
     with ProcessPoolExecutor(max_workers=min(jobs, len(RULES))) as pool:

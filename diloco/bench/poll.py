@@ -1,20 +1,20 @@
 """`diloco bench poll`: what one merger poll costs against the number of deltas a run has accumulated.
 
-Contract: for each N in --deltas, a fresh run prefix under the storage gets N delta keys spread over --learners
-learners (tiny objects: a poll lists keys and reads none), all of them merged already (each learner's cursor is
-its last seq) but one new delta per learner. Timed, median of --repeats: the listing the merger made at every poll
-before 2026-12-05 (every key under deltas/, parsed) and the merger's `deltas_after` now (the learners' folders,
-then each learner's keys after its cursor: S3's StartAfter). Both must find exactly the new deltas. With --moto,
-moto's S3 server is started in this process on a free port (the test suite's server; a dev dependency); else
---storage (s3:// with AWS_ENDPOINT_URL for a real endpoint, or file://; default a temporary folder). Prints a
-table; JSON {"storage", "learners", "rows": [{"deltas", "full_listing_s", "after_cursor_s", "keys_full",
-"keys_after_cursor"}], "version_rows": [...]}.
+Contract: for each N in --deltas, a fresh run prefix under the storage gets N delta keys spread over
+--learners learners (tiny objects: a poll lists keys and reads none), all of them merged already (each
+learner's cursor is its last seq) but one new delta per learner. Timed, median of --repeats: the listing the
+merger made at every poll before 2026-12-05 (every key under deltas/, parsed) and the merger's `deltas_after`
+now (the learners' folders, then each learner's keys after its cursor: S3's StartAfter). Both must find
+exactly the new deltas. With --moto, moto's S3 server is started in this process on a free port (the test
+suite's server; a dev dependency); else --storage (s3:// with AWS_ENDPOINT_URL for a real endpoint, or
+file://; default a temporary folder). Prints a table; JSON {"storage", "learners", "rows": [{"deltas",
+"full_listing_s", "after_cursor_s", "keys_full", "keys_after_cursor"}], "version_rows": [...]}.
 
 The same for the version listing every role's stop check, the evaluator's and the supervisor's polls make: for
-each V in --versions, V manifest keys (tiny objects: the newest version is read from the listing), timed as every
-poll made it before 2026-12-06 (a full listing of versions/) and as a ChainWatch makes it now (the listing after the
-version it knows: one new version). Rows {"versions", "full_listing_s", "after_known_s", "keys_full",
-"keys_after_known"}: both must find the newest version.
+each V in --versions, V manifest keys (tiny objects: the newest version is read from the listing), timed as
+every poll made it before 2026-12-06 (a full listing of versions/) and as a ChainWatch makes it now (the
+listing after the version it knows: one new version). Rows {"versions", "full_listing_s", "after_known_s",
+"keys_full", "keys_after_known"}: both must find the newest version.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from diloco.storage.keys import parse_delta_key
 
 
 def full_listing(store: Store, keys: RunKeys, cursors: dict[str, int]) -> dict[str, list[int]]:
-    """The merger's poll before 2026-12-05: one recursive listing of deltas/, then the seqs after each cursor."""
+    """The merger's poll before 2026-12-05: one recursive listing of deltas/, then the seqs after each
+    cursor."""
     found: dict[str, list[int]] = {}
     for key in store.list(keys.deltas_prefix()):
         parsed = parse_delta_key(key)

@@ -1,8 +1,8 @@
 """`diloco bench quality`: held-out loss and bytes per learner at equal tokens, DP vs DiLoCo variants.
 
-Contract: in-process and deterministic (no subprocesses, no Prefect); prints a table, writes JSON
-{"methods": {...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp" (bytes sent), "received_ratio_vs_dp" (decoupled-int4:
-two cohorts taking turns), "concurrent" (the same three of streaming-clock-int4, the learners computing at once),
+Contract: in-process and deterministic (no subprocesses, no Prefect); prints a table, writes JSON {"methods":
+{...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp" (bytes sent), "received_ratio_vs_dp" (decoupled-int4: two
+cohorts taking turns), "concurrent" (the same three of streaming-clock-int4, the learners computing at once),
 "concurrent_in_step" (of streaming-clock-full-int4 when it ran: at once, in step), "concurrent_hetero" (of
 streaming-clock-hetero-dylu: at once, half of them 2x slower, DyLU), each with "both_ways_met", "config"} and
 optionally a PNG. Steps per learner default to the recipe's `inner.total_steps`. Traffic counts every object a
@@ -32,15 +32,18 @@ CLOSE_NATS = 0.03  # methods closer than this to DP get a second seed (if only o
 TARGET_LOSS_RATIO = 1.02
 TARGET_TRAFFIC_RATIO = 400.0
 CONCURRENT_METHOD = "streaming-clock-int4"  # the row whose learners compute at once (the others take turns)
-# the same with half the learners 2x slower, each learner's H from its speed (inner.dylu, the engine's default)
+# the same with half the learners 2x slower, each learner's H from its speed (inner.dylu, the engine's
+# default)
 CONCURRENT_HETERO_METHOD = "streaming-clock-hetero-dylu"
-# the same learners in step (quorum M): one merge of each fragment a phase, so one update received per delta sent
+# the same learners in step (quorum M): one merge of each fragment a phase, so one update received per delta
+# sent
 CONCURRENT_IN_STEP_METHOD = "streaming-clock-full-int4"
 # the rows computing at once: their JSON key, method and what the printed line calls them
 CONCURRENT_ROWS = (("concurrent", CONCURRENT_METHOD, "learners computing at once"),
                    ("concurrent_in_step", CONCURRENT_IN_STEP_METHOD, "computing at once, in step"),
                    ("concurrent_hetero", CONCURRENT_HETERO_METHOD, "computing at once, half of them 2x slower"))
-# issue 17's traffic both ways: >= TARGET_TRAFFIC_RATIO less sent and received than data-parallel at <= 1.01x its loss
+# issue 17's traffic both ways: >= TARGET_TRAFFIC_RATIO less sent and received than data-parallel at <= 1.01x
+# its loss
 BOTH_WAYS_LOSS_RATIO = 1.01
 # the methods run by default, in order; streaming-clock-*: the learners computing at once (the others take
 # turns), at one speed and with half of them 2x slower (each learner's H from its speed: inner.dylu)
@@ -109,8 +112,9 @@ def run_quality(cfg: Config, methods: tuple[Method, ...], steps: int, num_seeds:
 
 
 def _ratios(methods: dict[str, Any]) -> dict[str, Any]:
-    """The targets' ratios of decoupled-int4 (cohorts taking turns), and, for each of the rows computing at once
-    that ran, the same under its CONCURRENT_ROWS key with `both_ways_met` (>= 400x less both ways at <= 1.01x)."""
+    """The targets' ratios of decoupled-int4 (cohorts taking turns), and, for each of the rows computing at
+    once that ran, the same under its CONCURRENT_ROWS key with `both_ways_met` (>= 400x less both ways at <=
+    1.01x)."""
     dp, dec = methods.get("dp"), methods.get("decoupled-int4")
     out: dict[str, Any] = {"loss_ratio_vs_dp": None, "traffic_ratio_vs_dp": None}
     if dp and dec:

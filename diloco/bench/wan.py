@@ -4,16 +4,16 @@ ThrottledStore), and torchft's DiLoCo (its loss measured, its all-reduce time mo
 
 Contract: equal tokens for every method; prints a table per cap (the paper-equivalent cap X, 2X, X/2) and
 writes JSON {"link_mb_s", "target_loss", "time_to_target_s": {...}, "speedup_vs_dp", "traffic_ratio_vs_dp":
-{"sent", "received"}, "final_loss": {...}, "busy", "tokens_factor", "speedup_vs_dp_past_equal_tokens",
-"rows": [...], "config"}; targets are reported, never assumed. What is modelled and what is measured is
-written into the JSON ("model"). With `tokens_factor` F > 1 the DiLoCo methods (torchft's too) train F x
-data-parallel's tokens, their schedules over that length: their time to data-parallel's target is then
-measured past equal tokens, reported as speedup_vs_dp_past_equal_tokens, and speedup_vs_dp (equal tokens)
-is null. `--links real` (bench/_wan_real.py) runs every learner and data-parallel's gloo ranks in network namespaces
-behind tbf-capped veth links to a real S3 server, unpadded; the JSON then says "link_mode": "real", counts bytes
-with the kernel (kernel_bytes_sent/received per learner) and times DP for real (dp_step_s_measured). Modelled
-links count every byte through them (every object and listing, the bucket checkpoint at the engine's
-defaults); "delta_traffic_ratio_vs_dp" beside is the deltas alone.
+{"sent", "received"}, "final_loss": {...}, "busy", "tokens_factor", "speedup_vs_dp_past_equal_tokens", "rows":
+[...], "config"}; targets are reported, never assumed. What is modelled and what is measured is written into
+the JSON ("model"). With `tokens_factor` F > 1 the DiLoCo methods (torchft's too) train F x data-parallel's
+tokens, their schedules over that length: their time to data-parallel's target is then measured past equal
+tokens, reported as speedup_vs_dp_past_equal_tokens, and speedup_vs_dp (equal tokens) is null. `--links real`
+(bench/_wan_real.py) runs every learner and data-parallel's gloo ranks in network namespaces behind tbf-capped
+veth links to a real S3 server, unpadded; the JSON then says "link_mode": "real", counts bytes with the kernel
+(kernel_bytes_sent/received per learner) and times DP for real (dp_step_s_measured). Modelled links count
+every byte through them (every object and listing, the bucket checkpoint at the engine's defaults);
+"delta_traffic_ratio_vs_dp" beside is the deltas alone.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ CAP_FACTORS = (1.0, 2.0, 0.5)  # rows: the paper-equivalent cap, twice it, half 
 QUICK = {"inner.steps_per_phase": 10, "inner.warmup_steps": 5, "eval.num_batches": 2, "eval.batch_size": 16}
 QUICK_STEPS, QUICK_STEP_TIME_S = 40, 0.01
 # Emulated compute per inner step: every step is padded to it. The bench model's real step is ~15 ms with four
-# learners on two cores, so 40 ms leaves room for contention; the default cap scales with it (the paper's ratio).
+# learners on two cores, so 40 ms leaves room for contention; the default cap scales with it (the paper's
+# ratio).
 STEP_TIME_S = 0.04
 
 
@@ -225,15 +226,17 @@ def bench_wan(
         "With --links real: learner 0's link goes down for this many seconds mid-run (first cap) and across "
         "DP's steps."))] = 0.0,
 ) -> BenchResult:
-    """Time to a target loss behind a capped link: DP, sync and decoupled DiLoCo, torchft; links modelled or real."""
+    """Time to a target loss behind a capped link: DP, sync and decoupled DiLoCo, torchft; links modelled or
+    real."""
     # `caps`: the rows, as multiples of the cap. The decoupled row is Decoupled DiLoCo as the paper runs it,
-    # streaming: `fragments` fragments (tau = fragments.overlap_steps, merged by one shard, each learner's lanes
-    # prefetched), and `cohorts`: the learners in two cohorts half a phase apart (fragments.cohorts 2, quorum
-    # M/2) as bench quality's streaming-clock-int4 drives them. fragments 1: whole-model deltas (cohorts then:
-    # the odd learners start with half a phase, no grace window), cohorts False: every learner in step. `links`
-    # "real": every learner (and DP's ranks, over gloo) in a network namespace behind a tbf-capped veth, the
-    # bucket on a real S3 server, compute unpadded, the cap from DP's measured compute step; `cut_s` > 0 (real
-    # links only): learner 0's link goes down for that long mid-run in the first row, and across DP's steps.
+    # streaming: `fragments` fragments (tau = fragments.overlap_steps, merged by one shard, each learner's
+    # lanes prefetched), and `cohorts`: the learners in two cohorts half a phase apart (fragments.cohorts 2,
+    # quorum M/2) as bench quality's streaming-clock-int4 drives them. fragments 1: whole-model deltas
+    # (cohorts then: the odd learners start with half a phase, no grace window), cohorts False: every learner
+    # in step. `links` "real": every learner (and DP's ranks, over gloo) in a network namespace behind a
+    # tbf-capped veth, the bucket on a real S3 server, compute unpadded, the cap from DP's measured compute
+    # step; `cut_s` > 0 (real links only): learner 0's link goes down for that long mid-run in the first row,
+    # and across DP's steps.
     cap_factors = parse_cap_factors(caps)
     step_time_s = STEP_TIME_S if step_time_s is None else step_time_s
     torch.set_num_threads(1)
@@ -336,7 +339,8 @@ def check_links(links: str, cut_s: float) -> None:
 
 
 def _cut_record(real, runs: dict[str, WanResult], row: dict[str, Any], h: int) -> dict[str, Any]:
-    """The first row's cut: what it did to data-parallel (measured across its own steps) and to each DiLoCo row."""
+    """The first row's cut: what it did to data-parallel (measured across its own steps) and to each DiLoCo
+    row."""
     from diloco.bench._wan_real import cut_fields, dp_cut_fields
 
     return {"site": 0, "down_s": real.cut_s, "dp": dp_cut_fields(real.dp, row["dp_step_s_measured"]),
