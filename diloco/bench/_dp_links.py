@@ -71,7 +71,8 @@ def _rank_main(net, rank: int, cfg: Config, corpus, compute_steps: int, plan: li
         if cut_s > 0:
             barrier.wait(BARRIER_TIMEOUT_S)  # the parent cuts site 0's link now
             out.put(("cut", rank, [timed(trainer.train_step) for _ in range(CUT_STEPS)]))
-        out.put(("done", rank, None))  # no destroy_process_group(): gloo's can deadlock on the GIL at teardown;
+        # no destroy_process_group(): gloo's can deadlock on the GIL at teardown;
+        out.put(("done", rank, None))
         # the process ends here (os._exit) and its sockets with it
     except BaseException as err:  # reported: the parent must not wait on a barrier for a dead rank
         out.put(("error", rank, f"{type(err).__name__}: {err}"))
@@ -91,12 +92,14 @@ class _Inbox:
         self.got = [msg for msg in self.got if msg[0] != kind]
         while len(found) < count:
             if time.time() > deadline:
-                raise RuntimeError(f"data-parallel: {count - len(found)} '{kind}' reports missing after {timeout_s:.0f}s")
+                raise RuntimeError(f"data-parallel: {count - len(found)} '{kind}' reports missing after "
+                                   f"{timeout_s:.0f}s")
             try:
                 msg = self.out.get(timeout=1.0)
             except Exception:  # queue.Empty
                 if any(p.exitcode not in (None, 0) for p in self.procs):
-                    raise RuntimeError(f"data-parallel: a rank died (exit codes {[p.exitcode for p in self.procs]})") from None
+                    raise RuntimeError("data-parallel: a rank died (exit codes "
+                                       f"{[p.exitcode for p in self.procs]})") from None
                 continue
             if msg[0] == "error":
                 raise RuntimeError(f"data-parallel rank {msg[1]} failed: {msg[2]}")

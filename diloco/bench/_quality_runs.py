@@ -61,7 +61,8 @@ METHODS = (
     Method("streaming-hetero-int4", "streaming", "int4", "carry", "hetero",
            "streaming-int4 with half the learners 2x slower (hetero-int4's schedule, quorum M/2)", fragments=4),
     Method("streaming-clock-int4", "streaming", "int4", "carry", "concurrent",
-           "streaming-alt-int4 with every learner computing at once (two cohorts half a phase apart, a step a tick)",
+           "streaming-alt-int4 with every learner computing at once (two cohorts half a phase apart, a step "
+           "a tick)",
            fragments=4),
     Method("streaming-clock-full-int4", "streaming", "int4", "carry", "concurrent-full",
            "streaming-int4 with every learner computing at once, in step (quorum M, a step a tick)", fragments=4),
@@ -69,7 +70,8 @@ METHODS = (
            "streaming-clock-int4 with half the learners 2x slower", fragments=4),
     Method("streaming-clock-hetero-dylu", "streaming", "int4", "carry", "concurrent-hetero",
            "streaming-clock-hetero-int4, each learner's H from its speed (DyLU)", dylu=True, fragments=4),
-    Method("torchft-diloco", "peer", "fp32", "sync", "all", "torchft 0.2.0 DiLoCo (Manager + gloo, its outer Nesterov)"),
+    Method("torchft-diloco", "peer", "fp32", "sync", "all", "torchft 0.2.0 DiLoCo (Manager + gloo, its outer "
+                                                            "Nesterov)"),
     Method("torchft-streaming", "peer", "fp32", "sync", "all",
            "torchft 0.2.0 Streaming DiLoCo: 2 fragments, sync delay 1, alpha 0.5", fragments=2),
     Method("clock-int4", "engine", "int4", "carry", "concurrent",
@@ -230,7 +232,8 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
     cfg = cfg.with_overrides({
         "learner.codec": method.codec, "learner.mode": method.mode,
         "learner.local_state_every_steps": 0,  # no restarts here: no state files on this host (not traffic)
-        "learner.prefetch": False,  # the probe fetches: deterministic (a prefetch is a tick late on the clock)
+        # the probe fetches: deterministic (a prefetch is a tick late on the clock)
+        "learner.prefetch": False,
         "learner.device": "cpu", "merger.grace_cap_s": 0.0,
         # on the clock the bench decides when a quorum is there; the merger takes what is pending
         "merger.quorum": 1 if concurrent else quorum_of(method.schedule, m), **dict(method.overrides),
@@ -253,7 +256,8 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
         versions = merger.version
         from diloco.trust.outliers import guard_figures
 
-        guard = guard_figures(ctx)  # the outlier rule over honest deltas: 0 rejections expected (docs/ENGINE.md)
+        # the outlier rule over honest deltas: 0 rejections expected (docs/ENGINE.md)
+        guard = guard_figures(ctx)
     sent, received, extra = traffic_of(counters)
     extra.update({"versions": versions, "deltas_merged": sum(merged), "guard": guard})
     return RunResult(curve[-1][1], curve, tokens, sum(sent) / m, sum(received) / m, time.time() - t0, extra)

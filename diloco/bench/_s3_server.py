@@ -45,7 +45,8 @@ def s3_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
             with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1.0):
                 break
             if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"moto's S3 server did not start on {host}:{port} (exit code {proc.poll()})")
+                raise RuntimeError(f"moto's S3 server did not start on {host}:{port} (exit code "
+                                   f"{proc.poll()})")
             time.sleep(0.2)
         for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
             os.environ.pop(k, None)

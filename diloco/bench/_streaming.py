@@ -87,7 +87,8 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
                 for learner in active:
                     learner.maybe_install()  # what was shipped at least tau steps ago and merged since
             r += 1
-            if tokens >= next_eval:  # every M phases' tokens (each round under "all", every other under "alternate")
+            # every M phases' tokens (each round under "all", every other under "alternate")
+            if tokens >= next_eval:
                 curve.append((tokens, held.loss(read_run_version(ctx, run_version(ctx))[0])))
                 next_eval = tokens + m * tokens_per_phase(cfg)
         if curve[-1][0] != tokens:
@@ -110,7 +111,8 @@ def _drive_clock(ctx, learners: list[Learner], shard: ShardMerger, held, target:
     cfg, m = ctx.cfg, len(learners)
     curve, tokens, merges = [(0, held.loss(read_run_version(ctx, 0)[0]))], 0, 0
     every, speeds, credit = m * tokens_per_phase(cfg), speeds_of(schedule, m), [0.0] * m
-    if dylu:  # the engine's DyLU (inner.dylu), the clock's speeds as the speeds measured: the lanes retimed to H_w
+    # the engine's DyLU (inner.dylu), the clock's speeds as the speeds measured: the lanes retimed to H_w
+    if dylu:
         for learner, speed in zip(learners, speeds, strict=True):
             learner.pace.own_steps_per_s, learner.pace.peers_steps_per_s = speed, max(speeds)
             learner.next_phase_steps()

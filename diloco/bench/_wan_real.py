@@ -27,24 +27,27 @@ from diloco.bench.throttle import LinkSpec
 # request of ~0.7 kB (SigV4 headers) and its answer, which the modelled link did not charge
 # (docs/BENCHMARKS.md, "Real links")
 REAL_PREFETCH_POLL_S = 0.5
-DP_STEPS, DP_WARM_STEPS, DP_COMPUTE_STEPS = 20, 2, 10  # timed DP steps per cap: the mean is stable to ~2% here
+# timed DP steps per cap: the mean is stable to ~2% here
+DP_STEPS, DP_WARM_STEPS, DP_COMPUTE_STEPS = 20, 2, 10
 QUICK_DP = {"steps": 3, "warm_steps": 1, "compute_steps": 3}
 
 # what the JSON's config.model says in real mode (replacing the modelled mode's text)
 REAL_MODEL = {
-    "measured": "sync_diloco and decoupled: real learner processes, each in its own network namespace behind a veth "
-                "pair shaped by tbf at the cap each way, reaching a real S3 server (moto) over HTTP through it; "
-                "compute unpadded (this machine's CPU, under whatever load it has); held-out loss of every "
-                "committed version at its commit time; bytes from the veth counters (kernel) beside the "
-                "application's own count. dp: M gloo processes in the same namespaces, DistributedDataParallel "
-                "all-reducing fp32 gradients through the same links: its step time and bytes per step measured",
-    "modelled": "dp's loss per step comes from its uncapped curve of the same seed (it does not depend on the link): "
-                "its time to target = steps to target x the measured step time, its bytes = kernel bytes per "
-                "measured step x steps; torchft_diloco (when run) as in the modelled mode; no latency is added "
-                "(no netem here): round trips are the kernel's",
+    "measured": "sync_diloco and decoupled: real learner processes, each in its own network namespace behind "
+                "a veth pair shaped by tbf at the cap each way, reaching a real S3 server (moto) over HTTP "
+                "through it; compute unpadded (this machine's CPU, under whatever load it has); held-out "
+                "loss of every committed version at its commit time; bytes from the veth counters (kernel) "
+                "beside the application's own count. dp: M gloo processes in the same namespaces, "
+                "DistributedDataParallel all-reducing fp32 gradients through the same links: its step time "
+                "and bytes per step measured",
+    "modelled": "dp's loss per step comes from its uncapped curve of the same seed (it does not depend on "
+                "the link): its time to target = steps to target x the measured step time, its bytes = "
+                "kernel bytes per measured step x steps; torchft_diloco (when run) as in the modelled mode; "
+                "no latency is added (no netem here): round trips are the kernel's",
     "cap": "paper-equivalent: DP's fp32 ring all-reduce per step / (39.6 x DP's compute step measured in the "
            "namespaces, every rank computing at once), unless --link-mb-s",
-    "tokens": "data-parallel trains tokens_per_method; sync_diloco and decoupled train diloco_tokens_per_method",
+    "tokens": "data-parallel trains tokens_per_method; sync_diloco and decoupled train "
+              "diloco_tokens_per_method",
 }
 
 
@@ -126,8 +129,9 @@ def dp_entry(curve: list[tuple[int, float]], measured: dict[str, Any], compute_s
             "kernel_bytes_sent_per_learner": _mean(sent), "kernel_bytes_received_per_learner": _mean(received),
             "kernel_bytes_per_step": [[k["sent"] / per_step, k["received"] / per_step] for k in measured["kernel"]],
             "curve": [[round(s * step_s, 3), loss] for s, loss in curve], "modelled": False,
-            "measured": f"step time over the links ({per_step} steps x {len(measured['step_s'])} ranks, gloo); "
-                        "loss per step from the uncapped curve of the same seed; bytes = kernel bytes per step x steps"}
+            "measured": f"step time over the links ({per_step} steps x {len(measured['step_s'])} ranks, "
+                        "gloo); loss per step from the uncapped curve of the same seed; bytes = kernel bytes "
+                        "per step x steps"}
 
 
 def kernel_fields(result: WanResult) -> dict[str, Any]:

@@ -66,20 +66,21 @@ def _notes(head: dict[str, Any], factor: float, real: bool) -> list[str]:
     if real:
         dec, dp_m = head["methods"]["decoupled"], head["methods"]["dp"]
         ratio = head["traffic_ratio_vs_dp"]
-        notes.append(f"real links: DP step {head['dp_step_s_measured']:.3f} s measured over gloo "
-                     f"(compute {dp_m['compute_s_per_step'] * 1e3:.1f} ms); decoupled per learner: kernel "
+        notes.append(f"real links: DP step {head['dp_step_s_measured']:.3f} s measured over gloo (compute "
+                     f"{dp_m['compute_s_per_step'] * 1e3:.1f} ms); decoupled per learner: kernel "
                      f"{dec['kernel_bytes_sent_per_learner'] / 1e6:.2f} / "
                      f"{dec['kernel_bytes_received_per_learner'] / 1e6:.2f} MB sent / received, application "
-                     f"{dec['bytes_sent_per_learner'] / 1e6:.2f} / {dec['bytes_received_per_learner'] / 1e6:.2f} "
-                     f"MB in {sum(dec['requests']) / len(dec['requests']):.0f} requests; traffic vs DP (kernel) "
-                     f"{ratio['sent']:.0f}x / {ratio['received']:.0f}x "
-                     f"(target >= {targets['traffic_ratio_vs_dp_min']:g}x)")
+                     f"{dec['bytes_sent_per_learner'] / 1e6:.2f} / "
+                     f"{dec['bytes_received_per_learner'] / 1e6:.2f} MB in "
+                     f"{sum(dec['requests']) / len(dec['requests']):.0f} requests; traffic vs DP (kernel) "
+                     f"{ratio['sent']:.0f}x / {ratio['received']:.0f}x (target >= "
+                     f"{targets['traffic_ratio_vs_dp_min']:g}x)")
         if head.get("cut"):
             cut = head["cut"]
-            notes.append(f"cut: learner 0's link down {cut['down_s']:g} s: DP lost {cut['dp']['stall_s']:.1f} s; "
-                         f"steps computed while down per learner: decoupled "
-                         f"{cut['decoupled']['steps_during_cut']}, "
-                         f"sync_diloco {cut['sync_diloco']['steps_during_cut']}")
+            notes.append(f"cut: learner 0's link down {cut['down_s']:g} s: DP lost {cut['dp']['stall_s']:.1f} "
+                         "s; steps computed while down per learner: decoupled "
+                         f"{cut['decoupled']['steps_during_cut']}, sync_diloco "
+                         f"{cut['sync_diloco']['steps_during_cut']}")
     return notes
 
 
@@ -97,24 +98,27 @@ def config_record(cfg: Config, steps: int, step_time_s: float, rtt_ms: float, nu
                 "dp_allreduce_bytes_per_step": dp_bytes,
                 "arithmetic": f"DP all-reduce per step = 2(M-1)/M x 4 B x {num_params:,} = {dp_bytes:,.0f} B; "
                               f"{PAPER_NEEDED_GBPS:g} Gbps needed / {PAPER_LINK_GBPS:g} Gbps available = "
-                              f"{COMM_OVER_COMPUTE:.1f} x compute; cap = {dp_bytes:,.0f} B / ({COMM_OVER_COMPUTE:.1f} x "
-                              f"{step_time_s:g} s) = {dp_bytes / (COMM_OVER_COMPUTE * step_time_s) / 1e6:.4g} MB/s"},
+                              f"{COMM_OVER_COMPUTE:.1f} x compute; cap = {dp_bytes:,.0f} B / "
+                              f"({COMM_OVER_COMPUTE:.1f} x {step_time_s:g} s) = "
+                              f"{dp_bytes / (COMM_OVER_COMPUTE * step_time_s) / 1e6:.4g} MB/s"},
         "torchft": None if peer_run is None else {k: v for k, v in peer_run.items() if k != "curve"},
         "model": {
             "measured": "sync_diloco and decoupled: real learner processes, every store request through a "
-                        "ThrottledStore (cap each way, FIFO, rtt per request); held-out loss of every committed "
-                        "version at its commit time; bytes each learner's link carried after its join",
-            "emulated": f"compute: every inner step padded to {step_time_s:g} s (the rest slept), so M learners "
-                        "on a shared 2-core box compute at one fixed speed; real step times are in real_step_s_mean",
+                        "ThrottledStore (cap each way, FIFO, rtt per request); held-out loss of every "
+                        "committed version at its commit time; bytes each learner's link carried after its "
+                        "join",
+            "emulated": f"compute: every inner step padded to {step_time_s:g} s (the rest slept), so M "
+                        "learners on a shared 2-core box compute at one fixed speed; real step times are in "
+                        "real_step_s_mean",
             "modelled": "dp: measured loss per step (batch M x B, one AdamW step per step) on a time axis of "
-                        "(decoupled learners' measured step time + ring all-reduce of fp32 gradients at the cap: "
-                        "2(M-1)/M x 4N / cap + (M-1) x rtt) per step; torchft_diloco: its measured loss per sync "
-                        "on a time axis of its steps x the same step time + per sync its measured all-reduce "
-                        "payload as a ring all-reduce at the cap",
+                        "(decoupled learners' measured step time + ring all-reduce of fp32 gradients at the "
+                        "cap: 2(M-1)/M x 4N / cap + (M-1) x rtt) per step; torchft_diloco: its measured loss "
+                        "per sync on a time axis of its steps x the same step time + per sync its measured "
+                        "all-reduce payload as a ring all-reduce at the cap",
             "tokens": "data-parallel trains tokens_per_method; sync_diloco, decoupled and torchft_diloco "
                       "train diloco_tokens_per_method (tokens_factor x it, schedules over that length)",
-            "schedules": "sync_diloco: learner.mode sync, quorum M, learners wait for each version; decoupled: "
-                         "the recipe as shipped (carry mode, its quorum and grace window, its learner.prefetch), "
-                         "learners never wait",
+            "schedules": "sync_diloco: learner.mode sync, quorum M, learners wait for each version; "
+                         "decoupled: the recipe as shipped (carry mode, its quorum and grace window, its "
+                         "learner.prefetch), learners never wait",
         },
     }

@@ -80,7 +80,8 @@ class WanResult:
     wall_s: float
     learners: list[LearnerReport] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-    kernel: list[dict[str, int]] | None = None  # real links: per learner, what its veth counted from the clock's start
+    # real links: per learner, what its veth counted from the clock's start
+    kernel: list[dict[str, int]] | None = None
 
 
 class PaddedSteps:
@@ -156,7 +157,8 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
         padded = PaddedSteps(learner.trainer, run.step_time_s if run.pad else 0.0)
         learner.join()
         t0 = barrier_wait(barrier)
-        joined_link = counting.inner.link.snapshot()  # from the clock's start, as the parent reads the kernel's
+        # from the clock's start, as the parent reads the kernel's
+        joined_link = counting.inner.link.snapshot()
         counting.reset()
         start, installs, phase_ends = time.time() - t0, 0, []
         for num_steps in phase_plan(run.steps, ctx.cfg.inner.steps_per_phase, half_first and not fragmented):
@@ -172,7 +174,8 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
         out.put(("ok", name, LearnerReport(name, padded.compute_s, padded.real_s, padded.steps, start, end,
                                            installs, link, dict(counting.sent), dict(counting.received),
                                            phase_ends)))
-    except BaseException as err:  # reported to the parent, which raises it: a bench must not hang on a dead child
+    # reported to the parent, which raises it: a bench must not hang on a dead child
+    except BaseException as err:
         out.put(("error", name, f"{type(err).__name__}: {err}"))
         raise
 

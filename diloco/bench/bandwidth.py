@@ -136,7 +136,8 @@ def _tables(row: dict[str, Any]) -> list[Table]:
     ])
     growth = Table(f"bucket growth (a version per phase; a checkpoint every K = {row['checkpoint_every']} "
                    "versions; before the log: every version's full state)",
-                   ["merger B/param/version", "stored per version", "per hour", "per day", "before: per version",
+                   ["merger B/param/version", "stored per version", "per hour", "per day", "before: per "
+                                                                                           "version",
                     "before: per hour"])
     sizes = ("bytes_per_version", "bytes_per_hour", "bytes_per_day", "format1_bytes_per_version",
              "format1_bytes_per_hour")

@@ -112,7 +112,8 @@ class Benchmark:
                 continue
             kind, opt = hints[name].__origin__, hints[name].__metadata__[0]
             if not isinstance(opt, Opt) or param.default is inspect.Parameter.empty:
-                raise TypeError(f"{self.fn.__name__}({name}): a benchmark option is Annotated[type, Opt] = default")
+                raise TypeError(f"{self.fn.__name__}({name}): a benchmark option is Annotated[type, Opt] = "
+                                "default")
             out[name] = (kind, opt, param.default)
         return out
 

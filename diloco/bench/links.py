@@ -56,7 +56,8 @@ def check_privilege() -> None:
         raise LinksUnavailable("--links real needs CAP_NET_ADMIN (run as root, or use --links modelled)")
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise LinksUnavailable(f"--links real needs {' and '.join(missing)} (iproute2); or use --links modelled")
+        raise LinksUnavailable(f"--links real needs {' and '.join(missing)} (iproute2); or use --links "
+                               "modelled")
 
 
 def _run(*args: str, check: bool = True) -> str:
@@ -293,8 +294,10 @@ def _ipv6_off(dev: str) -> None:
 
 
 def _teardown(bridge: str, sites: list[Site]) -> None:
-    for site in sites:  # deleting either end of a veth deletes both, even with processes left in the namespace
-        for pid in _run("ip", "netns", "pids", site.netns, check=False).split():  # a child left in it (killed owner)
+    # deleting either end of a veth deletes both, even with processes left in the namespace
+    for site in sites:
+        # a child left in it (killed owner)
+        for pid in _run("ip", "netns", "pids", site.netns, check=False).split():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
         _run("ip", "link", "del", site.host_if, check=False)

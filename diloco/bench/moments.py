@@ -114,7 +114,8 @@ def bench_moments(
     result = measure(cfg, before, after)
     result["wall_s"] = time.time() - t0
     params = result["config"]["params"]
-    table = Table(f"bench moments: a lost host resumes with ... ({params:,} params, {before} steps, then {after})",
+    table = Table(f"bench moments: a lost host resumes with ... ({params:,} params, {before} steps, then "
+                  f"{after})",
                   ["moments", "B/param", "train loss after", "gap nats", "steps lost", "held-out after"])
     for r in result["rows"]:
         table.rows.append([r["variant"], f"{r['bytes_per_param']:.2f}", f"{r['train_loss_after']:.4f}",

@@ -25,7 +25,8 @@ from diloco.bench.throttle import LinkSpec
 from diloco.configs import Config
 
 TORCHFT_VERSION = "0.2.0"
-QUORUM_TIMEOUT_S = 300  # replicas' imports take 3-14 s each on a loaded 2-core box; the first quorum waits for all
+# replicas' imports take 3-14 s each on a loaded 2-core box; the first quorum waits for all
+QUORUM_TIMEOUT_S = 300
 RESULT = "RESULT "
 
 
@@ -36,8 +37,8 @@ class PeerUnavailable(RuntimeError):
 def available() -> str | None:
     """None when torchft imports here, else why not."""
     if importlib.util.find_spec("torchft") is None:
-        return ("torchft is not installed (pip install 'diloco[peer]', i.e. torchft==0.2.0; `make setup` installs "
-                "it when it keeps torch pinned)")
+        return ("torchft is not installed (pip install 'diloco[peer]', i.e. torchft==0.2.0; `make setup` "
+                "installs it when it keeps torch pinned)")
     return None
 
 

@@ -139,15 +139,16 @@ def bench_poll(
     learners: Annotated[int, Opt("--learners", min=1, help="Learners the deltas are spread over.")] = 3,
     deltas: Annotated[str, Opt("--deltas", help="Comma-separated numbers of deltas in the run.")] = "1000,5000,10000",
     repeats: Annotated[int, Opt("--repeats", min=1, help="Polls timed per row (the median is reported).")] = 5,
-    versions: Annotated[str, Opt("--versions", help="Comma-separated numbers of versions in the chain, for the "
-                                                    "stop check's poll ('' for none).")] = "1000,5000,10000",
+    versions: Annotated[str, Opt("--versions", help="Comma-separated numbers of versions in the chain, for "
+                                                    "the stop check's poll ('' for none).")] = "1000,5000,10000",
 ) -> BenchResult:
     """What one merger poll and one stop check cost against the run's length: every key listed, or after the
     cursor / the version known."""
     counts = [int(x) for x in deltas.split(",") if x.strip()]
     version_counts = [int(x) for x in versions.split(",") if x.strip()]
     if not counts or min(counts) < learners or learners < 1 or repeats < 1:
-        raise ValueError(f"--deltas {deltas!r}: each count must be >= --learners ({learners}) >= 1, --repeats >= 1")
+        raise ValueError(f"--deltas {deltas!r}: each count must be >= --learners ({learners}) >= 1, --repeats "
+                         ">= 1")
     if version_counts and min(version_counts) < 2:
         raise ValueError(f"--versions {versions!r}: each count must be >= 2")
     with ExitStack() as stack:
@@ -167,7 +168,8 @@ def bench_poll(
                    f"{r['keys_full']:,}", f"{r['keys_after_cursor']:,}"] for r in rows]
     tables = [table]
     if version_rows:
-        table = Table(f"one poll of the newest version: a stop check ({result['storage']}, median of {repeats})",
+        table = Table(f"one poll of the newest version: a stop check ({result['storage']}, median of "
+                      f"{repeats})",
                       ["versions in the chain", "every version listed s", "after the known one s",
                        "keys listed (every)", "keys listed (after)"])
         table.rows = [[f"{r['versions']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_known_s']:.4f}",

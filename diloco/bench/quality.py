@@ -41,7 +41,8 @@ CONCURRENT_IN_STEP_METHOD = "streaming-clock-full-int4"
 # the rows computing at once: their JSON key, method and what the printed line calls them
 CONCURRENT_ROWS = (("concurrent", CONCURRENT_METHOD, "learners computing at once"),
                    ("concurrent_in_step", CONCURRENT_IN_STEP_METHOD, "computing at once, in step"),
-                   ("concurrent_hetero", CONCURRENT_HETERO_METHOD, "computing at once, half of them 2x slower"))
+                   ("concurrent_hetero", CONCURRENT_HETERO_METHOD, "computing at once, half of them 2x "
+                                                                   "slower"))
 # issue 17's traffic both ways: >= TARGET_TRAFFIC_RATIO less sent and received than data-parallel at <= 1.01x
 # its loss
 BOTH_WAYS_LOSS_RATIO = 1.01
@@ -159,16 +160,19 @@ def _config_record(cfg: Config, steps: int, seeds: list[int], source: str) -> di
         "dp_batch_size": m * b, "tokens_per_method": m * steps * b * t, "seeds": seeds,
         "outer": cfg.outer.model_dump(), "inner": cfg.inner.model_dump(), "model": cfg.model.model_dump(),
         "eval": cfg.eval.model_dump(), "torch_threads": 1,
-        "dp_traffic_model": "ring all-reduce of fp32 gradients: 2(M-1)/M * 4 bytes * params per step, each way",
-        "schedules": {"alternate": "even learners finish a phase on even rounds, odd on odd; quorum M/2 (the cohorts "
-                                   "take turns: one computes a phase while the other waits)",
-                      "hetero": "first half every round, second half (2x slower) every other round; quorum M/2",
+        "dp_traffic_model": "ring all-reduce of fp32 gradients: 2(M-1)/M * 4 bytes * params per step, each "
+                            "way",
+        "schedules": {"alternate": "even learners finish a phase on even rounds, odd on odd; quorum M/2 (the "
+                                   "cohorts take turns: one computes a phase while the other waits)",
+                      "hetero": "first half every round, second half (2x slower) every other round; quorum "
+                                "M/2",
                       "all": "every learner every round; quorum M",
-                      "concurrent": "every learner computes at once on a clock (a step a tick for streaming rows, "
-                                    "probe_every_steps for whole-model rows), two cohorts half a phase apart; "
-                                    "quorum M/2",
+                      "concurrent": "every learner computes at once on a clock (a step a tick for streaming "
+                                    "rows, probe_every_steps for whole-model rows), two cohorts half a phase "
+                                    "apart; quorum M/2",
                       "concurrent-full": "the clock, every learner in step; quorum M",
-                      "concurrent-hetero": "the clock, two cohorts, the second half of the learners 2x slower"},
+                      "concurrent-hetero": "the clock, two cohorts, the second half of the learners 2x "
+                                           "slower"},
     }
 
 
@@ -188,10 +192,11 @@ def _shown(result: dict[str, Any]) -> BenchResult:
                            _mb(r["bytes_sent_per_learner"]), _mb(r["bytes_received_per_learner"]), less, less_recv])
     notes = []
     if result.get("loss_ratio_vs_dp") is not None:
-        notes.append(f"decoupled int4 / DP (cohorts taking turns): loss ratio {result['loss_ratio_vs_dp']:.4f} "
-                     f"(target <= {TARGET_LOSS_RATIO}), traffic {result['traffic_ratio_vs_dp']:.0f}x less sent "
-                     f"(target >= {TARGET_TRAFFIC_RATIO:.0f}x), {result['received_ratio_vs_dp']:.0f}x less "
-                     "received, counting every byte" + _deltas_only(result))
+        notes.append("decoupled int4 / DP (cohorts taking turns): loss ratio "
+                     f"{result['loss_ratio_vs_dp']:.4f} (target <= {TARGET_LOSS_RATIO}), traffic "
+                     f"{result['traffic_ratio_vs_dp']:.0f}x less sent (target >= "
+                     f"{TARGET_TRAFFIC_RATIO:.0f}x), {result['received_ratio_vs_dp']:.0f}x less received, "
+                     "counting every byte" + _deltas_only(result))
     for key, _, what in CONCURRENT_ROWS:
         if result.get(key):
             c = result[key]

@@ -57,7 +57,8 @@ def bench_ranks(
     config: str = "bench",
     phases: Annotated[int, Opt("--phases", min=2, help="Phases per learner (the first is not measured).")] = 6,
     overrides: Annotated[list[str], Opt("-o", "--override", help="key=value of the recipe (repeatable), "
-                                                                "e.g. -o model.d_model=256.")] = [],  # noqa: B006
+                                                                # noqa: B006
+                                                                "e.g. -o model.d_model=256.")] = [],
 ) -> BenchResult:
     """Tokens/s of one learner with 1 and with 2 ranks (torch.distributed inside the learner)."""
     import torch
@@ -83,6 +84,6 @@ def bench_ranks(
     table.rows = [[str(r["ranks"]), str(r["batch_size"] // r["ranks"]), f"{r['tokens_per_s']:,.0f}",
                    str(r["phases_measured"]), f"{r['wall_s']:.1f}"] for r in (*rows, half)]
     target = f" (target >= {TARGET_SPEEDUP} on CPU)" if result["target_speedup"] else ""
-    notes = [f"ideal 2-rank speedup (2 x one rank at half the batch, no communication): {ideal:.2f}x; "
-             f"reached {speedup / ideal if ideal else 0.0:.0%} of it", f"speedup 2 vs 1 rank: {speedup:.2f}x{target}"]
+    notes = [f"ideal 2-rank speedup (2 x one rank at half the batch, no communication): {ideal:.2f}x; reached "
+             f"{speedup / ideal if ideal else 0.0:.0%} of it", f"speedup 2 vs 1 rank: {speedup:.2f}x{target}"]
     return BenchResult(result, [table], notes)

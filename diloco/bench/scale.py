@@ -35,7 +35,8 @@ from diloco.training.fragments import due_offset
 SIZES = {  # GPT-2 small's shape with its vocabulary (tied embeddings: 124.4M); quick: the tests' model
     "124m": {"model.n_layer": 12, "model.n_head": 12, "model.d_model": 768, "model.ctx_len": 1024,
              "model.vocab_size": 50257},
-    "10m": {"model.n_layer": 4, "model.n_head": 8, "model.d_model": 448, "model.ctx_len": 64},  # bench merge's
+    # bench merge's
+    "10m": {"model.n_layer": 4, "model.n_head": 8, "model.d_model": 448, "model.ctx_len": 64},
     "quick": {"model.n_layer": 2, "model.n_head": 2, "model.d_model": 64, "model.ctx_len": 32},
 }
 STEPS_PER_PHASE = 24  # the paper's H (= P at P = 24: one fragment out per step)
@@ -164,7 +165,8 @@ def codec_speed(num_elements: int, repeats: int = 3) -> dict[str, float]:
 def _tables(result: dict[str, Any]) -> list[Table]:
     rows = result["rows"]
     table = Table(f"bench scale: {result['model_params']:,} params, {result['learners']} learners, int4, "
-                  f"{rows[0]['rounds']} rounds merged by the production merger (K = {rows[0]['checkpoint_every']})",
+                  f"{rows[0]['rounds']} rounds merged by the production merger (K = "
+                  f"{rows[0]['checkpoint_every']})",
                   ["P", "largest frag MB", "merge peak RSS MB", "target MB", "merge s/round", "read+decode s",
                    "ckpt s/round", "publish MB", "peak upload vs P=1", "target"])
     table.rows = [[str(row["fragments"]), f"{row['largest_fragment_mb']:.1f}", f"{row['merge_peak_rss_mb']:.0f}",
@@ -174,7 +176,8 @@ def _tables(result: dict[str, Any]) -> list[Table]:
                   for row in rows]
     log = Table("the log: bucket growth, a merger's cold restart, a learner's rejoin (targets at 124M: "
                 "<= 1.5 B/param/version, <= 60 s, <= 2x the full-params rejoin)",
-                ["P", "bucket MB/version", "B/param/version", "recovery s", "replayed", "rejoin s", "rejoin MB",
+                ["P", "bucket MB/version", "B/param/version", "recovery s", "replayed", "rejoin s", "rejoin "
+                                                                                                    "MB",
                  "full-params rejoin s", "state held MB", "merger RSS MB"])
     log.rows = [[str(row["fragments"]), f"{row['bucket_bytes_per_version'] / 1e6:.1f}",
                  f"{row['bucket_bytes_per_param_per_version']:.3f}", f"{row['recovery_s']:.1f}",
@@ -203,8 +206,8 @@ def bench_scale(
         if size not in SIZES or learners < 1 or any(c < 1 for c in counts):
             raise ValueError
     except ValueError:
-        raise ConfigError(f"--params must be one of {', '.join(s for s in SIZES if s != 'quick')}, --learners >= 1, "
-                          "--fragments comma-separated ints >= 1") from None
+        raise ConfigError(f"--params must be one of {', '.join(s for s in SIZES if s != 'quick')}, --learners "
+                          ">= 1, --fragments comma-separated ints >= 1") from None
     rows = []
     for count in counts:
         rows.append(measure_row(size, learners, count, checkpoint_every))

@@ -216,7 +216,8 @@ def _shown(result: dict[str, Any]) -> BenchResult:
     rows = result["rows"]
     r0, kill = rows[0], result["config"]["kill"]
     table = Table(f"bench size: {r0['model_params']:,} params, {r0['learners']} learners, int4, "
-                  f"{r0['device']}; learner {kill['learner']} killed at version {kill['at_version']}, restarted",
+                  f"{r0['device']}; learner {kill['learner']} killed at version {kill['at_version']}, "
+                  "restarted",
                   ["figure", *(f"P = {r['fragments']}" for r in rows)], labels=1)
     table.rows = [[name, *[_fmt(r.get(key), spec) for r in rows]] for name, key, spec in FIGURES]
     notes = [f"target {name}: {'-' if ok is None else 'met' if ok else 'NOT met'}"

@@ -173,8 +173,8 @@ def bench_startup(
     config: str = "demo",
     prefect: Annotated[bool, Opt("--prefect/--no-prefect", help="With a local Prefect server, as make run.")] = True,
     imports: Annotated[bool, Opt("--imports/--no-imports", help="Also time each heavy import apart.")] = True,
-    prepared: Annotated[bool, Opt("--prepared/--fresh-home", help="Prefect's home as make setup leaves it (its "
-                                                                  "database created), or empty.")] = True,
+    prepared: Annotated[bool, Opt("--prepared/--fresh-home", help="Prefect's home as make setup leaves it "
+                                                                  "(its database created), or empty.")] = True,
 ) -> BenchResult:
     """Run the main job once and print where its wall time goes (server, flows, process starts, imports)."""
     from diloco.run.context import open_run
@@ -228,8 +228,8 @@ def _tables(r: dict[str, Any]) -> list[Table]:
 
 
 def _notes(r: dict[str, Any]) -> list[str]:
-    notes = [f"CPU seconds / {r['cpus']} CPUs = {r['cpu_s'] / r['cpus']:.1f} s: the wall time's floor on an idle "
-             "machine"]
+    notes = [f"CPU seconds / {r['cpus']} CPUs = {r['cpu_s'] / r['cpus']:.1f} s: the wall time's floor on an "
+             "idle machine"]
     if r["imports_s"]:
         notes.append(f"(imports: median {statistics.median(r['imports_s'].values()):.2f} s, each in a fresh "
                      "interpreter)")

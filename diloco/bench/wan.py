@@ -219,8 +219,8 @@ def bench_wan(
         "Decoupled learners stream this many fragments (each shipped every H steps, staggered, tau 2; one "
         "merger shard); 1: whole-model deltas."))] = 8,
     links: Annotated[str, Opt("--links", help=(
-        "real: every learner and DP's gloo ranks in network namespaces behind tbf-capped veth links to a real "
-        "S3 server (needs CAP_NET_ADMIN); modelled: a store wrapper delays requests, DP's time is "
+        "real: every learner and DP's gloo ranks in network namespaces behind tbf-capped veth links to a "
+        "real S3 server (needs CAP_NET_ADMIN); modelled: a store wrapper delays requests, DP's time is "
         "computed."))] = "modelled",
     cut_s: Annotated[float, Opt("--cut-s", help=(
         "With --links real: learner 0's link goes down for this many seconds mid-run (first cap) and across "
@@ -248,7 +248,8 @@ def bench_wan(
         cfg = cfg.with_overrides({"data.seed": seed})
     cfg = cfg.with_overrides({"inner.total_steps": steps})
     if steps % cfg.inner.steps_per_phase:
-        raise ConfigError(f"--steps {steps} must be a multiple of inner.steps_per_phase ({cfg.inner.steps_per_phase})")
+        raise ConfigError(f"--steps {steps} must be a multiple of inner.steps_per_phase "
+                          f"({cfg.inner.steps_per_phase})")
     if step_time_s <= 0 or rtt_ms < 0:
         raise ConfigError("--step-time-s must be > 0 and --rtt-ms >= 0")
     if not 1 <= fragments <= 64:
@@ -265,7 +266,8 @@ def bench_wan(
     log(f"bench wan: {num_params:,} params, M={m}, {steps} steps per learner"
         + (f" ({d_steps} for the DiLoCo methods)" if d_steps != steps else "")
         + (f", step {step_time_s * 1e3:g} ms, paper-equivalent cap {base_cap:.4g} MB/s, rtt {rtt_ms:g} ms"
-           if links == "modelled" else ", real links: the cap from data-parallel's compute step measured on them"))
+           if links == "modelled" else ", real links: the cap from data-parallel's compute step measured on "
+                                       "them"))
     # torchft's replicas (subprocesses) train beside data-parallel (this thread): neither is timed by the
     # wall clock (both are on a modelled time axis), and together they use both cores
     with ThreadPoolExecutor(1) as side:
@@ -285,8 +287,8 @@ def bench_wan(
                 if real is not None:
                     run = real.wan_run(run, row, cap, real.dp["compute_step_s"])
                 runs[name] = run_wan(real_cfg if real is not None else d_cfg, run, held, cfg.data.seed)
-                log(f"  {cap:.4g} MB/s {name}: final {runs[name].final_loss:.4f}, wall {runs[name].wall_s:.1f}s "
-                    f"({time.time() - t_start:.0f}s)")
+                log(f"  {cap:.4g} MB/s {name}: final {runs[name].final_loss:.4f}, wall "
+                    f"{runs[name].wall_s:.1f}s ({time.time() - t_start:.0f}s)")
             measured = None if real is None else {"measured": real.dp["rows"][row],
                                                   "compute_step_s": real.dp["compute_step_s"]}
             rows.append(_row(cap, link, dp, runs, peer_run, steps, num_params, m, d_steps / steps, factor, measured))
@@ -300,8 +302,10 @@ def bench_wan(
 
         real_cfg = d_cfg.with_overrides({"learner.prefetch_poll_s": REAL_PREFETCH_POLL_S})
         with RealLinks(m) as real:
-            log(f"  links: tag {real.net.tag}, bridge {real.net.bridge} at {real.net.host_addr}, S3 {real.endpoint}")
-            shrink = QUICK_STEP_TIME_S / STEP_TIME_S if quick else 1.0  # --quick: 4x the cap, as when modelled
+            log(f"  links: tag {real.net.tag}, bridge {real.net.bridge} at {real.net.host_addr}, S3 "
+                f"{real.endpoint}")
+            # --quick: 4x the cap, as when modelled
+            shrink = QUICK_STEP_TIME_S / STEP_TIME_S if quick else 1.0
             caps = real.measure(cfg, load_corpus(cfg.data), lambda compute_s: [
                 (link_mb_s or default_cap_mb_s(num_params, m, compute_s * shrink)) * f for f in cap_factors],
                 quick=quick, cut_s=cut_s, num_caps=len(cap_factors))
@@ -310,7 +314,8 @@ def bench_wan(
                 f"{', '.join(f'{c:.4g}' for c in caps)} MB/s ({time.time() - t_start:.0f}s)")
             rows = rows_at(caps, real)
             links_record = real.record()
-            model_record, record_step_s = REAL_MODEL, real.dp["compute_step_s"] * shrink  # the cap's arithmetic
+            # the cap's arithmetic
+            model_record, record_step_s = REAL_MODEL, real.dp["compute_step_s"] * shrink
     else:
         rows = rows_at([base_cap * f for f in cap_factors])
     result = {**{k: v for k, v in rows[0].items() if k != "methods"}, "methods": rows[0]["methods"], "rows": rows,
@@ -331,7 +336,8 @@ def check_links(links: str, cut_s: float) -> None:
     if links not in ("modelled", "real"):
         raise ConfigError(f"--links must be 'real' or 'modelled', got {links!r}")
     if cut_s < 0 or (cut_s > 0 and links != "real"):
-        raise ConfigError(f"--cut-s needs --links real and a number of seconds >= 0, got {cut_s:g} with {links}")
+        raise ConfigError(f"--cut-s needs --links real and a number of seconds >= 0, got {cut_s:g} with "
+                          f"{links}")
     if links == "real":
         from diloco.bench.links import check_privilege
 

@@ -73,7 +73,8 @@ for name, target in TOP_COMMANDS.items():  # at the top level: built now (their 
 def _simulate_goodput(
     json_path: Path | None = typer.Option(None, "--json", help="Write the table as JSON here."),
     plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG of goodput against chips here."),
-    mtbf_years: float = typer.Option(1.0, "--mtbf-years", min=1e-6, help="Per-chip mean time between failures."),
+    mtbf_years: float = typer.Option(1.0, "--mtbf-years", min=1e-6, help="Per-chip mean time between "
+                                                                         "failures."),
     restart_s: float | None = typer.Option(None, "--restart-s", min=0.0, help="Data-parallel restart time."),
     seed: int = typer.Option(0, "--seed", help="Base seed; every cell derives its own."),
     num_failures: int | None = typer.Option(None, "--num-failures", min=1, help="Monte Carlo size per cell."),
