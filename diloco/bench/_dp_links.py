@@ -45,8 +45,8 @@ def _rank_main(net, rank: int, cfg: Config, corpus, compute_steps: int, plan: li
         os.environ["GLOO_SOCKET_IFNAME"] = net.sites[rank].inner_if  # gloo's pairs go over the capped link
         torch.set_num_threads(1)
         m = len(net.sites)
-        dist.init_process_group("gloo", init_method=f"tcp://{net.sites[0].addr}:{DP_PORT}", rank=rank, world_size=m,
-                                timeout=datetime.timedelta(seconds=max(300.0, 4 * cut_s)))
+        dist.init_process_group("gloo", init_method=f"tcp://{net.sites[0].addr}:{DP_PORT}", rank=rank,
+                                world_size=m, timeout=datetime.timedelta(seconds=max(300.0, 4 * cut_s)))
         model = build_model(cfg.model, seed=cfg.data.seed)
         sampler = ShardSampler(corpus.train, 0, 1, m * cfg.data.batch_size, cfg.model.ctx_len, cfg.data.seed)
 
@@ -125,7 +125,8 @@ def measure_dp(net, cfg: Config, corpus, caps_mb_s: Callable[[float], list[float
     ctx = mp.get_context("fork")
     m, plan = len(net.sites), [(warm_steps, steps)] * num_caps
     barrier, out = ctx.Barrier(m + 1), ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(net, r, cfg, corpus, compute_steps, plan, cut_s, barrier, out),
+    procs = [ctx.Process(target=_rank_main, args=(net, r, cfg, corpus, compute_steps, plan, cut_s, barrier,
+                                                  out),
                          name=f"dp-{r}", daemon=True) for r in range(m)]
     for p in procs:
         p.start()

@@ -51,21 +51,27 @@ class Method:
 METHODS = (
     Method("dp", "dp", label="data-parallel (M x batch, AdamW every step)"),
     Method("sync-fp32", "engine", "fp32", "sync", "all", "synchronous DiLoCo, quorum M, fp32"),
-    Method("decoupled-int8", "engine", "int8", "carry", "alternate", "decoupled, int8, half arrive per merge"),
-    Method("decoupled-int4", "engine", "int4", "carry", "alternate", "decoupled, int4, half arrive per merge"),
+    Method("decoupled-int8", "engine", "int8", "carry", "alternate",
+           "decoupled, int8, half arrive per merge"),
+    Method("decoupled-int4", "engine", "int4", "carry", "alternate",
+           "decoupled, int4, half arrive per merge"),
     Method("hetero-int4", "engine", "int4", "carry", "hetero", "decoupled int4, half the learners 2x slower"),
     Method("streaming-int4", "streaming", "int4", "carry", "all",
-           "Streaming: decoupled int4, 4 fragments staggered over the phase, tau 2, sharded merger", fragments=4),
+           "Streaming: decoupled int4, 4 fragments staggered over the phase, tau 2, sharded merger",
+           fragments=4),
     Method("streaming-alt-int4", "streaming", "int4", "carry", "alternate",
-           "streaming-int4 on the decoupled rows' schedule: two cohorts taking turns, quorum M/2", fragments=4),
+           "streaming-int4 on the decoupled rows' schedule: two cohorts taking turns, quorum M/2",
+           fragments=4),
     Method("streaming-hetero-int4", "streaming", "int4", "carry", "hetero",
-           "streaming-int4 with half the learners 2x slower (hetero-int4's schedule, quorum M/2)", fragments=4),
+           "streaming-int4 with half the learners 2x slower (hetero-int4's schedule, quorum M/2)",
+           fragments=4),
     Method("streaming-clock-int4", "streaming", "int4", "carry", "concurrent",
            "streaming-alt-int4 with every learner computing at once (two cohorts half a phase apart, a step "
            "a tick)",
            fragments=4),
     Method("streaming-clock-full-int4", "streaming", "int4", "carry", "concurrent-full",
-           "streaming-int4 with every learner computing at once, in step (quorum M, a step a tick)", fragments=4),
+           "streaming-int4 with every learner computing at once, in step (quorum M, a step a tick)",
+           fragments=4),
     Method("streaming-clock-hetero-int4", "streaming", "int4", "carry", "concurrent-hetero",
            "streaming-clock-int4 with half the learners 2x slower", fragments=4),
     Method("streaming-clock-hetero-dylu", "streaming", "int4", "carry", "concurrent-hetero",
@@ -242,7 +248,8 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
         store = open_store(f"file://{tmp}")
         ctx = create_run(store, f"q-{method.name}-s{cfg.data.seed}", cfg)
         counters = [CountingStore(store) for _ in ctx.learners]
-        learners = [Learner(replace(ctx, store=c), n, make_spec(ctx.cfg, corpus)) for c, n in zip(counters, ctx.learners, strict=True)]
+        learners = [Learner(replace(ctx, store=c), n, make_spec(ctx.cfg, corpus)) for c, n in zip(counters,
+                                                                                                  ctx.learners, strict=True)]
         for learner, counter in zip(learners, counters, strict=True):
             learner.join()
             counter.reset()  # the initial download is not per-step traffic (DP has it too)
@@ -277,7 +284,8 @@ def traffic_of(counters: list[CountingStore]) -> tuple[list[int], list[int], dic
         "manifest_bytes_read_per_learner": sum(c.received["manifest"] for c in counters) / m}
 
 
-def run_method(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps: int, seed: int) -> RunResult:
+def run_method(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps: int,
+               seed: int) -> RunResult:
     cfg = cfg.with_overrides({"data.seed": seed, "inner.total_steps": steps})
     torch.manual_seed(seed)
     if method.kind == "dp":

@@ -47,7 +47,8 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
     cfg = cfg.with_overrides({
         "learner.codec": method.codec, "learner.mode": method.mode,
         "learner.local_state_every_steps": 0, "learner.prefetch": False, "learner.device": "cpu",
-        "merger.grace_cap_s": 0.0, "merger.quorum": quorum_of(method.schedule, m), "fragments.count": method.fragments,
+        "merger.grace_cap_s": 0.0, "merger.quorum": quorum_of(method.schedule, m),
+                              "fragments.count": method.fragments,
         "merger.shards": 1, "inner.dylu": method.dylu,
         # the round drive installs at its chunk boundaries, never inside a chunk; the clock probes every step
         "learner.probe_every_steps": 1 if clock else 1 << 20,
@@ -68,7 +69,8 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
         shard = ShardMerger(ctx, 0)
         target = m * steps * cfg.data.batch_size * cfg.model.ctx_len
         if clock:
-            curve, tokens, merges = _drive_clock(ctx, learners, shard, held, target, method.schedule, method.dylu)
+            curve, tokens, merges = _drive_clock(ctx, learners, shard, held, target, method.schedule,
+                                                 method.dylu)
             return _result(ctx, method, learners, counters, curve, tokens, merges, t0)
         curve, tokens, merges, r, next_eval = [(0, held.loss(read_run_version(ctx, 0)[0]))], 0, 0, 0, 0
         h, count, tau = cfg.inner.steps_per_phase, method.fragments, cfg.fragments.overlap_steps

@@ -93,12 +93,14 @@ class RealLinks:
         cut = None
         if self.cut_s > 0 and row == 0:
             cut = (0, run.steps * compute_step_s / 2, self.cut_s)
-        return dataclasses.replace(run, link=LinkSpec(), storage_url=f"s3://{self.bucket}/row{row}-{run.name}",
+        return dataclasses.replace(run, link=LinkSpec(),
+                                   storage_url=f"s3://{self.bucket}/row{row}-{run.name}",
                                    sites=self.net, pad=False, cut=cut)
 
     def record(self) -> dict[str, Any]:
         """What the JSON's config says about the links."""
-        return {"tag": self.net.tag, "host_addr": self.net.host_addr, "sites": [s.addr for s in self.net.sites],
+        return {"tag": self.net.tag, "host_addr": self.net.host_addr,
+                "sites": [s.addr for s in self.net.sites],
                 "s3_server": "moto (python -m moto.server) on the bridge's host address",
                 "s3_server_cpu_s": cpu_s(self.server) if self.server else None,
                 "tbf_at_cap": " ".join(tbf_args(self.dp["caps"][0])) if self.dp else None,
@@ -125,9 +127,12 @@ def dp_entry(curve: list[tuple[int, float]], measured: dict[str, Any], compute_s
             "step_s_spread": [min(rank0), statistics.median(rank0), max(rank0)], "timed_steps": per_step,
             "compute_s_per_step": compute_step_s, "allreduce_s_per_step": step_s - compute_step_s,
             "busy_mean": compute_step_s / step_s, "bytes_sent_per_learner": _mean(sent),
-            "bytes_received_per_learner": _mean(received), "kernel_bytes_sent": sent, "kernel_bytes_received": received,
-            "kernel_bytes_sent_per_learner": _mean(sent), "kernel_bytes_received_per_learner": _mean(received),
-            "kernel_bytes_per_step": [[k["sent"] / per_step, k["received"] / per_step] for k in measured["kernel"]],
+            "bytes_received_per_learner": _mean(received), "kernel_bytes_sent": sent,
+            "kernel_bytes_received": received,
+            "kernel_bytes_sent_per_learner": _mean(sent),
+            "kernel_bytes_received_per_learner": _mean(received),
+            "kernel_bytes_per_step": [[k["sent"] / per_step,
+                                       k["received"] / per_step] for k in measured["kernel"]],
             "curve": [[round(s * step_s, 3), loss] for s, loss in curve], "modelled": False,
             "measured": f"step time over the links ({per_step} steps x {len(measured['step_s'])} ranks, "
                         "gloo); loss per step from the uncapped curve of the same seed; bytes = kernel bytes "
@@ -145,11 +150,13 @@ def kernel_fields(result: WanResult) -> dict[str, Any]:
     app_received = [r.link["bytes_down"] for r in result.learners]
     requests = [r.link["requests"] for r in result.learners]
     return {"kernel_bytes_sent": sent, "kernel_bytes_received": received,
-            "kernel_bytes_sent_per_learner": _mean(sent), "kernel_bytes_received_per_learner": _mean(received),
+            "kernel_bytes_sent_per_learner": _mean(sent),
+            "kernel_bytes_received_per_learner": _mean(received),
             "app_bytes_sent": app_sent, "app_bytes_received": app_received, "requests": requests,
             "kernel_packets": [[k["packets_sent"], k["packets_received"]] for k in result.kernel],
             "overhead_per_request_bytes": {
-                "sent": _mean([(k - a) / max(1, n) for k, a, n in zip(sent, app_sent, requests, strict=True)]),
+                "sent": _mean([(k - a) / max(1, n) for k, a, n in zip(sent, app_sent, requests,
+                                                                      strict=True)]),
                 "received": _mean([(k - a) / max(1, n) for k, a, n in zip(received, app_received, requests,
                                                                           strict=True)])}}
 

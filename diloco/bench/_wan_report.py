@@ -84,14 +84,16 @@ def _notes(head: dict[str, Any], factor: float, real: bool) -> list[str]:
     return notes
 
 
-def config_record(cfg: Config, steps: int, step_time_s: float, rtt_ms: float, num_params: int, base_cap: float,
+def config_record(cfg: Config, steps: int, step_time_s: float, rtt_ms: float, num_params: int,
+                  base_cap: float,
                    cap_is_default: bool, peer_run, wall_s: float) -> dict[str, Any]:
     m = cfg.run.num_learners
     dp_bytes = allreduce_bytes_per_step(num_params, m)
     return {
         "recipe": cfg.name, "num_learners": m, "num_params": num_params, "steps_per_learner": steps,
         "inner_steps_per_phase": cfg.inner.steps_per_phase, "batch_size": cfg.data.batch_size,
-        "ctx_len": cfg.model.ctx_len, "tokens_per_method": m * steps * cfg.data.batch_size * cfg.model.ctx_len,
+        "ctx_len": cfg.model.ctx_len,
+            "tokens_per_method": m * steps * cfg.data.batch_size * cfg.model.ctx_len,
         "seed": cfg.data.seed, "step_time_s": step_time_s, "rtt_ms": rtt_ms, "codec": cfg.learner.codec,
         "update_codec": cfg.outer.update_codec, "outer": cfg.outer.model_dump(), "wall_s": wall_s,
         "cap": {"mb_s": base_cap, "default": cap_is_default, "comm_over_compute": COMM_OVER_COMPUTE,

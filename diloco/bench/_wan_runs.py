@@ -123,7 +123,8 @@ def engine_overrides(cfg: Config, run: WanRun) -> dict[str, Any]:
         if run.mode == "sync":
             raise ValueError("bench wan: fragments > 1 is for the decoupled (carry) rows")
         # a shard merges a fragment once its quorum is there (it has no grace window): every learner in step
-        out.update({"fragments.count": run.fragments, "merger.shards": 1, "fragments.cohorts": 2 if run.cohorts else 1,
+        out.update({"fragments.count": run.fragments, "merger.shards": 1,
+                    "fragments.cohorts": 2 if run.cohorts else 1,
                     "merger.quorum": max(1, m // 2) if run.cohorts else m})
     return out
 
@@ -299,7 +300,8 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
         ctx = create_run(open_store(url), f"wan-{run.name}", cfg)
         barrier, out, corpus = ctx_mp.Barrier(m + 1), ctx_mp.Queue(), load_corpus(cfg.data)
         half_first = [run.cohorts and i % 2 == 1 for i in range(m)]  # two cohorts half a phase apart
-        procs = [ctx_mp.Process(target=_learner_main, args=(url, ctx.run_id, name, run, half_first[i], corpus, barrier, out, i),
+        procs = [ctx_mp.Process(target=_learner_main, args=(url, ctx.run_id, name, run, half_first[i], corpus,
+                                                            barrier, out, i),
                                 name=f"wan-{name}", daemon=True) for i, name in enumerate(ctx.learners)]
         for p in procs:
             p.start()
@@ -322,12 +324,14 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
 
         expected_s = run.steps * run.step_time_s
         until_done = _merge_fragments_until_done if ctx.fragments else _merge_until_done
-        until_done(merger, procs, drain, deadline_s=max(600.0, 20 * expected_s + (run.cut[2] if run.cut else 0)))
+        until_done(merger, procs, drain, deadline_s=max(600.0,
+                                                        20 * expected_s + (run.cut[2] if run.cut else 0)))
         for p in procs:
             p.join(30)
         kernel = None
         if kernel0 is not None:  # every learner has closed: nothing of theirs is on the links any more
-            kernel = [{k: v - a[k] for k, v in b.items()} for a, b in zip(kernel0, run.sites.counters(), strict=True)]
+            kernel = [{k: v - a[k] for k, v in b.items()} for a, b in zip(kernel0, run.sites.counters(),
+                                                                          strict=True)]
         if cut is not None:
             cut.join(run.cut[1] + run.cut[2] + 30)
         errors = {k: v for k, (s, v) in reports.items() if s != "ok"}
@@ -340,5 +344,6 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
     extra: dict[str, Any] = {"versions_per_phase": versions / max(1, run.steps // h)}
     if cut is not None:
         extra["cut_window_s"] = [t - t0 for t in cut.times] if cut.times else None
-    return WanResult([(t, loss) for t, loss, _ in curve], curve[-1][1], curve[-1][2], wall, learners, extra, kernel)
+    return WanResult([(t, loss) for t, loss, _ in curve], curve[-1][1], curve[-1][2], wall, learners, extra,
+                     kernel)
 

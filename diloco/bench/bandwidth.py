@@ -72,7 +72,8 @@ def bucket_growth(num_params: int, num_learners: int, versions_per_hour: float, 
             "versions_per_hour": versions_per_hour}
 
 
-def allreduce_bytes_per_step(num_params: int, num_learners: int, bytes_per_param: float = FP32_BYTES) -> float:
+def allreduce_bytes_per_step(num_params: int, num_learners: int,
+                             bytes_per_param: float = FP32_BYTES) -> float:
     """Bytes each learner sends (and receives) in one ring all-reduce: 2(M-1)/M x bytes x N."""
     if num_learners < 1 or num_params < 1:
         raise ValueError("num_params and num_learners must be >= 1")
@@ -128,7 +129,8 @@ def _tables(row: dict[str, Any]) -> list[Table]:
                  ["N params", "step s", "M", "H", "codec", "DP exposed", "DP overlapped", "DiLoCo overlapped",
                   "DiLoCo exposed", "reduction"])
     link.rows.append([
-        f"{row['num_params']:.3g}", f"{row['step_time_s']:g}", str(row["num_learners"]), str(row["inner_steps"]),
+        f"{row['num_params']:.3g}", f"{row['step_time_s']:g}", str(row["num_learners"]),
+                      str(row["inner_steps"]),
         f"{row['codec']}/{row['update_codec']}", f"{row['dp_gbps_exposed']:.4g}",
         f"{row['dp_gbps_overlapped']:.4g}", f"{row['diloco_gbps_overlapped']:.4g}",
         f"{row['diloco_gbps_exposed']:.4g}",
@@ -159,9 +161,12 @@ def bandwidth(
     step_time_s: Annotated[float, Opt("--step-time-s", min=1e-6, help="Seconds per inner step.")] = ...,
     num_learners: Annotated[int, Opt("--learners", min=1, help="Learners (sites) M.")] = ...,
     inner_steps: Annotated[int, Opt("--inner-steps", min=1, help="H: inner steps per phase.")] = ...,
-    codec: Annotated[str, Opt("--codec", help="Delta codec: fp32, bf16, int8, int4, int3, int2, nf2.")] = "int4",
-    update_codec: Annotated[str, Opt("--update-codec", help="Codec of the compact update sent back.")] = "fp32",
-    busy: Annotated[float, Opt("--busy", min=0.01, max=0.99, help="Fraction of time learners compute.")] = 0.95,
+    codec: Annotated[str, Opt("--codec",
+                              help="Delta codec: fp32, bf16, int8, int4, int3, int2, nf2.")] = "int4",
+    update_codec: Annotated[str, Opt("--update-codec",
+                                     help="Codec of the compact update sent back.")] = "fp32",
+    busy: Annotated[float, Opt("--busy", min=0.01, max=0.99,
+                               help="Fraction of time learners compute.")] = 0.95,
     checkpoint_every: Annotated[int | None, Opt("--checkpoint-every", min=1,
                                                 help="K of the bucket growth (default: from the update "
                                                      "codec).")] = None,

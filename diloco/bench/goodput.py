@@ -28,7 +28,8 @@ def _supervised_run(storage: str, run_id: str, cfg, plan_path: Path | None, log_
     from diloco.supervise.local import local_supervisor
 
     ctx = create_run(open_store(storage), run_id, cfg)
-    supervisor = local_supervisor(ctx, prefect=False, log_dir=str(log_root / run_id), env={"OMP_NUM_THREADS": "1"})
+    supervisor = local_supervisor(ctx, prefect=False, log_dir=str(log_root / run_id),
+                                  env={"OMP_NUM_THREADS": "1"})
     if plan_path is not None:
         attach_chaos(supervisor, plan_path)
     supervisor.run_to_end()
@@ -93,7 +94,8 @@ def local_save_cost_s(ctx, repeats: int = 5) -> float:
     params = get_flat_params(model)
     times = []
     with tempfile.TemporaryDirectory() as root:
-        local = LocalState(ctx.store.url, ctx.run_id, "bench", ctx.created_at, ctx.fingerprint, root=Path(root))
+        local = LocalState(ctx.store.url, ctx.run_id, "bench", ctx.created_at, ctx.fingerprint,
+                           root=Path(root))
         for _ in range(repeats):
             t0 = time.perf_counter()
             local.save({"theta": params, "ref": params, "glob": params, "opt": opt}, {"optimizer": opt_meta})
@@ -175,7 +177,8 @@ def _table(r: dict[str, Any]) -> Table:
     r = {**r, **{k: detail.get(k, 0) for k in ("ready_fraction", "startup_s_median", "standby_activations",
                                                 "standby_s")}}
     r["dp_goodput_at_local_save_cost"] = detail.get("dp_goodput_at_local_save_cost", 0.0)
-    for key in ("decoupled_goodput", "availability", "ready_fraction", "startup_s_median", "standby_activations",
+    for key in ("decoupled_goodput", "availability", "ready_fraction", "startup_s_median",
+                "standby_activations",
                 "standby_s", "dp_goodput", "dp_goodput_at_local_save_cost", "versions", "deltas_lost",
                 "deltas_applied_twice", "audit_ok", "final_eval_loss", "no_fault_eval_loss"):
         value = r[key]

@@ -127,7 +127,8 @@ class Benchmark:
 
 
 def benchmark(*, quick: str | None = None, config: str | None = None, config_help: str = CONFIG_HELP,
-              json_help: str = JSON_HELP) -> Callable[[Callable[..., BenchResult]], Callable[..., BenchResult]]:
+              json_help: str = JSON_HELP) -> Callable[[Callable[..., BenchResult]], Callable[...,
+                                                                                             BenchResult]]:
     """Mark a function as a benchmark: `quick` (the help of `--quick`), `config` (the default recipe of
     `--config`) when it takes them, as parameters of those names."""
 

@@ -141,8 +141,8 @@ class LinkNet:
         n = random.choice(free)
         net = f"198.{18 + n // 256}.{n % 256}"
         self.host_addr = f"{net}.{HOST}"
-        self.sites = [Site(i, f"{PREFIX}-{self.tag}-{i}", f"{PREFIX}{self.tag}h{i}", f"{PREFIX}{self.tag}n{i}",
-                           f"{net}.{i + HOST + 1}") for i in range(self.num_sites)]
+        self.sites = [Site(i, f"{PREFIX}-{self.tag}-{i}", f"{PREFIX}{self.tag}h{i}",
+                           f"{PREFIX}{self.tag}n{i}", f"{net}.{i + HOST + 1}") for i in range(self.num_sites)]
         self._record()  # before the first name exists: a SIGKILL from here on is swept by the next harness
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _ipv6_off(self.bridge)
@@ -152,7 +152,8 @@ class LinkNet:
             _run("ip", "netns", "add", site.netns)
             _run("ip", "netns", "exec", site.netns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
                  "net.ipv6.conf.default.disable_ipv6=1")
-            _run("ip", "link", "add", site.host_if, "type", "veth", "peer", "name", site.inner_if, "netns", site.netns)
+            _run("ip", "link", "add", site.host_if, "type", "veth", "peer", "name", site.inner_if, "netns",
+                 site.netns)
             _ipv6_off(site.host_if)
             _run("ip", "link", "set", site.host_if, "master", self.bridge, "up")
             _run("ip", "-n", site.netns, "addr", "add", f"{site.addr}/24", "dev", site.inner_if)
@@ -241,7 +242,8 @@ class LinkNet:
         out = []
         for site in self.sites:
             stats = Path(f"/sys/class/net/{site.host_if}/statistics")
-            out.append({"sent": int((stats / "rx_bytes").read_text()), "received": int((stats / "tx_bytes").read_text()),
+            out.append({"sent": int((stats / "rx_bytes").read_text()),
+                        "received": int((stats / "tx_bytes").read_text()),
                         "packets_sent": int((stats / "rx_packets").read_text()),
                         "packets_received": int((stats / "tx_packets").read_text())})
         return out

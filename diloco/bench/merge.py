@@ -126,7 +126,8 @@ def _table(rows: list[dict[str, Any]]) -> Table:
 
 @benchmark()
 def bench_merge(
-    sizes: Annotated[str, Opt("--sizes", help="Comma-separated model sizes: bench, 10m, tiny.")] = "bench,10m",
+    sizes: Annotated[str, Opt("--sizes",
+                              help="Comma-separated model sizes: bench, 10m, tiny.")] = "bench,10m",
     learners: Annotated[str, Opt("--learners", help="Comma-separated learner counts.")] = DEFAULT_LEARNERS,
     codec: Annotated[str, Opt("--codec", help="Delta codec of the synthetic deltas.")] = "int4",
 ) -> BenchResult:

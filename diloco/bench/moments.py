@@ -119,6 +119,7 @@ def bench_moments(
                   ["moments", "B/param", "train loss after", "gap nats", "steps lost", "held-out after"])
     for r in result["rows"]:
         table.rows.append([r["variant"], f"{r['bytes_per_param']:.2f}", f"{r['train_loss_after']:.4f}",
-                           f"{r['gap_nats']:+.4f}", "-" if r["steps_lost"] is None else f"{r['steps_lost']:.1f}",
+                           f"{r['gap_nats']:+.4f}",
+                           "-" if r["steps_lost"] is None else f"{r['steps_lost']:.1f}",
                            "-" if r["heldout_after"] is None else f"{r['heldout_after']:.4f}"])
     return BenchResult(result, [table])

@@ -123,7 +123,8 @@ def _moto_endpoint(stack: ExitStack) -> str:
     stack.callback(server.stop)
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"})
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
+                       "AWS_SECRET_ACCESS_KEY": "bench"})
     import s3fs
 
     s3fs.S3FileSystem(endpoint_url=endpoint, key="bench", secret="bench").mkdir("diloco-bench-poll")
@@ -137,8 +138,10 @@ def bench_poll(
     moto: Annotated[bool, Opt("--moto", help="Start moto's S3 server in this process and use it (dev "
                                              "dependency).")] = False,
     learners: Annotated[int, Opt("--learners", min=1, help="Learners the deltas are spread over.")] = 3,
-    deltas: Annotated[str, Opt("--deltas", help="Comma-separated numbers of deltas in the run.")] = "1000,5000,10000",
-    repeats: Annotated[int, Opt("--repeats", min=1, help="Polls timed per row (the median is reported).")] = 5,
+    deltas: Annotated[str, Opt("--deltas",
+                               help="Comma-separated numbers of deltas in the run.")] = "1000,5000,10000",
+    repeats: Annotated[int, Opt("--repeats", min=1,
+                                help="Polls timed per row (the median is reported).")] = 5,
     versions: Annotated[str, Opt("--versions", help="Comma-separated numbers of versions in the chain, for "
                                                     "the stop check's poll ('' for none).")] = "1000,5000,10000",
 ) -> BenchResult:
@@ -159,8 +162,8 @@ def bench_poll(
         store = open_store(storage)
         rows = [measure_row(store, learners, n, repeats) for n in counts]
         version_rows = [measure_versions(store, v, repeats) for v in version_counts]
-    result = {"storage": storage.split("://")[0] + ("://moto" if moto else ""), "learners": learners, "rows": rows,
-              "version_rows": version_rows}
+    result = {"storage": storage.split("://")[0] + ("://moto" if moto else ""), "learners": learners,
+              "rows": rows, "version_rows": version_rows}
     table = Table(f"one merger poll ({result['storage']}, {learners} learners, median of {repeats})",
                   ["deltas in the run", "every delta listed s", "after each cursor s", "keys listed (every)",
                    "keys listed (after)"])

@@ -186,10 +186,12 @@ def _shown(result: dict[str, Any]) -> BenchResult:
     for name, r in result["methods"].items():
         per_seed = " ".join(f"{s['eval_loss']:.4f}" for s in r["seeds"])
         vs = f"{r['eval_loss'] / dp['eval_loss']:.4f}" if dp else "-"
-        less, less_recv = (_less(dp, r, "bytes_sent_per_learner"), _less(dp, r, "bytes_received_per_learner")) \
+        less, less_recv = (_less(dp, r, "bytes_sent_per_learner"), _less(dp, r,
+                                                                         "bytes_received_per_learner")) \
             if dp and name != "dp" else ("-", "-")
         table.rows.append([name, f"{r['eval_loss']:.4f}", f"{r['eval_loss_bits']:.4f}", per_seed, vs,
-                           _mb(r["bytes_sent_per_learner"]), _mb(r["bytes_received_per_learner"]), less, less_recv])
+                           _mb(r["bytes_sent_per_learner"]), _mb(r["bytes_received_per_learner"]), less,
+                           less_recv])
     notes = []
     if result.get("loss_ratio_vs_dp") is not None:
         notes.append("decoupled int4 / DP (cohorts taking turns): loss ratio "
@@ -263,7 +265,8 @@ def bench_quality(
                                                          "close).")] = 2,
     steps: Annotated[int | None, Opt("--steps", min=1, help="Inner steps per learner (= DP steps); default: "
                                                             "the recipe's inner.total_steps.")] = None,
-    tokens: Annotated[int | None, Opt("--tokens", min=1, help="Tokens per method (overrides --steps).")] = None,
+    tokens: Annotated[int | None, Opt("--tokens", min=1,
+                                      help="Tokens per method (overrides --steps).")] = None,
     learners: Annotated[int | None, Opt("--learners", min=1, help="M (default: the recipe's).")] = None,
     methods: Annotated[str, Opt("--methods", help="Comma-separated subset.")] = DEFAULT_METHODS,
     jobs: Annotated[int, Opt("--jobs", min=1, help="Run the methods of a seed in this many processes (2 = "

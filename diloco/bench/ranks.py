@@ -34,15 +34,16 @@ def _measure(cfg_name: str, ranks: int, phases: int, root: Path, overrides: dict
     from diloco.storage import open_store
 
     url, run_id = f"file://{root}/store", f"ranks-{ranks}{'-half' if half_batch else ''}"
-    cfg = load_config(cfg_name).with_overrides({**(overrides or {}), "learner.ranks": ranks, "run.num_learners": 1,
-                                                "learner.local_state_every_steps": 0})
+    cfg = load_config(cfg_name).with_overrides({**(overrides or {}), "learner.ranks": ranks,
+                                                "run.num_learners": 1, "learner.local_state_every_steps": 0})
     if half_batch:
         cfg = cfg.with_overrides({"data.batch_size": max(1, cfg.data.batch_size // 2)})
     ctx = create_run(open_store(url), run_id, cfg)
     t0 = time.time()
-    done = subprocess.run([sys.executable, "-m", "diloco.launch", "learner", "--storage", url, "--run-id", run_id,
-                           "--name", ctx.learners[0], "--phases", str(phases)], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800)
+    done = subprocess.run([sys.executable, "-m", "diloco.launch", "learner", "--storage", url, "--run-id",
+                           run_id,
+                           "--name", ctx.learners[0], "--phases", str(phases)], capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"the {ranks}-rank learner failed:\n{done.stderr[-2000:]}")
     measured = [e for e in read_events(ctx.store, ctx.keys) if e.get("kind") == "phase"][1:]
@@ -55,7 +56,8 @@ def _measure(cfg_name: str, ranks: int, phases: int, root: Path, overrides: dict
 @benchmark(config="bench")
 def bench_ranks(
     config: str = "bench",
-    phases: Annotated[int, Opt("--phases", min=2, help="Phases per learner (the first is not measured).")] = 6,
+    phases: Annotated[int, Opt("--phases", min=2,
+                               help="Phases per learner (the first is not measured).")] = 6,
     overrides: Annotated[list[str], Opt("-o", "--override", help="key=value of the recipe (repeatable), "
                                                                 # noqa: B006
                                                                 "e.g. -o model.d_model=256.")] = [],

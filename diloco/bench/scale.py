@@ -46,10 +46,12 @@ DELTA_SCALE = 1e-3  # synthetic deltas: N(0, 1e-3), the size of an AdamW phase's
 def bench_config(size: str, num_learners: int, num_fragments: int,
                  checkpoint_every: int | None = None) -> Config:
     return load_config("bench").with_overrides({"state.checkpoint_every": checkpoint_every,
-        **SIZES[size], "run.num_learners": num_learners, "merger.quorum": num_learners, "merger.grace_cap_s": 0.0,
+        **SIZES[size], "run.num_learners": num_learners, "merger.quorum": num_learners,
+                                                "merger.grace_cap_s": 0.0,
         "learner.codec": "int4", "inner.steps_per_phase": max(STEPS_PER_PHASE, num_fragments),
         "fragments.count": num_fragments, "fragments.overlap_steps": 2, "merger.shards": 1,
-        "data.batch_size": 1, "eval.batch_size": 1, "eval.num_batches": 1, "learner.local_state_every_steps": 0})
+        "data.batch_size": 1, "eval.batch_size": 1, "eval.num_batches": 1,
+                                                "learner.local_state_every_steps": 0})
 
 
 def _fragment_shapes(ctx) -> list[dict[str, list[int]]]:
@@ -72,8 +74,10 @@ def _publish(cfg: Config, storage: str, run_id: str) -> tuple[list[int], list[in
             gen = torch.Generator().manual_seed(1000 * index + m)
             delta = {k: torch.randn(s, generator=gen) * DELTA_SCALE for k, s in shapes.items()}
             meta = {"learner": name, "seq": 0, "base_version": 0, "tokens": 1024 * (m + 1),
-                    "steps": cfg.inner.steps_per_phase, "phase_time_s": 1.0, "train_loss": 2.0, "created_at": 0.0}
-            data = encode_tensors(delta, codec_name="int4", kind="delta", fingerprint=ctx.fingerprint, meta=meta)
+                    "steps": cfg.inner.steps_per_phase, "phase_time_s": 1.0, "train_loss": 2.0,
+                    "created_at": 0.0}
+            data = encode_tensors(delta, codec_name="int4", kind="delta", fingerprint=ctx.fingerprint,
+                                  meta=meta)
             ctx.store.put(template_key(index, name), data)
             if m == 0:
                 sizes.append(len(data))
@@ -169,7 +173,8 @@ def _tables(result: dict[str, Any]) -> list[Table]:
                   f"{rows[0]['checkpoint_every']})",
                   ["P", "largest frag MB", "merge peak RSS MB", "target MB", "merge s/round", "read+decode s",
                    "ckpt s/round", "publish MB", "peak upload vs P=1", "target"])
-    table.rows = [[str(row["fragments"]), f"{row['largest_fragment_mb']:.1f}", f"{row['merge_peak_rss_mb']:.0f}",
+    table.rows = [[str(row["fragments"]), f"{row['largest_fragment_mb']:.1f}",
+                   f"{row['merge_peak_rss_mb']:.0f}",
                    f"{4 * row['largest_fragment_mb'] + 300:.0f}", f"{row['merge_s_per_round']:.2f}",
                    f"{row['read_decode_s']:.2f}", f"{row['state_io_s']:.2f}", f"{row['publish_mb']:.2f}",
                    f"{row['peak_upload_ratio_vs_unfragmented']:.3f}", f"{1.4 / row['fragments']:.3f}"]
@@ -182,7 +187,8 @@ def _tables(result: dict[str, Any]) -> list[Table]:
     log.rows = [[str(row["fragments"]), f"{row['bucket_bytes_per_version'] / 1e6:.1f}",
                  f"{row['bucket_bytes_per_param_per_version']:.3f}", f"{row['recovery_s']:.1f}",
                  str(row["recovery_replayed"]), f"{row['rejoin_s']:.2f}", f"{row['rejoin_bytes'] / 1e6:.0f}",
-                 f"{row['rejoin_full_params_s']:.2f}", f"{row['state_held_mb']:.0f}", f"{row['merger_rss_mb']:.0f}"]
+                 f"{row['rejoin_full_params_s']:.2f}", f"{row['state_held_mb']:.0f}",
+                 f"{row['merger_rss_mb']:.0f}"]
                 for row in rows]
     return [table, log]
 
@@ -192,7 +198,8 @@ def bench_scale(
     quick: bool = False,
     params: Annotated[str, Opt("--params", help="Model size: 124m (GPT-2 small's shape and vocabulary), "
                                                 "10m.")] = "124m",
-    learners: Annotated[int, Opt("--learners", min=1, help="Synthetic int4 deltas per fragment and round.")] = 8,
+    learners: Annotated[int, Opt("--learners", min=1,
+                                 help="Synthetic int4 deltas per fragment and round.")] = 8,
     fragments: Annotated[str, Opt("--fragments", help="Comma-separated fragment counts P.")] = "1,4,12,24",
     checkpoint_every: Annotated[int | None, Opt("--checkpoint-every", min=1,
                                                 help="K (state.checkpoint_every; default the recipe's): 3K "

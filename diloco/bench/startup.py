@@ -80,7 +80,8 @@ def _watch_cpu(proc: subprocess.Popen, cwd: Path, cpu: dict[str, float]) -> None
                 server_pid = int(json.loads(record.read_text())["pid"])
             except (OSError, ValueError, KeyError):
                 server_pid = None
-        for label, pid in (("command (supervisor, train flow, summary)", proc.pid), ("Prefect server", server_pid)):
+        for label, pid in (("command (supervisor, train flow, summary)", proc.pid), ("Prefect server",
+                                                                                     server_pid)):
             seconds = _cpu_of(pid) if pid else None
             if seconds is not None:
                 cpu[label] = round(seconds, 1)
@@ -131,7 +132,8 @@ def milestones(ctx: Any, t0: float, lines: list[tuple[float, str]], t_exit: floa
             joins.setdefault(e["learner"], e["t"])
     publishes = [e["t"] for e in events if e.get("kind") == "publish"]
     end = next((e["t"] for e in events if e.get("source") == "supervisor" and e.get("kind") == "end"), None)
-    down = next((e["t"] for e in events if e.get("source") == "supervisor" and e.get("kind") == "shutdown"), None)
+    down = next((e["t"] for e in events if e.get("source") == "supervisor" and e.get("kind") == "shutdown"),
+                None)
     return {
         "run created (CLI imports, config, version 0)": rel(_first(lines, "diloco run ")),
         "Prefect API up": rel(_first(lines, "Prefect API")),
@@ -164,14 +166,15 @@ def prepare_home(work: Path) -> None:
     home = work / ".diloco" / "prefect"
     home.mkdir(parents=True, exist_ok=True)
     prefect = str(Path(sys.executable).with_name("prefect"))
-    subprocess.run([prefect, "--no-prompt", "server", "database", "upgrade", "-y"], check=True, capture_output=True,
-                   env={**os.environ, "PREFECT_HOME": str(home)}, timeout=300)
+    subprocess.run([prefect, "--no-prompt", "server", "database", "upgrade", "-y"], check=True,
+                   capture_output=True, env={**os.environ, "PREFECT_HOME": str(home)}, timeout=300)
 
 
 @benchmark(config="demo", config_help="Recipe name or YAML path (default: what make run trains).")
 def bench_startup(
     config: str = "demo",
-    prefect: Annotated[bool, Opt("--prefect/--no-prefect", help="With a local Prefect server, as make run.")] = True,
+    prefect: Annotated[bool, Opt("--prefect/--no-prefect",
+                                 help="With a local Prefect server, as make run.")] = True,
     imports: Annotated[bool, Opt("--imports/--no-imports", help="Also time each heavy import apart.")] = True,
     prepared: Annotated[bool, Opt("--prepared/--fresh-home", help="Prefect's home as make setup leaves it "
                                                                   "(its database created), or empty.")] = True,
@@ -186,8 +189,8 @@ def bench_startup(
     env = {k: v for k, v in os.environ.items() if not (prefect and k == "PREFECT_API_URL")}
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     run_id = f"startup-{time.strftime('%H%M%S')}"
-    cmd = [sys.executable, "-m", "diloco.cli", "run", "--config", config, "--run-id", run_id, "--no-live", "--json",
-           "--prefect" if prefect else "--no-prefect"]
+    cmd = [sys.executable, "-m", "diloco.cli", "run", "--config", config, "--run-id", run_id, "--no-live",
+           "--json", "--prefect" if prefect else "--no-prefect"]
     cpu0, cpu_parts = _children_cpu_s(), {}
     t0, lines, code, stdout = _run_stamped(cmd, work, env, cpu_parts)
     t_exit = time.time()
@@ -197,13 +200,15 @@ def bench_startup(
     summary = json.loads(stdout.strip().splitlines()[-1])
     ctx = open_run(f"file://{work}/runs", run_id)
     m = milestones(ctx, t0, lines, t_exit)
-    result = {"config": config, "prefect": prefect, "prepared_home": prepared, "wall_s": round(t_exit - t0, 1),
+    result = {"config": config, "prefect": prefect, "prepared_home": prepared, "wall_s": round(t_exit - t0,
+                                                                                               1),
               "cpu_s": round(cpu_s, 1), "cpu_parts_s": cpu_parts,
               "final_eval_loss": summary["final_eval_loss"], "num_versions": summary["num_versions"],
               "milestones_s": m, "spans_s": spans(m), "imports_s": measure_imports() if imports else {},
               "server_start_s": measure_server_start(work / "server-probe") if imports and prefect else {},
               "load_before": [round(x, 2) for x in load_before],
-              "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(), "workdir": str(work)}
+              "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+              "workdir": str(work)}
     return BenchResult(result, _tables(result), _notes(result))
 
 
@@ -223,7 +228,8 @@ def _tables(r: dict[str, Any]) -> list[Table]:
     costs.rows.append(["CPU seconds, every process of the run", f"{r['cpu_s']:.1f}"])
     costs.rows += [["  of which " + label, f"{s:.1f}"] for label, s in r.get("cpu_parts_s", {}).items()]
     costs.rows += [["import: " + label, f"{s:.2f}"] for label, s in r["imports_s"].items()]
-    costs.rows += [["Prefect server start, " + label, f"{s:.2f}"] for label, s in r.get("server_start_s", {}).items()]
+    costs.rows += [["Prefect server start, " + label, f"{s:.2f}"] for label, s in r.get("server_start_s",
+                                                                                        {}).items()]
     return [milestones_table, costs]
 
 

@@ -107,7 +107,8 @@ def _engine_entry(result: WanResult, target: float) -> dict[str, Any]:
         "bytes_sent_per_learner": _per_learner(result, "bytes_up"),
         "bytes_received_per_learner": _per_learner(result, "bytes_down"),
         "delta_bytes_sent_per_learner": sum(r.sent.get("delta", 0) for r in result.learners) / len(busy),
-        "global_bytes_received_per_learner": sum(r.received.get("global", 0) for r in result.learners) / len(busy),
+        "global_bytes_received_per_learner": sum(r.received.get("global",
+                                                                0) for r in result.learners) / len(busy),
         "busy_mean": sum(busy) / len(busy), "busy_min": min(busy), "busy_per_learner": busy,
         "step_s_mean": sum(r.compute_s for r in result.learners) / sum(r.steps for r in result.learners),
         "real_step_s_mean": sum(r.real_compute_s for r in result.learners) / sum(r.steps for r in result.learners),
@@ -122,9 +123,11 @@ def _dp_entry(curve: list[tuple[int, float]], step_s: float, comm_s: float, step
     per_step = step_s + comm_s
     timed = [(s * per_step, loss) for s, loss in curve]
     traffic = steps * allreduce_bytes_per_step(num_params, num_learners)
-    return {"time_to_target_s": first_below(timed, target), "final_loss": curve[-1][1], "wall_s": steps * per_step,
+    return {"time_to_target_s": first_below(timed, target), "final_loss": curve[-1][1],
+            "wall_s": steps * per_step,
             "step_s": per_step, "compute_s_per_step": step_s, "allreduce_s_per_step": comm_s,
-            "busy_mean": step_s / per_step, "bytes_sent_per_learner": traffic, "bytes_received_per_learner": traffic,
+            "busy_mean": step_s / per_step, "bytes_sent_per_learner": traffic,
+            "bytes_received_per_learner": traffic,
             "curve": [[round(t, 3), loss] for t, loss in timed], "modelled": True}
 
 
@@ -147,7 +150,8 @@ def speedups(dp_s: float | None, decoupled_s: float | None, tokens_factor: float
 
 def _row(cap_mb_s: float, link: LinkSpec, dp: list[tuple[int, float]], runs: dict[str, WanResult],
          peer: dict[str, Any] | None, steps: int, num_params: int, num_learners: int,
-         tokens_factor: float = 1.0, cap_factor: float = 1.0, real: dict[str, Any] | None = None) -> dict[str, Any]:
+         tokens_factor: float = 1.0, cap_factor: float = 1.0, real: dict[str, Any] | None = None) -> dict[str,
+                                                                                                          Any]:
     """One cap's row; `real`: DP as measured over real links ({"measured", "compute_step_s", "cut"}), the
     traffic ratios then from the kernel's counters."""
     from diloco.bench import _wan_real
@@ -291,7 +295,8 @@ def bench_wan(
                     f"{runs[name].wall_s:.1f}s ({time.time() - t_start:.0f}s)")
             measured = None if real is None else {"measured": real.dp["rows"][row],
                                                   "compute_step_s": real.dp["compute_step_s"]}
-            rows.append(_row(cap, link, dp, runs, peer_run, steps, num_params, m, d_steps / steps, factor, measured))
+            rows.append(_row(cap, link, dp, runs, peer_run, steps, num_params, m, d_steps / steps, factor,
+                             measured))
             if real is not None and real.cut_s > 0 and row == 0:
                 rows[-1]["cut"] = _cut_record(real, runs, rows[-1], d_cfg.inner.steps_per_phase)
         return rows
@@ -318,15 +323,20 @@ def bench_wan(
             model_record, record_step_s = REAL_MODEL, real.dp["compute_step_s"] * shrink
     else:
         rows = rows_at([base_cap * f for f in cap_factors])
-    result = {**{k: v for k, v in rows[0].items() if k != "methods"}, "methods": rows[0]["methods"], "rows": rows,
-              "targets": REAL_TARGETS if links == "real" else TARGETS, "config": config_record(cfg, steps, record_step_s, rtt_ms, num_params, base_cap,
+    result = {**{k: v for k, v in rows[0].items() if k != "methods"}, "methods": rows[0]["methods"],
+              "rows": rows,
+              "targets": REAL_TARGETS if links == "real" else TARGETS, "config": config_record(cfg, steps,
+                                                                                               record_step_s,
+                                                                                               rtt_ms,
+                                                                                               num_params,
+                                                                                               base_cap,
                                                              link_mb_s is None, peer_run, time.time() - t_start)}
     result["config"].update(link_mode=links, links=links_record)
     if model_record is not None:
         result["config"]["model"] = model_record
     result["config"].update(torchft_skipped=peer_skipped, tokens_factor_requested=tokens_factor,
-                            cap_factors=list(cap_factors), decoupled_cohorts=cohorts, decoupled_fragments=fragments,
-                            diloco_steps_per_learner=d_steps,
+                            cap_factors=list(cap_factors), decoupled_cohorts=cohorts,
+                            decoupled_fragments=fragments, diloco_steps_per_learner=d_steps,
                             diloco_tokens_per_method=m * d_steps * cfg.data.batch_size * cfg.model.ctx_len)
     return shown(result)
 
