@@ -248,8 +248,8 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
         store = open_store(f"file://{tmp}")
         ctx = create_run(store, f"q-{method.name}-s{cfg.data.seed}", cfg)
         counters = [CountingStore(store) for _ in ctx.learners]
-        learners = [Learner(replace(ctx, store=c), n, make_spec(ctx.cfg, corpus)) for c, n in zip(counters,
-                                                                                                  ctx.learners, strict=True)]
+        learners = [Learner(replace(ctx, store=c), n, make_spec(ctx.cfg, corpus))
+                    for c, n in zip(counters, ctx.learners, strict=True)]
         for learner, counter in zip(learners, counters, strict=True):
             learner.join()
             counter.reset()  # the initial download is not per-step traffic (DP has it too)

@@ -77,8 +77,8 @@ def _notes(head: dict[str, Any], factor: float, real: bool) -> list[str]:
                      f"{targets['traffic_ratio_vs_dp_min']:g}x)")
         if head.get("cut"):
             cut = head["cut"]
-            notes.append(f"cut: learner 0's link down {cut['down_s']:g} s: DP lost {cut['dp']['stall_s']:.1f} "
-                         "s; steps computed while down per learner: decoupled "
+            notes.append(f"cut: learner 0's link down {cut['down_s']:g} s: DP lost "
+                         f"{cut['dp']['stall_s']:.1f} s; steps computed while down per learner: decoupled "
                          f"{cut['decoupled']['steps_during_cut']}, sync_diloco "
                          f"{cut['sync_diloco']['steps_during_cut']}")
     return notes
@@ -98,7 +98,8 @@ def config_record(cfg: Config, steps: int, step_time_s: float, rtt_ms: float, nu
         "update_codec": cfg.outer.update_codec, "outer": cfg.outer.model_dump(), "wall_s": wall_s,
         "cap": {"mb_s": base_cap, "default": cap_is_default, "comm_over_compute": COMM_OVER_COMPUTE,
                 "dp_allreduce_bytes_per_step": dp_bytes,
-                "arithmetic": f"DP all-reduce per step = 2(M-1)/M x 4 B x {num_params:,} = {dp_bytes:,.0f} B; "
+                "arithmetic": f"DP all-reduce per step = 2(M-1)/M x 4 B x {num_params:,} = "
+                              f"{dp_bytes:,.0f} B; "
                               f"{PAPER_NEEDED_GBPS:g} Gbps needed / {PAPER_LINK_GBPS:g} Gbps available = "
                               f"{COMM_OVER_COMPUTE:.1f} x compute; cap = {dp_bytes:,.0f} B / "
                               f"({COMM_OVER_COMPUTE:.1f} x {step_time_s:g} s) = "

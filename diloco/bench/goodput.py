@@ -191,7 +191,8 @@ def _table(r: dict[str, Any]) -> Table:
                                f"{t['bytes_sent_per_learner'] / 1e6:.2f} / "
                                f"{(t['bytes_received_per_learner'] or 0) / 1e6:.2f}"])
             table.rows.append([f"traffic ({run}) vs DP, every byte (deltas only)",
-                               f"{t['traffic_ratio_vs_dp'] or 0:.0f}x / {t['received_ratio_vs_dp'] or 0:.0f}x "
+                               f"{t['traffic_ratio_vs_dp'] or 0:.0f}x / "
+                               f"{t['received_ratio_vs_dp'] or 0:.0f}x "
                                f"({t['delta_traffic_ratio_vs_dp'] or 0:.0f}x)"])
     return table
 

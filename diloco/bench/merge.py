@@ -87,7 +87,8 @@ def in_fresh_process(target: Any, args: tuple, timeout_s: float = 1800.0) -> Any
         except queue_module.Empty:
             if not proc.is_alive() or time.time() > deadline:
                 proc.kill()
-                raise RuntimeError(f"the measuring process ended without a result (exit code {proc.exitcode})") from None
+                raise RuntimeError("the measuring process ended without a result "
+                                   f"(exit code {proc.exitcode})") from None
     proc.join()
     return got
 

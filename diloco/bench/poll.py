@@ -142,16 +142,17 @@ def bench_poll(
                                help="Comma-separated numbers of deltas in the run.")] = "1000,5000,10000",
     repeats: Annotated[int, Opt("--repeats", min=1,
                                 help="Polls timed per row (the median is reported).")] = 5,
-    versions: Annotated[str, Opt("--versions", help="Comma-separated numbers of versions in the chain, for "
-                                                    "the stop check's poll ('' for none).")] = "1000,5000,10000",
+    versions: Annotated[str, Opt("--versions", help=(
+        "Comma-separated numbers of versions in the chain, for the stop check's poll ('' for "
+        "none)."))] = "1000,5000,10000",
 ) -> BenchResult:
     """What one merger poll and one stop check cost against the run's length: every key listed, or after the
     cursor / the version known."""
     counts = [int(x) for x in deltas.split(",") if x.strip()]
     version_counts = [int(x) for x in versions.split(",") if x.strip()]
     if not counts or min(counts) < learners or learners < 1 or repeats < 1:
-        raise ValueError(f"--deltas {deltas!r}: each count must be >= --learners ({learners}) >= 1, --repeats "
-                         ">= 1")
+        raise ValueError(f"--deltas {deltas!r}: each count must be >= --learners ({learners}) >= 1, "
+                         "--repeats >= 1")
     if version_counts and min(version_counts) < 2:
         raise ValueError(f"--versions {versions!r}: each count must be >= 2")
     with ExitStack() as stack:

@@ -40,10 +40,10 @@ def _measure(cfg_name: str, ranks: int, phases: int, root: Path, overrides: dict
         cfg = cfg.with_overrides({"data.batch_size": max(1, cfg.data.batch_size // 2)})
     ctx = create_run(open_store(url), run_id, cfg)
     t0 = time.time()
-    done = subprocess.run([sys.executable, "-m", "diloco.launch", "learner", "--storage", url, "--run-id",
-                           run_id,
-                           "--name", ctx.learners[0], "--phases", str(phases)], capture_output=True,
-                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800)
+    command = [sys.executable, "-m", "diloco.launch", "learner", "--storage", url, "--run-id", run_id,
+               "--name", ctx.learners[0], "--phases", str(phases)]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"the {ranks}-rank learner failed:\n{done.stderr[-2000:]}")
     measured = [e for e in read_events(ctx.store, ctx.keys) if e.get("kind") == "phase"][1:]
@@ -59,8 +59,7 @@ def bench_ranks(
     phases: Annotated[int, Opt("--phases", min=2,
                                help="Phases per learner (the first is not measured).")] = 6,
     overrides: Annotated[list[str], Opt("-o", "--override", help="key=value of the recipe (repeatable), "
-                                                                # noqa: B006
-                                                                "e.g. -o model.d_model=256.")] = [],
+                                                                "e.g. -o model.d_model=256.")] = [],  # noqa: B006
 ) -> BenchResult:
     """Tokens/s of one learner with 1 and with 2 ranks (torch.distributed inside the learner)."""
     import torch
@@ -75,7 +74,8 @@ def bench_ranks(
         half = _measure(config, 1, phases, Path(tmp), parsed, half_batch=True)
     speedup = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"] if rows[0]["tokens_per_s"] else 0.0
     ideal = 2 * half["tokens_per_s"] / rows[0]["tokens_per_s"] if rows[0]["tokens_per_s"] else 0.0
-    device = "cuda: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
+    cuda = torch.cuda.is_available()
+    device = "cuda: " + torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)"
     result = {"rows": rows, "speedup_2_vs_1": speedup, "half_batch_row": half, "ideal_speedup": ideal,
               "efficiency_vs_ideal": speedup / ideal if ideal else 0.0, "overrides": parsed or {},
               "config": config, "phases": phases, "device": device,
@@ -86,6 +86,7 @@ def bench_ranks(
     table.rows = [[str(r["ranks"]), str(r["batch_size"] // r["ranks"]), f"{r['tokens_per_s']:,.0f}",
                    str(r["phases_measured"]), f"{r['wall_s']:.1f}"] for r in (*rows, half)]
     target = f" (target >= {TARGET_SPEEDUP} on CPU)" if result["target_speedup"] else ""
-    notes = [f"ideal 2-rank speedup (2 x one rank at half the batch, no communication): {ideal:.2f}x; reached "
-             f"{speedup / ideal if ideal else 0.0:.0%} of it", f"speedup 2 vs 1 rank: {speedup:.2f}x{target}"]
+    reached = speedup / ideal if ideal else 0.0
+    notes = [f"ideal 2-rank speedup (2 x one rank at half the batch, no communication): {ideal:.2f}x; "
+             f"reached {reached:.0%} of it", f"speedup 2 vs 1 rank: {speedup:.2f}x{target}"]
     return BenchResult(result, [table], notes)

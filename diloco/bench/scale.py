@@ -213,8 +213,9 @@ def bench_scale(
         if size not in SIZES or learners < 1 or any(c < 1 for c in counts):
             raise ValueError
     except ValueError:
-        raise ConfigError(f"--params must be one of {', '.join(s for s in SIZES if s != 'quick')}, --learners "
-                          ">= 1, --fragments comma-separated ints >= 1") from None
+        sizes = ", ".join(s for s in SIZES if s != "quick")
+        raise ConfigError(f"--params must be one of {sizes}, --learners >= 1, --fragments comma-separated "
+                          "ints >= 1") from None
     rows = []
     for count in counts:
         rows.append(measure_row(size, learners, count, checkpoint_every))

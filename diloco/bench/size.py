@@ -163,8 +163,8 @@ def bench_size(
     storage: Annotated[str | None, Opt("--storage",
                                        help="Where the runs live (default: a temp dir).")] = None,
     time_limit_s: Annotated[float, Opt("--time-limit-s", min=30.0, help="Each run's time limit.")] = 900.0,
-    kill_at: Annotated[int | None, Opt("--kill-at-version", min=1, help="Kill a learner once this version is "
-                                                                        "committed (default: a third in).")] = None,
+    kill_at: Annotated[int | None, Opt("--kill-at-version", min=1, help=(
+        "Kill a learner once this version is committed (default: a third in)."))] = None,
     progress: Callable[[BenchResult], None] | None = None,
 ) -> BenchResult:
     """A 124M model end to end through `diloco run`: memory per parameter, uploads against deltas, bucket

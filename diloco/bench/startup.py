@@ -176,8 +176,8 @@ def bench_startup(
     prefect: Annotated[bool, Opt("--prefect/--no-prefect",
                                  help="With a local Prefect server, as make run.")] = True,
     imports: Annotated[bool, Opt("--imports/--no-imports", help="Also time each heavy import apart.")] = True,
-    prepared: Annotated[bool, Opt("--prepared/--fresh-home", help="Prefect's home as make setup leaves it "
-                                                                  "(its database created), or empty.")] = True,
+    prepared: Annotated[bool, Opt("--prepared/--fresh-home", help=(
+        "Prefect's home as make setup leaves it (its database created), or empty."))] = True,
 ) -> BenchResult:
     """Run the main job once and print where its wall time goes (server, flows, process starts, imports)."""
     from diloco.run.context import open_run

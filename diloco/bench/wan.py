@@ -111,7 +111,8 @@ def _engine_entry(result: WanResult, target: float) -> dict[str, Any]:
                                                                 0) for r in result.learners) / len(busy),
         "busy_mean": sum(busy) / len(busy), "busy_min": min(busy), "busy_per_learner": busy,
         "step_s_mean": sum(r.compute_s for r in result.learners) / sum(r.steps for r in result.learners),
-        "real_step_s_mean": sum(r.real_compute_s for r in result.learners) / sum(r.steps for r in result.learners),
+        "real_step_s_mean": sum(r.real_compute_s for r in result.learners)
+                            / sum(r.steps for r in result.learners),
         "installs_per_learner": [r.installs for r in result.learners],
         "requests_per_learner": sum(r.link["requests"] for r in result.learners) / len(busy),
         "curve": [[round(t, 3), loss] for t, loss in result.curve], **result.extra,
@@ -323,14 +324,10 @@ def bench_wan(
             model_record, record_step_s = REAL_MODEL, real.dp["compute_step_s"] * shrink
     else:
         rows = rows_at([base_cap * f for f in cap_factors])
+    record = config_record(cfg, steps, record_step_s, rtt_ms, num_params, base_cap, link_mb_s is None,
+                           peer_run, time.time() - t_start)
     result = {**{k: v for k, v in rows[0].items() if k != "methods"}, "methods": rows[0]["methods"],
-              "rows": rows,
-              "targets": REAL_TARGETS if links == "real" else TARGETS, "config": config_record(cfg, steps,
-                                                                                               record_step_s,
-                                                                                               rtt_ms,
-                                                                                               num_params,
-                                                                                               base_cap,
-                                                             link_mb_s is None, peer_run, time.time() - t_start)}
+              "rows": rows, "targets": REAL_TARGETS if links == "real" else TARGETS, "config": record}
     result["config"].update(link_mode=links, links=links_record)
     if model_record is not None:
         result["config"]["model"] = model_record

@@ -1,6 +1,7 @@
 """`diloco bench poll` (the merger's poll against the run's length) on file:// and the real S3 server: both
-listings find exactly the new deltas, and the poll after each cursor lists O(learners) keys however many the run
-has. Timings are printed by the command, never asserted. Run: .venv/bin/pytest tests/integration/test_bench_poll.py -q
+listings find exactly the new deltas, and the poll after each cursor lists O(learners) keys however many the
+run has. Timings are printed by the command, never asserted. Run: .venv/bin/pytest
+tests/integration/test_bench_poll.py -q
 """
 
 from __future__ import annotations

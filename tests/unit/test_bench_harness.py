@@ -32,7 +32,8 @@ def test_every_command_is_a_benchmark_with_its_options_declared() -> None:
 def test_the_bench_group_lists_every_command_with_the_shared_options() -> None:
     group = get_command(app).commands["bench"]
     text = CliRunner().invoke(app, ["bench", "--help"], terminal_width=200).output
-    assert [line.split()[0] for line in text.split("Commands:")[1].splitlines() if line.strip()] == list(COMMANDS)
+    listed = [line.split()[0] for line in text.split("Commands:")[1].splitlines() if line.strip()]
+    assert listed == list(COMMANDS)
     for name in ("codec", "quality", "wan", "startup"):
         command = group.get_command(None, name)
         flags = {flag for param in command.params for flag in param.opts}
@@ -43,8 +44,8 @@ def test_the_bench_group_lists_every_command_with_the_shared_options() -> None:
 
 
 def test_a_result_is_printed_and_written_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    result = BenchResult({"rows": [{"n": 1}]}, [Table("title", ["n", "label"], [["1", "a"], None, ["2", "b"]])],
-                         ["a note"])
+    table = Table("title", ["n", "label"], [["1", "a"], None, ["2", "b"]])
+    result = BenchResult({"rows": [{"n": 1}]}, [table], ["a note"])
     result.show(tmp_path / "sub" / "out.json")
     assert json.loads((tmp_path / "sub" / "out.json").read_text()) == {"rows": [{"n": 1}]}
     out = capsys.readouterr().out
