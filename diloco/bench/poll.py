@@ -30,6 +30,7 @@ from contextlib import ExitStack
 from typing import Annotated
 
 from diloco.bench.harness import BenchResult, Opt, Table, benchmark
+from diloco.configs import ConfigError
 from diloco.merger.waiting import deltas_after
 from diloco.storage import RunKeys, Store, latest_version, open_store
 from diloco.storage.keys import parse_delta_key
@@ -151,10 +152,10 @@ def bench_poll(
     counts = [int(x) for x in deltas.split(",") if x.strip()]
     version_counts = [int(x) for x in versions.split(",") if x.strip()]
     if not counts or min(counts) < learners or learners < 1 or repeats < 1:
-        raise ValueError(f"--deltas {deltas!r}: each count must be >= --learners ({learners}) >= 1, "
+        raise ConfigError(f"--deltas {deltas!r}: each count must be >= --learners ({learners}) >= 1, "
                          "--repeats >= 1")
     if version_counts and min(version_counts) < 2:
-        raise ValueError(f"--versions {versions!r}: each count must be >= 2")
+        raise ConfigError(f"--versions {versions!r}: each count must be >= 2")
     with ExitStack() as stack:
         if moto:
             storage = _moto_endpoint(stack)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from diloco.bench.harness import BenchResult, Opt, Table, benchmark
+from diloco.configs import ConfigError
 from diloco.run.heap import status_bytes
 
 # GPT-2 small's shape and vocabulary (tied embeddings) over byte-level data: 123.7M parameters at context 128
@@ -171,10 +172,10 @@ def bench_size(
     growth."""
     kill_at = kill_at or kill_version(steps)
     if params not in SIZES:
-        raise ValueError(f"--params {params!r}: one of {', '.join(SIZES)}")
+        raise ConfigError(f"--params {params!r}: one of {', '.join(SIZES)}")
     counts = [int(c) for c in fragments.split(",") if c.strip()]
     if not counts or any(c < 1 for c in counts) or learners < 1:
-        raise ValueError("--fragments takes counts >= 1 (e.g. 1,4), --learners >= 1")
+        raise ConfigError("--fragments takes counts >= 1 (e.g. 1,4), --learners >= 1")
     result: dict[str, Any] = {"rows": [], "load": {"before": _load()},
                               "config": {"params": params, "learners": learners, "device": device,
                                          "steps_per_learner": steps, "ctx": CTX, "batch": BATCH,
