@@ -43,7 +43,8 @@ def clocked(learners: list[Learner], speeds: list[float], hs: list[int], tick: i
 
 
 def drive_concurrent(learners: list[Clocked], merger: Merger, tick: int, tokens_per_step: int,
-                     target_tokens: int, quorum: int, on_tokens: Callable[[int], None]) -> tuple[int, list[int]]:
+                     target_tokens: int, quorum: int, on_tokens: Callable[[int], None]) -> tuple[int,
+                                                                                                 list[int]]:
     """Run ticks until `target_tokens` are trained; returns (tokens, deltas merged per merge)."""
     tokens, merged = 0, []
     chunk_tokens = tick * tokens_per_step

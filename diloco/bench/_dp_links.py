@@ -1,12 +1,13 @@
-"""Data-parallel for real behind the links of `bench wan --links real`: M torch.distributed processes (gloo), rank i
-in site i's namespace, DistributedDataParallel all-reducing fp32 gradients through the capped links.
+"""Data-parallel for real behind the links of `bench wan --links real`: M torch.distributed processes (gloo),
+rank i in site i's namespace, DistributedDataParallel all-reducing fp32 gradients through the capped links.
 
-Contract: `measure_dp(...)` times (1) `compute_steps` steps of each rank alone (no collective: the compute part of
-a step, which sets the paper-equivalent cap), then per cap (2) `warm_steps` untimed steps and `steps` timed ones
-of real DP, the kernel's byte counters of every site read before and after the timed steps, and with `cut_s` (3)
-`CUT_STEPS` steps during which site 0's link goes down for cut_s seconds. The ranks draw the global batch (M x B)
-of data-parallel's curve and each trains on its slice: the same algorithm as `wan.dp_curve`, whose loss per step
-does not depend on the link. Nothing is assumed: a rank that fails ends the measurement with its error.
+Contract: `measure_dp(...)` times (1) `compute_steps` steps of each rank alone (no collective: the compute
+part of a step, which sets the paper-equivalent cap), then per cap (2) `warm_steps` untimed steps and `steps`
+timed ones of real DP, the kernel's byte counters of every site read before and after the timed steps, and
+with `cut_s` (3) `CUT_STEPS` steps during which site 0's link goes down for cut_s seconds. The ranks draw the
+global batch (M x B) of data-parallel's curve and each trains on its slice: the same algorithm as
+`wan.dp_curve`, whose loss per step does not depend on the link. Nothing is assumed: a rank that fails ends
+the measurement with its error.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def _rank_main(net, rank: int, cfg: Config, corpus, compute_steps: int, plan: li
         os.environ["GLOO_SOCKET_IFNAME"] = net.sites[rank].inner_if  # gloo's pairs go over the capped link
         torch.set_num_threads(1)
         m = len(net.sites)
-        dist.init_process_group("gloo", init_method=f"tcp://{net.sites[0].addr}:{DP_PORT}", rank=rank, world_size=m,
-                                timeout=datetime.timedelta(seconds=max(300.0, 4 * cut_s)))
+        dist.init_process_group("gloo", init_method=f"tcp://{net.sites[0].addr}:{DP_PORT}", rank=rank,
+                                world_size=m, timeout=datetime.timedelta(seconds=max(300.0, 4 * cut_s)))
         model = build_model(cfg.model, seed=cfg.data.seed)
         sampler = ShardSampler(corpus.train, 0, 1, m * cfg.data.batch_size, cfg.model.ctx_len, cfg.data.seed)
 
@@ -70,7 +71,8 @@ def _rank_main(net, rank: int, cfg: Config, corpus, compute_steps: int, plan: li
         if cut_s > 0:
             barrier.wait(BARRIER_TIMEOUT_S)  # the parent cuts site 0's link now
             out.put(("cut", rank, [timed(trainer.train_step) for _ in range(CUT_STEPS)]))
-        out.put(("done", rank, None))  # no destroy_process_group(): gloo's can deadlock on the GIL at teardown;
+        # no destroy_process_group(): gloo's can deadlock on the GIL at teardown;
+        out.put(("done", rank, None))
         # the process ends here (os._exit) and its sockets with it
     except BaseException as err:  # reported: the parent must not wait on a barrier for a dead rank
         out.put(("error", rank, f"{type(err).__name__}: {err}"))
@@ -90,12 +92,14 @@ class _Inbox:
         self.got = [msg for msg in self.got if msg[0] != kind]
         while len(found) < count:
             if time.time() > deadline:
-                raise RuntimeError(f"data-parallel: {count - len(found)} '{kind}' reports missing after {timeout_s:.0f}s")
+                raise RuntimeError(f"data-parallel: {count - len(found)} '{kind}' reports missing after "
+                                   f"{timeout_s:.0f}s")
             try:
                 msg = self.out.get(timeout=1.0)
             except Exception:  # queue.Empty
                 if any(p.exitcode not in (None, 0) for p in self.procs):
-                    raise RuntimeError(f"data-parallel: a rank died (exit codes {[p.exitcode for p in self.procs]})") from None
+                    raise RuntimeError("data-parallel: a rank died (exit codes "
+                                       f"{[p.exitcode for p in self.procs]})") from None
                 continue
             if msg[0] == "error":
                 raise RuntimeError(f"data-parallel rank {msg[1]} failed: {msg[2]}")
@@ -114,13 +118,15 @@ def _wait(barrier) -> None:
 
 def measure_dp(net, cfg: Config, corpus, caps_mb_s: Callable[[float], list[float]], *, compute_steps: int,
                warm_steps: int, steps: int, cut_s: float, num_caps: int) -> dict[str, Any]:
-    """Real DP over `net`'s sites. `caps_mb_s(compute_step_s)` gives the rows' caps from the ranks' measured compute
-    step (the median over ranks of each rank's median); returns {"compute_step_s", "caps", "rows": [per cap:
-    {"link_mb_s", "step_s" (all ranks' timed steps), "kernel" (per site, bytes over the timed steps)}], "cut"}."""
+    """Real DP over `net`'s sites. `caps_mb_s(compute_step_s)` gives the rows' caps from the ranks' measured
+    compute step (the median over ranks of each rank's median); returns {"compute_step_s", "caps", "rows":
+    [per cap: {"link_mb_s", "step_s" (all ranks' timed steps), "kernel" (per site, bytes over the timed
+    steps)}], "cut"}."""
     ctx = mp.get_context("fork")
     m, plan = len(net.sites), [(warm_steps, steps)] * num_caps
     barrier, out = ctx.Barrier(m + 1), ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(net, r, cfg, corpus, compute_steps, plan, cut_s, barrier, out),
+    procs = [ctx.Process(target=_rank_main, args=(net, r, cfg, corpus, compute_steps, plan, cut_s, barrier,
+                                                  out),
                          name=f"dp-{r}", daemon=True) for r in range(m)]
     for p in procs:
         p.start()

@@ -51,25 +51,33 @@ class Method:
 METHODS = (
     Method("dp", "dp", label="data-parallel (M x batch, AdamW every step)"),
     Method("sync-fp32", "engine", "fp32", "sync", "all", "synchronous DiLoCo, quorum M, fp32"),
-    Method("decoupled-int8", "engine", "int8", "carry", "alternate", "decoupled, int8, half arrive per merge"),
-    Method("decoupled-int4", "engine", "int4", "carry", "alternate", "decoupled, int4, half arrive per merge"),
+    Method("decoupled-int8", "engine", "int8", "carry", "alternate",
+           "decoupled, int8, half arrive per merge"),
+    Method("decoupled-int4", "engine", "int4", "carry", "alternate",
+           "decoupled, int4, half arrive per merge"),
     Method("hetero-int4", "engine", "int4", "carry", "hetero", "decoupled int4, half the learners 2x slower"),
     Method("streaming-int4", "streaming", "int4", "carry", "all",
-           "Streaming: decoupled int4, 4 fragments staggered over the phase, tau 2, sharded merger", fragments=4),
+           "Streaming: decoupled int4, 4 fragments staggered over the phase, tau 2, sharded merger",
+           fragments=4),
     Method("streaming-alt-int4", "streaming", "int4", "carry", "alternate",
-           "streaming-int4 on the decoupled rows' schedule: two cohorts taking turns, quorum M/2", fragments=4),
+           "streaming-int4 on the decoupled rows' schedule: two cohorts taking turns, quorum M/2",
+           fragments=4),
     Method("streaming-hetero-int4", "streaming", "int4", "carry", "hetero",
-           "streaming-int4 with half the learners 2x slower (hetero-int4's schedule, quorum M/2)", fragments=4),
+           "streaming-int4 with half the learners 2x slower (hetero-int4's schedule, quorum M/2)",
+           fragments=4),
     Method("streaming-clock-int4", "streaming", "int4", "carry", "concurrent",
-           "streaming-alt-int4 with every learner computing at once (two cohorts half a phase apart, a step a tick)",
+           "streaming-alt-int4 with every learner computing at once (two cohorts half a phase apart, a step "
+           "a tick)",
            fragments=4),
     Method("streaming-clock-full-int4", "streaming", "int4", "carry", "concurrent-full",
-           "streaming-int4 with every learner computing at once, in step (quorum M, a step a tick)", fragments=4),
+           "streaming-int4 with every learner computing at once, in step (quorum M, a step a tick)",
+           fragments=4),
     Method("streaming-clock-hetero-int4", "streaming", "int4", "carry", "concurrent-hetero",
            "streaming-clock-int4 with half the learners 2x slower", fragments=4),
     Method("streaming-clock-hetero-dylu", "streaming", "int4", "carry", "concurrent-hetero",
            "streaming-clock-hetero-int4, each learner's H from its speed (DyLU)", dylu=True, fragments=4),
-    Method("torchft-diloco", "peer", "fp32", "sync", "all", "torchft 0.2.0 DiLoCo (Manager + gloo, its outer Nesterov)"),
+    Method("torchft-diloco", "peer", "fp32", "sync", "all", "torchft 0.2.0 DiLoCo (Manager + gloo, its outer "
+                                                            "Nesterov)"),
     Method("torchft-streaming", "peer", "fp32", "sync", "all",
            "torchft 0.2.0 Streaming DiLoCo: 2 fragments, sync delay 1, alpha 0.5", fragments=2),
     Method("clock-int4", "engine", "int4", "carry", "concurrent",
@@ -230,7 +238,8 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
     cfg = cfg.with_overrides({
         "learner.codec": method.codec, "learner.mode": method.mode,
         "learner.local_state_every_steps": 0,  # no restarts here: no state files on this host (not traffic)
-        "learner.prefetch": False,  # the probe fetches: deterministic (a prefetch is a tick late on the clock)
+        # the probe fetches: deterministic (a prefetch is a tick late on the clock)
+        "learner.prefetch": False,
         "learner.device": "cpu", "merger.grace_cap_s": 0.0,
         # on the clock the bench decides when a quorum is there; the merger takes what is pending
         "merger.quorum": 1 if concurrent else quorum_of(method.schedule, m), **dict(method.overrides),
@@ -239,7 +248,8 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
         store = open_store(f"file://{tmp}")
         ctx = create_run(store, f"q-{method.name}-s{cfg.data.seed}", cfg)
         counters = [CountingStore(store) for _ in ctx.learners]
-        learners = [Learner(replace(ctx, store=c), n, make_spec(ctx.cfg, corpus)) for c, n in zip(counters, ctx.learners, strict=True)]
+        learners = [Learner(replace(ctx, store=c), n, make_spec(ctx.cfg, corpus))
+                    for c, n in zip(counters, ctx.learners, strict=True)]
         for learner, counter in zip(learners, counters, strict=True):
             learner.join()
             counter.reset()  # the initial download is not per-step traffic (DP has it too)
@@ -253,7 +263,8 @@ def run_engine(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps
         versions = merger.version
         from diloco.trust.outliers import guard_figures
 
-        guard = guard_figures(ctx)  # the outlier rule over honest deltas: 0 rejections expected (docs/ENGINE.md)
+        # the outlier rule over honest deltas: 0 rejections expected (docs/ENGINE.md)
+        guard = guard_figures(ctx)
     sent, received, extra = traffic_of(counters)
     extra.update({"versions": versions, "deltas_merged": sum(merged), "guard": guard})
     return RunResult(curve[-1][1], curve, tokens, sum(sent) / m, sum(received) / m, time.time() - t0, extra)
@@ -273,7 +284,8 @@ def traffic_of(counters: list[CountingStore]) -> tuple[list[int], list[int], dic
         "manifest_bytes_read_per_learner": sum(c.received["manifest"] for c in counters) / m}
 
 
-def run_method(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps: int, seed: int) -> RunResult:
+def run_method(cfg: Config, method: Method, corpus: Corpus, held: HeldOut, steps: int,
+               seed: int) -> RunResult:
     cfg = cfg.with_overrides({"data.seed": seed, "inner.total_steps": steps})
     torch.manual_seed(seed)
     if method.kind == "dp":

@@ -1,10 +1,12 @@
-"""The S3 server `bench wan --links real` puts on the host end of the links: moto's server (the one tests/conftest.py
-starts), in a process of its own, listening on the bridge's address; and a fresh bucket in it.
+"""The S3 server `bench wan --links real` puts on the host end of the links: moto's server (the one
+tests/conftest.py starts), in a process of its own, listening on the bridge's address; and a fresh bucket in
+it.
 
-Contract: `s3_server(host)` yields the endpoint URL and the server's process once the server answers and sets AWS_ENDPOINT_URL and moto's
-fake credentials in os.environ for its duration (forked learners inherit them), restoring both and ending the
-server on exit. moto, because no S3-compatible server that runs here (MinIO, SeaweedFS, Garage) is offered by the
-package registries this machine reaches: docs/BENCHMARKS.md ("Real links").
+Contract: `s3_server(host)` yields the endpoint URL and the server's process once the server answers and sets
+AWS_ENDPOINT_URL and moto's fake credentials in os.environ for its duration (forked learners inherit them),
+restoring both and ending the server on exit. moto, because no S3-compatible server that runs here (MinIO,
+SeaweedFS, Garage) is offered by the package registries this machine reaches: docs/BENCHMARKS.md ("Real
+links").
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def s3_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
             with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1.0):
                 break
             if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"moto's S3 server did not start on {host}:{port} (exit code {proc.poll()})")
+                raise RuntimeError(f"moto's S3 server did not start on {host}:{port} (exit code "
+                                   f"{proc.poll()})")
             time.sleep(0.2)
         for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
             os.environ.pop(k, None)

@@ -1,21 +1,23 @@
 """The streaming row of `bench quality`: decoupled int4 with P fragments shipped on the staggered schedule
-(fragments.count = P, overlap tau = the recipe's fragments.overlap_steps, 2 by default, the paper's), merged by the
-sharded merger, driven in-process like the engine rows.
+(fragments.count = P, overlap tau = the recipe's fragments.overlap_steps, 2 by default, the paper's), merged
+by the sharded merger, driven in-process like the engine rows.
 
-Contract: deterministic (CPU, fixed seeds); exactly `num_learners * steps * batch_size * ctx_len` training tokens;
-the held-out loss of the run version (every fragment's version put together); bytes measured by each learner's
-counting store. Two drives:
-- rounds ("all", "alternate", "hetero"): each round the learners of the method's arrival schedule run a phase chunk
-  by chunk, in step: every learner ("all", quorum M) or one cohort of two ("alternate", the decoupled rows'
-  schedule: even learners on even rounds, odd on odd, quorum M/2: the cohorts take turns, one computes while the
-  other waits); chunks are cut at every ship (fragment p at step p*H/P) and tau steps after it; after each chunk
-  what was just shipped is merged and each learner of the round installs every fragment merged at least tau steps
-  after it shipped it; a learner whose cohort sat out installs the other cohort's merges at its first chunk.
+Contract: deterministic (CPU, fixed seeds); exactly `num_learners * steps * batch_size * ctx_len` training
+tokens; the held-out loss of the run version (every fragment's version put together); bytes measured by each
+learner's counting store. Two drives:
+- rounds ("all", "alternate", "hetero"): each round the learners of the method's arrival schedule run a phase
+  chunk by chunk, in step: every learner ("all", quorum M) or one cohort of two ("alternate", the decoupled
+  rows' schedule: even learners on even rounds, odd on odd, quorum M/2: the cohorts take turns, one computes
+  while the other waits); chunks are cut at every ship (fragment p at step p*H/P) and tau steps after it;
+  after each chunk what was just shipped is merged and each learner of the round installs every fragment
+  merged at least tau steps after it shipped it; a learner whose cohort sat out installs the other cohort's
+  merges at its first chunk.
 - the clock ("concurrent": two cohorts half a phase apart, fragments.cohorts 2, quorum M/2; "concurrent-full":
-  every learner in step, quorum M; "concurrent-hetero": the cohorts, the second half of the learners 2x slower):
-  every learner computes at once, one step a tick (a 2x slower learner every other tick), as real learners do;
-  after each tick the shard merges what has its quorum, and a learner's probe at the end of each step installs
-  what was merged at least tau steps after it shipped it (links without latency: the best case of a real run).
+  every learner in step, quorum M; "concurrent-hetero": the cohorts, the second half of the learners 2x
+  slower): every learner computes at once, one step a tick (a 2x slower learner every other tick), as real
+  learners do; after each tick the shard merges what has its quorum, and a learner's probe at the end of each
+  step installs what was merged at least tau steps after it shipped it (links without latency: the best case
+  of a real run).
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
     cfg = cfg.with_overrides({
         "learner.codec": method.codec, "learner.mode": method.mode,
         "learner.local_state_every_steps": 0, "learner.prefetch": False, "learner.device": "cpu",
-        "merger.grace_cap_s": 0.0, "merger.quorum": quorum_of(method.schedule, m), "fragments.count": method.fragments,
+        "merger.grace_cap_s": 0.0, "merger.quorum": quorum_of(method.schedule, m),
+                              "fragments.count": method.fragments,
         "merger.shards": 1, "inner.dylu": method.dylu,
         # the round drive installs at its chunk boundaries, never inside a chunk; the clock probes every step
         "learner.probe_every_steps": 1 if clock else 1 << 20,
-        # on the clock two cohorts half a phase apart (concurrent) or everyone in step (concurrent-full); a merge
-        # waits for its quorum, never for a wall-clock timeout (the drive is deterministic)
+        # on the clock two cohorts half a phase apart (concurrent) or everyone in step (concurrent-full); a
+        # merge waits for its quorum, never for a wall-clock timeout (the drive is deterministic)
         **({"fragments.cohorts": 1 if "full" in method.schedule else 2, "merger.quorum_timeout_s": 1e9}
            if clock else {}),
         **dict(method.overrides)})
@@ -66,7 +69,8 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
         shard = ShardMerger(ctx, 0)
         target = m * steps * cfg.data.batch_size * cfg.model.ctx_len
         if clock:
-            curve, tokens, merges = _drive_clock(ctx, learners, shard, held, target, method.schedule, method.dylu)
+            curve, tokens, merges = _drive_clock(ctx, learners, shard, held, target, method.schedule,
+                                                 method.dylu)
             return _result(ctx, method, learners, counters, curve, tokens, merges, t0)
         curve, tokens, merges, r, next_eval = [(0, held.loss(read_run_version(ctx, 0)[0]))], 0, 0, 0, 0
         h, count, tau = cfg.inner.steps_per_phase, method.fragments, cfg.fragments.overlap_steps
@@ -85,7 +89,8 @@ def run_streaming(cfg: Config, method, corpus: Corpus, held, steps: int):
                 for learner in active:
                     learner.maybe_install()  # what was shipped at least tau steps ago and merged since
             r += 1
-            if tokens >= next_eval:  # every M phases' tokens (each round under "all", every other under "alternate")
+            # every M phases' tokens (each round under "all", every other under "alternate")
+            if tokens >= next_eval:
                 curve.append((tokens, held.loss(read_run_version(ctx, run_version(ctx))[0])))
                 next_eval = tokens + m * tokens_per_phase(cfg)
         if curve[-1][0] != tokens:
@@ -97,18 +102,19 @@ def _drive_clock(ctx, learners: list[Learner], shard: ShardMerger, held, target:
                  dylu: bool = False):
     """Every learner computes at once, one step a tick (a learner of speed s < 1, the slow half under
     "concurrent-hetero", on a fraction s of the ticks): each steps (shipping what is due on its own staggered
-    schedule, installing at its probe what was merged at least tau steps after its ship), then the shard merges
-    every fragment whose quorum is there (visible from the next tick's probes). What the lanes hold when the
-    budget is spent ships too, and is merged whatever its quorum. `dylu`: each learner's H from its speed by the
-    engine's inner.dylu (diloco.learner.pace), H_w = floor(v_w / v_max * H), its place in the cycle kept (cohort
-    offset H_w / cohorts), so every learner ships each fragment at the same wall rate and a cohort's deltas arrive
-    together."""
+    schedule, installing at its probe what was merged at least tau steps after its ship), then the shard
+    merges every fragment whose quorum is there (visible from the next tick's probes). What the lanes hold
+    when the budget is spent ships too, and is merged whatever its quorum. `dylu`: each learner's H from its
+    speed by the engine's inner.dylu (diloco.learner.pace), H_w = floor(v_w / v_max * H), its place in the
+    cycle kept (cohort offset H_w / cohorts), so every learner ships each fragment at the same wall rate and a
+    cohort's deltas arrive together."""
     from diloco.bench._quality_runs import speeds_of, tokens_per_phase
 
     cfg, m = ctx.cfg, len(learners)
     curve, tokens, merges = [(0, held.loss(read_run_version(ctx, 0)[0]))], 0, 0
     every, speeds, credit = m * tokens_per_phase(cfg), speeds_of(schedule, m), [0.0] * m
-    if dylu:  # the engine's DyLU (inner.dylu), the clock's speeds as the speeds measured: the lanes retimed to H_w
+    # the engine's DyLU (inner.dylu), the clock's speeds as the speeds measured: the lanes retimed to H_w
+    if dylu:
         for learner, speed in zip(learners, speeds, strict=True):
             learner.pace.own_steps_per_s, learner.pace.peers_steps_per_s = speed, max(speeds)
             learner.next_phase_steps()

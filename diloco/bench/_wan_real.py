@@ -1,12 +1,13 @@
-"""`bench wan --links real`: the links, the S3 server, data-parallel measured over gloo, and the rows' kernel bytes.
+"""`bench wan --links real`: the links, the S3 server, data-parallel measured over gloo, and the rows' kernel
+bytes.
 
-Contract: `RealLinks(m)` is a context manager holding a LinkNet of m sites, moto's S3 server on the bridge's host
-address and a fresh bucket; `measure(...)` times data-parallel over the links (bench/_dp_links.py) and fixes
-the rows' caps; `wan_run(run, row, cap)` turns a modelled WanRun into the same run over the real links (its own
-prefix in the bucket, learner i in site i, no padding, the link only counting what the application sends);
-`dp_entry` and `kernel_fields` make the JSON's entries from what was measured. DP's time to target is its steps
-to target on the uncapped curve (the same seed) x its step time measured over the links: its loss per step does
-not depend on the link.
+Contract: `RealLinks(m)` is a context manager holding a LinkNet of m sites, moto's S3 server on the bridge's
+host address and a fresh bucket; `measure(...)` times data-parallel over the links (bench/_dp_links.py) and
+fixes the rows' caps; `wan_run(run, row, cap)` turns a modelled WanRun into the same run over the real links
+(its own prefix in the bucket, learner i in site i, no padding, the link only counting what the application
+sends); `dp_entry` and `kernel_fields` make the JSON's entries from what was measured. DP's time to target is
+its steps to target on the uncapped curve (the same seed) x its step time measured over the links: its loss
+per step does not depend on the link.
 """
 
 from __future__ import annotations
@@ -20,29 +21,33 @@ from diloco.bench._dp_links import measure_dp
 from diloco.bench._s3_server import cpu_s, new_bucket, s3_server
 from diloco.bench._wan_runs import WanResult, WanRun
 from diloco.bench.links import LinkNet, tbf_args
-from diloco.storage.throttle import LinkSpec
+from diloco.bench.throttle import LinkSpec
 
-# learners poll for new versions on a thin link every this often per fragment lane: each poll is an HTTP request of
-# ~0.7 kB (SigV4 headers) and its answer, which the modelled link did not charge (docs/BENCHMARKS.md, "Real links")
+# learners poll for new versions on a thin link every this often per fragment lane: each poll is an HTTP
+# request of ~0.7 kB (SigV4 headers) and its answer, which the modelled link did not charge
+# (docs/BENCHMARKS.md, "Real links")
 REAL_PREFETCH_POLL_S = 0.5
-DP_STEPS, DP_WARM_STEPS, DP_COMPUTE_STEPS = 20, 2, 10  # timed DP steps per cap: the mean is stable to ~2% here
+# timed DP steps per cap: the mean is stable to ~2% here
+DP_STEPS, DP_WARM_STEPS, DP_COMPUTE_STEPS = 20, 2, 10
 QUICK_DP = {"steps": 3, "warm_steps": 1, "compute_steps": 3}
 
 # what the JSON's config.model says in real mode (replacing the modelled mode's text)
 REAL_MODEL = {
-    "measured": "sync_diloco and decoupled: real learner processes, each in its own network namespace behind a veth "
-                "pair shaped by tbf at the cap each way, reaching a real S3 server (moto) over HTTP through it; "
-                "compute unpadded (this machine's CPU, under whatever load it has); held-out loss of every "
-                "committed version at its commit time; bytes from the veth counters (kernel) beside the "
-                "application's own count. dp: M gloo processes in the same namespaces, DistributedDataParallel "
-                "all-reducing fp32 gradients through the same links: its step time and bytes per step measured",
-    "modelled": "dp's loss per step comes from its uncapped curve of the same seed (it does not depend on the link): "
-                "its time to target = steps to target x the measured step time, its bytes = kernel bytes per "
-                "measured step x steps; torchft_diloco (when run) as in the modelled mode; no latency is added "
-                "(no netem here): round trips are the kernel's",
+    "measured": "sync_diloco and decoupled: real learner processes, each in its own network namespace behind "
+                "a veth pair shaped by tbf at the cap each way, reaching a real S3 server (moto) over HTTP "
+                "through it; compute unpadded (this machine's CPU, under whatever load it has); held-out "
+                "loss of every committed version at its commit time; bytes from the veth counters (kernel) "
+                "beside the application's own count. dp: M gloo processes in the same namespaces, "
+                "DistributedDataParallel all-reducing fp32 gradients through the same links: its step time "
+                "and bytes per step measured",
+    "modelled": "dp's loss per step comes from its uncapped curve of the same seed (it does not depend on "
+                "the link): its time to target = steps to target x the measured step time, its bytes = "
+                "kernel bytes per measured step x steps; torchft_diloco (when run) as in the modelled mode; "
+                "no latency is added (no netem here): round trips are the kernel's",
     "cap": "paper-equivalent: DP's fp32 ring all-reduce per step / (39.6 x DP's compute step measured in the "
            "namespaces, every rank computing at once), unless --link-mb-s",
-    "tokens": "data-parallel trains tokens_per_method; sync_diloco and decoupled train diloco_tokens_per_method",
+    "tokens": "data-parallel trains tokens_per_method; sync_diloco and decoupled train "
+              "diloco_tokens_per_method",
 }
 
 
@@ -51,7 +56,8 @@ def first_at(curve: list[tuple[int, float]], target: float) -> int | None:
 
 
 class RealLinks:
-    """The links, the server and the bucket for one `bench wan --links real`; `dp` holds the DP measurement."""
+    """The links, the server and the bucket for one `bench wan --links real`; `dp` holds the DP
+    measurement."""
 
     def __init__(self, num_learners: int, tag: str | None = None) -> None:
         self.net = LinkNet(num_learners, None, tag)
@@ -87,12 +93,14 @@ class RealLinks:
         cut = None
         if self.cut_s > 0 and row == 0:
             cut = (0, run.steps * compute_step_s / 2, self.cut_s)
-        return dataclasses.replace(run, link=LinkSpec(), storage_url=f"s3://{self.bucket}/row{row}-{run.name}",
+        return dataclasses.replace(run, link=LinkSpec(),
+                                   storage_url=f"s3://{self.bucket}/row{row}-{run.name}",
                                    sites=self.net, pad=False, cut=cut)
 
     def record(self) -> dict[str, Any]:
         """What the JSON's config says about the links."""
-        return {"tag": self.net.tag, "host_addr": self.net.host_addr, "sites": [s.addr for s in self.net.sites],
+        return {"tag": self.net.tag, "host_addr": self.net.host_addr,
+                "sites": [s.addr for s in self.net.sites],
                 "s3_server": "moto (python -m moto.server) on the bridge's host address",
                 "s3_server_cpu_s": cpu_s(self.server) if self.server else None,
                 "tbf_at_cap": " ".join(tbf_args(self.dp["caps"][0])) if self.dp else None,
@@ -106,7 +114,8 @@ def _mean(xs: list[float]) -> float:
 
 def dp_entry(curve: list[tuple[int, float]], measured: dict[str, Any], compute_step_s: float, steps: int,
              target: float) -> dict[str, Any]:
-    """Data-parallel's entry: its curve per step on the measured step time, its bytes from the kernel's counters."""
+    """Data-parallel's entry: its curve per step on the measured step time, its bytes from the kernel's
+    counters."""
     step_s = _mean([t for rank in measured["step_s"] for t in rank])
     per_step = len(measured["step_s"][0])
     sent = [k["sent"] / per_step * steps for k in measured["kernel"]]
@@ -118,17 +127,21 @@ def dp_entry(curve: list[tuple[int, float]], measured: dict[str, Any], compute_s
             "step_s_spread": [min(rank0), statistics.median(rank0), max(rank0)], "timed_steps": per_step,
             "compute_s_per_step": compute_step_s, "allreduce_s_per_step": step_s - compute_step_s,
             "busy_mean": compute_step_s / step_s, "bytes_sent_per_learner": _mean(sent),
-            "bytes_received_per_learner": _mean(received), "kernel_bytes_sent": sent, "kernel_bytes_received": received,
-            "kernel_bytes_sent_per_learner": _mean(sent), "kernel_bytes_received_per_learner": _mean(received),
-            "kernel_bytes_per_step": [[k["sent"] / per_step, k["received"] / per_step] for k in measured["kernel"]],
+            "bytes_received_per_learner": _mean(received), "kernel_bytes_sent": sent,
+            "kernel_bytes_received": received,
+            "kernel_bytes_sent_per_learner": _mean(sent),
+            "kernel_bytes_received_per_learner": _mean(received),
+            "kernel_bytes_per_step": [[k["sent"] / per_step,
+                                       k["received"] / per_step] for k in measured["kernel"]],
             "curve": [[round(s * step_s, 3), loss] for s, loss in curve], "modelled": False,
-            "measured": f"step time over the links ({per_step} steps x {len(measured['step_s'])} ranks, gloo); "
-                        "loss per step from the uncapped curve of the same seed; bytes = kernel bytes per step x steps"}
+            "measured": f"step time over the links ({per_step} steps x {len(measured['step_s'])} ranks, "
+                        "gloo); loss per step from the uncapped curve of the same seed; bytes = kernel bytes "
+                        "per step x steps"}
 
 
 def kernel_fields(result: WanResult) -> dict[str, Any]:
-    """A DiLoCo row's kernel-counted bytes per learner beside the application's, and the difference per request
-    (HTTP headers, TCP/IP/Ethernet headers and ACKs: what the application does not see)."""
+    """A DiLoCo row's kernel-counted bytes per learner beside the application's, and the difference per
+    request (HTTP headers, TCP/IP/Ethernet headers and ACKs: what the application does not see)."""
     if result.kernel is None:
         return {"kernel_bytes_sent": None, "kernel_bytes_received": None}
     sent = [k["sent"] for k in result.kernel]
@@ -137,17 +150,20 @@ def kernel_fields(result: WanResult) -> dict[str, Any]:
     app_received = [r.link["bytes_down"] for r in result.learners]
     requests = [r.link["requests"] for r in result.learners]
     return {"kernel_bytes_sent": sent, "kernel_bytes_received": received,
-            "kernel_bytes_sent_per_learner": _mean(sent), "kernel_bytes_received_per_learner": _mean(received),
+            "kernel_bytes_sent_per_learner": _mean(sent),
+            "kernel_bytes_received_per_learner": _mean(received),
             "app_bytes_sent": app_sent, "app_bytes_received": app_received, "requests": requests,
             "kernel_packets": [[k["packets_sent"], k["packets_received"]] for k in result.kernel],
             "overhead_per_request_bytes": {
-                "sent": _mean([(k - a) / max(1, n) for k, a, n in zip(sent, app_sent, requests, strict=True)]),
+                "sent": _mean([(k - a) / max(1, n) for k, a, n in zip(sent, app_sent, requests,
+                                                                      strict=True)]),
                 "received": _mean([(k - a) / max(1, n) for k, a, n in zip(received, app_received, requests,
                                                                           strict=True)])}}
 
 
 def cut_fields(result: WanResult, h: int, down_s: float) -> dict[str, Any]:
-    """What learner 0's cut did to a DiLoCo row: steps each learner computed while it was down, busy, bytes shipped."""
+    """What learner 0's cut did to a DiLoCo row: steps each learner computed while it was down, busy, bytes
+    shipped."""
     window = result.extra.get("cut_window_s")
     if not window:
         return {"down_s": down_s, "window_s": None}

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from diloco.bench._quality_runs import HeldOut
+from diloco.bench.throttle import LinkSpec
 from diloco.configs import Config
-from diloco.storage.throttle import LinkSpec
 from diloco.storage.traffic import CountingStore
 
 JOIN_TIMEOUT_S = 120.0  # learners' imports and joins on a loaded 2-core box
@@ -30,11 +30,11 @@ EVAL_PROCS = 2  # after a run its versions are evaluated on both cores
 class WanRun:
     """One method behind one link: `mode` sync (quorum M, learners wait) or carry (the recipe's quorum and
     grace window; learners never wait). `cohorts`: odd learners start with half a phase (two cohorts half a
-    phase apart, quorum M/2, no grace: the cohorts of bench quality's "alternate" schedule, computing at once).
-    `fragments` > 1: learners ship fragment p at step p*H/P of every phase into its own chain and a merger shard merges each
-    fragment once a quorum of its deltas is there (M in step; M/2 in cohorts: fragments.cohorts 2, the odd learners'
-    schedule half a phase later); with the recipe's learner.prefetch each lane fetches its fragment's versions in
-    the background."""
+    phase apart, quorum M/2, no grace: the cohorts of bench quality's "alternate" schedule, computing at
+    once). `fragments` > 1: learners ship fragment p at step p*H/P of every phase into its own chain and a
+    merger shard merges each fragment once a quorum of its deltas is there (M in step; M/2 in cohorts:
+    fragments.cohorts 2, the odd learners' schedule half a phase later); with the recipe's learner.prefetch
+    each lane fetches its fragment's versions in the background."""
 
     name: str
     mode: str
@@ -43,9 +43,9 @@ class WanRun:
     steps: int  # inner steps per learner
     cohorts: bool = False
     fragments: int = 1  # > 1: streaming (fragments.count, tau = fragments.overlap_steps), one merger shard
-    # real links (bench/links.py): the bucket's URL (a real S3 server), the LinkNet whose site i learner i enters
-    # (its link then the kernel's, `link` only counts), steps unpadded when `pad` is False, and a cut (site, at
-    # s after the clock's start, down s)
+    # real links (bench/links.py): the bucket's URL (a real S3 server), the LinkNet whose site i learner i
+    # enters (its link then the kernel's, `link` only counts), steps unpadded when `pad` is False, and a cut
+    # (site, at s after the clock's start, down s)
     storage_url: str | None = None
     sites: Any = None
     pad: bool = True
@@ -80,7 +80,8 @@ class WanResult:
     wall_s: float
     learners: list[LearnerReport] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-    kernel: list[dict[str, int]] | None = None  # real links: per learner, what its veth counted from the clock's start
+    # real links: per learner, what its veth counted from the clock's start
+    kernel: list[dict[str, int]] | None = None
 
 
 class PaddedSteps:
@@ -122,7 +123,8 @@ def engine_overrides(cfg: Config, run: WanRun) -> dict[str, Any]:
         if run.mode == "sync":
             raise ValueError("bench wan: fragments > 1 is for the decoupled (carry) rows")
         # a shard merges a fragment once its quorum is there (it has no grace window): every learner in step
-        out.update({"fragments.count": run.fragments, "merger.shards": 1, "fragments.cohorts": 2 if run.cohorts else 1,
+        out.update({"fragments.count": run.fragments, "merger.shards": 1,
+                    "fragments.cohorts": 2 if run.cohorts else 1,
                     "merger.quorum": max(1, m // 2) if run.cohorts else m})
     return out
 
@@ -139,11 +141,11 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
                   site: int = 0) -> None:
     """One learner process (forked: `corpus` is the parent's): join through its link, wait for everyone,
     then steps / H phases."""
+    from diloco.bench.throttle import ThrottledStore
     from diloco.learner.learner import Learner
     from diloco.run.context import open_run
     from diloco.specs.gpt import make_spec
     from diloco.storage import open_store
-    from diloco.storage.throttle import ThrottledStore
 
     if run.sites is not None:
         run.sites.enter(site)  # before any socket: every byte to the bucket crosses its capped link
@@ -156,7 +158,8 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
         padded = PaddedSteps(learner.trainer, run.step_time_s if run.pad else 0.0)
         learner.join()
         t0 = barrier_wait(barrier)
-        joined_link = counting.inner.link.snapshot()  # from the clock's start, as the parent reads the kernel's
+        # from the clock's start, as the parent reads the kernel's
+        joined_link = counting.inner.link.snapshot()
         counting.reset()
         start, installs, phase_ends = time.time() - t0, 0, []
         for num_steps in phase_plan(run.steps, ctx.cfg.inner.steps_per_phase, half_first and not fragmented):
@@ -172,7 +175,8 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
         out.put(("ok", name, LearnerReport(name, padded.compute_s, padded.real_s, padded.steps, start, end,
                                            installs, link, dict(counting.sent), dict(counting.received),
                                            phase_ends)))
-    except BaseException as err:  # reported to the parent, which raises it: a bench must not hang on a dead child
+    # reported to the parent, which raises it: a bench must not hang on a dead child
+    except BaseException as err:
         out.put(("error", name, f"{type(err).__name__}: {err}"))
         raise
 
@@ -204,7 +208,8 @@ def _merge_until_done(merger, procs, drain, deadline_s: float) -> None:
 
 def _merge_fragments_until_done(shard, procs, drain, deadline_s: float) -> None:
     """A fragmented run's _merge_until_done: one shard merges every fragment due; once every learner reported,
-    what still waits below its quorum (a cohort's last ships) is merged at once rather than after the timeout."""
+    what still waits below its quorum (a cohort's last ships) is merged at once rather than after the
+    timeout."""
     deadline = time.time() + deadline_s
     while True:
         reported = len(drain()) == len(procs) or all(not p.is_alive() for p in procs)
@@ -276,7 +281,8 @@ def _run_version_curve(ctx, held: HeldOut, t0: float) -> list[tuple[float, float
 
 
 def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
-    """One real run: learners forked from this process (torch already imported: a fork is fast), the merger here."""
+    """One real run: learners forked from this process (torch already imported: a fork is fast), the merger
+    here."""
     from diloco.merger.loop import ShardMerger
     from diloco.merger.merger import Merger
     from diloco.run.create import create_run
@@ -294,7 +300,8 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
         ctx = create_run(open_store(url), f"wan-{run.name}", cfg)
         barrier, out, corpus = ctx_mp.Barrier(m + 1), ctx_mp.Queue(), load_corpus(cfg.data)
         half_first = [run.cohorts and i % 2 == 1 for i in range(m)]  # two cohorts half a phase apart
-        procs = [ctx_mp.Process(target=_learner_main, args=(url, ctx.run_id, name, run, half_first[i], corpus, barrier, out, i),
+        procs = [ctx_mp.Process(target=_learner_main, args=(url, ctx.run_id, name, run, half_first[i], corpus,
+                                                            barrier, out, i),
                                 name=f"wan-{name}", daemon=True) for i, name in enumerate(ctx.learners)]
         for p in procs:
             p.start()
@@ -317,12 +324,14 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
 
         expected_s = run.steps * run.step_time_s
         until_done = _merge_fragments_until_done if ctx.fragments else _merge_until_done
-        until_done(merger, procs, drain, deadline_s=max(600.0, 20 * expected_s + (run.cut[2] if run.cut else 0)))
+        until_done(merger, procs, drain, deadline_s=max(600.0,
+                                                        20 * expected_s + (run.cut[2] if run.cut else 0)))
         for p in procs:
             p.join(30)
         kernel = None
         if kernel0 is not None:  # every learner has closed: nothing of theirs is on the links any more
-            kernel = [{k: v - a[k] for k, v in b.items()} for a, b in zip(kernel0, run.sites.counters(), strict=True)]
+            kernel = [{k: v - a[k] for k, v in b.items()} for a, b in zip(kernel0, run.sites.counters(),
+                                                                          strict=True)]
         if cut is not None:
             cut.join(run.cut[1] + run.cut[2] + 30)
         errors = {k: v for k, (s, v) in reports.items() if s != "ok"}
@@ -335,5 +344,6 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
     extra: dict[str, Any] = {"versions_per_phase": versions / max(1, run.steps // h)}
     if cut is not None:
         extra["cut_window_s"] = [t - t0 for t in cut.times] if cut.times else None
-    return WanResult([(t, loss) for t, loss, _ in curve], curve[-1][1], curve[-1][2], wall, learners, extra, kernel)
+    return WanResult([(t, loss) for t, loss, _ in curve], curve[-1][1], curve[-1][2], wall, learners, extra,
+                     kernel)
 

@@ -10,17 +10,11 @@ Gaussian fp32 tensor as a checkpoint part is encoded (shuffled, zstd).
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-import numpy as np
-from rich.console import Console
-from rich.table import Table
-
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
 from diloco.configs import ConfigError
 from diloco.configs.schema import CHECKPOINT_EVERY
-from diloco.storage.codec import CODECS, Encoder, encode
 
 FP32_BYTES = 4  # bytes per parameter of an uncompressed fp32 tensor
 _SAMPLE_PARAMS = 1 << 20  # a 1M-parameter Gaussian delta measures each codec's size (header included)
@@ -32,6 +26,10 @@ MANIFEST_BYTES = 5_000  # a manifest at 8 learners (docs/STORAGE.md: ~1.9 KB + ~
 @functools.cache
 def codec_bytes_per_param(codec: str) -> float:
     """Encoded bytes per parameter of a Gaussian delta under `codec` (4 / compression ratio)."""
+    import numpy as np  # numpy and the codec when used: `diloco bandwidth` is built when the CLI starts
+
+    from diloco.storage.codec import CODECS, encode
+
     if codec not in CODECS:
         raise ValueError(f"codec {codec!r} must be one of {CODECS}")
     x = np.random.default_rng(0).standard_normal(_SAMPLE_PARAMS).astype(np.float32) * 1e-3
@@ -42,6 +40,10 @@ def codec_bytes_per_param(codec: str) -> float:
 @functools.cache
 def checkpoint_bytes_per_param() -> float:
     """Bytes per parameter of one fp32 state tensor in a chain checkpoint (byte-shuffled, zstd frames)."""
+    import numpy as np
+
+    from diloco.storage.codec import Encoder
+
     x = np.random.default_rng(0).standard_normal(_SAMPLE_PARAMS).astype(np.float32) * 2e-2
     encoder = Encoder(codec="fp32", kind="checkpoint", fingerprint="bandwidth", compression="zstd")
     encoder.add("w", x)
@@ -70,7 +72,8 @@ def bucket_growth(num_params: int, num_learners: int, versions_per_hour: float, 
             "versions_per_hour": versions_per_hour}
 
 
-def allreduce_bytes_per_step(num_params: int, num_learners: int, bytes_per_param: float = FP32_BYTES) -> float:
+def allreduce_bytes_per_step(num_params: int, num_learners: int,
+                             bytes_per_param: float = FP32_BYTES) -> float:
     """Bytes each learner sends (and receives) in one ring all-reduce: 2(M-1)/M x bytes x N."""
     if num_learners < 1 or num_params < 1:
         raise ValueError("num_params and num_learners must be >= 1")
@@ -121,29 +124,28 @@ def bandwidth_model(num_params: int, step_time_s: float, num_learners: int, inne
     return out
 
 
-def _print(row: dict[str, Any]) -> None:
-    table = Table(title=f"link speed for {row['busy']:.0%} busy learners (Gbit/s per learner, one direction)")
-    for col in ("N params", "step s", "M", "H", "codec", "DP exposed", "DP overlapped",
-                "DiLoCo overlapped", "DiLoCo exposed", "reduction"):
-        table.add_column(col, justify="right")
-    table.add_row(
-        f"{row['num_params']:.3g}", f"{row['step_time_s']:g}", str(row["num_learners"]), str(row["inner_steps"]),
-        f"{row['codec']}/{row['update_codec']}", f"{row['dp_gbps_exposed']:.4g}", f"{row['dp_gbps_overlapped']:.4g}",
-        f"{row['diloco_gbps_overlapped']:.4g}", f"{row['diloco_gbps_exposed']:.4g}",
+def _tables(row: dict[str, Any]) -> list[Table]:
+    link = Table(f"link speed for {row['busy']:.0%} busy learners (Gbit/s per learner, one direction)",
+                 ["N params", "step s", "M", "H", "codec", "DP exposed", "DP overlapped", "DiLoCo overlapped",
+                  "DiLoCo exposed", "reduction"])
+    link.rows.append([
+        f"{row['num_params']:.3g}", f"{row['step_time_s']:g}", str(row["num_learners"]),
+                      str(row["inner_steps"]),
+        f"{row['codec']}/{row['update_codec']}", f"{row['dp_gbps_exposed']:.4g}",
+        f"{row['dp_gbps_overlapped']:.4g}", f"{row['diloco_gbps_overlapped']:.4g}",
+        f"{row['diloco_gbps_exposed']:.4g}",
         f"{row['reduction_exposed']:.0f}x / {row['reduction_overlapped']:.0f}x",
-    )  # fmt: skip
-    Console().print(table)
-    k = row["checkpoint_every"]
-    growth = Table(title=f"bucket growth (a version per phase; a checkpoint every K = {k} "
-                         "versions; before the log: every version's full state)")
-    for col in ("merger B/param/version", "stored per version", "per hour", "per day", "before: per version",
-                "before: per hour"):
-        growth.add_column(col, justify="right")
+    ])
+    growth = Table(f"bucket growth (a version per phase; a checkpoint every K = {row['checkpoint_every']} "
+                   "versions; before the log: every version's full state)",
+                   ["merger B/param/version", "stored per version", "per hour", "per day", "before: per "
+                                                                                           "version",
+                    "before: per hour"])
     sizes = ("bytes_per_version", "bytes_per_hour", "bytes_per_day", "format1_bytes_per_version",
              "format1_bytes_per_hour")
-    growth.add_row(f"{row['bucket_merger_bytes_per_param_per_version']:.3f}",
-                   *(_size(row[f"bucket_{k}"]) for k in sizes))
-    Console().print(growth)
+    growth.rows.append([f"{row['bucket_merger_bytes_per_param_per_version']:.3f}",
+                        *(_size(row[f"bucket_{k}"]) for k in sizes)])
+    return [link, growth]
 
 
 def _size(size: float) -> str:
@@ -153,23 +155,29 @@ def _size(size: float) -> str:
     return f"{size:.0f} B"
 
 
+@benchmark(json_help="Write the row as JSON here.")
 def bandwidth(
-    num_params: float = ...,
-    step_time_s: float = ...,
-    num_learners: int = ...,
-    inner_steps: int = ...,
-    codec: str = "int4",
-    update_codec: str = "fp32",
-    busy: float = 0.95,
-    json_path: Path | None = None,
-    checkpoint_every: int | None = None,
-) -> None:
-    """Bandwidth needed between sites: data-parallel all-reduce vs one delta per H steps."""
+    num_params: Annotated[float, Opt("--params", min=1, help="Model parameters, e.g. 12e9.")] = ...,
+    step_time_s: Annotated[float, Opt("--step-time-s", min=1e-6, help="Seconds per inner step.")] = ...,
+    num_learners: Annotated[int, Opt("--learners", min=1, help="Learners (sites) M.")] = ...,
+    inner_steps: Annotated[int, Opt("--inner-steps", min=1, help="H: inner steps per phase.")] = ...,
+    codec: Annotated[str, Opt("--codec",
+                              help="Delta codec: fp32, bf16, int8, int4, int3, int2, nf2.")] = "int4",
+    update_codec: Annotated[str, Opt("--update-codec",
+                                     help="Codec of the compact update sent back.")] = "fp32",
+    busy: Annotated[float, Opt("--busy", min=0.01, max=0.99,
+                               help="Fraction of time learners compute.")] = 0.95,
+    checkpoint_every: Annotated[int | None, Opt("--checkpoint-every", min=1,
+                                                help="K of the bucket growth (default: from the update "
+                                                     "codec).")] = None,
+) -> BenchResult:
+    """Bandwidth needed between sites: data-parallel all-reduce vs one delta per H steps; and the bucket's
+    growth."""
+    from diloco.storage.codec import CODECS
+
     for name, value in (("--codec", codec), ("--update-codec", update_codec)):
         if value not in CODECS:
             raise ConfigError(f"{name} {value!r} must be one of {', '.join(CODECS)}")
     row = bandwidth_model(int(num_params), step_time_s, num_learners, inner_steps, codec, update_codec, busy,
                           checkpoint_every=checkpoint_every)
-    _print(row)
-    if json_path is not None:
-        json_path.write_text(json.dumps(row, indent=2) + "\n")
+    return BenchResult(row, _tables(row))

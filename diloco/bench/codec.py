@@ -6,21 +6,18 @@ Contract: builds its own small torch model (no diloco.training), prints a table,
 
 from __future__ import annotations
 
-import json
 import time
 import zlib
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import lz4.block
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
 if TYPE_CHECKING:
     import torch
 
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
 from diloco.storage.codec import CODECS, decode, encode, object_checksum
 
 TARGETS = {"int8": {"ratio": 3.5, "mb_s": 1000.0}, "int4": {"ratio": 6.5, "mb_s": 1000.0}}
@@ -107,28 +104,25 @@ def _measure_codec(delta: dict[str, np.ndarray], codec: str, repeats: int) -> di
     return result
 
 
-def _print_table(results: dict[str, Any]) -> None:
+def _table(results: dict[str, Any]) -> Table:
     ref = results["reference"]
-    table = Table(title=f"codec on an AdamW delta: {results['num_params']:,} params, 1 thread")
-    for col in ("codec", "ratio", "encode MB/s", "decode MB/s", "max |err|", "targets"):
-        table.add_column(col, justify="right")
+    table = Table(f"codec on an AdamW delta: {results['num_params']:,} params, 1 thread",
+                  ["codec", "ratio", "encode MB/s", "decode MB/s", "max |err|", "targets"])
     for codec, r in results["codecs"].items():
         met = {True: "met", False: "MISSED"}.get(r.get("targets_met"), "-")
-        table.add_row(
-            codec, f"{r['ratio']:.2f}", f"{r['encode_mb_s']:,.0f}", f"{r['decode_mb_s']:,.0f}",
-            f"{r['max_abs_error']:.2e}", met,
-        )  # fmt: skip
-    table.add_row("memcpy", "1.00", f"{ref['copy_mb_s']:,.0f}", "", "", "")
-    table.add_row("raw lz4", f"{ref['lz4_ratio']:.2f}", f"{ref['lz4_mb_s']:,.0f}", "", "", "")
-    Console().print(table)
+        table.rows.append([codec, f"{r['ratio']:.2f}", f"{r['encode_mb_s']:,.0f}", f"{r['decode_mb_s']:,.0f}",
+                           f"{r['max_abs_error']:.2e}", met])
+    table.rows.append(["memcpy", "1.00", f"{ref['copy_mb_s']:,.0f}", "", "", ""])
+    table.rows.append(["raw lz4", f"{ref['lz4_ratio']:.2f}", f"{ref['lz4_mb_s']:,.0f}", "", "", ""])
+    return table
 
 
+@benchmark()
 def bench_codec(
-    json_path: Path | None = None,
-    num_params: int = 10_000_000,
-    num_steps: int = 20,
-    repeats: int = 5,
-) -> None:
+    num_params: Annotated[int, Opt("--num-params", min=1000, help="Model size (~40 MB fp32).")] = 10_000_000,
+    num_steps: Annotated[int, Opt("--steps", min=1, help="AdamW inner steps behind the delta.")] = 20,
+    repeats: Annotated[int, Opt("--repeats", min=1, help="Timed repeats; the best counts.")] = 5,
+) -> BenchResult:
     """Encode and decode a realistic AdamW delta with every codec; print a table."""
     import torch
 
@@ -141,6 +135,4 @@ def bench_codec(
         "codecs": {codec: _measure_codec(delta, codec, repeats) for codec in CODECS},
     }
     results["targets_met"] = all(r.get("targets_met", True) for r in results["codecs"].values())
-    _print_table(results)
-    if json_path is not None:
-        json_path.write_text(json.dumps(results, indent=2) + "\n")
+    return BenchResult(results, [_table(results)])

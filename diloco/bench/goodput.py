@@ -8,15 +8,12 @@ deltas_applied_twice, audit_ok, final_eval_loss, no_fault_eval_loss, ...}; targe
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from rich.console import Console
-from rich.table import Table
-
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
 from diloco.configs import ConfigError
 
 PLANS = Path(__file__).resolve().parents[1] / "chaos" / "plans"
@@ -31,7 +28,8 @@ def _supervised_run(storage: str, run_id: str, cfg, plan_path: Path | None, log_
     from diloco.supervise.local import local_supervisor
 
     ctx = create_run(open_store(storage), run_id, cfg)
-    supervisor = local_supervisor(ctx, prefect=False, log_dir=str(log_root / run_id), env={"OMP_NUM_THREADS": "1"})
+    supervisor = local_supervisor(ctx, prefect=False, log_dir=str(log_root / run_id),
+                                  env={"OMP_NUM_THREADS": "1"})
     if plan_path is not None:
         attach_chaos(supervisor, plan_path)
     supervisor.run_to_end()
@@ -96,7 +94,8 @@ def local_save_cost_s(ctx, repeats: int = 5) -> float:
     params = get_flat_params(model)
     times = []
     with tempfile.TemporaryDirectory() as root:
-        local = LocalState(ctx.store.url, ctx.run_id, "bench", ctx.created_at, ctx.fingerprint, root=Path(root))
+        local = LocalState(ctx.store.url, ctx.run_id, "bench", ctx.created_at, ctx.fingerprint,
+                           root=Path(root))
         for _ in range(repeats):
             t0 = time.perf_counter()
             local.save({"theta": params, "ref": params, "glob": params, "opt": opt}, {"optimizer": opt_meta})
@@ -171,40 +170,44 @@ def targets_met(r: dict[str, Any]) -> dict[str, bool]:
     }
 
 
-def _print(r: dict[str, Any]) -> None:
-    table = Table(title=f"goodput under the fault plan ({r['detail']['wall_s']:.0f} s, "
-                        f"{r['detail']['num_learner_failures']} learner failures)")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
+def _table(r: dict[str, Any]) -> Table:
     detail = r["detail"]
-    r = {**r, **{k: detail.get(k, 0) for k in ("ready_fraction", "startup_s_median", "standby_activations", "standby_s")}}
+    table = Table(f"goodput under the fault plan ({detail['wall_s']:.0f} s, "
+                  f"{detail['num_learner_failures']} learner failures)", ["measure", "value"], labels=1)
+    r = {**r, **{k: detail.get(k, 0) for k in ("ready_fraction", "startup_s_median", "standby_activations",
+                                                "standby_s")}}
     r["dp_goodput_at_local_save_cost"] = detail.get("dp_goodput_at_local_save_cost", 0.0)
-    for key in ("decoupled_goodput", "availability", "ready_fraction", "startup_s_median", "standby_activations",
-                "standby_s", "dp_goodput", "dp_goodput_at_local_save_cost", "versions", "deltas_lost", "deltas_applied_twice", "audit_ok",
-                "final_eval_loss", "no_fault_eval_loss"):
+    for key in ("decoupled_goodput", "availability", "ready_fraction", "startup_s_median",
+                "standby_activations",
+                "standby_s", "dp_goodput", "dp_goodput_at_local_save_cost", "versions", "deltas_lost",
+                "deltas_applied_twice", "audit_ok", "final_eval_loss", "no_fault_eval_loss"):
         value = r[key]
-        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+        table.rows.append([key, f"{value:.4f}" if isinstance(value, float) else str(value)])
     for name, ok in r["targets"].items():
-        table.add_row(f"target: {name}", "met" if ok else "NOT met")
+        table.rows.append([f"target: {name}", "met" if ok else "NOT met"])
     for run, t in (r.get("traffic") or {}).items():
         if t.get("bytes_sent_per_learner") is not None:
-            table.add_row(f"traffic ({run}): sent / received MB per learner",
-                          f"{t['bytes_sent_per_learner'] / 1e6:.2f} / "
-                          f"{(t['bytes_received_per_learner'] or 0) / 1e6:.2f}")
-            table.add_row(f"traffic ({run}) vs DP, every byte (deltas only)",
-                          f"{t['traffic_ratio_vs_dp'] or 0:.0f}x / {t['received_ratio_vs_dp'] or 0:.0f}x "
-                          f"({t['delta_traffic_ratio_vs_dp'] or 0:.0f}x)")
-    Console().print(table)
+            table.rows.append([f"traffic ({run}): sent / received MB per learner",
+                               f"{t['bytes_sent_per_learner'] / 1e6:.2f} / "
+                               f"{(t['bytes_received_per_learner'] or 0) / 1e6:.2f}"])
+            table.rows.append([f"traffic ({run}) vs DP, every byte (deltas only)",
+                               f"{t['traffic_ratio_vs_dp'] or 0:.0f}x / "
+                               f"{t['received_ratio_vs_dp'] or 0:.0f}x "
+                               f"({t['delta_traffic_ratio_vs_dp'] or 0:.0f}x)"])
+    return table
 
 
+@benchmark(quick="Smoke mode: the short plan (~90 s per run).")
 def bench_goodput(
-    json_path: Path | None = None,
     quick: bool = False,
-    storage: str = "file://runs",
-    plan: Path | None = None,
-    checkpoint_cost_s: float = 5.0,
-    measure_runs: str | None = None,
-) -> None:
+    storage: Annotated[str, Opt("--storage", help="Where both runs live.")] = "file://runs",
+    plan: Annotated[Path | None, Opt("--plan", help="A fault plan (default: the standard plan).")] = None,
+    checkpoint_cost_s: Annotated[float, Opt("--checkpoint-cost-s", min=0.0,
+                                            help="Data-parallel checkpoint cost C for Young-Daly.")] = 5.0,
+    measure_runs: Annotated[str | None, Opt("--measure", metavar="CHAOS_RUN,CLEAN_RUN",
+                                            help="Measure two recorded runs in --storage instead of "
+                                                 "running.")] = None,
+) -> BenchResult:
     """Run the bench recipe under the standard fault plan and without faults; compare."""
     from diloco.chaos.plan import load_plan
     from diloco.configs import load_config
@@ -230,6 +233,4 @@ def bench_goodput(
     result = measure(chaos_ctx, clean_ctx, checkpoint_cost_s)
     result["targets"] = targets_met(result)
     result["plan"] = str(plan_path)
-    _print(result)
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    return BenchResult(result, [_table(result)])

@@ -1,12 +1,14 @@
-"""Real thin links for the benchmarks: a bridge on the host and, per site (a learner), a network namespace joined
-to it by a veth pair whose two ends are shaped with tbf at the cap, so a site's bytes cross a real bottleneck.
+"""Real thin links for the benchmarks: a bridge on the host and, per site (a learner), a network namespace
+joined to it by a veth pair whose two ends are shaped with tbf at the cap, so a site's bytes cross a real
+bottleneck.
 
-Contract: `LinkNet(num_sites, mb_s)` is a context manager; on entry it refuses with LinksUnavailable (one line)
-when the process lacks CAP_NET_ADMIN or `ip`/`tc`, then builds everything under names starting with PREFIX and
-addresses in one /24 of the benchmarking range 198.18.0.0/15 (RFC 2544) only; on exit — normal, an exception,
-or SIGINT/SIGTERM (turned into an exception in the main thread while it is up) — it removes every namespace,
-veth and bridge it made. A forked child joins site i with `enter(i)` (setns) before it opens a socket; only
-the creating process ever tears down. A harness whose owner was killed outright (SIGKILL) is swept by the next.
+Contract: `LinkNet(num_sites, mb_s)` is a context manager; on entry it refuses with LinksUnavailable (one
+line) when the process lacks CAP_NET_ADMIN or `ip`/`tc`, then builds everything under names starting with
+PREFIX and addresses in one /24 of the benchmarking range 198.18.0.0/15 (RFC 2544) only; on exit — normal, an
+exception, or SIGINT/SIGTERM (turned into an exception in the main thread while it is up) — it removes every
+namespace, veth and bridge it made. A forked child joins site i with `enter(i)` (setns) before it opens a
+socket; only the creating process ever tears down. A harness whose owner was killed outright (SIGKILL) is
+swept by the next.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def check_privilege() -> None:
         raise LinksUnavailable("--links real needs CAP_NET_ADMIN (run as root, or use --links modelled)")
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise LinksUnavailable(f"--links real needs {' and '.join(missing)} (iproute2); or use --links modelled")
+        raise LinksUnavailable(f"--links real needs {' and '.join(missing)} (iproute2); or use --links "
+                               "modelled")
 
 
 def _run(*args: str, check: bool = True) -> str:
@@ -96,7 +99,8 @@ def _used_subnets() -> set[int]:
 
 class LinkNet:
     """The bridge `<PREFIX><tag>b` with the host at .1 (where the S3 server and the merger listen), and
-    `num_sites` sites, each `<PREFIX>-<tag>-<i>` with veth `<PREFIX><tag>h<i>` (host) / `<PREFIX><tag>n<i>`."""
+    `num_sites` sites, each `<PREFIX>-<tag>-<i>` with veth `<PREFIX><tag>h<i>` (host) /
+    `<PREFIX><tag>n<i>`."""
 
     def __init__(self, num_sites: int, mb_s: float | None, tag: str | None = None) -> None:
         if not 1 <= num_sites <= 200:
@@ -137,8 +141,8 @@ class LinkNet:
         n = random.choice(free)
         net = f"198.{18 + n // 256}.{n % 256}"
         self.host_addr = f"{net}.{HOST}"
-        self.sites = [Site(i, f"{PREFIX}-{self.tag}-{i}", f"{PREFIX}{self.tag}h{i}", f"{PREFIX}{self.tag}n{i}",
-                           f"{net}.{i + HOST + 1}") for i in range(self.num_sites)]
+        self.sites = [Site(i, f"{PREFIX}-{self.tag}-{i}", f"{PREFIX}{self.tag}h{i}",
+                           f"{PREFIX}{self.tag}n{i}", f"{net}.{i + HOST + 1}") for i in range(self.num_sites)]
         self._record()  # before the first name exists: a SIGKILL from here on is swept by the next harness
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _ipv6_off(self.bridge)
@@ -148,7 +152,8 @@ class LinkNet:
             _run("ip", "netns", "add", site.netns)
             _run("ip", "netns", "exec", site.netns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
                  "net.ipv6.conf.default.disable_ipv6=1")
-            _run("ip", "link", "add", site.host_if, "type", "veth", "peer", "name", site.inner_if, "netns", site.netns)
+            _run("ip", "link", "add", site.host_if, "type", "veth", "peer", "name", site.inner_if, "netns",
+                 site.netns)
             _ipv6_off(site.host_if)
             _run("ip", "link", "set", site.host_if, "master", self.bridge, "up")
             _run("ip", "-n", site.netns, "addr", "add", f"{site.addr}/24", "dev", site.inner_if)
@@ -157,7 +162,8 @@ class LinkNet:
         self.set_rate(self.mb_s)
 
     def close(self) -> None:
-        """Remove every veth, namespace and the bridge (what is already gone is skipped); only in the owner."""
+        """Remove every veth, namespace and the bridge (what is already gone is skipped); only in the
+        owner."""
         if os.getpid() != self._owner:
             return
         self._critical += 1
@@ -177,12 +183,14 @@ class LinkNet:
         (STATE_DIR / self.tag).write_text(f"{os.getpid()}\n" + "\n".join(names) + "\n")
 
     def adopt(self, pid: int) -> None:
-        """A helper process of this harness (the S3 server): the sweep ends it if the owner was killed outright."""
+        """A helper process of this harness (the S3 server): the sweep ends it if the owner was killed
+        outright."""
         self._helpers = (*self._helpers, pid)
         self._record(self._helpers)
 
     def _catch_signals(self) -> None:
-        """SIGTERM / SIGHUP raise SystemExit (SIGINT: KeyboardInterrupt) in the main thread, so `with` tears down."""
+        """SIGTERM / SIGHUP raise SystemExit (SIGINT: KeyboardInterrupt) in the main thread, so `with` tears
+        down."""
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in SIGNALS:
@@ -234,7 +242,8 @@ class LinkNet:
         out = []
         for site in self.sites:
             stats = Path(f"/sys/class/net/{site.host_if}/statistics")
-            out.append({"sent": int((stats / "rx_bytes").read_text()), "received": int((stats / "tx_bytes").read_text()),
+            out.append({"sent": int((stats / "rx_bytes").read_text()),
+                        "received": int((stats / "tx_bytes").read_text()),
                         "packets_sent": int((stats / "rx_packets").read_text()),
                         "packets_received": int((stats / "tx_packets").read_text())})
         return out
@@ -245,8 +254,8 @@ class LinkNet:
             _run("ip", "link", "set", self.sites[index].host_if, "up" if up else "down")
 
     def cut(self, index: int, down_s: float, at_s: float = 0.0) -> threading.Thread:
-        """In a thread: after `at_s`, site `index`'s link down for `down_s` seconds, then up again. The thread's
-        `times` holds (down at, up at) in time.time()."""
+        """In a thread: after `at_s`, site `index`'s link down for `down_s` seconds, then up again. The
+        thread's `times` holds (down at, up at) in time.time()."""
         def run() -> None:
             time.sleep(at_s)
             started = time.time()
@@ -261,8 +270,8 @@ class LinkNet:
         return thread
 
     def enter(self, index: int) -> None:
-        """Move the calling process (a freshly forked child, before any thread or socket) into site `index`; its
-        signals go back to their defaults (a child stuck in a collective must still die of SIGTERM)."""
+        """Move the calling process (a freshly forked child, before any thread or socket) into site `index`;
+        its signals go back to their defaults (a child stuck in a collective must still die of SIGTERM)."""
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         enter_netns(self.sites[index].netns)
@@ -287,8 +296,10 @@ def _ipv6_off(dev: str) -> None:
 
 
 def _teardown(bridge: str, sites: list[Site]) -> None:
-    for site in sites:  # deleting either end of a veth deletes both, even with processes left in the namespace
-        for pid in _run("ip", "netns", "pids", site.netns, check=False).split():  # a child left in it (killed owner)
+    # deleting either end of a veth deletes both, even with processes left in the namespace
+    for site in sites:
+        # a child left in it (killed owner)
+        for pid in _run("ip", "netns", "pids", site.netns, check=False).split():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
         _run("ip", "link", "del", site.host_if, check=False)

@@ -6,20 +6,17 @@ mark) against a file:// store prepared by the parent; prints a table, writes JSO
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import queue as queue_module
 import resource
 import sys
 import tempfile
 import time
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
 from diloco.configs import Config, ConfigError, load_config
 from diloco.run.chain_state import chain_params
 from diloco.run.context import open_run
@@ -90,7 +87,8 @@ def in_fresh_process(target: Any, args: tuple, timeout_s: float = 1800.0) -> Any
         except queue_module.Empty:
             if not proc.is_alive() or time.time() > deadline:
                 proc.kill()
-                raise RuntimeError(f"the measuring process ended without a result (exit code {proc.exitcode})") from None
+                raise RuntimeError("the measuring process ended without a result "
+                                   f"(exit code {proc.exitcode})") from None
     proc.join()
     return got
 
@@ -117,23 +115,23 @@ def _model_params(cfg: Config) -> list[torch.Tensor]:
     return list(get_flat_params(build_model(cfg.model, seed=0)).values())
 
 
-def _print(rows: list[dict[str, Any]]) -> None:
-    table = Table(title="one merge_once on file:// (fresh process each; 1 torch thread; peak = ru_maxrss delta)")
-    for col in ("model", "params", "learners", "delta", "merge s", "peak RSS +", "x model fp32"):
-        table.add_column(col, justify="right")
+def _table(rows: list[dict[str, Any]]) -> Table:
+    table = Table("one merge_once on file:// (fresh process each; 1 torch thread; peak = ru_maxrss delta)",
+                  ["model", "params", "learners", "delta", "merge s", "peak RSS +", "x model fp32"])
     for r in rows:
-        table.add_row(r["size"], f"{r['num_params']:,}", str(r["num_learners"]), f"{r['delta_bytes'] / 1e6:.2f} MB",
-                      f"{r['merge_s']:.3f}", f"{r['peak_rss_delta_bytes'] / 1e6:.1f} MB",
-                      f"{r['peak_rss_delta_models']:.1f}")
-    Console().print(table)
+        table.rows.append([r["size"], f"{r['num_params']:,}", str(r["num_learners"]),
+                           f"{r['delta_bytes'] / 1e6:.2f} MB", f"{r['merge_s']:.3f}",
+                           f"{r['peak_rss_delta_bytes'] / 1e6:.1f} MB", f"{r['peak_rss_delta_models']:.1f}"])
+    return table
 
 
+@benchmark()
 def bench_merge(
-    json_path: Path | None = None,
-    sizes: str = "bench,10m",
-    learners: str = DEFAULT_LEARNERS,
-    codec: str = "int4",
-) -> None:
+    sizes: Annotated[str, Opt("--sizes",
+                              help="Comma-separated model sizes: bench, 10m, tiny.")] = "bench,10m",
+    learners: Annotated[str, Opt("--learners", help="Comma-separated learner counts.")] = DEFAULT_LEARNERS,
+    codec: Annotated[str, Opt("--codec", help="Delta codec of the synthetic deltas.")] = "int4",
+) -> BenchResult:
     """Time and peak memory of one merge against the number of learners and the model size."""
     try:
         counts = [int(x) for x in learners.split(",")]
@@ -147,7 +145,5 @@ def bench_merge(
         for n in counts:
             rows.append(measure(size, n, codec))
             print(f"  {size} x {n} learners: {rows[-1]['merge_s']:.3f}s, "
-                       f"+{rows[-1]['peak_rss_delta_bytes'] / 1e6:.1f} MB", file=sys.stderr)
-    _print(rows)
-    if json_path is not None:
-        json_path.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+                  f"+{rows[-1]['peak_rss_delta_bytes'] / 1e6:.1f} MB", file=sys.stderr)
+    return BenchResult({"rows": rows}, [_table(rows)])

@@ -14,15 +14,12 @@ progress the variant costs.
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
 from diloco.configs import Config, load_config
 from diloco.learner.checkpoint import round_trip
 from diloco.run.spec import build_model
@@ -103,24 +100,26 @@ def measure(cfg: Config, before: int, after: int, ages: tuple[int, ...] = AGES) 
                                      "loss_decrease_per_step": slope}}
 
 
-def bench_moments(json_path: Path | None = None, config: str = "bench", before: int = 2400, after: int = 80,
-                  overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`overrides` default: a cosine horizon of 3x `before` steps, so the learner is still improving at the
-    cut (past the recipe's horizon its lr is at the floor and no variant loses anything measurable)."""
-    cfg = load_config(config).with_overrides({"inner.total_steps": 3 * before, **(overrides or {})})
+@benchmark(config="bench", config_help="The recipe.")
+def bench_moments(
+    config: str = "bench",
+    before: Annotated[int, Opt("--before", min=2, help="Steps trained before the host is lost.")] = 2400,
+    after: Annotated[int, Opt("--after", min=1, help="Steps trained after the resume, each variant.")] = 80,
+) -> BenchResult:
+    """What a lost host's resume loses with exact, int8, C-phase-old or no checkpointed moments, per byte."""
+    # a cosine horizon of 3x `before` steps: the learner is still improving at the cut (past the recipe's
+    # horizon its lr is at the floor and no variant loses anything measurable)
+    cfg = load_config(config).with_overrides({"inner.total_steps": 3 * before})
     t0 = time.time()
     result = measure(cfg, before, after)
     result["wall_s"] = time.time() - t0
     params = result["config"]["params"]
-    table = Table(title=f"bench moments: a lost host resumes with ... ({params:,} params, "
-                        f"{before} steps, then {after})")
-    for col in ("moments", "B/param", "train loss after", "gap nats", "steps lost", "held-out after"):
-        table.add_column(col, justify="right")
+    table = Table(f"bench moments: a lost host resumes with ... ({params:,} params, {before} steps, then "
+                  f"{after})",
+                  ["moments", "B/param", "train loss after", "gap nats", "steps lost", "held-out after"])
     for r in result["rows"]:
-        table.add_row(r["variant"], f"{r['bytes_per_param']:.2f}", f"{r['train_loss_after']:.4f}",
-                      f"{r['gap_nats']:+.4f}", "-" if r["steps_lost"] is None else f"{r['steps_lost']:.1f}",
-                      "-" if r["heldout_after"] is None else f"{r['heldout_after']:.4f}")
-    Console().print(table)
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=1))
-    return result
+        table.rows.append([r["variant"], f"{r['bytes_per_param']:.2f}", f"{r['train_loss_after']:.4f}",
+                           f"{r['gap_nats']:+.4f}",
+                           "-" if r["steps_lost"] is None else f"{r['steps_lost']:.1f}",
+                           "-" if r["heldout_after"] is None else f"{r['heldout_after']:.4f}"])
+    return BenchResult(result, [table])

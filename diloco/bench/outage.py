@@ -10,16 +10,12 @@ peak_after_outage, loss_before_outage}}}.
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from rich.console import Console
-from rich.table import Table
-
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
 from diloco.configs import Config, ConfigError
 
 RULES = ("whole", "round_rate")
@@ -75,32 +71,27 @@ def run_rule(rule: str, at: int, down: int, rounds: int, config: str) -> dict[st
             "peak_after_outage": max(after[:3]) if after else None, "wall_s": time.time() - t0}
 
 
+@benchmark(config="bench")
 def bench_outage(
-    json_path: Path | None = None,
-    at: int = 8,
-    down: int = 6,
-    rounds: int = 24,
     config: str = "bench",
-    jobs: int = 2,
-) -> None:
-    """Merger outage: the held-out loss around a backlog merge, momentum taking it whole vs at a round's rate."""
+    at: Annotated[int, Opt("--at", min=1, help="Round at which the merger goes down.")] = 8,
+    down: Annotated[int, Opt("--down", min=1, help="Rounds without a merge.")] = 6,
+    rounds: Annotated[int, Opt("--rounds", min=2, help="Rounds in all.")] = 24,
+    jobs: Annotated[int, Opt("--jobs", min=1, help="Rules run side by side in this many processes.")] = 2,
+) -> BenchResult:
+    """Merger outage: the held-out loss around a backlog merge, momentum taking it whole vs at a round's
+    rate."""
     if at + down >= rounds:
         raise ConfigError(f"--at {at} + --down {down} must be < --rounds {rounds}")
     with ProcessPoolExecutor(max_workers=min(jobs, len(RULES))) as pool:
         results = dict(zip(RULES, pool.map(run_rule, RULES, [at] * 2, [down] * 2, [rounds] * 2, [config] * 2),
                            strict=True))
-    table = Table(title=f"held-out loss (nats/byte) per round; merger down for rounds {at}..{at + down - 1}")
-    table.add_column("round", justify="right")
-    for rule in RULES:
-        table.add_column(f"{rule} (version)", justify="right")
+    table = Table(f"held-out loss (nats/byte) per round; merger down for rounds {at}..{at + down - 1}",
+                  ["round", *(f"{rule} (version)" for rule in RULES)])
     for r in range(rounds):
-        table.add_row(str(r), *[f"{results[rule]['curve'][r][2]:.3f} ({results[rule]['curve'][r][1]})"
-                                for rule in RULES])
-    Console().print(table)
-    for rule in RULES:
-        x = results[rule]
-        print(f"{rule}: before outage {x['loss_before_outage']:.3f}, peak in the 3 rounds after "
-                   f"{x['peak_after_outage']:.3f}, final {x['final_loss']:.3f}")
-    if json_path is not None:
-        out = {"at": at, "down": down, "rounds": rounds, "config": config, "rules": results}
-        json_path.write_text(json.dumps(out, indent=2) + "\n")
+        table.rows.append([str(r), *[f"{results[rule]['curve'][r][2]:.3f} ({results[rule]['curve'][r][1]})"
+                                     for rule in RULES]])
+    notes = [f"{rule}: before outage {x['loss_before_outage']:.3f}, peak in the 3 rounds after "
+             f"{x['peak_after_outage']:.3f}, final {x['final_loss']:.3f}" for rule, x in results.items()]
+    out = {"at": at, "down": down, "rounds": rounds, "config": config, "rules": results}
+    return BenchResult(out, [table], notes)

@@ -21,11 +21,12 @@ import time
 from typing import Any
 
 from diloco.bench.bandwidth import allreduce_bytes_per_step
+from diloco.bench.throttle import LinkSpec
 from diloco.configs import Config
-from diloco.storage.throttle import LinkSpec
 
 TORCHFT_VERSION = "0.2.0"
-QUORUM_TIMEOUT_S = 300  # replicas' imports take 3-14 s each on a loaded 2-core box; the first quorum waits for all
+# replicas' imports take 3-14 s each on a loaded 2-core box; the first quorum waits for all
+QUORUM_TIMEOUT_S = 300
 RESULT = "RESULT "
 
 
@@ -36,8 +37,8 @@ class PeerUnavailable(RuntimeError):
 def available() -> str | None:
     """None when torchft imports here, else why not."""
     if importlib.util.find_spec("torchft") is None:
-        return ("torchft is not installed (pip install 'diloco[peer]', i.e. torchft==0.2.0; `make setup` installs "
-                "it when it keeps torch pinned)")
+        return ("torchft is not installed (pip install 'diloco[peer]', i.e. torchft==0.2.0; `make setup` "
+                "installs it when it keeps torch pinned)")
     return None
 
 
@@ -85,7 +86,8 @@ def run_torchft(cfg: Config, steps: int, seed: int, *, fragments: int = 1, sync_
     }
 
 
-def wan_entry(run: dict[str, Any], step_s: float, link: LinkSpec, num_learners: int, target: float) -> dict[str, Any]:
+def wan_entry(run: dict[str, Any], step_s: float, link: LinkSpec, num_learners: int,
+              target: float) -> dict[str, Any]:
     """torchft's measured loss per sync on a modelled clock: `step_s` per inner step, and per sync a ring
     all-reduce of its measured payload at the cap plus (M-1) hops and one quorum round trip."""
     from diloco.bench.wan import allreduce_s, first_below
@@ -126,7 +128,8 @@ def _worker(spec: dict[str, Any]) -> None:
     trainer = InnerTrainer(model, cfg.inner)
     names = cfg.learner_names()
     shard, num_shards = shard_of(names[rank], names)
-    sampler = ShardSampler(corpus.train, shard, num_shards, cfg.data.batch_size, cfg.model.ctx_len, cfg.data.seed)
+    sampler = ShardSampler(corpus.train, shard, num_shards, cfg.data.batch_size, cfg.model.ctx_len,
+                           cfg.data.seed)
     held = HeldOut(cfg, corpus) if rank == 0 else None
 
     class CountingGloo(ProcessGroupGloo):
@@ -142,7 +145,8 @@ def _worker(spec: dict[str, Any]) -> None:
     pg = CountingGloo(timeout=timeout)
     manager = Manager(pg=pg, load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
                       state_dict=lambda: {"model": model.state_dict()}, min_replica_size=cfg.run.num_learners,
-                      use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                      use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
+                      connect_timeout=timeout,
                       rank=0, world_size=1, store_addr="localhost", store_port=store.port,
                       lighthouse_addr=spec["lighthouse"], replica_id=f"replica_{rank}", hostname="localhost",
                       init_sync=False)
@@ -174,7 +178,8 @@ def _worker(spec: dict[str, Any]) -> None:
     print(RESULT + json.dumps({
         "final_loss": final, "curve": curve, "syncs": len(quorum_s) - 1, "allreduce_calls": pg.calls,
         "allreduce_payload_bytes": pg.payload, "quorum_s_mean": sum(quorum_s) / len(quorum_s),
-        "compute_s": compute_s, "weight_sum": round(sum(float(p.double().sum()) for p in model.parameters()), 6),
+        "compute_s": compute_s, "weight_sum": round(sum(float(p.double().sum()) for p in model.parameters()),
+                                                    6),
         "torchft_version": getattr(torchft, "__version__", TORCHFT_VERSION)}), flush=True)
     manager.shutdown(wait=False)
 

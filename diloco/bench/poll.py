@@ -1,25 +1,24 @@
 """`diloco bench poll`: what one merger poll costs against the number of deltas a run has accumulated.
 
-Contract: for each N in --deltas, a fresh run prefix under the storage gets N delta keys spread over --learners
-learners (tiny objects: a poll lists keys and reads none), all of them merged already (each learner's cursor is
-its last seq) but one new delta per learner. Timed, median of --repeats: the listing the merger made at every poll
-before 2026-12-05 (every key under deltas/, parsed) and the merger's `deltas_after` now (the learners' folders,
-then each learner's keys after its cursor: S3's StartAfter). Both must find exactly the new deltas. With --moto,
-moto's S3 server is started in this process on a free port (the test suite's server; a dev dependency); else
---storage (s3:// with AWS_ENDPOINT_URL for a real endpoint, or file://; default a temporary folder). Prints a
-table; JSON {"storage", "learners", "rows": [{"deltas", "full_listing_s", "after_cursor_s", "keys_full",
-"keys_after_cursor"}], "version_rows": [...]}.
+Contract: for each N in --deltas, a fresh run prefix under the storage gets N delta keys spread over
+--learners learners (tiny objects: a poll lists keys and reads none), all of them merged already (each
+learner's cursor is its last seq) but one new delta per learner. Timed, median of --repeats: the listing the
+merger made at every poll before 2026-12-05 (every key under deltas/, parsed) and the merger's `deltas_after`
+now (the learners' folders, then each learner's keys after its cursor: S3's StartAfter). Both must find
+exactly the new deltas. With --moto, moto's S3 server is started in this process on a free port (the test
+suite's server; a dev dependency); else --storage (s3:// with AWS_ENDPOINT_URL for a real endpoint, or
+file://; default a temporary folder). Prints a table; JSON {"storage", "learners", "rows": [{"deltas",
+"full_listing_s", "after_cursor_s", "keys_full", "keys_after_cursor"}], "version_rows": [...]}.
 
 The same for the version listing every role's stop check, the evaluator's and the supervisor's polls make: for
-each V in --versions, V manifest keys (tiny objects: the newest version is read from the listing), timed as every
-poll made it before 2026-12-06 (a full listing of versions/) and as a ChainWatch makes it now (the listing after the
-version it knows: one new version). Rows {"versions", "full_listing_s", "after_known_s", "keys_full",
-"keys_after_known"}: both must find the newest version.
+each V in --versions, V manifest keys (tiny objects: the newest version is read from the listing), timed as
+every poll made it before 2026-12-06 (a full listing of versions/) and as a ChainWatch makes it now (the
+listing after the version it knows: one new version). Rows {"versions", "full_listing_s", "after_known_s",
+"keys_full", "keys_after_known"}: both must find the newest version.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -28,18 +27,18 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from pathlib import Path
+from typing import Annotated
 
-from rich.console import Console
-from rich.table import Table
-
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
+from diloco.configs import ConfigError
 from diloco.merger.waiting import deltas_after
 from diloco.storage import RunKeys, Store, latest_version, open_store
 from diloco.storage.keys import parse_delta_key
 
 
 def full_listing(store: Store, keys: RunKeys, cursors: dict[str, int]) -> dict[str, list[int]]:
-    """The merger's poll before 2026-12-05: one recursive listing of deltas/, then the seqs after each cursor."""
+    """The merger's poll before 2026-12-05: one recursive listing of deltas/, then the seqs after each
+    cursor."""
     found: dict[str, list[int]] = {}
     for key in store.list(keys.deltas_prefix()):
         parsed = parse_delta_key(key)
@@ -125,21 +124,38 @@ def _moto_endpoint(stack: ExitStack) -> str:
     stack.callback(server.stop)
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"})
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
+                       "AWS_SECRET_ACCESS_KEY": "bench"})
     import s3fs
 
     s3fs.S3FileSystem(endpoint_url=endpoint, key="bench", secret="bench").mkdir("diloco-bench-poll")
     return "s3://diloco-bench-poll/runs"
 
 
-def bench_poll(json_path: Path | None = None, storage: str | None = None, moto: bool = False, learners: int = 3,
-               deltas: str = "1000,5000,10000", repeats: int = 5, versions: str = "1000,5000,10000") -> dict:
+@benchmark()
+def bench_poll(
+    storage: Annotated[str | None, Opt("--storage", help="Where (s3://bucket/prefix, file://DIR); default a "
+                                                          "temporary folder.")] = None,
+    moto: Annotated[bool, Opt("--moto", help="Start moto's S3 server in this process and use it (dev "
+                                             "dependency).")] = False,
+    learners: Annotated[int, Opt("--learners", min=1, help="Learners the deltas are spread over.")] = 3,
+    deltas: Annotated[str, Opt("--deltas",
+                               help="Comma-separated numbers of deltas in the run.")] = "1000,5000,10000",
+    repeats: Annotated[int, Opt("--repeats", min=1,
+                                help="Polls timed per row (the median is reported).")] = 5,
+    versions: Annotated[str, Opt("--versions", help=(
+        "Comma-separated numbers of versions in the chain, for the stop check's poll ('' for "
+        "none)."))] = "1000,5000,10000",
+) -> BenchResult:
+    """What one merger poll and one stop check cost against the run's length: every key listed, or after the
+    cursor / the version known."""
     counts = [int(x) for x in deltas.split(",") if x.strip()]
     version_counts = [int(x) for x in versions.split(",") if x.strip()]
     if not counts or min(counts) < learners or learners < 1 or repeats < 1:
-        raise ValueError(f"--deltas {deltas!r}: each count must be >= --learners ({learners}) >= 1, --repeats >= 1")
+        raise ConfigError(f"--deltas {deltas!r}: each count must be >= --learners ({learners}) >= 1, "
+                         "--repeats >= 1")
     if version_counts and min(version_counts) < 2:
-        raise ValueError(f"--versions {versions!r}: each count must be >= 2")
+        raise ConfigError(f"--versions {versions!r}: each count must be >= 2")
     with ExitStack() as stack:
         if moto:
             storage = _moto_endpoint(stack)
@@ -148,25 +164,20 @@ def bench_poll(json_path: Path | None = None, storage: str | None = None, moto: 
         store = open_store(storage)
         rows = [measure_row(store, learners, n, repeats) for n in counts]
         version_rows = [measure_versions(store, v, repeats) for v in version_counts]
-    result = {"storage": storage.split("://")[0] + ("://moto" if moto else ""), "learners": learners, "rows": rows,
-              "version_rows": version_rows}
-    table = Table(title=f"one merger poll ({result['storage']}, {learners} learners, median of {repeats})")
-    for col in ("deltas in the run", "every delta listed s", "after each cursor s", "keys listed (every)",
-                "keys listed (after)"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(f"{r['deltas']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_cursor_s']:.4f}",
-                      f"{r['keys_full']:,}", f"{r['keys_after_cursor']:,}")
-    Console().print(table)
+    result = {"storage": storage.split("://")[0] + ("://moto" if moto else ""), "learners": learners,
+              "rows": rows, "version_rows": version_rows}
+    table = Table(f"one merger poll ({result['storage']}, {learners} learners, median of {repeats})",
+                  ["deltas in the run", "every delta listed s", "after each cursor s", "keys listed (every)",
+                   "keys listed (after)"])
+    table.rows = [[f"{r['deltas']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_cursor_s']:.4f}",
+                   f"{r['keys_full']:,}", f"{r['keys_after_cursor']:,}"] for r in rows]
+    tables = [table]
     if version_rows:
-        table = Table(title=f"one poll of the newest version: a stop check ({result['storage']}, median of {repeats})")
-        for col in ("versions in the chain", "every version listed s", "after the known one s", "keys listed (every)",
-                    "keys listed (after)"):
-            table.add_column(col, justify="right")
-        for r in version_rows:
-            table.add_row(f"{r['versions']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_known_s']:.4f}",
-                          f"{r['keys_full']:,}", f"{r['keys_after_known']:,}")
-        Console().print(table)
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2))
-    return result
+        table = Table(f"one poll of the newest version: a stop check ({result['storage']}, median of "
+                      f"{repeats})",
+                      ["versions in the chain", "every version listed s", "after the known one s",
+                       "keys listed (every)", "keys listed (after)"])
+        table.rows = [[f"{r['versions']:,}", f"{r['full_listing_s']:.4f}", f"{r['after_known_s']:.4f}",
+                       f"{r['keys_full']:,}", f"{r['keys_after_known']:,}"] for r in version_rows]
+        tables.append(table)
+    return BenchResult(result, tables)

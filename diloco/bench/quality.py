@@ -1,8 +1,8 @@
 """`diloco bench quality`: held-out loss and bytes per learner at equal tokens, DP vs DiLoCo variants.
 
-Contract: in-process and deterministic (no subprocesses, no Prefect); prints a table, writes JSON
-{"methods": {...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp" (bytes sent), "received_ratio_vs_dp" (decoupled-int4:
-two cohorts taking turns), "concurrent" (the same three of streaming-clock-int4, the learners computing at once),
+Contract: in-process and deterministic (no subprocesses, no Prefect); prints a table, writes JSON {"methods":
+{...}, "loss_ratio_vs_dp", "traffic_ratio_vs_dp" (bytes sent), "received_ratio_vs_dp" (decoupled-int4: two
+cohorts taking turns), "concurrent" (the same three of streaming-clock-int4, the learners computing at once),
 "concurrent_in_step" (of streaming-clock-full-int4 when it ran: at once, in step), "concurrent_hetero" (of
 streaming-clock-hetero-dylu: at once, half of them 2x slower, DyLU), each with "both_ways_met", "config"} and
 optionally a PNG. Steps per learner default to the recipe's `inner.total_steps`. Traffic counts every object a
@@ -12,20 +12,18 @@ updates, listings' keys); "delta_traffic_ratio_vs_dp" beside it is the deltas al
 
 from __future__ import annotations
 
-import json
 import math
 import multiprocessing as mp
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from diloco.bench._quality_runs import METHODS, HeldOut, Method, RunResult, run_method
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
 from diloco.configs import Config, ConfigError, load_config
 from diloco.specs.gpt import load_corpus
 
@@ -34,16 +32,24 @@ CLOSE_NATS = 0.03  # methods closer than this to DP get a second seed (if only o
 TARGET_LOSS_RATIO = 1.02
 TARGET_TRAFFIC_RATIO = 400.0
 CONCURRENT_METHOD = "streaming-clock-int4"  # the row whose learners compute at once (the others take turns)
-# the same with half the learners 2x slower, each learner's H from its speed (inner.dylu, the engine's default)
+# the same with half the learners 2x slower, each learner's H from its speed (inner.dylu, the engine's
+# default)
 CONCURRENT_HETERO_METHOD = "streaming-clock-hetero-dylu"
-# the same learners in step (quorum M): one merge of each fragment a phase, so one update received per delta sent
+# the same learners in step (quorum M): one merge of each fragment a phase, so one update received per delta
+# sent
 CONCURRENT_IN_STEP_METHOD = "streaming-clock-full-int4"
 # the rows computing at once: their JSON key, method and what the printed line calls them
 CONCURRENT_ROWS = (("concurrent", CONCURRENT_METHOD, "learners computing at once"),
                    ("concurrent_in_step", CONCURRENT_IN_STEP_METHOD, "computing at once, in step"),
-                   ("concurrent_hetero", CONCURRENT_HETERO_METHOD, "computing at once, half of them 2x slower"))
-# issue 17's traffic both ways: >= TARGET_TRAFFIC_RATIO less sent and received than data-parallel at <= 1.01x its loss
+                   ("concurrent_hetero", CONCURRENT_HETERO_METHOD, "computing at once, half of them 2x "
+                                                                   "slower"))
+# issue 17's traffic both ways: >= TARGET_TRAFFIC_RATIO less sent and received than data-parallel at <= 1.01x
+# its loss
 BOTH_WAYS_LOSS_RATIO = 1.01
+# the methods run by default, in order; streaming-clock-*: the learners computing at once (the others take
+# turns), at one speed and with half of them 2x slower (each learner's H from its speed: inner.dylu)
+DEFAULT_METHODS = ("dp,sync-fp32,decoupled-int8,decoupled-int4,hetero-int4,streaming-clock-int4,"
+                   "streaming-clock-hetero-dylu")
 QUICK = {"inner.steps_per_phase": 10, "inner.warmup_steps": 5, "eval.num_batches": 2,
          "eval.batch_size": 16}  # a smoke run: seconds, not minutes
 
@@ -107,8 +113,9 @@ def run_quality(cfg: Config, methods: tuple[Method, ...], steps: int, num_seeds:
 
 
 def _ratios(methods: dict[str, Any]) -> dict[str, Any]:
-    """The targets' ratios of decoupled-int4 (cohorts taking turns), and, for each of the rows computing at once
-    that ran, the same under its CONCURRENT_ROWS key with `both_ways_met` (>= 400x less both ways at <= 1.01x)."""
+    """The targets' ratios of decoupled-int4 (cohorts taking turns), and, for each of the rows computing at
+    once that ran, the same under its CONCURRENT_ROWS key with `both_ways_met` (>= 400x less both ways at <=
+    1.01x)."""
     dp, dec = methods.get("dp"), methods.get("decoupled-int4")
     out: dict[str, Any] = {"loss_ratio_vs_dp": None, "traffic_ratio_vs_dp": None}
     if dp and dec:
@@ -153,49 +160,54 @@ def _config_record(cfg: Config, steps: int, seeds: list[int], source: str) -> di
         "dp_batch_size": m * b, "tokens_per_method": m * steps * b * t, "seeds": seeds,
         "outer": cfg.outer.model_dump(), "inner": cfg.inner.model_dump(), "model": cfg.model.model_dump(),
         "eval": cfg.eval.model_dump(), "torch_threads": 1,
-        "dp_traffic_model": "ring all-reduce of fp32 gradients: 2(M-1)/M * 4 bytes * params per step, each way",
-        "schedules": {"alternate": "even learners finish a phase on even rounds, odd on odd; quorum M/2 (the cohorts "
-                                   "take turns: one computes a phase while the other waits)",
-                      "hetero": "first half every round, second half (2x slower) every other round; quorum M/2",
+        "dp_traffic_model": "ring all-reduce of fp32 gradients: 2(M-1)/M * 4 bytes * params per step, each "
+                            "way",
+        "schedules": {"alternate": "even learners finish a phase on even rounds, odd on odd; quorum M/2 (the "
+                                   "cohorts take turns: one computes a phase while the other waits)",
+                      "hetero": "first half every round, second half (2x slower) every other round; quorum "
+                                "M/2",
                       "all": "every learner every round; quorum M",
-                      "concurrent": "every learner computes at once on a clock (a step a tick for streaming rows, "
-                                    "probe_every_steps for whole-model rows), two cohorts half a phase apart; "
-                                    "quorum M/2",
+                      "concurrent": "every learner computes at once on a clock (a step a tick for streaming "
+                                    "rows, probe_every_steps for whole-model rows), two cohorts half a phase "
+                                    "apart; quorum M/2",
                       "concurrent-full": "the clock, every learner in step; quorum M",
-                      "concurrent-hetero": "the clock, two cohorts, the second half of the learners 2x slower"},
+                      "concurrent-hetero": "the clock, two cohorts, the second half of the learners 2x "
+                                           "slower"},
     }
 
 
-def _print_table(result: dict[str, Any]) -> None:
+def _shown(result: dict[str, Any]) -> BenchResult:
     cfg = result["config"]
-    table = Table(title=f"held-out loss at equal tokens ({cfg['tokens_per_method']:,} per method, "
-                        f"M={cfg['num_learners']}, H={cfg['inner_steps_per_phase']}, seeds {cfg['seeds']})")
-    for col in ("method", "nats/byte", "bits/byte", "per seed", "vs DP", "sent/learner", "recv/learner",
-                "sent vs DP", "recv vs DP"):
-        table.add_column(col, justify="right")
+    table = Table(f"held-out loss at equal tokens ({cfg['tokens_per_method']:,} per method, "
+                  f"M={cfg['num_learners']}, H={cfg['inner_steps_per_phase']}, seeds {cfg['seeds']})",
+                  ["method", "nats/byte", "bits/byte", "per seed", "vs DP", "sent/learner", "recv/learner",
+                   "sent vs DP", "recv vs DP"])
     dp = result["methods"].get("dp")
     for name, r in result["methods"].items():
         per_seed = " ".join(f"{s['eval_loss']:.4f}" for s in r["seeds"])
         vs = f"{r['eval_loss'] / dp['eval_loss']:.4f}" if dp else "-"
-        less, less_recv = (_less(dp, r, "bytes_sent_per_learner"), _less(dp, r, "bytes_received_per_learner")) \
+        less, less_recv = (_less(dp, r, "bytes_sent_per_learner"), _less(dp, r,
+                                                                         "bytes_received_per_learner")) \
             if dp and name != "dp" else ("-", "-")
-        table.add_row(name, f"{r['eval_loss']:.4f}", f"{r['eval_loss_bits']:.4f}", per_seed, vs,
-                      _mb(r["bytes_sent_per_learner"]), _mb(r["bytes_received_per_learner"]), less, less_recv)
-    Console().print(table)
+        table.rows.append([name, f"{r['eval_loss']:.4f}", f"{r['eval_loss_bits']:.4f}", per_seed, vs,
+                           _mb(r["bytes_sent_per_learner"]), _mb(r["bytes_received_per_learner"]), less,
+                           less_recv])
+    notes = []
     if result.get("loss_ratio_vs_dp") is not None:
-        Console().print(f"decoupled int4 / DP (cohorts taking turns): loss ratio {result['loss_ratio_vs_dp']:.4f} "
-                        f"(target <= {TARGET_LOSS_RATIO}), traffic {result['traffic_ratio_vs_dp']:.0f}x less sent "
-                        f"(target >= {TARGET_TRAFFIC_RATIO:.0f}x), "
-                        f"{result['received_ratio_vs_dp']:.0f}x less "
-                        "received, counting every byte" + _deltas_only(result))
+        notes.append("decoupled int4 / DP (cohorts taking turns): loss ratio "
+                     f"{result['loss_ratio_vs_dp']:.4f} (target <= {TARGET_LOSS_RATIO}), traffic "
+                     f"{result['traffic_ratio_vs_dp']:.0f}x less sent (target >= "
+                     f"{TARGET_TRAFFIC_RATIO:.0f}x), {result['received_ratio_vs_dp']:.0f}x less received, "
+                     "counting every byte" + _deltas_only(result))
     for key, _, what in CONCURRENT_ROWS:
         if result.get(key):
             c = result[key]
             met = "met" if c["both_ways_met"] else "not met"
-            Console().print(f"{c['method']} / DP ({what}): loss ratio {c['loss_ratio_vs_dp']:.4f}, "
-                            f"{c['traffic_ratio_vs_dp']:.0f}x less sent, "
-                            f"{c['received_ratio_vs_dp']:.0f}x less received (>= {TARGET_TRAFFIC_RATIO:.0f}x "
-                            f"both ways at <= {BOTH_WAYS_LOSS_RATIO}x: {met})")
+            notes.append(f"{c['method']} / DP ({what}): loss ratio {c['loss_ratio_vs_dp']:.4f}, "
+                         f"{c['traffic_ratio_vs_dp']:.0f}x less sent, "
+                         f"{c['received_ratio_vs_dp']:.0f}x less received (>= {TARGET_TRAFFIC_RATIO:.0f}x "
+                         f"both ways at <= {BOTH_WAYS_LOSS_RATIO}x: {met})")
+    return BenchResult(result, [table], notes)
 
 
 def _less(dp: dict[str, Any], r: dict[str, Any], key: str) -> str:
@@ -244,19 +256,24 @@ def _drop_unavailable(methods: tuple[Method, ...]) -> tuple[tuple[Method, ...], 
     return kept, skipped
 
 
+@benchmark(config="bench", quick="Smoke run: H=10, 20 steps per learner, 1 seed.")
 def bench_quality(
-    json_path: Path | None = None,
-    png_path: Path | None = None,
-    num_seeds: int = 2,
-    steps: int | None = None,
-    tokens: int | None = None,
-    learners: int | None = None,
-    methods: str = ",".join(m.name for m in METHODS),
     config: str = "bench",
     quick: bool = False,
-    jobs: int = 2,
-) -> None:
-    """Held-out loss and traffic at equal tokens: DP, sync DiLoCo, decoupled int8/int4, heterogeneous."""
+    png_path: Annotated[Path | None, Opt("--png", help="Write the loss-vs-tokens plot here.")] = None,
+    num_seeds: Annotated[int, Opt("--seeds", min=1, help="Seeds per method (a second is added when "
+                                                         "close).")] = 2,
+    steps: Annotated[int | None, Opt("--steps", min=1, help="Inner steps per learner (= DP steps); default: "
+                                                            "the recipe's inner.total_steps.")] = None,
+    tokens: Annotated[int | None, Opt("--tokens", min=1,
+                                      help="Tokens per method (overrides --steps).")] = None,
+    learners: Annotated[int | None, Opt("--learners", min=1, help="M (default: the recipe's).")] = None,
+    methods: Annotated[str, Opt("--methods", help="Comma-separated subset.")] = DEFAULT_METHODS,
+    jobs: Annotated[int, Opt("--jobs", min=1, help="Run the methods of a seed in this many processes (2 = "
+                                                   "both cores).")] = 2,
+) -> BenchResult:
+    """Held-out loss and traffic at equal tokens: DP, sync DiLoCo, decoupled int8/int4 and heterogeneous
+    (cohorts taking turns), streaming fragments with every learner computing at once."""
     cfg = load_config(config).with_overrides({"run.num_learners": learners})
     if steps is None:
         steps = cfg.inner.total_steps  # the recipe's own horizon: enough outer rounds to compare at
@@ -273,8 +290,6 @@ def bench_quality(
     result = run_quality(cfg, chosen, steps, num_seeds, jobs, log=lambda s: print(s, file=sys.stderr))
     result["config"]["wall_s"] = time.time() - t0
     result["config"]["skipped"] = skipped
-    _print_table(result)
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
     if png_path is not None:
         write_png(result, png_path)
+    return _shown(result)

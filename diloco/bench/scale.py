@@ -15,19 +15,16 @@ decoding a round's deltas).
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from diloco.bench._scale_rounds import rejoin_child, rounds_child, template_key
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
 from diloco.bench.merge import in_fresh_process
 from diloco.configs import Config, ConfigError, load_config
 from diloco.configs.schema import checkpoint_every as interval_of
@@ -38,7 +35,8 @@ from diloco.training.fragments import due_offset
 SIZES = {  # GPT-2 small's shape with its vocabulary (tied embeddings: 124.4M); quick: the tests' model
     "124m": {"model.n_layer": 12, "model.n_head": 12, "model.d_model": 768, "model.ctx_len": 1024,
              "model.vocab_size": 50257},
-    "10m": {"model.n_layer": 4, "model.n_head": 8, "model.d_model": 448, "model.ctx_len": 64},  # bench merge's
+    # bench merge's
+    "10m": {"model.n_layer": 4, "model.n_head": 8, "model.d_model": 448, "model.ctx_len": 64},
     "quick": {"model.n_layer": 2, "model.n_head": 2, "model.d_model": 64, "model.ctx_len": 32},
 }
 STEPS_PER_PHASE = 24  # the paper's H (= P at P = 24: one fragment out per step)
@@ -48,10 +46,12 @@ DELTA_SCALE = 1e-3  # synthetic deltas: N(0, 1e-3), the size of an AdamW phase's
 def bench_config(size: str, num_learners: int, num_fragments: int,
                  checkpoint_every: int | None = None) -> Config:
     return load_config("bench").with_overrides({"state.checkpoint_every": checkpoint_every,
-        **SIZES[size], "run.num_learners": num_learners, "merger.quorum": num_learners, "merger.grace_cap_s": 0.0,
+        **SIZES[size], "run.num_learners": num_learners, "merger.quorum": num_learners,
+                                                "merger.grace_cap_s": 0.0,
         "learner.codec": "int4", "inner.steps_per_phase": max(STEPS_PER_PHASE, num_fragments),
         "fragments.count": num_fragments, "fragments.overlap_steps": 2, "merger.shards": 1,
-        "data.batch_size": 1, "eval.batch_size": 1, "eval.num_batches": 1, "learner.local_state_every_steps": 0})
+        "data.batch_size": 1, "eval.batch_size": 1, "eval.num_batches": 1,
+                                                "learner.local_state_every_steps": 0})
 
 
 def _fragment_shapes(ctx) -> list[dict[str, list[int]]]:
@@ -74,8 +74,10 @@ def _publish(cfg: Config, storage: str, run_id: str) -> tuple[list[int], list[in
             gen = torch.Generator().manual_seed(1000 * index + m)
             delta = {k: torch.randn(s, generator=gen) * DELTA_SCALE for k, s in shapes.items()}
             meta = {"learner": name, "seq": 0, "base_version": 0, "tokens": 1024 * (m + 1),
-                    "steps": cfg.inner.steps_per_phase, "phase_time_s": 1.0, "train_loss": 2.0, "created_at": 0.0}
-            data = encode_tensors(delta, codec_name="int4", kind="delta", fingerprint=ctx.fingerprint, meta=meta)
+                    "steps": cfg.inner.steps_per_phase, "phase_time_s": 1.0, "train_loss": 2.0,
+                    "created_at": 0.0}
+            data = encode_tensors(delta, codec_name="int4", kind="delta", fingerprint=ctx.fingerprint,
+                                  meta=meta)
             ctx.store.put(template_key(index, name), data)
             if m == 0:
                 sizes.append(len(data))
@@ -164,50 +166,56 @@ def codec_speed(num_elements: int, repeats: int = 3) -> dict[str, float]:
     return {"encode_mb_s": mb / min(enc), "decode_mb_s": mb / min(dec)}
 
 
-def _print(result: dict[str, Any]) -> None:
+def _tables(result: dict[str, Any]) -> list[Table]:
     rows = result["rows"]
-    table = Table(title=f"bench scale: {result['model_params']:,} params, {result['learners']} learners, int4, "
-                        f"{rows[0]['rounds']} rounds merged by the production merger "
-                        f"(K = {rows[0]['checkpoint_every']})")
-    for col in ("P", "largest frag MB", "merge peak RSS MB", "target MB", "merge s/round", "read+decode s",
-                "ckpt s/round", "publish MB", "peak upload vs P=1", "target"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        table.add_row(str(row["fragments"]), f"{row['largest_fragment_mb']:.1f}", f"{row['merge_peak_rss_mb']:.0f}",
-                      f"{4 * row['largest_fragment_mb'] + 300:.0f}", f"{row['merge_s_per_round']:.2f}",
-                      f"{row['read_decode_s']:.2f}", f"{row['state_io_s']:.2f}", f"{row['publish_mb']:.2f}",
-                      f"{row['peak_upload_ratio_vs_unfragmented']:.3f}", f"{1.4 / row['fragments']:.3f}")
-    Console().print(table)
-    log = Table(title="the log: bucket growth, a merger's cold restart, a learner's rejoin (targets at 124M: "
-                      "<= 1.5 "
-                      "B/param/version, <= 60 s, <= 2x the full-params rejoin)")
-    for col in ("P", "bucket MB/version", "B/param/version", "recovery s", "replayed", "rejoin s",
-                "rejoin MB",
-                "full-params rejoin s", "state held MB", "merger RSS MB"):
-        log.add_column(col, justify="right")
-    for row in rows:
-        log.add_row(str(row["fragments"]), f"{row['bucket_bytes_per_version'] / 1e6:.1f}",
-                    f"{row['bucket_bytes_per_param_per_version']:.3f}", f"{row['recovery_s']:.1f}",
-                    str(row["recovery_replayed"]), f"{row['rejoin_s']:.2f}",
-                    f"{row['rejoin_bytes'] / 1e6:.0f}", f"{row['rejoin_full_params_s']:.2f}",
-                    f"{row['state_held_mb']:.0f}", f"{row['merger_rss_mb']:.0f}")
-    Console().print(log)
-    codec = result["codec"]["int4"]
-    Console().print(f"int4 codec: encode {codec['encode_mb_s']:.0f} MB/s, decode {codec['decode_mb_s']:.0f} MB/s")
+    table = Table(f"bench scale: {result['model_params']:,} params, {result['learners']} learners, int4, "
+                  f"{rows[0]['rounds']} rounds merged by the production merger (K = "
+                  f"{rows[0]['checkpoint_every']})",
+                  ["P", "largest frag MB", "merge peak RSS MB", "target MB", "merge s/round", "read+decode s",
+                   "ckpt s/round", "publish MB", "peak upload vs P=1", "target"])
+    table.rows = [[str(row["fragments"]), f"{row['largest_fragment_mb']:.1f}",
+                   f"{row['merge_peak_rss_mb']:.0f}",
+                   f"{4 * row['largest_fragment_mb'] + 300:.0f}", f"{row['merge_s_per_round']:.2f}",
+                   f"{row['read_decode_s']:.2f}", f"{row['state_io_s']:.2f}", f"{row['publish_mb']:.2f}",
+                   f"{row['peak_upload_ratio_vs_unfragmented']:.3f}", f"{1.4 / row['fragments']:.3f}"]
+                  for row in rows]
+    log = Table("the log: bucket growth, a merger's cold restart, a learner's rejoin (targets at 124M: "
+                "<= 1.5 B/param/version, <= 60 s, <= 2x the full-params rejoin)",
+                ["P", "bucket MB/version", "B/param/version", "recovery s", "replayed", "rejoin s", "rejoin "
+                                                                                                    "MB",
+                 "full-params rejoin s", "state held MB", "merger RSS MB"])
+    log.rows = [[str(row["fragments"]), f"{row['bucket_bytes_per_version'] / 1e6:.1f}",
+                 f"{row['bucket_bytes_per_param_per_version']:.3f}", f"{row['recovery_s']:.1f}",
+                 str(row["recovery_replayed"]), f"{row['rejoin_s']:.2f}", f"{row['rejoin_bytes'] / 1e6:.0f}",
+                 f"{row['rejoin_full_params_s']:.2f}", f"{row['state_held_mb']:.0f}",
+                 f"{row['merger_rss_mb']:.0f}"]
+                for row in rows]
+    return [table, log]
 
 
-def bench_scale(json_path: Path | None = None, params: str = "124m", learners: int = 8,
-                fragments: str = "1,4,12,24", quick: bool = False,
-                checkpoint_every: int | None = None) -> dict[str, Any]:
-    """The table and JSON of `diloco bench scale` (`quick`: the small model, for tests)."""
+@benchmark(quick="A small model instead (seconds; the tests use it).")
+def bench_scale(
+    quick: bool = False,
+    params: Annotated[str, Opt("--params", help="Model size: 124m (GPT-2 small's shape and vocabulary), "
+                                                "10m.")] = "124m",
+    learners: Annotated[int, Opt("--learners", min=1,
+                                 help="Synthetic int4 deltas per fragment and round.")] = 8,
+    fragments: Annotated[str, Opt("--fragments", help="Comma-separated fragment counts P.")] = "1,4,12,24",
+    checkpoint_every: Annotated[int | None, Opt("--checkpoint-every", min=1,
+                                                help="K (state.checkpoint_every; default the recipe's): 3K "
+                                                     "rounds.")] = None,
+) -> BenchResult:
+    """Merge memory and time, bucket growth, a merger's restart, a learner's rejoin and peak upload against
+    the number of fragments (3K rounds per P by the production merger)."""
     size = "quick" if quick else params
     try:
         counts = [int(x) for x in fragments.split(",")]
         if size not in SIZES or learners < 1 or any(c < 1 for c in counts):
             raise ValueError
     except ValueError:
-        raise ConfigError(f"--params must be one of {', '.join(s for s in SIZES if s != 'quick')}, --learners >= 1, "
-                          "--fragments comma-separated ints >= 1") from None
+        sizes = ", ".join(s for s in SIZES if s != "quick")
+        raise ConfigError(f"--params must be one of {sizes}, --learners >= 1, --fragments comma-separated "
+                          "ints >= 1") from None
     rows = []
     for count in counts:
         rows.append(measure_row(size, learners, count, checkpoint_every))
@@ -226,7 +234,6 @@ def bench_scale(json_path: Path | None = None, params: str = "124m", learners: i
         r.pop("_whole_bytes")
     result = {"model_params": params_count, "learners": learners, "rows": rows,
               "codec": {"int4": codec_speed(1 << 16 if quick else 1 << 24)}}
-    _print(result)
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    codec = result["codec"]["int4"]
+    note = f"int4 codec: encode {codec['encode_mb_s']:.0f} MB/s, decode {codec['decode_mb_s']:.0f} MB/s"
+    return BenchResult(result, _tables(result), [note])

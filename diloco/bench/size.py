@@ -15,19 +15,18 @@ memory reported.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from rich.console import Console
-from rich.table import Table
-
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
+from diloco.configs import ConfigError
 from diloco.run.heap import status_bytes
 
 # GPT-2 small's shape and vocabulary (tied embeddings) over byte-level data: 123.7M parameters at context 128
@@ -153,17 +152,30 @@ def _load() -> dict[str, Any]:
     return {"loadavg_1m": one, "loadavg_5m": five, "loadavg_15m": fifteen, "cpus": os.cpu_count()}
 
 
-def bench_size(json_path: Path | None = None, params: str = "124m", learners: int = 2, fragments: str = "1,4",
-               device: str = "cpu", storage: str | None = None, steps: int = STEPS_PER_LEARNER,
-               time_limit_s: float = 900.0, kill_at: int | None = None) -> dict[str, Any]:
-    """Every row of `fragments` (comma-separated counts), one after another; the table and the JSON.
-    `kill_at`: the version at which a learner is killed (default kill_version(steps))."""
+@benchmark()
+def bench_size(
+    params: Annotated[str, Opt("--params", help="124m (GPT-2 small's shape), 10m or quick.")] = "124m",
+    learners: Annotated[int, Opt("--learners", min=1, help="Learners (one is killed and restarted).")] = 2,
+    fragments: Annotated[str, Opt("--fragments", help="Fragment counts, one row each (e.g. 1,4).")] = "1,4",
+    device: Annotated[str, Opt("--device",
+                               help="The learners' device: cpu, or cuda (the GPU check).")] = "cpu",
+    steps: Annotated[int, Opt("--steps", min=8,
+                              help="Inner steps per learner: the token budget.")] = STEPS_PER_LEARNER,
+    storage: Annotated[str | None, Opt("--storage",
+                                       help="Where the runs live (default: a temp dir).")] = None,
+    time_limit_s: Annotated[float, Opt("--time-limit-s", min=30.0, help="Each run's time limit.")] = 900.0,
+    kill_at: Annotated[int | None, Opt("--kill-at-version", min=1, help=(
+        "Kill a learner once this version is committed (default: a third in)."))] = None,
+    progress: Callable[[BenchResult], None] | None = None,
+) -> BenchResult:
+    """A 124M model end to end through `diloco run`: memory per parameter, uploads against deltas, bucket
+    growth."""
     kill_at = kill_at or kill_version(steps)
     if params not in SIZES:
-        raise ValueError(f"--params {params!r}: one of {', '.join(SIZES)}")
+        raise ConfigError(f"--params {params!r}: one of {', '.join(SIZES)}")
     counts = [int(c) for c in fragments.split(",") if c.strip()]
     if not counts or any(c < 1 for c in counts) or learners < 1:
-        raise ValueError("--fragments takes counts >= 1 (e.g. 1,4), --learners >= 1")
+        raise ConfigError("--fragments takes counts >= 1 (e.g. 1,4), --learners >= 1")
     result: dict[str, Any] = {"rows": [], "load": {"before": _load()},
                               "config": {"params": params, "learners": learners, "device": device,
                                          "steps_per_learner": steps, "ctx": CTX, "batch": BATCH,
@@ -176,16 +188,12 @@ def bench_size(json_path: Path | None = None, params: str = "124m", learners: in
             row = run_row(params, learners, count, device, storage, steps, time_limit_s, Path(tmp), kill_at)
             row["load_after"] = _load()
             result["rows"].append(row)
-            _print(result)
-            if json_path is not None:
-                json_path.write_text(json.dumps(result, indent=1) + "\n")
+            if progress is not None:  # each row's table, and the JSON so far: a row takes minutes
+                progress(_shown(result))
     result["wall_s"] = time.time() - t0
     result["load"]["after"] = _load()
     result["targets"] = targets(result["rows"])
-    _print(result)
-    if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return _shown(result)
 
 
 def targets(rows: list[dict[str, Any]]) -> dict[str, bool]:
@@ -207,23 +215,18 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
     return "-" if value is None else str(value) if isinstance(value, bool) else format(value, spec)
 
 
-def _print(result: dict[str, Any]) -> None:
-    """One column per row (P), one line per figure."""
+def _shown(result: dict[str, Any]) -> BenchResult:
+    """One column per row (P), one line per figure; the targets after the table."""
     rows = result["rows"]
-    if not rows:
-        return
     r0, kill = rows[0], result["config"]["kill"]
-    table = Table(title=f"bench size: {r0['model_params']:,} params, {r0['learners']} learners, int4, "
-                        f"{r0['device']}; learner {kill['learner']} killed at version {kill['at_version']}, "
-                        "restarted")
-    table.add_column("figure")
-    for r in rows:
-        table.add_column(f"P = {r['fragments']}", justify="right")
-    for name, key, spec in FIGURES:
-        table.add_row(name, *[_fmt(r.get(key), spec) for r in rows])
-    Console().print(table)
-    for name, ok in (result.get("targets") or {}).items():
-        Console().print(f"target {name}: {'-' if ok is None else 'met' if ok else 'NOT met'}")
+    table = Table(f"bench size: {r0['model_params']:,} params, {r0['learners']} learners, int4, "
+                  f"{r0['device']}; learner {kill['learner']} killed at version {kill['at_version']}, "
+                  "restarted",
+                  ["figure", *(f"P = {r['fragments']}" for r in rows)], labels=1)
+    table.rows = [[name, *[_fmt(r.get(key), spec) for r in rows]] for name, key, spec in FIGURES]
+    notes = [f"target {name}: {'-' if ok is None else 'met' if ok else 'NOT met'}"
+             for name, ok in (result.get("targets") or {}).items()]
+    return BenchResult(result, [table], notes)
 
 
 FIGURES = (("wall s", "wall_s", ".0f"), ("versions", "versions", "d"),

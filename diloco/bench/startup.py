@@ -20,7 +20,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from diloco.bench.harness import BenchResult, Opt, Table, benchmark
 
 IMPORTS = {"diloco --help": "import diloco.cli", "torch": "import torch", "prefect": "import prefect",
            "a learner's code": "import diloco.learner.learner, diloco.flows.learner"}
@@ -78,7 +80,8 @@ def _watch_cpu(proc: subprocess.Popen, cwd: Path, cpu: dict[str, float]) -> None
                 server_pid = int(json.loads(record.read_text())["pid"])
             except (OSError, ValueError, KeyError):
                 server_pid = None
-        for label, pid in (("command (supervisor, train flow, summary)", proc.pid), ("Prefect server", server_pid)):
+        for label, pid in (("command (supervisor, train flow, summary)", proc.pid), ("Prefect server",
+                                                                                     server_pid)):
             seconds = _cpu_of(pid) if pid else None
             if seconds is not None:
                 cpu[label] = round(seconds, 1)
@@ -129,7 +132,8 @@ def milestones(ctx: Any, t0: float, lines: list[tuple[float, str]], t_exit: floa
             joins.setdefault(e["learner"], e["t"])
     publishes = [e["t"] for e in events if e.get("kind") == "publish"]
     end = next((e["t"] for e in events if e.get("source") == "supervisor" and e.get("kind") == "end"), None)
-    down = next((e["t"] for e in events if e.get("source") == "supervisor" and e.get("kind") == "shutdown"), None)
+    down = next((e["t"] for e in events if e.get("source") == "supervisor" and e.get("kind") == "shutdown"),
+                None)
     return {
         "run created (CLI imports, config, version 0)": rel(_first(lines, "diloco run ")),
         "Prefect API up": rel(_first(lines, "Prefect API")),
@@ -162,24 +166,31 @@ def prepare_home(work: Path) -> None:
     home = work / ".diloco" / "prefect"
     home.mkdir(parents=True, exist_ok=True)
     prefect = str(Path(sys.executable).with_name("prefect"))
-    subprocess.run([prefect, "--no-prompt", "server", "database", "upgrade", "-y"], check=True, capture_output=True,
-                   env={**os.environ, "PREFECT_HOME": str(home)}, timeout=300)
+    subprocess.run([prefect, "--no-prompt", "server", "database", "upgrade", "-y"], check=True,
+                   capture_output=True, env={**os.environ, "PREFECT_HOME": str(home)}, timeout=300)
 
 
-def bench_startup(*, config: str = "demo", prefect: bool = True, json_path: Path | None = None,
-                  imports: bool = True, workdir: Path | None = None, prepared: bool = True) -> dict[str, Any]:
-    """Run the main job once and print where its time went (see the module's contract)."""
+@benchmark(config="demo", config_help="Recipe name or YAML path (default: what make run trains).")
+def bench_startup(
+    config: str = "demo",
+    prefect: Annotated[bool, Opt("--prefect/--no-prefect",
+                                 help="With a local Prefect server, as make run.")] = True,
+    imports: Annotated[bool, Opt("--imports/--no-imports", help="Also time each heavy import apart.")] = True,
+    prepared: Annotated[bool, Opt("--prepared/--fresh-home", help=(
+        "Prefect's home as make setup leaves it (its database created), or empty."))] = True,
+) -> BenchResult:
+    """Run the main job once and print where its wall time goes (server, flows, process starts, imports)."""
     from diloco.run.context import open_run
 
-    work = workdir or Path(tempfile.mkdtemp(prefix="diloco-startup-"))
+    work = Path(tempfile.mkdtemp(prefix="diloco-startup-"))
     if prefect and prepared:
         prepare_home(work)
     load_before = os.getloadavg()
     env = {k: v for k, v in os.environ.items() if not (prefect and k == "PREFECT_API_URL")}
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     run_id = f"startup-{time.strftime('%H%M%S')}"
-    cmd = [sys.executable, "-m", "diloco.cli", "run", "--config", config, "--run-id", run_id, "--no-live", "--json",
-           "--prefect" if prefect else "--no-prefect"]
+    cmd = [sys.executable, "-m", "diloco.cli", "run", "--config", config, "--run-id", run_id, "--no-live",
+           "--json", "--prefect" if prefect else "--no-prefect"]
     cpu0, cpu_parts = _children_cpu_s(), {}
     t0, lines, code, stdout = _run_stamped(cmd, work, env, cpu_parts)
     t_exit = time.time()
@@ -189,37 +200,43 @@ def bench_startup(*, config: str = "demo", prefect: bool = True, json_path: Path
     summary = json.loads(stdout.strip().splitlines()[-1])
     ctx = open_run(f"file://{work}/runs", run_id)
     m = milestones(ctx, t0, lines, t_exit)
-    result = {"config": config, "prefect": prefect, "prepared_home": prepared, "wall_s": round(t_exit - t0, 1),
+    result = {"config": config, "prefect": prefect, "prepared_home": prepared, "wall_s": round(t_exit - t0,
+                                                                                               1),
               "cpu_s": round(cpu_s, 1), "cpu_parts_s": cpu_parts,
               "final_eval_loss": summary["final_eval_loss"], "num_versions": summary["num_versions"],
               "milestones_s": m, "spans_s": spans(m), "imports_s": measure_imports() if imports else {},
               "server_start_s": measure_server_start(work / "server-probe") if imports and prefect else {},
               "load_before": [round(x, 2) for x in load_before],
-              "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(), "workdir": str(work)}
-    _print(result)
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=1))
-    return result
+              "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+              "workdir": str(work)}
+    return BenchResult(result, _tables(result), _notes(result))
 
 
-def _print(r: dict[str, Any]) -> None:
+def _tables(r: dict[str, Any]) -> list[Table]:
+    """The milestones (seconds from the start, and the span before each), then where the seconds went."""
     home = " home as make setup leaves it" if r.get("prepared_home") else " fresh home"
-    print(f"diloco run --config {r['config']} {f'(Prefect,{home})' if r['prefect'] else '--no-prefect'}: "
-          f"{r['wall_s']:.1f} s wall, final held-out {r['final_eval_loss']:.3f} nats/byte, "
-          f"{r['num_versions']} versions; load {r['load_before'][0]:.1f} -> {r['load_after'][0]:.1f} "
-          f"on {r['cpus']} CPUs")
-    print(f"{'milestone':48s} {'at s':>8s} {'span s':>8s}")
+    milestones_table = Table(
+        f"diloco run --config {r['config']} {f'(Prefect,{home})' if r['prefect'] else '--no-prefect'}: "
+        f"{r['wall_s']:.1f} s wall, final held-out {r['final_eval_loss']:.3f} nats/byte, {r['num_versions']} "
+        f"versions; load {r['load_before'][0]:.1f} -> {r['load_after'][0]:.1f} on {r['cpus']} CPUs",
+        ["milestone", "at s", "span s"], labels=1)
     for key, at in r["milestones_s"].items():
         span = r["spans_s"][key]
-        print(f"{key:48s} {'—' if at is None else f'{at:.1f}':>8s} {'—' if span is None else f'{span:.1f}':>8s}")
-    print(f"{'CPU seconds, every process of the run':48s} {r['cpu_s']:>8.1f}  "
-          f"(/{r['cpus']} CPUs = {r['cpu_s'] / r['cpus']:.1f} s: the wall time's floor on an idle machine)")
-    for label, seconds in r.get("cpu_parts_s", {}).items():
-        print(f"{'  of which ' + label:48s} {seconds:>8.1f}")
-    for label, seconds in r["imports_s"].items():
-        print(f"{'import: ' + label:48s} {seconds:>8.2f}")
-    for label, seconds in r.get("server_start_s", {}).items():
-        print(f"{'Prefect server start, ' + label:48s} {seconds:>8.2f}")
+        milestones_table.rows.append([key, "—" if at is None else f"{at:.1f}",
+                                      "—" if span is None else f"{span:.1f}"])
+    costs = Table("where the seconds go", ["cost", "s"], labels=1)
+    costs.rows.append(["CPU seconds, every process of the run", f"{r['cpu_s']:.1f}"])
+    costs.rows += [["  of which " + label, f"{s:.1f}"] for label, s in r.get("cpu_parts_s", {}).items()]
+    costs.rows += [["import: " + label, f"{s:.2f}"] for label, s in r["imports_s"].items()]
+    costs.rows += [["Prefect server start, " + label, f"{s:.2f}"] for label, s in r.get("server_start_s",
+                                                                                        {}).items()]
+    return [milestones_table, costs]
+
+
+def _notes(r: dict[str, Any]) -> list[str]:
+    notes = [f"CPU seconds / {r['cpus']} CPUs = {r['cpu_s'] / r['cpus']:.1f} s: the wall time's floor on an "
+             "idle machine"]
     if r["imports_s"]:
-        print(f"(imports: median {statistics.median(r['imports_s'].values()):.2f} s, each in a fresh interpreter)")
+        notes.append(f"(imports: median {statistics.median(r['imports_s'].values()):.2f} s, each in a fresh "
+                     "interpreter)")
+    return notes

@@ -1,6 +1,7 @@
 """`diloco bench poll` (the merger's poll against the run's length) on file:// and the real S3 server: both
-listings find exactly the new deltas, and the poll after each cursor lists O(learners) keys however many the run
-has. Timings are printed by the command, never asserted. Run: .venv/bin/pytest tests/integration/test_bench_poll.py -q
+listings find exactly the new deltas, and the poll after each cursor lists O(learners) keys however many the
+run has. Timings are printed by the command, never asserted. Run: .venv/bin/pytest
+tests/integration/test_bench_poll.py -q
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from diloco.bench.poll import bench_poll
 def test_bench_poll_lists_only_what_is_new(where, tmp_path, request):
     storage = f"file://{tmp_path}/bucket" if where == "file" else request.getfixturevalue("s3_url")
     out = tmp_path / "poll.json"
-    result = bench_poll(json_path=out, storage=storage, learners=3, deltas="30,90", repeats=1, versions="20,60")
+    result = bench_poll.benchmark.run(out, storage=storage, learners=3, deltas="30,90", repeats=1,
+                                      versions="20,60").data
     assert json.loads(out.read_text()) == result and result["learners"] == 3
     assert [r["deltas"] for r in result["rows"]] == [30, 90]
     for row in result["rows"]:

@@ -17,7 +17,7 @@ KEYS = ("model_params", "wall_s", "initial_eval_loss", "final_eval_loss", "learn
 
 def test_a_small_model_end_to_end_with_a_learner_killed_and_rejoining(tmp_path):
     out = tmp_path / "size.json"
-    result = bench_size(out, params="quick", fragments="1", steps=96, kill_at=1)
+    result = bench_size.benchmark.run(out, params="quick", fragments="1", steps=96, kill_at=1).data
     row = json.loads(out.read_text())["rows"][0]
     assert all(row.get(key) is not None for key in KEYS), {k: row.get(k) for k in KEYS}
     assert row["model_params"] == result["rows"][0]["model_params"] > 0

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from diloco.bench.throttle import Link, LinkSpec, ThrottledStore
 from diloco.storage import NotFound, open_store
 from diloco.storage.store import ObjectStore
-from diloco.storage.throttle import Link, LinkSpec, ThrottledStore
 
 
 class Clock:

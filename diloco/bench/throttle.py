@@ -99,7 +99,8 @@ class ThrottledStore(WrapperStore):
 
     def __repr__(self) -> str:
         s = self.link.spec
-        return f"ThrottledStore({self.inner!r}, up={s.up_bytes_per_s:g} B/s, down={s.down_bytes_per_s:g} B/s, rtt={s.rtt_s:g} s)"
+        return (f"ThrottledStore({self.inner!r}, up={s.up_bytes_per_s:g} B/s, "
+                f"down={s.down_bytes_per_s:g} B/s, rtt={s.rtt_s:g} s)")
 
     def get(self, key: str) -> bytes:
         self.link.round_trip()
