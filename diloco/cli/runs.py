@@ -41,7 +41,8 @@ def runs(storage: str = STORAGE, json_out: bool = JSON) -> None:
         table.add_column("run id", no_wrap=True,
                          min_width=max(len("run id"), *(len(r["run_id"]) for r in rows)))
         table.add_column("state", no_wrap=True, min_width=max(len(r["state"]) for r in rows))
-        for col in ("versions", "held-out", "learners", "sent / recv MB per learner", "vs DP", "bucket", "age"):
+        for col in ("versions", "held-out", "learners", "sent / recv MB per learner", "vs DP", "bucket",
+                    "age"):
             table.add_column(col, overflow="fold", min_width=min(len(col), 6))
         for r in rows:
             if r["state"] == "unreadable":

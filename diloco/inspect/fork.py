@@ -1,5 +1,5 @@
-"""`diloco fork`: a new run whose version 0 is another run's version V — its parameters, outer optimizer
-state and merged buffers, byte for byte, on every chain (a fragmented run's run version V: each fragment's version V
+"""`diloco fork`: a new run whose version 0 is another run's version V — its parameters, outer optimizer state
+and merged buffers, byte for byte, on every chain (a fragmented run's run version V: each fragment's version V
 becomes that fragment's version 0) — with the provenance in the new run's run.json. Rollback is a fork at an
 earlier version.
 
@@ -44,7 +44,8 @@ def _copy(store: Store, source: str, checksum: str, target: str) -> bytes:
 
 
 def _parent_version(parent: RunContext, version: int) -> list[Manifest]:
-    """Version `version` of every chain of the parent (a fragmented run's: its run version, on every fragment)."""
+    """Version `version` of every chain of the parent (a fragmented run's: its run version, on every
+    fragment)."""
     try:
         return [read_manifest(parent.store, chain.keys, version) for chain in chain_contexts(parent)]
     except NotFound:
@@ -54,7 +55,8 @@ def _parent_version(parent: RunContext, version: int) -> list[Manifest]:
 
 
 def _copy_spec_files(store: Store, parent: RunContext, keys: RunKeys) -> None:
-    """The parent's spec files (a trained tokenizer, ...) under the fork's <run>/spec/, before its run.json."""
+    """The parent's spec files (a trained tokenizer, ...) under the fork's <run>/spec/, before its
+    run.json."""
     prefix = parent.keys.spec_file("x")[:-1]
     for key in store.list(prefix):
         store.put(keys.spec_file(key[len(prefix):]), store.get(key))
@@ -71,13 +73,15 @@ def fork_config(parent: RunContext, m: Manifest, cfg: Config | None) -> Config:
 
     count = num_fragments(parent)
     if cfg.fragments.count != count:
-        raise RunError(f"a fork keeps the parent's fragments: run {parent.run_id!r} has fragments.count {count}, "
-                       f"this config {cfg.fragments.count} (each chain's version becomes the fork's version 0)")
+        raise RunError(f"a fork keeps the parent's fragments: run {parent.run_id!r} has fragments.count "
+                       f"{count}, this config {cfg.fragments.count} (each chain's version becomes the fork's "
+                       f"version 0)")
     # the parent's spec files, staged and never flushed: the parent is only read
     fingerprint = fingerprint_of(cfg, StagedFiles(parent.store, parent.keys))
     if fingerprint != parent.fingerprint:
-        raise RunError(f"a fork keeps the parent's model: this config's model fingerprint {fingerprint} is not "
-                       f"run {parent.run_id!r}'s {parent.fingerprint} (change data, optimizer or run settings only)")
+        raise RunError(f"a fork keeps the parent's model: this config's model fingerprint {fingerprint} is "
+                       f"not run {parent.run_id!r}'s {parent.fingerprint} (change data, optimizer or run "
+                       f"settings only)")
     return cfg
 
 
@@ -98,8 +102,9 @@ def _chain_version_zero(theirs: RunContext, m: Manifest, chain: RunContext,
 
 
 def _write_whole_model(root: RunContext, whole: Tensors, buffers_of: Manifest | None) -> dict:
-    """A fragmented fork's root chain, version 0: the whole model at V (every fragment's params put together, and
-    fragment 0's buffers), as a created run's root holds its initial model; the manifest's fields for it."""
+    """A fragmented fork's root chain, version 0: the whole model at V (every fragment's params put together,
+    and fragment 0's buffers), as a created run's root holds its initial model; the manifest's fields for
+    it."""
     fields: dict = {"checkpoint": write_checkpoint(root, 0, whole, None, ema={}, manifest_checksum="",
                                                    created_by="fork")}
     if buffers_of is not None:
@@ -132,7 +137,8 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
                           fragments=list(parent.fragments),
                           buffers=list(parent.buffers) if merges_buffers else [])
     theirs, chains = chain_contexts(parent), chain_contexts(fork_ctx)
-    whole = {e["name"]: torch.zeros(e["shape"], dtype=torch.float32) for e in parent.layout} if parent.fragments else None
+    whole = ({e["name"]: torch.zeros(e["shape"], dtype=torch.float32) for e in parent.layout}
+             if parent.fragments else None)
     objects = []
     for index, (their, chain, head) in enumerate(zip(theirs, chains, heads, strict=True)):
         fields, params = _chain_version_zero(their, head, chain, buffers=merges_buffers and index == 0)
@@ -165,7 +171,8 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
         guard = GuardState(members=sorted(learners), ops_cursor=op)
         commit(store, keys, Manifest(run_id=new_run_id, version=0, created_at=time.time(), merger_id="fork",
                                      tokens_total=provenance["tokens_total"], guard=guard, controls=[entry],
-                                     run_json_checksum=pin_of(record.to_bytes()), **root))  # pinned as written
+                                     run_json_checksum=pin_of(record.to_bytes()),  # pinned as written
+                                     **root))
     for chain, head, fields in zip(chains, heads, objects, strict=True):
         guard = GuardState(members=sorted(learners), norms=list(head.guard.norms) if head.guard else [],
                            norm_learners=list(head.guard.norm_learners) if head.guard else [], ops_cursor=op)

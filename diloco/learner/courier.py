@@ -1,9 +1,9 @@
 """Small bucket writes that must not hold up training: a learner's status and its event batches.
 
-Contract: one daemon thread; `post(key, job)` replaces a job of the same key not started yet (the
-latest status wins, many flush requests are one flush), jobs run in the order their keys were first
-posted; `cancel(key)` drops one not started; a job that raises is logged and dropped (statuses and events are best effort, and EventLog
-keeps events whose flush failed); `close` runs what is queued, then stops.
+Contract: one daemon thread; `post(key, job)` replaces a job of the same key not started yet (the latest
+status wins, many flush requests are one flush), jobs run in the order their keys were first posted;
+`cancel(key)` drops one not started; a job that raises is logged and dropped (statuses and events are best
+effort, and EventLog keeps events whose flush failed); `close` runs what is queued, then stops.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ class Courier:
                     self._cond.notify_all()
 
     def drain(self, timeout_s: float | None = 30.0) -> bool:
-        """Wait until every posted job has run (or timeout_s passed; None: no limit); True when nothing is left."""
+        """Wait until every posted job has run (or timeout_s passed; None: no limit); True when nothing is
+        left."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._jobs and not self._busy, timeout=timeout_s)
 

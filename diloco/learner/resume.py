@@ -6,9 +6,9 @@ Contract: the local state is used when the bucket has not moved past it (no seq 
 beyond it on any chain; without the bucket — an outage — it is trusted, the publisher's exclusive create still
 fences a duplicate) and when it fits the model and the run's chains; its spooled deltas not yet in the bucket
 are queued again, and so are those whose slot holds another object (the publisher ships them on:
-diloco.learner.slots). From the bucket, a fragmented learner's data cursor and inner step are at least its last
-status's (its lanes shipped steps past the checkpoint, which follows fragment 0's delta). Anything unusable is
-dropped (logged, and for a checkpoint recorded as an event), never trusted.
+diloco.learner.slots). From the bucket, a fragmented learner's data cursor and inner step are at least its
+last status's (its lanes shipped steps past the checkpoint, which follows fragment 0's delta). Anything
+unusable is dropped (logged, and for a checkpoint recorded as an event), never trusted.
 """
 
 from __future__ import annotations

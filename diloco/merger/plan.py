@@ -1,9 +1,10 @@
-"""One merge, decided and stepped, before its objects and its manifest are written: a `MergePlan`, and the manifest
-that commits it on top of its parent.
+"""One merge, decided and stepped, before its objects and its manifest are written: a `MergePlan`, and the
+manifest that commits it on top of its parent.
 
-Contract: a plan holds what the merge decided (every delta's decision, the step's result, the guard state after it,
-the control ops it applied, the outlier statistics) and how long it waited (quorum, grace window); `manifest` only
-assembles the record — the cursors moved past every decided seq, the tokens merged added — and writes nothing.
+Contract: a plan holds what the merge decided (every delta's decision, the step's result, the guard state
+after it, the control ops it applied, the outlier statistics) and how long it waited (quorum, grace window);
+`manifest` only assembles the record — the cursors moved past every decided seq, the tokens merged added — and
+writes nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class MergePlan:
 
     def manifest(self, parent: Manifest, merger_id: str, objects: dict[str, str], merge_s: float,
                  update_bytes: int) -> Manifest:
-        """The record of version parent + 1; `objects`: its keys and checksums (params, update, outer, buffers)."""
+        """The record of version parent + 1; `objects`: its keys and checksums (params, update, outer,
+        buffers)."""
         cursors = dict(parent.cursors)
         for d in self.decisions:
             if d.check == "admission" and d.learner not in cursors:

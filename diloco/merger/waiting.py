@@ -1,5 +1,5 @@
-"""What a chain's merger waits for before it merges: the deltas after its cursors, a quorum of learners, and the
-adaptive grace window after the quorum — one rule for every chain (the root's, each fragment's).
+"""What a chain's merger waits for before it merges: the deltas after its cursors, a quorum of learners, and
+the adaptive grace window after the quorum — one rule for every chain (the root's, each fragment's).
 
 Contract: `deltas_after` lists O(learners + new deltas) a poll, never every delta of the run; a `Wait` is one
 chain's wait for its next merge, advanced by non-blocking looks (`Merger.due`), so a merger that owns several
@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from diloco.storage import RunKeys, Store
 from diloco.storage.keys import InvalidName, parse_delta_key
 
-# seqs a member may be ahead of its cursor: learner.max_unmerged (or this when 0, no bound) + SEQ_MARGIN, for the
-# deltas uploading and a deferral's slack; a key further ahead is no delta this merger decides (ignored, reported)
+# seqs a member may be ahead of its cursor: learner.max_unmerged (or this when 0, no bound) + SEQ_MARGIN, for
+# the deltas uploading and a deferral's slack; a key further ahead is no delta this merger decides (ignored,
+# reported)
 UNBOUNDED_AHEAD, SEQ_MARGIN = 64, 16
 
 
@@ -27,15 +28,16 @@ def plausible_ahead(max_unmerged: int) -> int:
 
 @dataclass
 class Pending:
-    """Deltas the merger may take now: per learner, the contiguous seqs after its cursor; per learner the one range
-    of seqs a gap declared lost (first, last); a name never admitted: the range of its keys, rejected by one
-    decision and never listed again by this merger; the keys it ignores (learner -> seqs): seqs further past their
-    member's cursor than they can be."""
+    """Deltas the merger may take now: per learner, the contiguous seqs after its cursor; per learner the one
+    range of seqs a gap declared lost (first, last); a name never admitted: the range of its keys, rejected by
+    one decision and never listed again by this merger; the keys it ignores (learner -> seqs): seqs further
+    past their member's cursor than they can be."""
 
     ready: dict[str, list[int]] = field(default_factory=dict)
     lost: dict[str, tuple[int, int]] = field(default_factory=dict)
     ignored: dict[str, list[int]] = field(default_factory=dict)
-    strangers: dict[str, tuple[int, int]] = field(default_factory=dict)  # a never-admitted name's seqs: one decision
+    # a never-admitted name's seqs: one decision
+    strangers: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def num_learners(self) -> int:
@@ -44,10 +46,10 @@ class Pending:
 
 def deltas_after(store: Store, keys: RunKeys, cursors: dict[str, int],
                  skip: frozenset[str] | set[str] = frozenset()) -> dict[str, list[int]]:
-    """Per learner, the seqs of its deltas after its cursor (sorted; a learner without any: absent). One listing of
-    the learners' folders, then one per learner from its cursor's key on (S3's StartAfter): O(learners + new
-    deltas) a poll, not O(every delta of the run). A folder that is not a learner's name holds no delta; the folders
-    in `skip` (strangers already decided) are not listed again."""
+    """Per learner, the seqs of its deltas after its cursor (sorted; a learner without any: absent). One
+    listing of the learners' folders, then one per learner from its cursor's key on (S3's StartAfter):
+    O(learners + new deltas) a poll, not O(every delta of the run). A folder that is not a learner's name
+    holds no delta; the folders in `skip` (strangers already decided) are not listed again."""
     found: dict[str, list[int]] = {}
     for learner in store.folders(keys.deltas_prefix()):
         if learner in skip:

@@ -41,9 +41,9 @@ class DeltaDecision(BaseModel):
     weight: float = 0.0  # normalised weight in the combine (sums to 1 over merged deltas)
     bytes: int = 0
     checksum: str = ""
-    # which check decided a rejection: admission, quarantine, signature, codec, invalid, stale, outlier, error (judging
-    # raised: not counted against the learner) ("" when
-    # merged or lost; old manifests have none); norm: the delta's L2 norm (fp64 over the decoded tensors)
+    # which check decided a rejection: admission, quarantine, signature, codec, invalid, stale, outlier, error
+    # (judging raised: not counted against the learner) ("" when merged or lost; old manifests have none);
+    # norm: the delta's L2 norm (fp64 over the decoded tensors)
     check: str = ""
     norm: float | None = None
     clip_scale: float | None = None  # outlier_rule clip: the factor the delta was scaled by
@@ -58,7 +58,8 @@ class DeltaDecision(BaseModel):
 
 
 class ControlEntry(BaseModel):
-    """An operator control op as the merge that applied it recorded it (storage.records.ControlOp + its name)."""
+    """An operator control op as the merge that applied it recorded it (storage.records.ControlOp + its
+    name)."""
 
     model_config = ConfigDict(extra="forbid")
     name: str  # control/ops/<name>.json
@@ -82,7 +83,8 @@ class GuardState(BaseModel):
     quarantined: dict[str, str] = {}  # learner -> why, since which version
     streaks: dict[str, int] = {}  # learner -> integrity rejections in a row
     norms: list[float] = []  # norm per step of the last merged (unclipped) deltas, oldest first
-    # whose each sample is (trust rules 2: one per learner per merge); [] in runs made before: samples of nobody
+    # whose each sample is (trust rules 2: one per learner per merge); [] in runs made before: samples of
+    # nobody
     norm_learners: list[str] = []
     settings: dict[str, Any] = {}  # live settings in force (`diloco set`): dotted key -> value
     paused: bool = False
@@ -121,8 +123,8 @@ class Manifest(BaseModel):
     update_checksum: str = ""
     outer_key: str = ""
     outer_checksum: str = ""
-    # the model's buffers at this version (a run that merges buffers; a fragmented run's fragment 0): written only
-    # when set, so a manifest of a run without buffers is what it was before they existed
+    # the model's buffers at this version (a run that merges buffers; a fragmented run's fragment 0): written
+    # only when set, so a manifest of a run without buffers is what it was before they existed
     buffers_key: str = ""
     buffers_checksum: str = ""
     # version 0 of a run's root chain: the BLAKE2b of run.json's bytes as created (diloco.run.pin), checked by
@@ -151,7 +153,8 @@ class Manifest(BaseModel):
                      "params_key", "params_checksum"):
             if not fields[name] and not (name.startswith("params") and fields["schema_version"] == 1):
                 del fields[name]
-        for decision in fields["decisions"]:  # only a lost range has one: the bytes of every other are as before
+        # only a lost range has one: the bytes of every other are as before
+        for decision in fields["decisions"]:
             if decision["seq_last"] is None:
                 del decision["seq_last"]
         return json.dumps(fields, sort_keys=True, indent=1).encode()
@@ -219,16 +222,17 @@ def read_manifest(store: Store, keys: RunKeys, version: int) -> Manifest:
 
 
 def list_versions(store: Store, keys: RunKeys, after: int | None = None) -> list[int]:
-    """Every committed version, sorted, from one fresh listing (never cached); other keys are ignored. `after`: only
-    the versions above it (S3's StartAfter from its key: O(versions after it), not O(run))."""
+    """Every committed version, sorted, from one fresh listing (never cached); other keys are ignored.
+    `after`: only the versions above it (S3's StartAfter from its key: O(versions after it), not O(run))."""
     start = keys.manifest(after) if after is not None and after >= 0 else ""
     versions = (parse_manifest_key(key) for key in store.list(keys.versions_prefix(), start))
     return sorted(v for v in versions if v is not None and (after is None or v > after))
 
 
 def chain_top(versions: list[int], below: int) -> int:
-    """The last of the consecutive versions below+1, below+2, ... in `versions` (sorted); `below` when the next is
-    missing. A manifest above a gap is no version of the chain: one merger commits v+1 on v, never further."""
+    """The last of the consecutive versions below+1, below+2, ... in `versions` (sorted); `below` when the
+    next is missing. A manifest above a gap is no version of the chain: one merger commits v+1 on v, never
+    further."""
     top = below
     for v in versions:
         if v != top + 1:
@@ -238,9 +242,10 @@ def chain_top(versions: list[int], below: int) -> int:
 
 
 def latest_version(store: Store, keys: RunKeys, after: int | None = None) -> int | None:
-    """The newest version of the chain, or None before version 0: the top of the consecutive versions from 0, or
-    from `after` (a version the caller knows is committed: the listing starts there, so a poller's cost follows
-    what is new, not the run's age). A stray manifest key above a gap (`versions/<99999>.json`) is not it."""
+    """The newest version of the chain, or None before version 0: the top of the consecutive versions from 0,
+    or from `after` (a version the caller knows is committed: the listing starts there, so a poller's cost
+    follows what is new, not the run's age). A stray manifest key above a gap (`versions/<99999>.json`) is not
+    it."""
     known = -1 if after is None else after
     top = chain_top(list_versions(store, keys, after), known)
     return None if top < 0 else top
@@ -250,9 +255,10 @@ MAX_STEP_DOWN = 8  # unreadable newest manifests a reader steps over before it g
 
 
 def read_latest(store: Store, keys: RunKeys, after: int | None = None) -> Manifest | None:
-    """The manifest of the newest version (latest_version), or None if nothing is committed yet. A newest manifest
-    that does not parse, names another run or version, or does not chain to the version below it is stepped over
-    (chain_problems names it), at most MAX_STEP_DOWN; a reader never ends, installs or resumes on one."""
+    """The manifest of the newest version (latest_version), or None if nothing is committed yet. A newest
+    manifest that does not parse, names another run or version, or does not chain to the version below it is
+    stepped over (chain_problems names it), at most MAX_STEP_DOWN; a reader never ends, installs or resumes on
+    one."""
     top = latest_version(store, keys, after)
     for version in range(top if top is not None else -1, max(-1, (top or 0) - MAX_STEP_DOWN - 1), -1):
         try:
@@ -263,13 +269,14 @@ def read_latest(store: Store, keys: RunKeys, after: int | None = None) -> Manife
             return manifest
     if top is None:
         return None
-    raise ManifestError(f"run {keys.run_id!r}: none of the newest {MAX_STEP_DOWN + 1} manifests up to version {top} "
-                        "is readable and chained (`diloco audit` names them)")
+    raise ManifestError(f"run {keys.run_id!r}: none of the newest {MAX_STEP_DOWN + 1} manifests up to "
+                        f"version {top} is readable and chained (`diloco audit` names them)")
 
 
 def chain_problems(store: Store, keys: RunKeys) -> list[str]:
-    """One line per manifest key that is no version of the chain: above a gap in the versions, or at the top of the
-    chain but unreadable or not chained to the version below (what read_latest steps over). One listing."""
+    """One line per manifest key that is no version of the chain: above a gap in the versions, or at the top
+    of the chain but unreadable or not chained to the version below (what read_latest steps over). One
+    listing."""
     versions = list_versions(store, keys)
     top = chain_top(versions, -1)
     problems = [f"{keys.manifest(v)}: above a gap (the chain ends at version {top}); ignored"

@@ -29,9 +29,10 @@ from diloco.storage.keys import RunKeys, validate_new_learner_name
 ROLES = ("merger", "evaluator", "operator", "gc")
 READ, WRITE, DELETE, LIST = "s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"
 CREATE = "create"  # in _grants: PutObject only as an exclusive create (the keys are history, written once)
-# AWS's conditional-write enforcement: a PutObject (or CompleteMultipartUpload) without If-None-Match is denied;
-# a multipart upload's parts (CreateMultipartUpload, UploadPart) take no conditional header, so they are allowed
-# apart (s3:ObjectCreationOperation is false for them), and the upload's completion needs the header again
+# AWS's conditional-write enforcement: a PutObject (or CompleteMultipartUpload) without If-None-Match is
+# denied; a multipart upload's parts (CreateMultipartUpload, UploadPart) take no conditional header, so they
+# are allowed apart (s3:ObjectCreationOperation is false for them), and the upload's completion needs the
+# header again
 ONCE = {"Null": {"s3:if-none-match": "false"}}
 PARTS = {"Bool": {"s3:ObjectCreationOperation": "false"}}
 # what is history, for every role: a whole object's creation (not a multipart part) without If-None-Match is
@@ -93,7 +94,8 @@ def _grants(role: str, learner: str | None, run: str) -> dict[str, list[str]]:
     return {READ: ["*"], WRITE: ["*"], DELETE: ["*"], LIST: ["*"]}
 
 
-def policy_for(storage: str, run_id: str, *, learner: str | None = None, role: str | None = None) -> dict[str, Any]:
+def policy_for(storage: str, run_id: str, *, learner: str | None = None,
+               role: str | None = None) -> dict[str, Any]:
     """The IAM policy document of one learner (`learner`) or one role (merger, evaluator, operator)."""
     keys = RunKeys(run_id)
     if learner is not None:
@@ -114,7 +116,8 @@ def policy_for(storage: str, run_id: str, *, learner: str | None = None, role: s
                            "Condition": ONCE})
         statements.append({"Sid": "CreateOnceParts", "Effect": "Allow", "Action": [WRITE], "Resource": once,
                            "Condition": PARTS})
-    statements.append({"Sid": "ListTheRun", "Effect": "Allow", "Action": [LIST], "Resource": [f"arn:aws:s3:::{bucket}"],
+    statements.append({"Sid": "ListTheRun", "Effect": "Allow", "Action": [LIST],
+                       "Resource": [f"arn:aws:s3:::{bucket}"],
                        "Condition": {"StringLike": {"s3:prefix": [f"{run}{p}" for p in grants[LIST]]}}})
     history = [f"arn:aws:s3:::{bucket}/{run}{p}" for p in HISTORY]  # whatever the grants above say
     statements.append({"Sid": "HistoryWrittenOnce", "Effect": "Deny", "Action": [WRITE], "Resource": history,
@@ -130,7 +133,8 @@ def allows(policy: dict[str, Any], action: str, bucket: str, key: str, *, if_non
     """Whether an Allow statement and no Deny statement matches `action` on `key` (for ListBucket: `key` is
     the listed prefix) for a request that carries If-None-Match or not, and is a multipart upload's part
     (`part`) or a whole object's creation."""
-    context = {"s3:prefix": key if action == LIST else None, "s3:if-none-match": "*" if if_none_match else None,
+    context = {"s3:prefix": key if action == LIST else None,
+               "s3:if-none-match": "*" if if_none_match else None,
                "s3:ObjectCreationOperation": None if action != WRITE else "false" if part else "true"}
     resource = f"arn:aws:s3:::{bucket}" if action == LIST else f"arn:aws:s3:::{bucket}/{key}"
     def matches(st: dict[str, Any]) -> bool:
@@ -143,8 +147,8 @@ def allows(policy: dict[str, Any], action: str, bucket: str, key: str, *, if_non
 
 
 def _holds(condition: dict[str, dict[str, Any]], context: dict[str, str | None]) -> bool:
-    """IAM's condition block on a request's keys: every operator's every key must hold (a missing key fails all
-    but Null); an operator this evaluator does not know is an error, never a silent allow."""
+    """IAM's condition block on a request's keys: every operator's every key must hold (a missing key fails
+    all but Null); an operator this evaluator does not know is an error, never a silent allow."""
     for operator, tests in condition.items():
         for name, wanted in tests.items():
             have, values = context.get(name), wanted if isinstance(wanted, list) else [wanted]

@@ -27,10 +27,11 @@ LIVE_SETTINGS = (
     "outer.lr", "outer.momentum", "outer.max_staleness", "outer.staleness_power",
 )
 # Rejections that say something is wrong with what a learner sends (not that it is slow): they count toward
-# quarantine. A clipped delta counts too (it was an outlier). Not a bad signature (with signing on, what fails it was
-# not written with the learner's key: anyone who can write to the bucket could otherwise have the key holder
-# quarantined with three replayed deltas), nor a size refused by the live setting (max_delta_bytes is the operator's):
-# those are rejected and reported (`diloco status`, the merger's `rejected` events), never the learner's streak.
+# quarantine. A clipped delta counts too (it was an outlier). Not a bad signature (with signing on, what fails
+# it was not written with the learner's key: anyone who can write to the bucket could otherwise have the key
+# holder quarantined with three replayed deltas), nor a size refused by the live setting (max_delta_bytes is
+# the operator's): those are rejected and reported (`diloco status`, the merger's `rejected` events), never
+# the learner's streak.
 INTEGRITY_CHECKS = frozenset({"codec", "invalid", "outlier"})
 
 
@@ -125,9 +126,9 @@ def _median(values: list[float]) -> float:
 
 
 def window_median(state: GuardState, cfg: Config) -> float | None:
-    """The median norm per step of the window, once it holds outlier_min_samples (else None: no rule yet). With
-    whose each sample is (trust rules 2): the median over learners of each learner's median, so no learner moves it
-    by sending more deltas, or more extreme ones, than the others."""
+    """The median norm per step of the window, once it holds outlier_min_samples (else None: no rule yet).
+    With whose each sample is (trust rules 2): the median over learners of each learner's median, so no
+    learner moves it by sending more deltas, or more extreme ones, than the others."""
     norms = state.norms[-cfg.merger.outlier_window:]
     if len(norms) < cfg.merger.outlier_min_samples:
         return None
@@ -143,9 +144,9 @@ def window_median(state: GuardState, cfg: Config) -> float | None:
 def fold(state: GuardState, decisions: list[DeltaDecision], version: int, cfg: Config,
          rules: int = 1) -> tuple[GuardState, list[str]]:
     """The state after a merge's decisions: streaks, new quarantines, the window; (state, newly quarantined).
-    `rules` (RunContext.trust_rules): 2 = one window sample per learner per merge (its last merged, unclipped delta,
-    owner recorded), and the last eligible members are never quarantined: the merges pause instead (an operator
-    looks: `diloco readmit`, `resume-merges`); 1 = as runs made before were folded."""
+    `rules` (RunContext.trust_rules): 2 = one window sample per learner per merge (its last merged, unclipped
+    delta, owner recorded), and the last eligible members are never quarantined: the merges pause instead (an
+    operator looks: `diloco readmit`, `resume-merges`); 1 = as runs made before were folded."""
     state = state.model_copy(deep=True)
     newly: list[str] = []
     limit = cfg.merger.quarantine_after
@@ -165,11 +166,12 @@ def fold(state: GuardState, decisions: list[DeltaDecision], version: int, cfg: C
         state.streaks[d.learner] = streak
         if limit and streak >= limit and d.learner not in state.quarantined and d.learner in state.members:
             eligible = set(state.members) - set(state.quarantined) - {d.learner}
-            if rules >= 2 and not eligible:  # nobody left to merge: stop and let an operator look, never empty
+            # nobody left to merge: stop and let an operator look, never empty
+            if rules >= 2 and not eligible:
                 state.paused = True
                 continue
-            state.quarantined[d.learner] = (f"since version {version}: {streak} integrity rejections in a row, "
-                                            f"the last: {d.reason[:160]}")
+            state.quarantined[d.learner] = (f"since version {version}: {streak} integrity rejections in a "
+                                            f"row, the last: {d.reason[:160]}")
             newly.append(d.learner)
     for learner, value in samples.items():  # in decision order: the merge's learner order
         state.norms.append(value)

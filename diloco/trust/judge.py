@@ -1,11 +1,11 @@
 """Judging one delta from its stored bytes: size, signature, codec, validation, then the outlier rule.
 
-Contract: `Judge.judge(learner, seq, size, data, signature)` is a pure function of its inputs, the live config,
-the guard state and the parent's params — the merger and `audit` call it on the same stored objects and get
-the same decision, reason and norm; it never raises on a bad delta (every failure is a rejection with a
-reason); a clipped delta is scaled in place and recorded with its scale. The buffers a delta carries are checked
-against the chain's (`buffers`, run.json's) and kept out of the norm, the outlier rule and the clip; a merged
-delta is handed back with them after its parameters (LearnerGroup takes them off).
+Contract: `Judge.judge(learner, seq, size, data, signature)` is a pure function of its inputs, the live
+config, the guard state and the parent's params — the merger and `audit` call it on the same stored objects
+and get the same decision, reason and norm; it never raises on a bad delta (every failure is a rejection with
+a reason); a clipped delta is scaled in place and recorded with its scale. The buffers a delta carries are
+checked against the chain's (`buffers`, run.json's) and kept out of the norm, the outlier rule and the clip; a
+merged delta is handed back with them after its parameters (LearnerGroup takes them off).
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ class Judge:
     params: Tensors
     policy: Policy
     keyring: dict[str, list[bytes]] | None = None  # None: signatures not checked (audit without keys)
-    scratch: Fp64Scratch = field(default_factory=Fp64Scratch)  # the norms' fp64 squares, reused delta by delta
-    buffers: list[dict] = field(default_factory=list)  # the buffers every delta of this chain carries (run.json's)
+    # the norms' fp64 squares, reused delta by delta
+    scratch: Fp64Scratch = field(default_factory=Fp64Scratch)
+    # the buffers every delta of this chain carries (run.json's)
+    buffers: list[dict] = field(default_factory=list)
     _bound: int | None = field(default=None, repr=False)  # delta_size_bound, computed once
 
     @property
@@ -67,7 +69,8 @@ class Judge:
 
     @property
     def max_bytes(self) -> int:
-        """The largest delta object this merge reads: merger.max_delta_bytes, or the layout's bound when unset."""
+        """The largest delta object this merge reads: merger.max_delta_bytes, or the layout's bound when
+        unset."""
         limit = self.cfg.merger.max_delta_bytes
         if limit is None:
             if self._bound is None:
@@ -84,7 +87,8 @@ class Judge:
         d = DeltaDecision(learner=learner, seq=seq, status="rejected")
         limit = self.max_bytes
         if size > limit or data is None:
-            what = "max_delta_bytes" if self.cfg.merger.max_delta_bytes is not None else "the model's largest delta"
+            what = ("max_delta_bytes" if self.cfg.merger.max_delta_bytes is not None
+                    else "the model's largest delta")
             return self._reject(d, "size", f"oversized: {size} bytes > {what} {limit}")
         d.bytes, d.checksum = len(data), object_checksum(data)
         if self.cfg.learner.sign and self.keyring is not None:
@@ -124,8 +128,8 @@ class Judge:
             return d, header, delta
         bound = cfg.outlier_threshold * median
         window = min(len(self.policy.state.norms), cfg.outlier_window)
-        what = (f"norm per step {per_step:.3g} is {per_step / median:.0f}x the median {median:.3g} of the last "
-                f"{window} merged (threshold {cfg.outlier_threshold:g}x)")
+        what = (f"norm per step {per_step:.3g} is {per_step / median:.0f}x the median {median:.3g} of the "
+                f"last {window} merged (threshold {cfg.outlier_threshold:g}x)")
         if cfg.outlier_rule == "reject":
             return self._reject(d, "outlier", f"outlier: {what}")
         scale = bound / per_step

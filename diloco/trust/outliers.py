@@ -31,8 +31,10 @@ def _median(window: list[float], size: int, min_samples: int) -> float | None:
     return statistics.median(norms) if len(norms) >= min_samples else None
 
 
-def ratios(ctx: RunContext, window: int | None = None, min_samples: int | None = None) -> list[dict[str, Any]]:
-    """One row per merged (or outlier-judged) delta: version, learner, seq, steps, norm, per_step, median, ratio."""
+def ratios(ctx: RunContext, window: int | None = None,
+           min_samples: int | None = None) -> list[dict[str, Any]]:
+    """One row per merged (or outlier-judged) delta: version, learner, seq, steps, norm, per_step, median,
+    ratio."""
     size = window or ctx.cfg.merger.outlier_window
     least = min_samples or ctx.cfg.merger.outlier_min_samples
     seen: list[float] = []
@@ -55,7 +57,8 @@ def ratios(ctx: RunContext, window: int | None = None, min_samples: int | None =
     return rows
 
 
-def summarize(rows: list[dict[str, Any]], thresholds: tuple[float, ...] = (3, 5, 10, 20, 50)) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]],
+              thresholds: tuple[float, ...] = (3, 5, 10, 20, 50)) -> dict[str, Any]:
     """The distribution of the ratios of the honest (not outlier-flagged) deltas, and what each threshold
     would have rejected."""
     honest = sorted(r["ratio"] for r in rows if r["ratio"] is not None and not r["outlier"])
@@ -65,10 +68,12 @@ def summarize(rows: list[dict[str, Any]], thresholds: tuple[float, ...] = (3, 5,
 
     top = sorted((r for r in rows if r["ratio"] is not None), key=lambda r: -r["ratio"])[:5]
     return {"deltas": len(rows), "judged": len(honest), "flagged_outlier": sum(r["outlier"] for r in rows),
-            "max_ratio": honest[-1] if honest else None, "p99_ratio": quantile(0.99), "p95_ratio": quantile(0.95),
-            "median_ratio": quantile(0.5), "min_ratio": honest[0] if honest else None,
+            "max_ratio": honest[-1] if honest else None, "p99_ratio": quantile(0.99),
+            "p95_ratio": quantile(0.95), "median_ratio": quantile(0.5),
+            "min_ratio": honest[0] if honest else None,
             "would_reject": {f"{t:g}x": sum(1 for x in honest if x > t) for t in thresholds},
-            "top": [{k: r[k] for k in ("version", "learner", "seq", "steps", "staleness", "ratio")} for r in top]}
+            "top": [{k: r[k] for k in ("version", "learner", "seq", "steps", "staleness", "ratio")}
+                    for r in top]}
 
 
 GUARD_CHECKS = ("admission", "quarantine", "signature", "outlier")

@@ -50,7 +50,8 @@ def sign(key: bytes, run_id: str, learner: str, seq: int, data: bytes) -> bytes:
     return json.dumps({"alg": ALGORITHM, "learner": learner, "seq": seq, "mac": mac}, sort_keys=True).encode()
 
 
-def verify(keys: list[bytes], run_id: str, learner: str, seq: int, data: bytes, signature: bytes | None) -> str:
+def verify(keys: list[bytes], run_id: str, learner: str, seq: int, data: bytes,
+           signature: bytes | None) -> str:
     """"" when `signature` is a valid signature of `data` under one of the learner's keys, else the reason."""
     if signature is None:
         return "unsigned: no signature object beside the delta"

@@ -14,7 +14,8 @@ from diloco.run.controls import read_ops
 from diloco.storage import Manifest, read_latest
 from diloco.trust.guard import Policy, entry_of, initial_state, policy_after, state_of, window_median
 
-# the merger reads these within a second (Merger.due, while it waits), not at its next merge: in effect, never pending
+# the merger reads these within a second (Merger.due, while it waits), not at its next merge: in effect, never
+# pending
 AT_ONCE = ("pause-merges", "resume-merges")
 
 
@@ -27,8 +28,8 @@ def current_policy(ctx: RunContext) -> tuple[Manifest | None, Policy]:
 
 
 def trust_summary(ctx: RunContext) -> dict[str, Any]:
-    """The guard in one JSON-able dict (the pending ops are counted in: what the next merge applies; a pause or its
-    end is in `paused` at once, never pending)."""
+    """The guard in one JSON-able dict (the pending ops are counted in: what the next merge applies; a pause
+    or its end is in `paused` at once, never pending)."""
     manifest, policy = current_policy(ctx)
     state, cfg = policy.state, policy.cfg.merger
     median = window_median(state, policy.cfg)
@@ -46,8 +47,8 @@ def trust_summary(ctx: RunContext) -> dict[str, Any]:
 def trust_lines(summary: dict[str, Any]) -> list[str]:
     """The summary as a few lines for a terminal."""
     bound = summary["outlier_bound"]
-    lines = [f"merges {'PAUSED' if summary['paused'] else 'running'} · outlier rule {summary['outlier_rule']} "
-             f"(> {summary['outlier_threshold']:g}x the median norm per step"
+    lines = [f"merges {'PAUSED' if summary['paused'] else 'running'} · outlier rule "
+             f"{summary['outlier_rule']} (> {summary['outlier_threshold']:g}x the median norm per step"
              + (f": bound {bound:.3g}" if bound is not None else ": warming up") + ")"
              + (" · deltas signed" if summary["signed"] else "")]
     for name, why in summary["quarantined"].items():
@@ -66,13 +67,14 @@ TRUST_MARKS = {"outlier": "#d62728", "signature": "#9467bd", "admission": "#ff7f
 
 def mark_trust(ax, events: list[dict], learners: list[str], t0: float) -> None:
     """On `diloco plot`'s timeline: an x per delta the guard rejected (by check) on its learner's row (a row
-    below for names that never trained), and a diamond where a learner was quarantined; their legend beside the
-    axes, below the states' (no text on the bars to collide with them)."""
+    below for names that never trained), and a diamond where a learner was quarantined; their legend beside
+    the axes, below the states' (no text on the bars to collide with them)."""
     rows = {name: i for i, name in enumerate(learners)}
     other = len(learners)
     used: dict[str, object] = {}
     for e in events:
-        if e.get("source", "").startswith("merger") and e.get("kind") == "rejected" and e.get("check") in TRUST_MARKS:
+        if (e.get("source", "").startswith("merger") and e.get("kind") == "rejected"
+                and e.get("check") in TRUST_MARKS):
             y = rows.get(e.get("learner"), other)
             (line,) = ax.plot(e["t"] - t0, y, marker="x", color=TRUST_MARKS[e["check"]], markersize=6,
                               linestyle="none", label=f"rejected: {e['check']}")

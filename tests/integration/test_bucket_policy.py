@@ -86,8 +86,9 @@ class Recorder(WrapperStore):
 
 
 def test_every_request_of_every_role_is_allowed_by_its_policy_and_no_more(s3_url: str) -> None:
-    cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "merger.quorum": 2, "merger.grace_cap_s": 0.0,
-                                              "learner.sign": True, "learner.local_state_every_steps": 0,
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 2, "merger.quorum": 2,
+                                              "merger.grace_cap_s": 0.0, "learner.sign": True,
+                                              "learner.local_state_every_steps": 0,
                                               "state.checkpoint_every": 1})  # the merger's checkpoints too
     store = open_store(s3_url)
     ctx = create_run(store, "pol", cfg)
@@ -106,7 +107,8 @@ def test_every_request_of_every_role_is_allowed_by_its_policy_and_no_more(s3_url
         lctx = as_role(n)
         learners.append(Learner(lctx, n, events=EventLog(lctx.store, lctx.keys, n), signing_key=keys[n]))
     mctx = as_role("merger")
-    merger = Merger(mctx, events=EventLog(mctx.store, mctx.keys, "merger"), keyring={n: [k] for n, k in keys.items()})
+    merger = Merger(mctx, events=EventLog(mctx.store, mctx.keys, "merger"),
+                    keyring={n: [k] for n, k in keys.items()})
     for learner in learners:
         learner.join()
     merger.load()
@@ -138,7 +140,8 @@ def test_every_request_of_every_role_is_allowed_by_its_policy_and_no_more(s3_url
     for name, log in logs.items():
         role = name if name in ("merger", "evaluator", "gc") else None
         policy = policy_for(s3_url, ctx.run_id, learner=None if role else name, role=role)
-        denied = sorted({r for r in log if not allows(policy, r[0], bucket, prefix + r[1], if_none_match=len(r) > 2)})
+        denied = sorted({r for r in log
+                         if not allows(policy, r[0], bucket, prefix + r[1], if_none_match=len(r) > 2)})
         assert denied == [], f"{name}: {denied}"
         assert any(r[0] == WRITE for r in log), name
         # what is history (a delta, a manifest) was created exclusively, and its overwrite is not allowed
@@ -147,7 +150,8 @@ def test_every_request_of_every_role_is_allowed_by_its_policy_and_no_more(s3_url
             not any(allows(policy, WRITE, bucket, prefix + k) for k in once), name
     a, b = ctx.learners
     writes_of_b = {r[1] for r in logs[b] if r[0] == WRITE}
-    assert writes_of_b and not any(allows(policy_for(s3_url, ctx.run_id, learner=a), WRITE, bucket, prefix + k,
-                                          if_none_match=True) for k in writes_of_b)
-    printed = CliRunner().invoke(app, ["bucket-policy", "--storage", s3_url, "--run-id", ctx.run_id, "--learner", a])
+    assert writes_of_b and not any(allows(policy_for(s3_url, ctx.run_id, learner=a), WRITE, bucket,
+                                          prefix + k, if_none_match=True) for k in writes_of_b)
+    printed = CliRunner().invoke(app, ["bucket-policy", "--storage", s3_url, "--run-id", ctx.run_id,
+                                       "--learner", a])
     assert printed.exit_code == 0 and json.loads(printed.output) == policy_for(s3_url, ctx.run_id, learner=a)

@@ -40,8 +40,8 @@ def _encode_delta(ctx, params, learner, seq, *, fingerprint=None, **meta):
 
 
 def test_hostile_deltas_are_rejected_and_merging_goes_on(tmp_path):
-    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
-                                              "merger.max_delta_bytes": 2_000_000})
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1,
+                                              "merger.grace_cap_s": 0.0, "merger.max_delta_bytes": 2_000_000})
     ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "hostile", cfg)
     learner = Learner(ctx, "local-0", make_spec(ctx.cfg, load_corpus(cfg.data)))
     learner.join()
@@ -68,7 +68,8 @@ def test_hostile_deltas_are_rejected_and_merging_goes_on(tmp_path):
         "evil-oversized": good + b"\0" * 2_100_000,
     }
     for name, data in hostile.items():
-        admit_learner(ctx, None, name)  # admitted writers: what the codec and validation refuse, not admission
+        # admitted writers: what the codec and validation refuse, not admission
+        admit_learner(ctx, None, name)
         ctx.store.put(ctx.keys.delta(name, 0), data)
 
     merger = Merger(ctx)
@@ -96,8 +97,8 @@ def test_hostile_deltas_are_rejected_and_merging_goes_on(tmp_path):
 
 
 def _bomb(ctx, learner: str, shapes: list[tuple[str, list[int]]]) -> bytes:
-    """A well-formed int4 delta whose header claims these tensors in frames of the smallest length the codec allows
-    (raw / 256): about 530 kB that would make a reader allocate 132 MB per 2^28 values."""
+    """A well-formed int4 delta whose header claims these tensors in frames of the smallest length the codec
+    allows (raw / 256): about 530 kB that would make a reader allocate 132 MB per 2^28 values."""
     import math
     import zlib
 
@@ -107,22 +108,25 @@ def _bomb(ctx, learner: str, shapes: list[tuple[str, list[int]]]) -> bytes:
     for name, shape in shapes:
         raw = stream_bytes("int4", math.prod(shape), 256)
         sizes = [min(FRAME_BYTES, raw - s) for s in range(0, raw, FRAME_BYTES)]
-        entries.append({"name": name, "shape": shape, "frames": [max(1, -(-(n - 64) // MAX_FRAME_RATIO)) for n in sizes]})
+        entries.append({"name": name, "shape": shape,
+                        "frames": [max(1, -(-(n - 64) // MAX_FRAME_RATIO)) for n in sizes]})
     payload = bytes(sum(sum(e["frames"]) for e in entries))
     meta = {"learner": learner, "seq": 0, "base_version": 0, "tokens": 1000, "steps": 10}
-    header = pack_header({"format_version": 1, "kind": "delta", "codec": "int4", "block_size": 256, "shuffle": False,
-                          "fingerprint": ctx.fingerprint, "meta": meta, "compression": "zstd", "tensors": entries,
-                          "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload)})
+    header = pack_header({"format_version": 1, "kind": "delta", "codec": "int4", "block_size": 256,
+                          "shuffle": False, "fingerprint": ctx.fingerprint, "meta": meta,
+                          "compression": "zstd", "tensors": entries, "payload_bytes": len(payload),
+                          "payload_crc32": zlib.crc32(payload)})
     return header + payload
 
 
 def test_a_decompression_bomb_is_refused_from_its_header(tmp_path):
-    """A 0.5 MB delta claiming 2^28 values (1 GiB in fp32) is judged on its header against the model's layout: refused
-    before the merger allocates its payload (issue #44: it raised the merger's peak memory by 1.3 GB before)."""
+    """A 0.5 MB delta claiming 2^28 values (1 GiB in fp32) is judged on its header against the model's layout:
+    refused before the merger allocates its payload (issue #44: it raised the merger's peak memory by 1.3 GB
+    before)."""
     import tracemalloc
 
-    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
-                                              "merger.max_delta_bytes": 8_000_000})
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1,
+                                              "merger.grace_cap_s": 0.0, "merger.max_delta_bytes": 8_000_000})
     ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "bomb", cfg)
     first = ctx.layout[0]["name"]  # the model's own tensors, the first one claimed 2^28 values long
     bomb = _bomb(ctx, "evil-bomb", [(first, [1 << 28])] + [(e["name"], e["shape"]) for e in ctx.layout[1:]])
@@ -144,12 +148,12 @@ def test_a_decompression_bomb_is_refused_from_its_header(tmp_path):
 
 
 def test_the_size_bound_is_the_models_own_when_the_run_sets_none(tmp_path):
-    """merger.max_delta_bytes unset: the largest delta the layout can make in any codec (not a constant capping the
-    model); a real delta is under it, one byte more than it is refused unread."""
+    """merger.max_delta_bytes unset: the largest delta the layout can make in any codec (not a constant
+    capping the model); a real delta is under it, one byte more than it is refused unread."""
     from diloco.trust.validate import delta_size_bound
 
-    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1, "merger.grace_cap_s": 0.0,
-                                              "learner.codec": "fp32"})
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1,
+                                              "merger.grace_cap_s": 0.0, "learner.codec": "fp32"})
     assert cfg.merger.max_delta_bytes is None
     ctx = create_run(open_store(f"file://{tmp_path}/bucket"), "bound", cfg)
     learner = Learner(ctx, "local-0", make_spec(ctx.cfg, load_corpus(cfg.data)))
@@ -171,10 +175,10 @@ def test_the_size_bound_is_the_models_own_when_the_run_sets_none(tmp_path):
 
 
 def test_keys_no_learner_can_have_written_cost_one_look_each(tmp_path, monkeypatch):
-    """Issue #44, invariant 1, planted into a live run: a 4-byte key at seq 999,999,999,999 under a name never admitted
-    is one rejection (no cursor, never listed again); the same key under a member's name is further ahead than a
-    learner can be: ignored, never a gap to materialise; a real gap is one `lost` decision for its whole range; a
-    delta whose judging raises (even a MemoryError) is rejected and the merge goes on."""
+    """Issue #44, invariant 1, planted into a live run: a 4-byte key at seq 999,999,999,999 under a name never
+    admitted is one rejection (no cursor, never listed again); the same key under a member's name is further
+    ahead than a learner can be: ignored, never a gap to materialise; a real gap is one `lost` decision for
+    its whole range; a delta whose judging raises (even a MemoryError) is rejected and the merge goes on."""
     from trust_helpers import one_round, tiny_run
 
     from diloco.inspect.audit import audit_run

@@ -36,19 +36,23 @@ def test_rogue_and_outlier_deltas_never_wreck_the_merge(tmp_path: Path) -> None:
     m = one_round(learners, merger)
     rogue, bad = decision(m, "rogue-0", 0), decision(m, "bad-0", 0)
     assert (rogue.status, rogue.check) == ("rejected", "admission") and "not admitted" in rogue.reason
-    assert (bad.status, bad.check) == ("rejected", "outlier") and bad.reason.startswith("outlier: norm per step")
+    assert ((bad.status, bad.check) == ("rejected", "outlier")
+            and bad.reason.startswith("outlier: norm per step"))
     assert m.stats["update_norm"] < 3 * max(norms), (m.stats["update_norm"], norms)
-    assert m.stats["outlier_median"] > 0 and m.controls[0].kind == "admit" and m.controls[0].learner == "bad-0"
+    assert (m.stats["outlier_median"] > 0 and m.controls[0].kind == "admit"
+            and m.controls[0].learner == "bad-0")
     assert "rogue-0" not in m.guard.members and "bad-0" in m.guard.members
 
     # two more in a row: quarantined; then even an honest-sized delta of it is rejected until readmit
     for seq in (1, 2):
         plant(ctx, "bad-0", seq, like=like, scale=1000.0, base=merger.version)
         m = one_round(learners, merger)
-    assert "bad-0" in m.guard.quarantined and "3 integrity rejections in a row" in m.guard.quarantined["bad-0"]
+    assert ("bad-0" in m.guard.quarantined
+            and "3 integrity rejections in a row" in m.guard.quarantined["bad-0"])
     plant(ctx, "bad-0", 3, like=like, scale=1.0, base=merger.version)
     m = one_round(learners, merger)
-    assert decision(m, "bad-0", 3).check == "quarantine" and "diloco readmit" in decision(m, "bad-0", 3).reason
+    assert (decision(m, "bad-0", 3).check == "quarantine"
+            and "diloco readmit" in decision(m, "bad-0", 3).reason)
     readmit(ctx, None, "bad-0")
     plant(ctx, "bad-0", 4, like=(like[0], learners[0].state.seq - 1), scale=1.0, base=merger.version)
     m = one_round(learners, merger)
@@ -59,7 +63,8 @@ def test_rogue_and_outlier_deltas_never_wreck_the_merge(tmp_path: Path) -> None:
     plant(ctx, "bad-0", 5, like=like, scale=1000.0, base=merger.version)
     m = one_round(learners, merger)
     clipped = decision(m, "bad-0", 5)
-    assert clipped.status == "merged" and clipped.clip_scale is not None and clipped.reason.startswith("clipped:")
+    assert (clipped.status == "merged" and clipped.clip_scale is not None
+            and clipped.reason.startswith("clipped:"))
     assert m.guard.settings == {"merger.outlier_rule": "clip", "outer.lr": 0.5}
     assert m.stats["update_norm"] < 3 * max(norms)
 
@@ -72,7 +77,8 @@ def test_rogue_and_outlier_deltas_never_wreck_the_merge(tmp_path: Path) -> None:
 
     report = audit_run(open_run(ctx.store, ctx.run_id))
     assert report.ok, report.problems
-    assert report.decisions_replayed >= 20 and report.controls_applied == 4 and report.decisions_unreplayable == 0
+    assert (report.decisions_replayed >= 20 and report.controls_applied == 4
+            and report.decisions_unreplayable == 0)
     stats = summarize(ratios(open_run(ctx.store, ctx.run_id)))
     assert stats["flagged_outlier"] == 4 and stats["would_reject"]["20x"] == 0  # honest ones, by the tool
     _audit_sees_tampered_settings(tmp_path, ctx.run_id, m.version - 1)
@@ -102,24 +108,28 @@ def test_signing_rejects_forged_and_unsigned_deltas(tmp_path: Path) -> None:
     admit_learner(ctx, None, "forger-0")
     admit_learner(ctx, None, "nosig-0")
     data = plant(ctx, "forger-0", 0, like=like, scale=1.0, base=base)
-    ctx.store.put(ctx.keys.signature("forger-0", 0), sign(new_key().encode(), ctx.run_id, "forger-0", 0, data))
+    ctx.store.put(ctx.keys.signature("forger-0", 0),
+                  sign(new_key().encode(), ctx.run_id, "forger-0", 0, data))
     plant(ctx, "nosig-0", 0, like=like, scale=1.0, base=base)
     m = one_round(learners, merger)
-    assert decision(m, "forger-0", 0).check == "signature" and "does not match" in decision(m, "forger-0", 0).reason
+    assert (decision(m, "forger-0", 0).check == "signature"
+            and "does not match" in decision(m, "forger-0", 0).reason)
     assert decision(m, "nosig-0", 0).reason.startswith("unsigned")
     assert all(d.status == "merged" for d in m.decisions if d.learner.startswith("local"))
     for learner in learners:
         learner.close()
     with_keys = audit_run(open_run(ctx.store, ctx.run_id), keyring=ring)
-    assert with_keys.ok and with_keys.signatures_verified and with_keys.decisions_unreplayable == 0, with_keys.problems
+    assert (with_keys.ok and with_keys.signatures_verified
+            and with_keys.decisions_unreplayable == 0), with_keys.problems
     without = audit_run(open_run(ctx.store, ctx.run_id))
-    assert without.ok and not without.signatures_verified and without.decisions_unreplayable == 2, without.problems
+    assert (without.ok and not without.signatures_verified
+            and without.decisions_unreplayable == 2), without.problems
     assert len(list_versions(ctx.store, ctx.keys)) == 3
 
 
 def test_audit_compares_an_update_packed_another_way_by_its_values(tmp_path: Path, monkeypatch) -> None:
-    """A replay whose zstd packs the same update into other bytes (another zstd version; here, a writer without
-    zstd: lz4 frames) passes on equal header and values; other values fail."""
+    """A replay whose zstd packs the same update into other bytes (another zstd version; here, a writer
+    without zstd: lz4 frames) passes on equal header and values; other values fail."""
 
     import diloco.storage.codec as codec
     from diloco.merger.replay import same_update
@@ -163,15 +173,16 @@ def _repacked_lz4(data: bytes) -> bytes:
     payload = b"".join(parts)
     fields = {"format_version": head.format_version, "kind": head.kind, "codec": head.codec,
               "block_size": head.block_size, "shuffle": head.shuffle, "fingerprint": head.fingerprint,
-              "meta": head.meta, "tensors": entries, "payload_bytes": len(payload), "payload_crc32": zlib.crc32(payload)}
+              "meta": head.meta, "tensors": entries, "payload_bytes": len(payload),
+              "payload_crc32": zlib.crc32(payload)}
     return pack_header(fields) + payload
 
 
 def test_an_admitted_learner_cannot_buy_weight_with_its_counters(tmp_path: Path) -> None:
-    """Issue #44, invariant 5, planted in a live run: an admitted learner whose deltas claim 1000x the steps and tokens
-    of an honest phase got weight 0.9986 of every merge it joined. Now a learner's counters count up to
-    merger.max_phases_per_merge phases and 1.25x the run's tokens per step: its share of a 3-learner merge is at most
-    3.125 / (3.125 + 2) (the honest two count one phase each), and audit replays it."""
+    """Issue #44, invariant 5, planted in a live run: an admitted learner whose deltas claim 1000x the steps
+    and tokens of an honest phase got weight 0.9986 of every merge it joined. Now a learner's counters count
+    up to merger.max_phases_per_merge phases and 1.25x the run's tokens per step: its share of a 3-learner
+    merge is at most 3.125 / (3.125 + 2) (the honest two count one phase each), and audit replays it."""
     ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 3})
     assert ctx.tokens_per_step == ctx.cfg.data.batch_size * ctx.cfg.model.ctx_len  # recorded at creation
     admit_learner(ctx, None, "liar-0")
@@ -180,7 +191,8 @@ def test_an_admitted_learner_cannot_buy_weight_with_its_counters(tmp_path: Path)
         publish_all(learners)
         like = ("local-0", learners[0].state.seq - 1)
         header, delta = read_tensors(ctx.store, ctx.keys.delta(*like))
-        seq = max([d.last_seq for m in [merger.manifest] for d in m.decisions if d.learner == "liar-0"], default=-1) + 1
+        seq = max([d.last_seq for m in [merger.manifest] for d in m.decisions if d.learner == "liar-0"],
+                  default=-1) + 1
         meta = {**header.meta, "learner": "liar-0", "seq": seq, "tokens": header.meta["tokens"] * 1000,
                 "steps": header.meta["steps"] * 1000}
         ctx.store.put(ctx.keys.delta("liar-0", seq), encode_tensors(delta, codec_name="fp32", kind="delta",
@@ -197,10 +209,10 @@ def test_an_admitted_learner_cannot_buy_weight_with_its_counters(tmp_path: Path)
 
 
 def test_the_judged_cannot_steer_the_outlier_window(tmp_path: Path) -> None:
-    """Issue #44, invariant 6, planted in a live run: an admitted learner sent three deltas a merge just under the
-    bound (0.9x, scaled up each time) and ratcheted the median 17x in 10 versions. Now the window takes one sample per
-    learner per merge and its median is over learners: with two honest learners the median stays theirs, and no
-    honest delta is rejected or clipped."""
+    """Issue #44, invariant 6, planted in a live run: an admitted learner sent three deltas a merge just under
+    the bound (0.9x, scaled up each time) and ratcheted the median 17x in 10 versions. Now the window takes
+    one sample per learner per merge and its median is over learners: with two honest learners the median
+    stays theirs, and no honest delta is rejected or clipped."""
     ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 3, "merger.outlier_min_samples": 4})
     assert ctx.trust_rules == 2
     admit_learner(ctx, None, "steer-0")
@@ -222,8 +234,10 @@ def test_the_judged_cannot_steer_the_outlier_window(tmp_path: Path) -> None:
             seq += 1
         m = merger.merge_once()
         install_all(learners, m.version)
-        assert all(d.status == "merged" and d.clip_scale is None for d in m.decisions if d.learner != "steer-0")
-    assert merger.manifest.stats["outlier_median"] < 3 * honest, (honest, merger.manifest.stats["outlier_median"])
+        assert all(d.status == "merged" and d.clip_scale is None
+                   for d in m.decisions if d.learner != "steer-0")
+    assert merger.manifest.stats["outlier_median"] < 3 * honest, (honest,
+                                                                  merger.manifest.stats["outlier_median"])
     for learner in learners:
         learner.close()
     report = audit_run(ctx)

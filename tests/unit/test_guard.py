@@ -1,7 +1,7 @@
-"""The merge's guard, as pure functions: control ops applied to the guard state (admit, remove, readmit, pause,
-set — a bad op refused, never applied), the fold of a merge's decisions (streaks, quarantine, the window of
-norms), the outlier rule (reject, clip, off; silent while warming up) and its determinism, and manifests
-written before the guard still parse.
+"""The merge's guard, as pure functions: control ops applied to the guard state (admit, remove, readmit,
+pause, set — a bad op refused, never applied), the fold of a merge's decisions (streaks, quarantine, the
+window of norms), the outlier rule (reject, clip, off; silent while warming up) and its determinism, and
+manifests written before the guard still parse.
 
 Run: .venv/bin/pytest tests/unit/test_guard.py -q
 """
@@ -55,7 +55,8 @@ def test_ops_change_membership_pause_and_settings_in_order() -> None:
 def test_a_bad_op_is_recorded_as_refused_and_changes_nothing() -> None:
     state = initial_state(["a"])
     bad = [op("set", 1, values={"model.d_model": 64}), op("set", 2, values={"merger.quorum": 0}),
-           op("admit", 3, learner="Not_A_Name"), entry_of("00000000000000000004-00000004", RecordError("junk"))]
+           op("admit", 3, learner="Not_A_Name"),
+           entry_of("00000000000000000004-00000004", RecordError("junk"))]
     policy = policy_after(state, bad, CFG)
     assert all(e.refused for e in policy.entries), policy.entries
     assert "cannot change during a run" in policy.entries[0].refused
@@ -86,7 +87,8 @@ def test_integrity_rejections_in_a_row_quarantine_and_a_merge_resets_the_streak(
     assert newly == [] and state.streaks == {"a": 2}
     state, newly = fold(state, [_d("a", 2, "rejected", "stale"), _d("a", 3, "rejected", "signature"),
                                 _d("a", 4, "rejected", "size")], 2, CFG)
-    assert newly == [] and state.streaks == {"a": 2}  # neither stale, a bad signature nor a size counts, nor breaks it
+    # neither stale, a bad signature nor a size counts, nor breaks it
+    assert newly == [] and state.streaks == {"a": 2}
     state, newly = fold(state, [_d("a", 5, "rejected", "invalid")], 2, CFG)
     assert newly == ["a"] and "since version 2" in state.quarantined["a"]
     policy = policy_after(state, [], CFG)
@@ -103,7 +105,8 @@ def test_the_window_keeps_the_last_merged_unclipped_norms_per_step() -> None:
     state = initial_state(["a"])
     state, _ = fold(state, [_d("a", i, norm=float(i + 1) * 10, steps=10) for i in range(6)], 1, cfg)
     assert state.norms == [3.0, 4.0, 5.0, 6.0]
-    state, _ = fold(state, [_d("a", 6, norm=1e6, clip=0.01), _d("a", 7, "rejected", "outlier", norm=1e6)], 2, cfg)
+    state, _ = fold(state, [_d("a", 6, norm=1e6, clip=0.01),
+                            _d("a", 7, "rejected", "outlier", norm=1e6)], 2, cfg)
     assert state.norms == [3.0, 4.0, 5.0, 6.0] and state.streaks == {"a": 2}
     assert window_median(state, cfg) == 4.5
     assert window_median(initial_state(["a"]), cfg) is None
@@ -158,22 +161,24 @@ def test_the_rule_is_silent_until_the_window_has_min_samples() -> None:
 def test_a_manifest_written_before_the_guard_still_parses() -> None:
     old = {"schema_version": 1, "run_id": "r", "version": 3, "parent": 2, "created_at": 1.0, "merger_id": "m",
            "params_key": "r/global/x.params", "params_checksum": "c", "update_key": "", "update_checksum": "",
-           "outer_key": "", "outer_checksum": "", "cursors": {"a": 1}, "tokens_total": 5, "timing": {}, "stats": {},
-           "decisions": [{"learner": "a", "seq": 1, "status": "rejected", "reason": "stale: x", "base_version": 0,
-                          "staleness": 9, "tokens": 0, "steps": 0, "weight": 0.0, "bytes": 10, "checksum": "k"}]}
+           "outer_key": "", "outer_checksum": "", "cursors": {"a": 1}, "tokens_total": 5, "timing": {},
+           "stats": {},
+           "decisions": [{"learner": "a", "seq": 1, "status": "rejected", "reason": "stale: x",
+                          "base_version": 0, "staleness": 9, "tokens": 0, "steps": 0, "weight": 0.0,
+                          "bytes": 10, "checksum": "k"}]}
     m = Manifest.from_bytes(json.dumps(old).encode())
     assert m.guard is None and m.controls == [] and m.decisions[0].check == "" and m.decisions[0].norm is None
 
 
 def test_the_last_eligible_members_are_never_quarantined_the_merges_pause() -> None:
-    """Trust rules 2 (issue #44, invariant 6): a quarantine that would leave nobody to merge pauses the merges instead
-    (an operator looks), and the window takes one sample per learner per merge with its owner."""
+    """Trust rules 2 (issue #44, invariant 6): a quarantine that would leave nobody to merge pauses the merges
+    instead (an operator looks), and the window takes one sample per learner per merge with its owner."""
     state = initial_state(["a", "b"])
     state.quarantined["b"] = "since version 1: a test"
     for seq in range(2):
         state, newly = fold(state, [_d("a", seq, "rejected", "invalid")], 2, CFG, rules=2)
     state, newly = fold(state, [_d("a", 2, "rejected", "invalid")], 3, CFG, rules=2)
     assert newly == [] and "a" not in state.quarantined and state.paused
-    state, _ = fold(initial_state(["a", "b"]), [_d("a", 0), _d("a", 1, norm=30.0), _d("b", 0, norm=20.0)], 1, CFG,
-                    rules=2)
+    state, _ = fold(initial_state(["a", "b"]), [_d("a", 0), _d("a", 1, norm=30.0), _d("b", 0, norm=20.0)],
+                    1, CFG, rules=2)
     assert state.norms == [3.0, 2.0] and state.norm_learners == ["a", "b"]  # a's last, then b's

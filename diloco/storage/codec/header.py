@@ -349,8 +349,8 @@ def read_header(data: bytes, *, max_bytes: int | None = None, allow_partial: boo
 
 
 def rehead(data: bytes, **meta: Any) -> bytes:
-    """The same object with its header's meta updated (the payload and its crc untouched): a delta moved to another
-    seq, or a template given a round's. CodecError when `data` is not a well-formed object."""
+    """The same object with its header's meta updated (the payload and its crc untouched): a delta moved to
+    another seq, or a template given a round's. CodecError when `data` is not a well-formed object."""
     offset = read_layout(data, None, allow_partial=False).payload_offset
     fields = json.loads(bytes(memoryview(data)[PREFIX.size:offset]).decode())
     fields["meta"] = {**fields["meta"], **meta}
