@@ -18,7 +18,8 @@ from diloco.configs import load_config
 
 def test_bench_outage_reports_both_rules(tmp_path):
     out, recipe = tmp_path / "outage.json", tmp_path / "tiny-momentum.yaml"
-    cfg = load_config("tiny").with_overrides({"outer.lr": 0.7, "outer.momentum": 0.9})  # the rules differ by momentum
+    # the rules differ by momentum
+    cfg = load_config("tiny").with_overrides({"outer.lr": 0.7, "outer.momentum": 0.9})
     recipe.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     result = CliRunner().invoke(app, ["bench", "outage", "--config", str(recipe), "--at", "1", "--down", "2",
                                       "--rounds", "4", "--jobs", "1", "--json", str(out)])

@@ -161,7 +161,8 @@ def test_quality_quick_smoke(tmp_path) -> None:
     tokens = {m["tokens"] for m in data["methods"].values()}
     assert len(tokens) == 1  # equal tokens for every method
     for name, m in data["methods"].items():
-        for key in ("eval_loss", "eval_loss_bits", "bytes_sent_per_learner", "bytes_received_per_learner", "seeds"):
+        for key in ("eval_loss", "eval_loss_bits", "bytes_sent_per_learner", "bytes_received_per_learner",
+                    "seeds"):
             assert key in m, (name, key)
         assert m["eval_loss_bits"] == pytest.approx(m["eval_loss"] / math.log(2))
         curve = m["seeds"][0]["curve"]
@@ -174,7 +175,8 @@ def test_quality_quick_smoke(tmp_path) -> None:
     assert data["traffic_ratio_vs_dp"] > 1
     concurrent, clock = data["concurrent"], data["methods"]["streaming-clock-int4"]
     assert concurrent["method"] == "streaming-clock-int4"
-    assert concurrent["loss_ratio_vs_dp"] == pytest.approx(clock["eval_loss"] / data["methods"]["dp"]["eval_loss"])
+    assert concurrent["loss_ratio_vs_dp"] == pytest.approx(clock["eval_loss"]
+                                                           / data["methods"]["dp"]["eval_loss"])
     assert concurrent["received_ratio_vs_dp"] > 1
     hetero, dylu = data["concurrent_hetero"], data["methods"]["streaming-clock-hetero-dylu"]
     assert hetero["method"] == "streaming-clock-hetero-dylu"
@@ -185,7 +187,8 @@ def test_quality_quick_smoke(tmp_path) -> None:
 
 def test_merge_bench_smoke(tmp_path) -> None:
     out = tmp_path / "m.json"
-    result = runner.invoke(app, ["bench", "merge", "--sizes", "tiny", "--learners", "1,3", "--json", str(out)])
+    result = runner.invoke(app, ["bench", "merge", "--sizes", "tiny", "--learners", "1,3", "--json",
+                                 str(out)])
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())["rows"]
     assert [r["num_learners"] for r in rows] == [1, 3]

@@ -10,7 +10,8 @@ from diloco.storage import DeltaDecision, Manifest
 
 
 def _manifest(version: int, merged: list[tuple[str, int]]) -> Manifest:
-    return Manifest(run_id="r", version=version, created_at=float(version), params_key="k", params_checksum="x",
+    return Manifest(run_id="r", version=version, created_at=float(version), params_key="k",
+                    params_checksum="x",
                     decisions=[DeltaDecision(learner=n, seq=s, status="merged") for n, s in merged])
 
 
