@@ -1,6 +1,6 @@
-"""The checkpoints a merger writes of the chains it holds: every `state.checkpoint_every` versions, in the
-background, one at a time per merger process (`CheckpointWriter`), and named by the chain's next manifest
-once landed.
+"""The checkpoints a merger writes of the chains it holds: every `state.checkpoint_every` versions (K), the
+chains of a fragmented run taking turns (fragment p on the grid shifted by p·K/P), in the background, one at
+a time per merger process (`CheckpointWriter`), and named by the chain's next manifest once landed.
 
 Contract: a chain's checkpoint of version v is started only after v is committed (so it is the chain's
 state, and records v's manifest checksum), from the tensors the merger holds: the next merge's step (which
@@ -65,6 +65,9 @@ class ChainCheckpoints:
                  stage_hook: Callable[[str], None] | None = None) -> None:
         self.ctx, self.writer, self.merger_id, self.events = ctx, writer, merger_id, events
         self.every = checkpoint_every(ctx.cfg)
+        # the chains take turns: fragment p of P checkpoints on the grid shifted by p * K // P, so a merger
+        # that owns every chain builds one chain's parts at a time (while P <= K), not P at once
+        self.offset = (ctx.keys.fragment or 0) * self.every // max(1, ctx.cfg.fragments.count)
         self.stage_hook = stage_hook
         self.named: CheckpointRef | None = None  # what the newest manifest names (or a newer one found)
         self._job: Future | None = None
@@ -122,8 +125,8 @@ class ChainCheckpoints:
         """Version `manifest` is committed and held: start its checkpoint when K versions passed since the
         newest."""
         self.landed()
-        newest = self.named.version if self.named is not None else -1
-        if self._job is not None or manifest.version - newest < self.every:
+        newest = self.named.version if self.named is not None else 0
+        if self._job is not None or self._slot(manifest.version) <= self._slot(newest):
             return
         self._free.clear()
         self._job_version = manifest.version
@@ -132,6 +135,10 @@ class ChainCheckpoints:
         except BaseException:
             self._free.set()
             raise
+
+    def _slot(self, version: int) -> int:
+        """Which of the chain's checkpoint intervals `version` is in (a new one is due in the next)."""
+        return (version + self.offset) // self.every
 
     def _write(self, manifest: Manifest, params: Tensors, outer: OuterState | None,
                ema: dict) -> CheckpointRef:
