@@ -177,6 +177,9 @@ class Manifest(BaseModel):
         if not manifest.params_key and manifest.checkpoint is None:
             raise ManifestError(f"manifest of version {manifest.version} names neither its params nor a "
                                 "checkpoint")
+        if manifest.version >= 1 and not manifest.params_key and not manifest.update_key:
+            raise ManifestError(f"manifest of version {manifest.version} names no update (the log's entry "
+                                "every reader installs) and no params")
         return manifest
 
     @property

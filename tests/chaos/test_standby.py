@@ -11,12 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from chaos_harness import assert_no_children, wait_for
 
 from diloco.configs import load_config
 from diloco.run.create import create_run
 from diloco.run.events import read_events
+from diloco.run.objects import write_state
 from diloco.storage import commit, open_store, read_manifest
+from diloco.storage.keys import new_nonce
 from diloco.supervise import local as supervisor_module
 from diloco.supervise.local import local_supervisor
 
@@ -48,7 +51,11 @@ def test_standby_activation_joins_newest_version(tmp_path: Path, monkeypatch: py
         assert not any("status" in k or "/events/" in k for k in before)
         # a newer version than the spare could have seen when it started: it must join this one
         v0 = read_manifest(ctx.store, ctx.keys, 0)
-        commit(ctx.store, ctx.keys, v0.model_copy(update={"version": 1, "parent": 0,
+        zeros = {e["name"]: torch.zeros(e["shape"]) for e in ctx.layout}  # an update that changes nothing
+        key = ctx.keys.update(1, new_nonce())
+        _, checksum = write_state(ctx.store, key, zeros, kind="update", fingerprint=ctx.fingerprint)
+        commit(ctx.store, ctx.keys, v0.model_copy(update={"version": 1, "parent": 0, "update_key": key,
+                                                          "update_checksum": checksum,
                                                           "created_at": time.time()}))
         spare_pid = backend.standbys[proc.name].pid
         sup.start(proc)
