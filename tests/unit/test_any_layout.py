@@ -3,7 +3,8 @@ with the awkward shapes drawn often (0-d, one element, empty, odd lengths, one p
 or a pack), in random order, through every codec, checked against a plain reference.
 
 The paths: a learner's delta (whole model and fragment lanes), the merger's in-place outer step against the
-pure `outer_step`, a version's params and outer state, the learner's optimizer checkpoint (AdamW state of
+pure `outer_step`, a version's params and outer state (format 1's objects, and a chain's checkpoint split over
+parts), the learner's optimizer checkpoint (AdamW state of
 fp32, bf16 and fp16 parameters), its local state, and the model the evaluator and export load. The reference
 for the codecs is `reference_decode` below: the block quantizers written out in whole-array numpy, bit for bit
 what docs/CODEC.md says.
@@ -27,6 +28,8 @@ from diloco.configs import load_config
 from diloco.learner.local_state import LocalState
 from diloco.merger.inplace import outer_step_in_place
 from diloco.merger.step import GradientStream, LearnerGroup, OuterState, outer_optimizer, outer_step
+from diloco.run.checkpoint import read_checkpoint, write_checkpoint
+from diloco.run.create import create_run
 from diloco.run.objects import decode_tensors, encode_shipped, encode_tensors, read_tensors, write_state
 from diloco.storage import open_store
 from diloco.storage.codec import CODECS, Header
@@ -186,6 +189,30 @@ def test_a_versions_params_and_outer_state_round_trip_through_the_bucket(
         assert _same(back, tensors) and size == len(store.get(key))
     _, back = read_tensors(store, "o", checksum=None)
     assert _same(OuterState.from_tensors(back, params).residual, outer.residual)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: Any) -> Any:
+    """A run whose chain the checkpoints below are written to (each under its own nonce)."""
+    return create_run(open_store(f"file://{tmp_path_factory.mktemp('run')}"), "layout", load_config("tiny"))
+
+
+@settings(SETTINGS, max_examples=25)
+@given(params=layouts(), part_bytes=st.sampled_from([40, 1024, 1 << 20]), pending=st.booleans())
+def test_a_chains_checkpoint_of_any_layout_comes_back_bit_for_bit_over_parts(
+        chain: Any, params: dict, part_bytes: int, pending: bool) -> None:
+    """The merger's checkpoint (issue #41): params and outer state split over parts as small as ten elements,
+    a 0-d or empty tensor among them, read back bit for bit (and the params alone without the outer parts)."""
+    ctx = chain
+    outer = OuterState(clone(params), {k: -v for k, v in params.items()},
+                       {k: v * 0.5 for k, v in params.items()} if pending else {}, 0.25 if pending else 0.0)
+    ref = write_checkpoint(ctx, 3, clone(params), outer, ema={}, manifest_checksum="", created_by="t",
+                           part_bytes=part_bytes)
+    got = read_checkpoint(ctx, ref)
+    assert _same(got.params, params) and got.outer is not None
+    assert _same(got.outer.to_tensors(), outer.to_tensors())
+    assert got.outer.pending_share == outer.pending_share
+    assert _same(read_checkpoint(ctx, ref, outer=False).params, params)
 
 
 class Holder(nn.Module):
