@@ -181,9 +181,8 @@ def _tables(result: dict[str, Any]) -> list[Table]:
                   for row in rows]
     log = Table("the log: bucket growth, a merger's cold restart, a learner's rejoin (targets at 124M: "
                 "<= 1.5 B/param/version, <= 60 s, <= 2x the full-params rejoin)",
-                ["P", "bucket MB/version", "B/param/version", "recovery s", "replayed", "rejoin s", "rejoin "
-                                                                                                    "MB",
-                 "full-params rejoin s", "state held MB", "merger RSS MB"])
+                ["P", "bucket MB/version", "B/param/version", "recovery s", "replayed", "rejoin s",
+                 "rejoin MB", "full-params rejoin s", "state held MB", "merger RSS MB"])
     log.rows = [[str(row["fragments"]), f"{row['bucket_bytes_per_version'] / 1e6:.1f}",
                  f"{row['bucket_bytes_per_param_per_version']:.3f}", f"{row['recovery_s']:.1f}",
                  str(row["recovery_replayed"]), f"{row['rejoin_s']:.2f}", f"{row['rejoin_bytes'] / 1e6:.0f}",
