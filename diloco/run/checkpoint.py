@@ -90,7 +90,11 @@ def write_checkpoint(ctx: RunContext, version: int, params: Tensors, outer: Oute
     tensors = state_tensors(params, outer)
     by_name = dict(tensors)
     elements = max(1, (part_bytes or PART_BYTES) // 4)
-    plan = plan_parts([(name, t.numel()) for name, t in tensors], elements)
+    # the params and the outer state never share a part: a reader of the params alone (a learner, the
+    # evaluator, export) reads no outer-state bytes, also when a small fragment's whole state fits one part
+    shapes = [(name, t.numel()) for name, t in tensors]
+    plan = plan_parts([s for s in shapes if s[0].startswith("params/")], elements) \
+        + plan_parts([s for s in shapes if not s[0].startswith("params/")], elements)
     nonce, parts = new_nonce(), []
     compression = "zstd" if zstd_available() else "lz4"
     for index, slices in enumerate(plan):

@@ -339,6 +339,9 @@ def test_a_checkpoint_splits_tensors_over_parts_and_names_a_damaged_one(tmp_path
                            created_by="t", part_bytes=10_000)
     got = read_checkpoint(chain, ref)
     assert len(got.record.parts) > 10 and got.ema == {"phase_s": 1.5}
+    # the params never share a part with the outer state (a params reader reads none of it)
+    kinds = [{name.startswith("params/") for name, _, _ in part.slices} for part in got.record.parts]
+    assert all(len(k) == 1 for k in kinds) and kinds[0] == {True} and kinds[-1] == {False}
     assert same(got.params, params) and same(got.outer.to_tensors(), outer.to_tensors())
     assert same(read_checkpoint(chain, ref, outer=False).params, params)
     part = got.record.parts[3].key
