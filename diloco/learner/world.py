@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -127,6 +128,12 @@ def _rank_entry(rank: int, size: int, port: int, backend: str, timeout_s: float,
         target(world)
     finally:
         dist.destroy_process_group()
+    # A rank that ended well leaves here, exit code 0. A forked rank inherits its parent's at-exit hooks;
+    # under a Prefect flow run those include Prefect's services, whose drain fails in a fork (an
+    # AssertionError in multiprocessing's teardown: exit code 1, and torch ended the other ranks mid-close).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch_world(target: Callable[[World], Any], size: int, *, cuda: bool, timeout_s: float,
