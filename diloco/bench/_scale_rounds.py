@@ -60,10 +60,10 @@ def _timed_writes(durations: list[float]) -> None:
     checkpointer.write_checkpoint = timed
 
 
-def rounds_child(storage: str, run_id: str, first: int, last: int, queue: Any) -> None:
+def rounds_child(storage: str, run_id: str, first: int, last: int, decode: bool, queue: Any) -> None:
     """Rounds first..last (round r makes version r + 1) by one merger process: per round the merge time and
     the growth of peak RSS over it; the bytes it wrote; the checkpoint writes' time; read + decode of the
-    last round."""
+    last round (`decode`; else read_decode_s is None)."""
     from diloco.bench.scale import peak_rss_bytes, reset_peak_rss
     from diloco.merger.loop import ShardMerger
     from diloco.run.context import open_run
@@ -100,11 +100,13 @@ def rounds_child(storage: str, run_id: str, first: int, last: int, queue: Any) -
         if len(merged) != len(shard.fragments) or any(len(m.merged()) != len(ctx.learners) for m in merged):
             raise RuntimeError(f"round {r}: {len(merged)} merges for {len(shard.fragments)} chains")
     shard.close()
-    t0 = time.perf_counter()
-    for chain in _chains(ctx):
-        for name in ctx.learners:
-            decode_tensors(raw.get(chain.keys.delta(name, last)))
-    read_decode_s = time.perf_counter() - t0
+    read_decode_s = None
+    if decode:
+        t0 = time.perf_counter()
+        for chain in _chains(ctx):
+            for name in ctx.learners:
+                decode_tensors(raw.get(chain.keys.delta(name, last)))
+        read_decode_s = time.perf_counter() - t0
     queue.put({"merge_s": merge_s, "peak_rss_bytes": peaks, "rss_high_bytes": highs,
                "read_decode_s": read_decode_s,
                "sent_bytes": sum(counting.sent.values()), "sent": dict(counting.sent), "checkpoint_s": writes,

@@ -13,8 +13,6 @@ import functools
 from typing import Annotated, Any
 
 from diloco.bench.harness import BenchResult, Opt, Table, benchmark
-from diloco.configs import ConfigError
-from diloco.configs.schema import CHECKPOINT_EVERY
 
 FP32_BYTES = 4  # bytes per parameter of an uncompressed fp32 tensor
 _SAMPLE_PARAMS = 1 << 20  # a 1M-parameter Gaussian delta measures each codec's size (header included)
@@ -55,7 +53,9 @@ def bucket_growth(num_params: int, num_learners: int, versions_per_hour: float, 
     """Bytes a run stores a version and an hour (quorum = all: one delta per learner a version): the merger's
     side (the update, the manifest, 1/K of a checkpoint) and the learners' deltas; and the same before the
     log (every version's full state)."""
-    k = checkpoint_every or CHECKPOINT_EVERY[update_codec]
+    from diloco.configs.schema import checkpoint_interval  # pydantic when used, not when the CLI starts
+
+    k = checkpoint_interval(checkpoint_every, update_codec)
     update = codec_bytes_per_param(update_codec) * num_params
     checkpoint = STATE_TENSORS * checkpoint_bytes_per_param() * num_params
     merger = update + MANIFEST_BYTES + checkpoint / k
@@ -173,6 +173,7 @@ def bandwidth(
 ) -> BenchResult:
     """Bandwidth needed between sites: data-parallel all-reduce vs one delta per H steps; and the bucket's
     growth."""
+    from diloco.configs import ConfigError
     from diloco.storage.codec import CODECS
 
     for name, value in (("--codec", codec), ("--update-codec", update_codec)):

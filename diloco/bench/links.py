@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diloco.configs import ConfigError
+from diloco.run.lease import pid_alive
 
 PREFIX = "dlc"  # every interface and namespace this module makes starts with it
 STATE_DIR = Path("/run/diloco-links")  # one file per live harness: its owner's pid and names (for the sweep)
@@ -313,7 +314,7 @@ def sweep_stale() -> list[str]:
     for path in STATE_DIR.glob("*") if STATE_DIR.is_dir() else []:
         lines = path.read_text().split("\n")
         with contextlib.suppress(ValueError, IndexError):
-            if _alive(int(lines[0])):
+            if pid_alive(int(lines[0])):
                 continue
             rest = [line.split() for line in lines[2:] if line]
             for pid in (int(words[1]) for words in rest if words[0] == "pid"):
@@ -332,11 +333,3 @@ def _end_helper(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -29,6 +29,7 @@ from diloco.bench.harness import BenchResult, Opt, Table, benchmark
 from diloco.bench.merge import in_fresh_process
 from diloco.configs import Config, ConfigError, load_config
 from diloco.configs.schema import checkpoint_every as interval_of
+from diloco.run.heap import status_bytes
 from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.storage import open_store
 from diloco.training.fragments import due_offset
@@ -86,12 +87,11 @@ def _publish(cfg: Config, storage: str, run_id: str) -> tuple[list[int], list[in
     return sizes, fp32
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+def _status(field: str) -> int:
+    value = status_bytes(field)
+    if value is None:
+        raise RuntimeError(f"/proc/self/status has no {field}")
+    return value
 
 
 def reset_peak_rss() -> int:
@@ -100,12 +100,12 @@ def reset_peak_rss() -> int:
     held the whole model would hide the child's peak. VmHWM is reset by writing 5 to clear_refs."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status_kib("VmRSS") * 1024
+    return _status("VmRSS")
 
 
 def peak_rss_bytes() -> int:
     """The RSS high-water mark since reset_peak_rss (VmHWM)."""
-    return _status_kib("VmHWM") * 1024
+    return _status("VmHWM")
 
 
 def peak_window_bytes(fragment_bytes: list[int], steps_per_phase: int) -> int:
@@ -128,9 +128,10 @@ def measure_row(size: str, num_learners: int, num_fragments: int,
     with tempfile.TemporaryDirectory(prefix="diloco-scale-bench-") as tmp:
         storage = f"file://{tmp}"
         sizes, fp32 = _publish(cfg, storage, "scale")
-        first = in_fresh_process(rounds_child, (storage, "scale", 0, rounds - 2), timeout_s=7200.0)
+        first = in_fresh_process(rounds_child, (storage, "scale", 0, rounds - 2, True), timeout_s=7200.0)
         rejoin = in_fresh_process(rejoin_child, (storage, "scale"), timeout_s=3600.0)
-        last = in_fresh_process(rounds_child, (storage, "scale", rounds - 1, rounds - 1), timeout_s=3600.0)
+        last = in_fresh_process(rounds_child, (storage, "scale", rounds - 1, rounds - 1, False),
+                                timeout_s=3600.0)
     params = sum(fp32) // 4
     merge_s = statistics.median(first["merge_s"] + last["merge_s"])
     read_decode_s = first["read_decode_s"]

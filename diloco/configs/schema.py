@@ -276,7 +276,12 @@ CHECKPOINT_EVERY = {"fp32": 2, "bf16": 3, "int8": 5, "int4": 10, "int3": 16, "in
 
 def checkpoint_every(cfg: Config) -> int:
     """K of a run: `state.checkpoint_every`, or derived from `outer.update_codec` (CHECKPOINT_EVERY)."""
-    return cfg.state.checkpoint_every or CHECKPOINT_EVERY[cfg.outer.update_codec]
+    return checkpoint_interval(cfg.state.checkpoint_every, cfg.outer.update_codec)
+
+
+def checkpoint_interval(explicit: int | None, update_codec: str) -> int:
+    """K: the one given, or the update codec's (CHECKPOINT_EVERY); also what `diloco bandwidth` models."""
+    return explicit or CHECKPOINT_EVERY[update_codec]
 
 
 class EvalConfig(_Strict):

@@ -76,10 +76,9 @@ def learner_traffic_by_kind(ctx: RunContext, events: list[dict[str, Any]] | None
     return {name: {way: dict(kinds) for way, kinds in ways.items()} for name, ways in out.items()}
 
 
-def learner_traffic(ctx: RunContext, events: list[dict[str, Any]] | None = None) -> dict[str, dict[str, int]]:
-    """learner -> {"sent", "received"}: all bytes each of its processes put and got, every kind summed."""
-    return {name: {way: sum(kinds.values()) for way, kinds in ways.items()}
-            for name, ways in learner_traffic_by_kind(ctx, events).items()}
+def totals(by_kind: Traffic) -> dict[str, dict[str, int]]:
+    """learner -> {"sent", "received"}: all bytes each learner's processes put and got, every kind summed."""
+    return {name: {way: sum(kinds.values()) for way, kinds in ways.items()} for name, ways in by_kind.items()}
 
 
 def traffic_figures(ctx: RunContext, events: list[dict[str, Any]] | None = None,
@@ -90,8 +89,9 @@ def traffic_figures(ctx: RunContext, events: list[dict[str, Any]] | None = None,
     nothing was counted."""
     base = base or summarize(ctx)
     by_kind = learner_traffic_by_kind(ctx, events)
-    sent = [sum(ways["sent"].values()) for ways in by_kind.values()]
-    received = [sum(ways["received"].values()) for ways in by_kind.values()]
+    per_learner = totals(by_kind).values()
+    sent = [ways["sent"] for ways in per_learner]
+    received = [ways["received"] for ways in per_learner]
     m = max(1, len(ctx.learners))
     dp_total = base["dp_bytes_equivalent"]
     kinds: dict[str, dict[str, int]] = {"sent": defaultdict(int), "received": defaultdict(int)}
@@ -132,8 +132,7 @@ def learner_busy(events: list[dict[str, Any]]) -> dict[str, float]:
 def _learner_rows(ctx: RunContext, chain: list[Manifest], pending: dict[str, list[tuple[int, int]]],
                   num_params: int, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_kind, busy = learner_traffic_by_kind(ctx, events), learner_busy(events)
-    traffic = {name: {way: sum(kinds.values()) for way, kinds in ways.items()}
-               for name, ways in by_kind.items()}
+    traffic = totals(by_kind)
     names = sorted({*ctx.learners, *pending, *traffic})
     m = max(1, len(ctx.learners))
     rows = []

@@ -252,7 +252,7 @@ def read_checkpoint(store: Store, keys: RunKeys, name: str, fingerprint: str) ->
     moments = pointer.moments
     if moments is None:
         return Restored(pointer.step, pointer.cursor, pointer.seq, None, {}, pointer)
-    tensors = _read_parts(store, moments, fingerprint)
+    tensors = _Parts(store, moments, fingerprint)
     return Restored(pointer.step, pointer.cursor, pointer.seq, tensors, moments.optimizer, pointer,
                     moments.seq)
 
@@ -314,10 +314,6 @@ def round_trip(tensors: Mapping[str, torch.Tensor], encoding: str, fingerprint: 
         size += len(data)
         out.update({name: moment(obj, name) for name in names})
     return {"tensors": out, "bytes": size}
-
-
-def _read_parts(store: Store, moments: MomentsRef, fingerprint: str) -> Mapping[str, torch.Tensor]:
-    return _Parts(store, moments, fingerprint)
 
 
 def _square_up(root: np.ndarray, block_size: int) -> np.ndarray:

@@ -24,7 +24,6 @@ from diloco.learner.pace import Pace
 from diloco.learner.publisher import Publisher
 from diloco.learner.ranks import make_trainer
 from diloco.learner.slots import Slots
-from diloco.learner.spill import SpillDir, scratch_dir
 from diloco.learner.state import QUICK_RETRIES
 from diloco.learner.world import World
 from diloco.run.context import RunContext
@@ -87,8 +86,8 @@ def wire(ctx: RunContext, name: str, spec: TrainSpec | None = None, *, events: E
     publisher = Publisher(ctx.store, events, slots, on_landed=local.unspool if local else None)
     model, trainer = make_trainer(ctx, spec, device, f"learner {name}", world)
     # G (and on a CPU learner r) spilled to this host's disk: the local state's directory, which names the
-    # files
-    spill = local.spill if local is not None else SpillDir(scratch_dir(), persist=False)
+    # files (without local state, Lanes' scratch space)
+    spill = local.spill if local is not None else None
     if ctx.fragments:
         tau = cfg.fragments.overlap_steps
         lanes = Lanes(ctx.fragments, h, tau, cfg.learner.mode, spill)

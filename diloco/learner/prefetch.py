@@ -24,9 +24,9 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from diloco.learner.spill import SpillDir, Spilled, scratch_dir
-from diloco.run.chain_state import apply_updates, chain_params
+from diloco.run.chain_state import apply_updates, params_at, version_name
 from diloco.run.context import RunContext
-from diloco.run.objects import COMMITTED_READS, CorruptObject, corrupt_message, read_checked
+from diloco.run.objects import CorruptObject, read_committed_lazy
 from diloco.storage import Manifest, NotFound, StorageError, latest_version, manifest_exists, read_manifest
 from diloco.storage.codec import CodecError
 from diloco.storage.codec.lazy import LazyObject
@@ -47,8 +47,7 @@ def fetch_global(ctx: RunContext, store: Store, base: int, glob: Tensors, versio
             return out, apply_updates(ctx, out, base + 1, version, store)
         except NotFound:
             del out
-    m = read_manifest(store, ctx.keys, version)
-    return chain_params(ctx, m, store=store), m
+    return params_at(ctx, version, store)
 
 
 class StepGate:
@@ -87,15 +86,16 @@ def fetch_spilled(ctx: RunContext, store: Store, base: int, glob: Mapping[str, t
             current = glob
             for v in range(base + 1, version + 1):
                 manifest = read_manifest(store, ctx.keys, v)
-                update = _read_update(store, manifest.update_key, manifest.update_checksum, ctx.fingerprint,
-                                      f"version {v}'s update")
+                what = f"{version_name(ctx, v)}'s update"
+                update = read_committed_lazy(store, manifest.update_key, checksum=manifest.update_checksum,
+                                             fingerprint=ctx.fingerprint, what=what)
                 current = spill.write(_folded(current, update, gate), tag="g")
                 del update
             return current, manifest
         except NotFound:  # an update gc's retention removed: from the checkpoint instead
             pass
-    manifest = read_manifest(store, ctx.keys, version)
-    return spill.write(chain_params(ctx, manifest, store=store).items(), tag="g"), manifest
+    params, manifest = params_at(ctx, version, store)
+    return spill.write(params.items(), tag="g"), manifest
 
 
 def _folded(previous: Mapping[str, torch.Tensor], update: LazyObject,
@@ -112,17 +112,6 @@ def _fresh(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     """Tensor `name` to add into: a spill file's read is fresh already; another mapping's is copied."""
     value = tensors[name]
     return value if isinstance(tensors, Spilled) else value.detach().clone()
-
-
-def _read_update(store: Store, key: str, checksum: str, fingerprint: str, what: str) -> LazyObject:
-    """A committed update, its checksum and the codec's checks passed, to decode one tensor at a time; read
-    again on a failed check, COMMITTED_READS in all, then CorruptObject (as read_committed)."""
-    for _ in range(COMMITTED_READS):
-        try:
-            return LazyObject(read_checked(store, key, checksum), fingerprint=fingerprint)
-        except CodecError as err:
-            failure = str(err).removeprefix(f"{key}: ")
-    raise CorruptObject(corrupt_message(what, key, failure))
 
 
 class Prefetcher:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
 import re
 import struct
@@ -29,6 +30,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
+
+from diloco.run.lease import pid_alive
 
 MAGIC = b"DLSPILL1"
 TAIL = struct.Struct("<Q8s")  # footer length, magic
@@ -74,13 +77,6 @@ class Spilled(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.entries)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.entries[name][0]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(4 * _numel(shape) for shape, _ in self.entries.values())
 
     def __repr__(self) -> str:
         return f"Spilled({self.path.name}, {len(self.entries)} tensors)"
@@ -183,7 +179,7 @@ class SpillDir:
         named = set(named)
         for path in self.dir.glob("*.f32"):
             pid = int(path.name.split("-")[1]) if SPILL_RE.match(path.name) else None
-            if pid is not None and path.name not in named and not _alive(pid):
+            if pid is not None and path.name not in named and not pid_alive(pid):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
 
@@ -195,25 +191,6 @@ class SpillDir:
         for name in names:
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _footer(fd: int, path: Path) -> tuple[dict[str, tuple[tuple[int, ...], int]], dict]:
@@ -232,7 +209,7 @@ def _footer(fd: int, path: Path) -> tuple[dict[str, tuple[tuple[int, ...], int]]
         raise SpillError(f"spill file {path}: unreadable footer ({err})") from None
     data = size - TAIL.size - length
     for name, (shape, offset) in entries.items():
-        if offset < 0 or offset + 4 * _numel(shape) > data:
+        if offset < 0 or offset + 4 * math.prod(shape) > data:
             raise SpillError(f"spill file {path}: tensor {name!r} lies outside its data")
     return entries, meta
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +31,14 @@ from diloco.merger.step import (
 )
 from diloco.run.checkpoint import checkpoint_of, read_start
 from diloco.run.context import RunContext, direct_names
-from diloco.run.objects import CorruptObject, decode_tensors, read_checked, read_committed, read_tensors
+from diloco.run.objects import (
+    CorruptObject,
+    decode_tensors,
+    read_ahead,
+    read_checked,
+    read_committed,
+    read_tensors,
+)
 from diloco.storage import Manifest, StorageError, read_manifest
 from diloco.storage.codec import CodecError, decode, object_checksum, read_header
 from diloco.storage.manifest import CheckpointRef
@@ -104,21 +110,17 @@ def replay_merge(ctx: RunContext, prev: Manifest, m: Manifest, params: Tensors,
     group: LearnerGroup | None = None
     merged = m.merged()
 
-    def load(i: int):
-        d = merged[i]
+    def load(d):
         return _delta(ctx, m, d.learner, d.seq, d.checksum, d.clip_scale)
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-read") as pool:
-        ahead = pool.submit(load, 0) if merged else None
-        for i, d in enumerate(merged):  # a learner's deltas are contiguous, in the merger's order
-            header, delta = ahead.result()
-            ahead = pool.submit(load, i + 1) if i + 1 < len(merged) else None
-            if group is not None and group.learner != d.learner:
-                stream.add(group)
-                group = None
-            group = group or LearnerGroup(d.learner)
-            group.add(d.seq, header, delta)
-            del header, delta
+    # a learner's deltas are contiguous, in the merger's order
+    for d, (header, delta) in read_ahead(merged, load, "replay-read"):
+        if group is not None and group.learner != d.learner:
+            stream.add(group)
+            group = None
+        group = group or LearnerGroup(d.learner)
+        group.add(d.seq, header, delta)
+        del header, delta
     if group is not None:
         stream.add(group)
     finished = stream.finish()

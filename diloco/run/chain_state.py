@@ -13,17 +13,17 @@ modified.
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 
 from diloco.run.checkpoint import read_start
 from diloco.run.context import RunContext
-from diloco.run.objects import read_committed
+from diloco.run.objects import read_ahead, read_committed
 from diloco.storage import Manifest, NotFound, read_manifest
 from diloco.storage.store import Store
 from diloco.training.tensors import Tensors, add_, clone
 
 
-def _name(ctx: RunContext, version: int) -> str:
+def version_name(ctx: RunContext, version: int) -> str:
+    """How an error names a chain's version: \"version v\", or \"fragment p's version v\"."""
     fragment = ctx.keys.fragment
     return f"version {version}" if fragment is None else f"fragment {fragment}'s version {version}"
 
@@ -40,21 +40,13 @@ def apply_updates(ctx: RunContext, glob: Tensors, first: int, last: int, store: 
         m = last_manifest if last_manifest is not None and v == last_manifest.version else \
             read_manifest(store, ctx.keys, v)
         return m, read_committed(store, m.update_key, fingerprint=ctx.fingerprint, checksum=m.update_checksum,
-                                 what=f"{_name(ctx, v)}'s update")[1]
+                                 what=f"{version_name(ctx, v)}'s update")[1]
 
-    if first > last:
-        return None
-    if first == last:  # the common case, a learner one version behind: no thread
-        manifest, update = fetch(first)
+    manifest = None
+    for _, (read, update) in read_ahead(range(first, last + 1), fetch, "updates"):
         add_(glob, update)
-        return manifest
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="updates") as pool:
-        ahead = pool.submit(fetch, first)
-        for v in range(first, last + 1):
-            manifest, update = ahead.result()
-            ahead = pool.submit(fetch, v + 1) if v < last else None
-            add_(glob, update)
-            del update
+        manifest = read
+        del update
     return manifest
 
 
@@ -66,7 +58,7 @@ def chain_params(ctx: RunContext, manifest: Manifest, *, newest: bool = False,
     if manifest.params_key:
         return read_committed(store, manifest.params_key, fingerprint=ctx.fingerprint,
                               checksum=manifest.params_checksum,
-                              what=f"{_name(ctx, manifest.version)}'s params")[1]
+                              what=f"{version_name(ctx, manifest.version)}'s params")[1]
     reader = ctx if store is ctx.store else _with_store(ctx, store)
     start = read_start(reader, manifest, outer=False, newest=newest)
     glob = start.params

@@ -16,13 +16,12 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from diloco.run.context import RunContext
-from diloco.run.objects import CorruptObject, put_checksummed, read_checked, read_committed
+from diloco.run.objects import CorruptObject, put_checksummed, read_ahead, read_checked, read_committed
 from diloco.storage import Manifest, NotFound
 from diloco.storage.codec import CodecError, Encoder, object_checksum
 from diloco.storage.codec.payload import zstd_available
@@ -160,20 +159,16 @@ def read_checkpoint(ctx: RunContext, ref: CheckpointRef, *, outer: bool = True) 
                               what=f"checkpoint {ref.key}'s part {i}")[1]
 
     # the next part is read and decoded on a second thread while this one is copied
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-read") as pool:
-        ahead = pool.submit(fetch, *parts[0]) if parts else None
-        for n, (index, part) in enumerate(parts):
-            got = ahead.result()
-            ahead = pool.submit(fetch, *parts[n + 1]) if n + 1 < len(parts) else None
-            names = [f"{name}[{start}:{stop}]" for name, start, stop in part.slices]
-            if list(got) != names:
-                raise CorruptObject(f"checkpoint {ref.key}'s part {index} holds {list(got)[:4]}, not "
-                                    f"{names[:4]}")
-            for (name, start, stop), value in zip(part.slices, got.values(), strict=True):
-                if name in out:
-                    out[name].view(-1)[start:stop] = value.reshape(-1)
-                    filled[name] += stop - start
-            del got
+    for (index, part), got in read_ahead(parts, lambda p: fetch(*p), "checkpoint-read"):
+        names = [f"{name}[{start}:{stop}]" for name, start, stop in part.slices]
+        if list(got) != names:
+            raise CorruptObject(f"checkpoint {ref.key}'s part {index} holds {list(got)[:4]}, not "
+                                f"{names[:4]}")
+        for (name, start, stop), value in zip(part.slices, got.values(), strict=True):
+            if name in out:
+                out[name].view(-1)[start:stop] = value.reshape(-1)
+                filled[name] += stop - start
+        del got
     short = [n for n, count in filled.items() if count != out[n].numel()]
     if short:
         raise CorruptObject(f"checkpoint {ref.key}: its parts do not cover {short[:4]}")

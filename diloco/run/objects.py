@@ -6,16 +6,21 @@ fingerprint checks; callers get fp32 CPU torch tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from diloco.run.context import RunError
 from diloco.run.heap import release_freed_memory
 from diloco.storage import codec
+from diloco.storage.codec.lazy import LazyObject
 from diloco.storage.store import Store
 from diloco.training.tensors import Tensors, to_numpy, to_torch
+
+T = TypeVar("T")
+Item = TypeVar("Item")
 
 TRIM_EVERY_BYTES = 64 << 20  # a consuming encode returns freed memory this often
 # reads of a committed object before it is declared corrupt: committed objects are written once and never
@@ -134,12 +139,40 @@ def read_committed(store: Store, key: str, *, checksum: str, fingerprint: str | 
     check is read again, COMMITTED_READS reads in all, then CorruptObject naming the object — the caller stops
     instead of retrying forever. StorageError (the bucket, not the object) passes through for the caller to
     retry."""
+    return _committed(lambda: read_tensors(store, key, fingerprint=fingerprint, checksum=checksum), key, what)
+
+
+def read_committed_lazy(store: Store, key: str, *, checksum: str, fingerprint: str | None = None,
+                        what: str = "") -> LazyObject:
+    """read_committed's checks and retries, the object left to decode one tensor at a time."""
+    return _committed(lambda: LazyObject(read_checked(store, key, checksum), fingerprint=fingerprint), key,
+                      what)
+
+
+def _committed(read: Callable[[], T], key: str, what: str) -> T:
     for _ in range(COMMITTED_READS):
         try:
-            return read_tensors(store, key, fingerprint=fingerprint, checksum=checksum)
+            return read()
         except codec.CodecError as err:
             failure = str(err).removeprefix(f"{key}: ")  # named once, below
     raise CorruptObject(corrupt_message(what or "the committed object", key, failure)) from None
+
+
+def read_ahead(items: Sequence[Item], fetch: Callable[[Item], T], name: str) -> Iterator[tuple[Item, T]]:
+    """(item, fetch(item)) in order, the next item fetched (read, checked, decoded) on a second thread while
+    the caller works on this one; no thread for a single item. The caller's work keeps its order: the same
+    bits as fetching one after the other."""
+    if len(items) <= 1:
+        for item in items:
+            yield item, fetch(item)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) as pool:
+        ahead = pool.submit(fetch, items[0])
+        for i, item in enumerate(items):
+            got = ahead.result()
+            ahead = pool.submit(fetch, items[i + 1]) if i + 1 < len(items) else None
+            yield item, got
+            del got  # the caller is done with it: not held while the next one is waited for
 
 
 def corrupt_message(what: str, key: str, failure: str) -> str:

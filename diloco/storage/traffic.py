@@ -16,9 +16,6 @@ from dataclasses import dataclass, field
 from diloco.storage.store import Store
 from diloco.storage.wrapper import WrapperStore
 
-KINDS = ("delta", "global", "manifest", "checkpoint", "status", "event", "control", "eval", "listing",
-         "other")
-
 
 def object_kind(key: str) -> str:
     """'delta' (and its signature), 'global' (a version's state: update, a chain checkpoint's parts and JSON,

@@ -177,7 +177,7 @@ def fold(state: GuardState, decisions: list[DeltaDecision], version: int, cfg: C
         state.norms.append(value)
         state.norm_learners.append(learner)
     state.norms = state.norms[-cfg.merger.outlier_window:]
-    state.norm_learners = state.norm_learners[-cfg.merger.outlier_window:] if state.norm_learners else []
+    state.norm_learners = state.norm_learners[-cfg.merger.outlier_window:]
     state.streaks = dict(sorted(state.streaks.items()))
     state.quarantined = dict(sorted(state.quarantined.items()))
     return state, newly

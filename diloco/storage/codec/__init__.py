@@ -30,20 +30,18 @@ from diloco.storage.codec.header import (
     check_encode_args,
     check_tensor_codec,
     codec_of,
-    elements_of,
     fingerprint_of,
     object_checksum,
     pack_header,
     read_header,
     read_layout,
     rehead,
-    stream_bytes,
 )
+from diloco.storage.codec.lazy import LazyObject
 from diloco.storage.codec.payload import (
     decode_stream,
     encode_stream,
     frame_stream,
-    unframe_stream,
     zstd_available,
 )
 
@@ -188,20 +186,7 @@ def verify(data: bytes) -> Header:
 def decode(
     data: bytes, *, max_bytes: int | None = None, expected_fingerprint: str | None = None
 ) -> tuple[Header, dict[str, np.ndarray]]:
-    """bytes -> (header, float32 arrays). Verifies the checksum and every size before allocating."""
-    layout = read_layout(data, max_bytes, allow_partial=False)
-    header = layout.header
-    check_fingerprint(header, expected_fingerprint)
-    view = memoryview(data).cast("B")
-    payload = view[layout.payload_offset :]
-    if zlib.crc32(payload) != layout.payload_crc32:
-        raise CodecError("payload checksum mismatch: the payload is corrupt")
-    out: dict[str, np.ndarray] = {}
-    pos = 0
-    for spec, stored in zip(header.tensors, layout.frames, strict=True):
-        codec = codec_of(header, spec)
-        raw = stream_bytes(codec, elements_of(spec.shape), header.block_size)
-        stream = unframe_stream(payload[pos : pos + sum(stored)], stored, raw, spec.name, header.compression)
-        pos += sum(stored)
-        out[spec.name] = decode_stream(stream, codec, header.shuffle, header.block_size, spec)
-    return header, out
+    """bytes -> (header, float32 arrays). Verifies the checksum and every size before allocating (the checks
+    and the decoding are LazyObject's, every tensor at once)."""
+    obj = LazyObject(data, fingerprint=expected_fingerprint, max_bytes=max_bytes)
+    return obj.header, dict(obj.arrays())

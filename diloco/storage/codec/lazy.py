@@ -1,8 +1,8 @@
 """An encoded object decoded one tensor at a time: what a reader that must not hold every tensor at once uses
 (a learner folding a compact update into its global tensor by tensor, a checkpoint imported part by part).
 
-Contract: the same checks as codec.decode before any tensor is decoded (header, sizes, fingerprint, the
-payload's crc32), then `array(name)` gives exactly what decode() gives for that tensor (a fresh f32 array).
+Contract: every check before any tensor is decoded (header, sizes, fingerprint, the payload's crc32), then
+`array(name)` gives that tensor as a fresh f32 array; codec.decode is this, every tensor at once.
 """
 
 from __future__ import annotations
