@@ -24,6 +24,7 @@ from diloco.run.pin import note_pin, pin_state
 from diloco.storage import Manifest, StorageError, list_versions, read_manifest
 from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
+from diloco.storage.window import KEPT_FROM_RULES, with_window
 
 
 @dataclass
@@ -99,11 +100,26 @@ def load_chain(ctx: RunContext, report: AuditReport) -> list[Manifest]:
         except (StorageError, ValueError) as err:
             report.problem(f"version {v}: unreadable manifest: {err}")
             continue
+        m = _with_window(ctx, m, report)
         if m.version != v or (v > 0 and m.parent != v - 1):
             report.problem(f"version {v}: manifest says version {m.version}, parent {m.parent}")
         chain.append(m)
     report.num_versions = len(chain)
     return chain
+
+
+def _with_window(ctx: RunContext, m: Manifest, report: AuditReport) -> Manifest:
+    """The manifest with its outlier window (storage.window): a window object unreadable, or a run of trust
+    rules 3 whose merge published its window in the manifest, is a problem."""
+    kept = ctx.trust_rules >= KEPT_FROM_RULES
+    if kept and m.version > 0 and m.guard is not None and m.guard.window is None:
+        report.problem(f"version {m.version}: its outlier window is published in the manifest (trust rules "
+                       f"{ctx.trust_rules} keep it in {ctx.keys.guard_prefix()})")
+    try:
+        return with_window(ctx.store, ctx.keys, m)
+    except (StorageError, ValueError) as err:
+        report.problem(f"version {m.version}: its outlier window is unreadable: {err}")
+        return m
 
 
 def check_decisions(ctx: RunContext, chain: list[Manifest], report: AuditReport, start: int = 0) -> None:

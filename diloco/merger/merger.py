@@ -46,6 +46,7 @@ from diloco.storage import (
     read_manifest,
 )
 from diloco.storage.keys import new_nonce
+from diloco.storage.window import KEPT_FROM_RULES, with_window, write_window
 from diloco.training.tensors import Tensors
 from diloco.trust.guard import Policy, entry_of, fold, policy_after, state_of
 from diloco.trust.signing import SigningError
@@ -102,6 +103,7 @@ class Merger:
         manifest = read_latest(self.ctx.store, self.ctx.keys)
         if manifest is None:
             raise RuntimeError(f"run {self.ctx.run_id} ({self.chain}) has no version 0")
+        manifest = with_window(self.ctx.store, self.ctx.keys, manifest)  # the window judged by: not inline
         self.checkpoints.wait()  # a checkpoint still copying the held tensors: they change next
         self._settle_candidate(manifest)
         self.manifest, self.wait = manifest, None
@@ -351,6 +353,8 @@ class Merger:
             merge_s = time.time() - plan.started_at
             ema = self._next_ema(plan.phase_times, plan.quorum_wait_s, merge_s)
             buffers = version_buffers(self.ctx, self.manifest, result.buffers, version, new_nonce())
+            if self.ctx.trust_rules >= KEPT_FROM_RULES:  # the window in its own object, unpublished
+                plan.guard.window = write_window(store, keys, version, plan.guard, plan.stats)
             self.stage_hook("before_manifest")
             objects = {"update_key": update_key, "update_checksum": update_sum, "ema": ema,
                        "checkpoint": self.checkpoints.ref_for(version), **buffers}

@@ -158,6 +158,16 @@ class RunKeys:
     def checkpoint_part(self, version: int, nonce: str, index: int) -> str:
         return f"{self.checkpoint_folder(version, nonce)}part-{_check_int(index, 'part', MAX_PART):05d}"
 
+    def guard_prefix(self) -> str:
+        """The merger's own objects of the chain's guard: read by the merger, the operator and audit, never
+        by a learner or the evaluator (bucket policy)."""
+        return f"{self.chain_root}/guard/"
+
+    def guard_window(self, version: int, nonce: str) -> str:
+        """The outlier window after a version (norms, their learners, the median): kept out of the manifest
+        learners read (docs/TRUST.md, issue #44 invariant 6); written once, before the version's manifest."""
+        return f"{self.guard_prefix()}{self._version(version)}-{validate_nonce(nonce)}.json"
+
     def retention(self) -> str:
         """What `diloco gc --keep-versions/--before` removed from the chain, and where its kept history
         starts."""

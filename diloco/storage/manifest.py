@@ -22,6 +22,10 @@ SCHEMA_VERSION = 2
 KNOWN_SCHEMA_VERSIONS = (1, 2)
 
 
+# the outlier rule's statistics of a merge (Manifest.stats): with the window's object when the run keeps one
+WINDOW_STATS = ("outlier_median", "outlier_bound")
+
+
 class ManifestError(ValueError):
     """A manifest is malformed or has an unknown schema_version (the other records: storage.records)."""
 
@@ -72,6 +76,15 @@ class ControlEntry(BaseModel):
     refused: str = ""  # why the merger did not apply it (e.g. a key that may not change live)
 
 
+class WindowRef(BaseModel):
+    """Where the outlier window after a version is kept (storage.window): the merger's own object, its
+    checksum."""
+
+    model_config = ConfigDict(extra="forbid")
+    key: str
+    checksum: str
+
+
 class GuardState(BaseModel):
     """Who may publish and how the merge judges deltas, after this version (trust/guard.py folds it).
 
@@ -89,6 +102,10 @@ class GuardState(BaseModel):
     settings: dict[str, Any] = {}  # live settings in force (`diloco set`): dotted key -> value
     paused: bool = False
     ops_cursor: str = ""  # the name of the last control op applied
+    # runs of trust rules 3 (storage.window): the object that holds `norms`, `norm_learners` and the outlier
+    # statistics, which the stored manifest then leaves out (learners read manifests: the bound stays
+    # unpublished); None: they are inline, as in runs made before; written only when set
+    window: WindowRef | None = None
 
 
 class CheckpointRef(BaseModel):
@@ -153,6 +170,13 @@ class Manifest(BaseModel):
                      "params_key", "params_checksum"):
             if not fields[name] and not (name.startswith("params") and fields["schema_version"] == 1):
                 del fields[name]
+        guard = fields["guard"]
+        if guard is not None and guard["window"] is None:
+            del guard["window"]  # a manifest of a run that publishes its window: the bytes as before
+        elif guard is not None:  # kept in the window's object: never in what learners read
+            del guard["norms"], guard["norm_learners"]
+            for name in WINDOW_STATS:
+                fields["stats"].pop(name, None)
         # only a lost range has one: the bytes of every other are as before
         for decision in fields["decisions"]:
             if decision["seq_last"] is None:

@@ -62,7 +62,7 @@ class Record(BaseModel):
         """A record's own check before validation (schema versions)."""
 
 
-TRUST_RULES = 2  # the rules a new run's merges judge by (RunRecord.trust_rules; trust/guard.py)
+TRUST_RULES = 3  # the rules a new run's merges judge by (RunRecord.trust_rules; trust/guard.py)
 
 
 class RunRecord(Record):
@@ -89,7 +89,8 @@ class RunRecord(Record):
     # step are counted up to TOKENS_SLACK x this in the merge (merger/step.py CounterBounds)
     tokens_per_step: int | None = None
     # the rules the merge judges by (trust/guard.py TRUST_RULES): 2 = the outlier window takes one sample per
-    # learner per merge and its median is over learners, the last eligible members are never quarantined; None
+    # learner per merge and its median is over learners, the last eligible members are never quarantined; 3 =
+    # 2, and the window is kept in the merger's own object, not in the manifests (storage/window.py); None
     # (runs made before): 1, as their manifests were folded
     trust_rules: int | None = None
     forked_from: dict[str, Any] | None = None  # `diloco fork`: run_id, storage, version, checksums, by, t

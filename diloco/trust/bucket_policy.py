@@ -1,7 +1,8 @@
 """Least-privilege S3 policies for the roles of a run (`diloco bucket-policy`): a learner writes only its own
 deltas/<name>/, learners/<name>/ and events/<name>/ and reads what it needs (its peers' statuses too: DyLU
-paces itself by their speed); the merger writes versions/, global/, checkpoints/ and its events (and never
-reads the spec's files: it runs no user code); the evaluator evals/ and its events; the operator everything
+paces itself by their speed); the merger writes versions/, global/, checkpoints/, guard/ and its events (and
+never reads the spec's files: it runs no user code; guard/, the outlier window it judges by, is read by no
+learner or evaluator); the evaluator evals/ and its events; the operator everything
 of the run; `gc` (retention, `diloco gc --keep-versions`) deletes old checkpoints, updates and deltas and
 writes the chains' retention records, nothing else. What is history — run.json, the manifests, the deltas —
 is written once, by every role's key: only by a PutObject carrying If-None-Match (the `s3:if-none-match`
@@ -42,6 +43,8 @@ HISTORY = ["run.json", "versions/*", "deltas/*.delta", "fragments/*/versions/*",
 # what retention removes (gc role): a chain's old checkpoints, its updates (global/) and its decided deltas
 RETIRED = ["global/*", "checkpoints/*", "deltas/*", "fragments/*/global/*", "fragments/*/checkpoints/*",
            "fragments/*/deltas/*"]
+# the merger's own objects of each chain's guard (RunKeys.guard_prefix): the outlier window, never published
+GUARD = ["guard/*", "fragments/*/guard/*"]
 # S3's bucket names (3-63 of a-z 0-9 . -, a letter or digit at each end); a prefix's segments: no IAM wildcard
 # (* ?), no policy variable ($), no `.` or `..`, nothing a key of the run would not hold
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -81,10 +84,11 @@ def _grants(role: str, learner: str | None, run: str) -> dict[str, list[str]]:
                 LIST: ["versions/*", f"deltas/{learner}/*", "control/*", f"learners/{learner}/*",
                        "checkpoints/*"]}
     if role == "merger":
-        return {READ: reads + ["deltas/*", "checkpoints/*"], CREATE: ["versions/*"],
+        # guard/: the outlier window it judges by (storage/window.py), its own: no learner's or evaluator's
+        return {READ: reads + ["deltas/*", "checkpoints/*", *GUARD], CREATE: ["versions/*", *GUARD],
                 # events/merger-*: its shards' (merger-s<k>)
                 WRITE: ["global/*", "checkpoints/*", "events/merger/*", "events/merger-*"],
-                LIST: ["versions/*", "deltas/*", "control/*", "global/*", "checkpoints/*"]}
+                LIST: ["versions/*", "deltas/*", "control/*", "global/*", "checkpoints/*", *GUARD]}
     if role == "gc":
         return {READ: ["*"], WRITE: ["retention.json", "fragments/*/retention.json"], DELETE: RETIRED,
                 LIST: ["*"]}

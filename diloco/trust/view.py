@@ -12,6 +12,7 @@ from typing import Any
 from diloco.run.context import RunContext
 from diloco.run.controls import read_ops
 from diloco.storage import Manifest, read_latest
+from diloco.storage.window import with_window
 from diloco.trust.guard import Policy, entry_of, initial_state, policy_after, state_of, window_median
 
 # the merger reads these within a second (Merger.due, while it waits), not at its next merge: in effect, never
@@ -22,6 +23,8 @@ AT_ONCE = ("pause-merges", "resume-merges")
 def current_policy(ctx: RunContext) -> tuple[Manifest | None, Policy]:
     """(the newest manifest, the policy the next merge will go by: its guard state + the pending ops)."""
     manifest = read_latest(ctx.store, ctx.keys)
+    if manifest is not None:  # the window judged by (the operator's key reads it: learners' do not)
+        manifest = with_window(ctx.store, ctx.keys, manifest)
     state = state_of(manifest, ctx.learners) if manifest is not None else initial_state(ctx.learners)
     entries = [entry_of(name, op) for name, op in read_ops(ctx.store, ctx.keys, state.ops_cursor)]
     return manifest, policy_after(state, entries, ctx.cfg)
