@@ -28,6 +28,7 @@ from diloco.run.fragments import manifests
 from diloco.run.objects import encode_tensors, read_tensors
 from diloco.storage import open_store, read_latest
 from diloco.storage.keys import parse_delta_key
+from diloco.storage.window import with_window
 from diloco.supervise.local import local_supervisor
 from diloco.trust.outliers import guard_figures
 
@@ -72,7 +73,8 @@ def test_a_rogue_in_a_live_run_then_resume_and_fork_from_the_cli(tmp_path: Path)
         latest = read_latest(ctx.store, ctx.keys)
         if "planted" not in state:
             # the window holds enough honest deltas
-            if latest is not None and "outlier_median" in latest.stats:
+            # (the operator's view of it: the window object, never the manifest)
+            if latest is not None and "outlier_median" in with_window(ctx.store, ctx.keys, latest).stats:
                 cli("admit-learner", "--storage", url, "--run-id", ctx.run_id, "--learner", "bad-0",
                     "--no-start", cwd=tmp_path)
                 latest = read_latest(ctx.store, ctx.keys)  # the command took seconds: versions moved on

@@ -122,6 +122,9 @@ def test_every_request_of_every_role_is_allowed_by_its_policy_and_no_more(s3_url
         merger.events.flush()
         for learner in learners:
             learner.maybe_install()
+    # issue #44, invariant 6: the manifest a learner reads publishes no window; the merger keeps it in guard/
+    seen = learners[0].ctx.store.get(ctx.keys.manifest(merger.version))
+    assert b'"norms"' not in seen and b"outlier_" not in seen and b'"window"' in seen
     for learner in learners:
         learner.close()
     ectx = as_role("evaluator")
@@ -148,6 +151,14 @@ def test_every_request_of_every_role_is_allowed_by_its_policy_and_no_more(s3_url
         once = {r[1] for r in log if len(r) > 2}
         assert (name in ("evaluator", "gc") or once) and \
             not any(allows(policy, WRITE, bucket, prefix + k) for k in once), name
+    guard = prefix + ctx.keys.guard_prefix()
+    assert any(r[0] == WRITE and len(r) > 2 and (prefix + r[1]).startswith(guard) for r in logs["merger"])
+    for name in (*ctx.learners, "evaluator"):  # nobody judged reads the window, nor may
+        assert not any((prefix + r[1]).startswith(guard) for r in logs[name]), name
+        policy = policy_for(s3_url, ctx.run_id, learner=None if name == "evaluator" else name,
+                            role="evaluator" if name == "evaluator" else None)
+        window = prefix + merger.manifest.guard.window.key
+        assert not allows(policy, READ, bucket, window) and not allows(policy, LIST, bucket, guard), name
     a, b = ctx.learners
     writes_of_b = {r[1] for r in logs[b] if r[0] == WRITE}
     assert writes_of_b and not any(allows(policy_for(s3_url, ctx.run_id, learner=a), WRITE, bucket,

@@ -17,6 +17,7 @@ from trust_helpers import decision, install_all, one_round, plant, publish_all, 
 
 from diloco.api.operate import admit_learner, readmit, remove_learner, set_settings
 from diloco.inspect.audit import audit_run
+from diloco.merger.merger import Merger
 from diloco.run.context import open_run
 from diloco.run.objects import encode_tensors, read_tensors
 from diloco.storage import list_versions, open_store, read_manifest
@@ -214,7 +215,7 @@ def test_the_judged_cannot_steer_the_outlier_window(tmp_path: Path) -> None:
     one sample per learner per merge and its median is over learners: with two honest learners the median
     stays theirs, and no honest delta is rejected or clipped."""
     ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 3, "merger.outlier_min_samples": 4})
-    assert ctx.trust_rules == 2
+    assert ctx.trust_rules == 3
     admit_learner(ctx, None, "steer-0")
     for _ in range(4):  # the window fills with the honest learners' samples
         one_round(learners, merger)
@@ -242,3 +243,25 @@ def test_the_judged_cannot_steer_the_outlier_window(tmp_path: Path) -> None:
         learner.close()
     report = audit_run(ctx)
     assert report.ok and report.replay_ok, report.problems
+    _the_window_is_kept_unpublished(ctx, merger)
+
+
+def _the_window_is_kept_unpublished(ctx, merger: Merger) -> None:
+    """Issue #44, invariant 6: no stored manifest (what learners read) holds the window or the bound; the
+    merger's own object under guard/ does, a merger restarted from the bucket judges by the same window, and
+    audit refuses a changed one."""
+    for v in range(1, merger.version + 1):
+        raw = ctx.store.get(ctx.keys.manifest(v)).decode()
+        published = ('"norms"', "norm_learners", "outlier_median", "outlier_bound")
+        assert not any(word in raw for word in published), (v, raw)
+        assert read_manifest(ctx.store, ctx.keys, v).guard.window.key.startswith(ctx.keys.guard_prefix())
+    restarted = Merger(ctx)
+    restarted.load()
+    state = restarted.policy.state
+    assert state == merger.refresh_policy().state and len(state.norms) == len(state.norm_learners) > 0
+    assert restarted.manifest.stats == merger.manifest.stats and "outlier_median" in restarted.manifest.stats
+    key = merger.manifest.guard.window.key
+    ctx.store.put(key, ctx.store.get(key).replace(b'"norms": [', b'"norms": [0.0, '))
+    report = audit_run(ctx, do_replay=False)
+    problems = report.problems
+    assert any("outlier window is unreadable" in p and "checksum" in p for p in problems), problems
