@@ -30,6 +30,7 @@ from diloco.run.events import EventLog, read_events
 from diloco.run.signals import request_stop
 from diloco.storage import latest_version, read_manifest
 from diloco.storage.records import LearnerStatus, RunRecord, read_record, write_record
+from diloco.storage.window import with_window
 
 
 def _wait(check, timeout_s: float = 20.0):
@@ -122,10 +123,12 @@ def test_fork_is_bit_equal_to_the_parent_at_v_and_leaves_it_untouched(tmp_path: 
     before = {k: ctx.store.get(k) for k in ctx.store.list(f"{ctx.run_id}/")}
     child = fork(ctx.store, ctx.run_id, 2, "trust-fork", by="ann@ops")
     assert {k: ctx.store.get(k) for k in ctx.store.list(f"{ctx.run_id}/")} == before, "the parent was written"
-    parent_v2, child_v0 = read_manifest(ctx.store, ctx.keys, 2), read_manifest(child.store, child.keys, 0)
+    parent_v2 = with_window(ctx.store, ctx.keys, read_manifest(ctx.store, ctx.keys, 2))
+    child_v0 = with_window(child.store, child.keys, read_manifest(child.store, child.keys, 0))
     theirs, ours = params_at(ctx, 2)[0], params_at(child, 0)[0]  # each from its checkpoint and updates
     assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
     assert child_v0.guard.norms == parent_v2.guard.norms and child_v0.controls[0].kind == "fork"
+    assert child_v0.guard.norms and child_v0.guard.window.key.startswith(child.keys.guard_prefix())  # its own
     record = read_record(child.store, child.keys.run_json(), RunRecord)
     assert record.forked_from["run_id"] == ctx.run_id and record.forked_from["version"] == 2
     assert record.forked_from["by"] == "ann@ops"
