@@ -182,3 +182,23 @@ def test_the_last_eligible_members_are_never_quarantined_the_merges_pause() -> N
     state, _ = fold(initial_state(["a", "b"]), [_d("a", 0), _d("a", 1, norm=30.0), _d("b", 0, norm=20.0)],
                     1, CFG, rules=2)
     assert state.norms == [3.0, 2.0] and state.norm_learners == ["a", "b"]  # a's last, then b's
+
+
+def test_a_window_kept_apart_leaves_the_manifest_and_an_inline_one_stays():
+    """Trust rules 3 (storage/window.py): a manifest naming its window object stores no norms, owners or
+    outlier stats; one that names none (runs made before) stores them as before and is read as it is."""
+    from diloco.storage.keys import RunKeys
+    from diloco.storage.manifest import GuardState, WindowRef
+    from diloco.storage.window import with_window
+
+    guard = GuardState(members=["a"], norms=[1.0], norm_learners=["a"])
+    inline = Manifest(run_id="r", version=1, parent=0, created_at=0.0, params_key="k", guard=guard,
+                      stats={"outlier_median": 1.0, "outlier_bound": 10.0})
+    raw = inline.to_bytes()
+    assert b'"norms"' in raw and b"outlier_median" in raw and b'"window"' not in raw
+    assert with_window(None, RunKeys("r"), Manifest.from_bytes(raw)) == inline  # no read: inline values
+    ref = WindowRef(key=RunKeys("r").guard_window(1, "ab" * 8), checksum="x")
+    kept = inline.model_copy(update={"guard": guard.model_copy(update={"window": ref})})
+    stored = Manifest.from_bytes(kept.to_bytes())
+    assert stored.guard.norms == [] and stored.guard.norm_learners == [] and stored.guard.window == ref
+    assert "outlier_median" not in stored.stats and "outlier_bound" not in stored.stats
