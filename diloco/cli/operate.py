@@ -196,13 +196,23 @@ def keygen(learners: list[str] = typer.Option(..., "--learner",
 def outliers(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON,
              window: int = typer.Option(None, "--window", min=1, help="Window (default: the run's)."),
              min_samples: int = typer.Option(None, "--min-samples", min=1,
-                                             help="Least samples (the run's).")) -> None:
+                                             help="Least samples (the run's)."),
+             directions: bool = typer.Option(False, "--directions",
+                                             help="Also each merged delta's cosine with the other learners' "
+                                                  "deltas and with the parent's update (reads every merged "
+                                                  "delta).")) -> None:
     """Replay the outlier statistic over a run: each merged delta's norm per step / the running median."""
     with user_errors():
         from diloco.run.context import open_run
         from diloco.trust.outliers import ratios, summarize
 
-        summary = summarize(ratios(open_run(storage, run_id), window, min_samples))
+        ctx = open_run(storage, run_id)
+        summary = summarize(ratios(ctx, window, min_samples))
+        if directions:
+            from diloco.trust.directions import directions as cosines
+            from diloco.trust.directions import summarize_directions
+
+            summary["directions"] = summarize_directions(cosines(ctx))
         if json_out:
             typer.echo(json.dumps(summary))
             return
@@ -211,3 +221,8 @@ def outliers(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON
                    f"{summary['flagged_outlier']} flagged: ratio max {fmt(summary['max_ratio'])}, p99 "
                    f"{fmt(summary['p99_ratio'])}, median {fmt(summary['median_ratio'])}; would reject: "
                    + ", ".join(f"{k}: {v}" for k, v in summary["would_reject"].items()))
+        for name, figures in summary.get("directions", {}).items():
+            if isinstance(figures, dict):
+                typer.echo(f"{name}: {figures['n']} deltas, min {fmt(figures['min'])}, "
+                           f"p1 {fmt(figures['p01'])}, p5 {fmt(figures['p05'])}, "
+                           f"median {fmt(figures['median'])}; <= 0: {figures['at_or_below_0']}")

@@ -17,11 +17,12 @@ from diloco.run.controls import list_ops, read_op
 from diloco.storage import DeltaDecision, Manifest, NotFound
 from diloco.storage.codec import object_checksum
 from diloco.storage.records import RecordError
+from diloco.storage.window import KEPT_FROM_RULES
 from diloco.trust.guard import Policy, entry_of, fold, gate, policy_after, state_of
 from diloco.trust.judge import Judge
 
-FIELDS = ("status", "reason", "check", "norm", "clip_scale", "base_version", "staleness", "tokens", "steps",
-          "bytes", "checksum")
+FIELDS = ("status", "reason", "check", "norm", "clip_scale", "detail", "base_version", "staleness", "tokens",
+          "steps", "bytes", "checksum")
 
 
 def check_controls(ctx: RunContext, chain: list[Manifest], report: Any) -> None:
@@ -104,7 +105,8 @@ def replay_decisions(ctx: RunContext, prev: Manifest, m: Manifest, params, repor
     if [e.model_dump() for e in policy.entries] != [e.model_dump() for e in m.controls]:
         report.problem(f"version {m.version}: the control ops replay differently than recorded")
     judge = Judge(ctx.run_id, ctx.fingerprint, prev.version, params, policy,
-                  keyring if ctx.cfg.learner.sign else None, buffers=ctx.buffers)
+                  keyring if ctx.cfg.learner.sign else None, buffers=ctx.buffers,
+                  apart=ctx.trust_rules >= KEPT_FROM_RULES)
     stream = gradient_stream(params, prev.version, policy.cfg.outer, direct_names(ctx, params), ctx.buffers,
                              counter_bounds(policy.cfg, ctx.tokens_per_step))
     group: LearnerGroup | None = None

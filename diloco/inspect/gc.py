@@ -1,14 +1,14 @@
 """Garbage collection of a run's chains: orphans (always), and retention (`diloco gc --keep-versions N` or
 `--before V`, off by default) — what no kept version needs any more (docs/STORAGE.md, "Retention").
 
-Contract: orphans are objects no manifest names — under global/ (a crashed merge's or a race loser's
-update), and checkpoint folders that are neither complete nor the state of a committed version (a writer
-killed mid-part) — older than `min_age_s`, so a live merger's objects for the version it is about to commit
-(or a checkpoint it is writing) are never taken. Retention keeps the history from the checkpoint the oldest
-kept version names (every checkpoint, update and merged delta after it; every manifest), so the newest
-checkpoint's chain and every kept version's rebuild are never broken; it writes the chain's retention
-record (where the kept history starts) before it deletes anything, so `audit` covers what is kept, and a gc
-stopped half-way leaves only less to delete.
+Contract: orphans are objects no manifest names — under global/ (a crashed merge's or a race loser's update)
+and guard/ (its outlier window), and checkpoint folders that are neither complete nor the state of a committed
+version (a writer killed mid-part) — older than `min_age_s`, so a live merger's objects for the version it is
+about to commit (or a checkpoint it is writing) are never taken. Retention keeps the history from the
+checkpoint the oldest kept version names (every checkpoint, update and merged delta after it; every manifest
+and window), so the newest checkpoint's chain and every kept version's rebuild are never broken; it writes the
+chain's retention record (where the kept history starts) before it deletes anything, so `audit` covers what is
+kept, and a gc stopped half-way leaves only less to delete.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def _referenced(ctx: RunContext, chain: list[Manifest]) -> set[str]:
         keys.update(k for k in (m.params_key, m.update_key, m.outer_key, m.buffers_key) if k)
         if m.checkpoint is not None:
             keys.add(m.checkpoint.key)
+        if m.guard is not None and m.guard.window is not None:
+            keys.add(m.guard.window.key)
     with contextlib.suppress(NotFound, RecordError):
         keys.add(read_record(ctx.store, ctx.keys.retention(), RetentionRecord).checkpoint_key)
     return keys
@@ -89,7 +91,8 @@ def _collect_chain(ctx: RunContext, report: GcReport, min_age_s: float, dry_run:
     now = time.time() if now is None else now
     checkpoint_keys = ctx.store.list(ctx.keys.checkpoints_prefix())
     complete = _complete_checkpoints(ctx, checkpoint_keys, referenced)
-    candidates = [k for k in ctx.store.list(ctx.keys.global_prefix()) if k not in referenced]
+    listed = ctx.store.list(ctx.keys.global_prefix()) + ctx.store.list(ctx.keys.guard_prefix())
+    candidates = [k for k in listed if k not in referenced]
     candidates += [k for k in checkpoint_keys if k.rpartition("/")[0] + "/" not in complete]
     for key in candidates:
         report.orphans.append(key)

@@ -15,6 +15,7 @@ from diloco.merger.waiting import Pending
 from diloco.run.context import RunContext, direct_names
 from diloco.run.events import EventLog
 from diloco.storage import DeltaDecision, NotFound, StorageError
+from diloco.storage.window import KEPT_FROM_RULES
 from diloco.training.tensors import Tensors
 from diloco.trust.guard import Policy, gate
 from diloco.trust.judge import Judge
@@ -31,7 +32,8 @@ def decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, pol
     decisions: list[DeltaDecision] = []
     stream = gradient_stream(layout, version, policy.cfg.outer, direct_names(ctx, layout), ctx.buffers,
                              counter_bounds(policy.cfg, ctx.tokens_per_step))
-    judge = Judge(ctx.run_id, ctx.fingerprint, version, layout, policy, keyring, buffers=ctx.buffers)
+    judge = Judge(ctx.run_id, ctx.fingerprint, version, layout, policy, keyring, buffers=ctx.buffers,
+                  apart=ctx.trust_rules >= KEPT_FROM_RULES)
     phase_times: list[float] = []
     for learner, (first, last) in sorted(pending.strangers.items()):  # one decision, no cursor, never again
         strangers.add(learner)
@@ -54,8 +56,10 @@ def decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, pol
                 group.add(seq, header, delta)
                 phase_times.append(float(header.meta.get("phase_time_s", 0.0) or 0.0))
             elif decision.status == "rejected":
-                log.warning("rejected %s/%d: %s", learner, seq, decision.reason)
-                events.emit("rejected", learner=learner, seq=seq, reason=decision.reason,
+                # the figures too (the outlier rule's detail): the merger's log and events are the operator's
+                detail = f" ({decision.detail})" if decision.detail else ""
+                log.warning("rejected %s/%d: %s%s", learner, seq, decision.reason, detail)
+                events.emit("rejected", learner=learner, seq=seq, reason=decision.reason + detail,
                             check=decision.check, version=version)
         if group.seqs:
             stream.add(group)

@@ -354,7 +354,7 @@ class Merger:
             ema = self._next_ema(plan.phase_times, plan.quorum_wait_s, merge_s)
             buffers = version_buffers(self.ctx, self.manifest, result.buffers, version, new_nonce())
             if self.ctx.trust_rules >= KEPT_FROM_RULES:  # the window in its own object, unpublished
-                plan.guard.window = write_window(store, keys, version, plan.guard, plan.stats)
+                plan.guard.window = write_window(store, keys, version, plan.guard, plan.stats, plan.decisions)
             self.stage_hook("before_manifest")
             objects = {"update_key": update_key, "update_checksum": update_sum, "ema": ema,
                        "checkpoint": self.checkpoints.ref_for(version), **buffers}

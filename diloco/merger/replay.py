@@ -39,9 +39,10 @@ from diloco.run.objects import (
     read_committed,
     read_tensors,
 )
-from diloco.storage import Manifest, StorageError, read_manifest
+from diloco.storage import Manifest, StorageError
 from diloco.storage.codec import CodecError, decode, object_checksum, read_header
 from diloco.storage.manifest import CheckpointRef
+from diloco.storage.window import read_full_manifest
 from diloco.training.tensors import Tensors
 from diloco.trust.guard import check_settings
 
@@ -197,13 +198,14 @@ def recover(ctx: RunContext, manifest: Manifest, held: ChainState | None = None,
         checkpoint = read_start(ctx, manifest, outer=True, newest=newest)
         ref = checkpoint.ref
         start = manifest if ref.version == manifest.version else \
-            read_manifest(ctx.store, ctx.keys, ref.version)
+            read_full_manifest(ctx.store, ctx.keys, ref.version)
         state = ChainState(start, checkpoint.params, checkpoint.outer, checkpoint.ema, checkpoint=ref,
                            read_s=time.perf_counter() - t0)
     t1 = time.perf_counter()
     prev = state.manifest
     for version in range(prev.version + 1, manifest.version + 1):
-        m = manifest if version == manifest.version else read_manifest(ctx.store, ctx.keys, version)
+        # with its window: a clipped delta's scale is the merger's own figure
+        m = manifest if version == manifest.version else read_full_manifest(ctx.store, ctx.keys, version)
         result = replay_merge(ctx, prev, m, state.params, state.outer)
         state.params, state.outer, prev = result.params, result.outer, m
         state.replayed += 1

@@ -24,6 +24,9 @@ KNOWN_SCHEMA_VERSIONS = (1, 2)
 
 # the outlier rule's statistics of a merge (Manifest.stats): with the window's object when the run keeps one
 WINDOW_STATS = ("outlier_median", "outlier_bound")
+# a decision's figures that tell the bound (its norm, a clip's scale, the outlier rule's numbers): with the
+# window's object too, when the run keeps one (storage/window.py)
+PRIVATE_DECISION = ("norm", "clip_scale", "detail")
 
 
 class ManifestError(ValueError):
@@ -51,6 +54,10 @@ class DeltaDecision(BaseModel):
     check: str = ""
     norm: float | None = None
     clip_scale: float | None = None  # outlier_rule clip: the factor the delta was scaled by
+    # trust rules 3: the outlier rule's figures behind an outlier decision (its norm per step, the median, the
+    # bound), kept with the window while `reason` says what happened without them; "" otherwise (written only
+    # when set)
+    detail: str = ""
     # a range: seqs seq..seq_last decided by one decision, however long (never one decision per seq): a gap
     # declared lost, or every key of a name never admitted (rejected for admission)
     seq_last: int | None = None
@@ -177,10 +184,16 @@ class Manifest(BaseModel):
             del guard["norms"], guard["norm_learners"]
             for name in WINDOW_STATS:
                 fields["stats"].pop(name, None)
-        # only a lost range has one: the bytes of every other are as before
+            for decision in fields["decisions"]:
+                for name in PRIVATE_DECISION:
+                    del decision[name]
+        # only a lost range has one, only a kept-apart outlier decision a detail: the bytes of every other
+        # are as before
         for decision in fields["decisions"]:
             if decision["seq_last"] is None:
                 del decision["seq_last"]
+            if not decision.get("detail", True):
+                del decision["detail"]
         return json.dumps(fields, sort_keys=True, indent=1).encode()
 
     @classmethod

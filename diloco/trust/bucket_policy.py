@@ -2,13 +2,13 @@
 deltas/<name>/, learners/<name>/ and events/<name>/ and reads what it needs (its peers' statuses too: DyLU
 paces itself by their speed); the merger writes versions/, global/, checkpoints/, guard/ and its events (and
 never reads the spec's files: it runs no user code; guard/, the outlier window it judges by, is read by no
-learner or evaluator); the evaluator evals/ and its events; the operator everything
-of the run; `gc` (retention, `diloco gc --keep-versions`) deletes old checkpoints, updates and deltas and
-writes the chains' retention records, nothing else. What is history — run.json, the manifests, the deltas —
-is written once, by every role's key: only by a PutObject carrying If-None-Match (the `s3:if-none-match`
-condition key, as AWS enforces conditional writes), and never deleted — but the deltas by the gc role,
-whose retention removes those no kept version needs — so a leaked key cannot overwrite what was created,
-published or committed.
+learner or evaluator); the evaluator evals/ and its events; the operator everything of the run; `gc`
+(retention, `diloco gc --keep-versions`) deletes old checkpoints, updates and deltas, and orphans (a race
+loser's update or window), and writes the chains' retention records, nothing else. What is history —
+run.json, the manifests, the deltas — is written once, by every role's key: only by a PutObject carrying
+If-None-Match (the `s3:if-none-match` condition key, as AWS enforces conditional writes), and never deleted —
+but the deltas by the gc role, whose retention removes those no kept version needs — so a leaked key cannot
+overwrite what was created, published or committed.
 
 Contract: plain IAM policy JSON (AWS IAM and MinIO read the same language), generated only from validated
 input (an S3 bucket name, a prefix without IAM's wildcards or variables, a run id, a learner name that is
@@ -90,7 +90,8 @@ def _grants(role: str, learner: str | None, run: str) -> dict[str, list[str]]:
                 WRITE: ["global/*", "checkpoints/*", "events/merger/*", "events/merger-*"],
                 LIST: ["versions/*", "deltas/*", "control/*", "global/*", "checkpoints/*", *GUARD]}
     if role == "gc":
-        return {READ: ["*"], WRITE: ["retention.json", "fragments/*/retention.json"], DELETE: RETIRED,
+        # guard/: its orphans only (a race loser's window); a committed version's is history, kept
+        return {READ: ["*"], WRITE: ["retention.json", "fragments/*/retention.json"], DELETE: RETIRED + GUARD,
                 LIST: ["*"]}
     if role == "evaluator":
         return {READ: reads + ["evals/*", "spec/*"], WRITE: ["evals/*", "events/evaluator/*"],

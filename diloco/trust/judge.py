@@ -61,6 +61,10 @@ class Judge:
     scratch: Fp64Scratch = field(default_factory=Fp64Scratch)
     # the buffers every delta of this chain carries (run.json's)
     buffers: list[dict] = field(default_factory=list)
+    # trust rules 3 (storage/window.py): the outlier rule's figures go to the decision's `detail`, kept with
+    # the window, and its `reason` says what happened without them (a learner reads reasons: they must not
+    # tell the bound)
+    apart: bool = False
     _bound: int | None = field(default=None, repr=False)  # delta_size_bound, computed once
 
     @property
@@ -131,11 +135,18 @@ class Judge:
         what = (f"norm per step {per_step:.3g} is {per_step / median:.0f}x the median {median:.3g} of the "
                 f"last {window} merged (threshold {cfg.outlier_threshold:g}x)")
         if cfg.outlier_rule == "reject":
+            if self.apart:
+                d.detail = what
+                return self._reject(d, "outlier", "outlier: its norm per step is above the run's bound")
             return self._reject(d, "outlier", f"outlier: {what}")
         scale = bound / per_step
         for value in delta.values():
             value.mul_(scale)
-        d.clip_scale, d.reason, d.check = scale, f"clipped: {what}; scaled by {scale:.3g}", "outlier"
+        d.clip_scale, d.check = scale, "outlier"
+        if self.apart:
+            d.reason, d.detail = "clipped to the run's bound", f"{what}; scaled by {scale:.3g}"
+        else:
+            d.reason = f"clipped: {what}; scaled by {scale:.3g}"
         return d, header, delta
 
     @staticmethod

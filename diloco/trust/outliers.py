@@ -15,8 +15,14 @@ from typing import Any
 from diloco.run.context import RunContext
 from diloco.run.fragments import manifests
 from diloco.run.objects import read_tensors
-from diloco.storage import DeltaDecision
+from diloco.storage import DeltaDecision, Manifest
+from diloco.storage.window import with_window
 from diloco.trust.judge import delta_norm
+
+
+def _manifests(ctx: RunContext) -> list[Manifest]:
+    """The chain's manifests with their windows (each decision's norm and clip: the merger's own figures)."""
+    return [with_window(ctx.store, ctx.keys, m) for m in manifests(ctx)]
 
 
 def _norm(ctx: RunContext, d: DeltaDecision) -> float:
@@ -39,7 +45,7 @@ def ratios(ctx: RunContext, window: int | None = None,
     least = min_samples or ctx.cfg.merger.outlier_min_samples
     seen: list[float] = []
     rows: list[dict[str, Any]] = []
-    for m in manifests(ctx):
+    for m in _manifests(ctx):
         median = _median(seen, size, least)
         merged_now: list[float] = []
         for d in m.decisions:
@@ -83,7 +89,7 @@ def guard_figures(ctx: RunContext, honest: list[str] | None = None) -> dict[str,
     """What the guard did to the run's own learners (`honest`, default run.json's): rejections and clips by
     the trust rules (a false rejection when these learners are honest), and the honest ratio distribution."""
     names = set(ctx.learners if honest is None else honest)
-    chain = manifests(ctx)
+    chain = _manifests(ctx)
     guarded = [d for m in chain for d in m.decisions if d.learner in names
                and (d.check in GUARD_CHECKS or d.clip_scale is not None)]
     rows = [r for r in ratios(ctx) if r["learner"] in names]

@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 from trust_helpers import decision, install_all, one_round, plant, publish_all, tiny_run
 
 from diloco.api.operate import admit_learner, readmit, remove_learner, set_settings
@@ -21,6 +22,7 @@ from diloco.merger.merger import Merger
 from diloco.run.context import open_run
 from diloco.run.objects import encode_tensors, read_tensors
 from diloco.storage import list_versions, open_store, read_manifest
+from diloco.storage.window import with_window
 from diloco.trust.outliers import ratios, summarize
 from diloco.trust.signing import new_key, sign
 
@@ -37,8 +39,9 @@ def test_rogue_and_outlier_deltas_never_wreck_the_merge(tmp_path: Path) -> None:
     m = one_round(learners, merger)
     rogue, bad = decision(m, "rogue-0", 0), decision(m, "bad-0", 0)
     assert (rogue.status, rogue.check) == ("rejected", "admission") and "not admitted" in rogue.reason
-    assert ((bad.status, bad.check) == ("rejected", "outlier")
-            and bad.reason.startswith("outlier: norm per step"))
+    assert ((bad.status, bad.check) == ("rejected", "outlier")  # the figures apart: `reason` tells no bound
+            and bad.reason == "outlier: its norm per step is above the run's bound"
+            and bad.detail.startswith("norm per step"))
     assert m.stats["update_norm"] < 3 * max(norms), (m.stats["update_norm"], norms)
     assert (m.stats["outlier_median"] > 0 and m.controls[0].kind == "admit"
             and m.controls[0].learner == "bad-0")
@@ -65,9 +68,10 @@ def test_rogue_and_outlier_deltas_never_wreck_the_merge(tmp_path: Path) -> None:
     m = one_round(learners, merger)
     clipped = decision(m, "bad-0", 5)
     assert (clipped.status == "merged" and clipped.clip_scale is not None
-            and clipped.reason.startswith("clipped:"))
+            and clipped.reason == "clipped to the run's bound" and "scaled by" in clipped.detail)
     assert m.guard.settings == {"merger.outlier_rule": "clip", "outer.lr": 0.5}
     assert m.stats["update_norm"] < 3 * max(norms)
+    _a_restart_replays_the_clip_it_cannot_read(ctx, merger, m.version)
 
     remove_learner(ctx, None, "local-1")  # an in-process learner ignores its signal: the merger does not
     m = one_round(learners, merger)
@@ -82,7 +86,42 @@ def test_rogue_and_outlier_deltas_never_wreck_the_merge(tmp_path: Path) -> None:
             and report.decisions_unreplayable == 0)
     stats = summarize(ratios(open_run(ctx.store, ctx.run_id)))
     assert stats["flagged_outlier"] == 4 and stats["would_reject"]["20x"] == 0  # honest ones, by the tool
+    _nothing_a_learner_reads_tells_the_bound(ctx, m.version)
     _audit_sees_tampered_settings(tmp_path, ctx.run_id, m.version - 1)
+
+
+def _nothing_a_learner_reads_tells_the_bound(ctx, newest: int) -> None:
+    """Issue #44, invariant 6: the stored manifests (what learners read) hold no window, no median or bound,
+    no decision's norm, clip scale or outlier figures (a quarantine's reason neither); the merger's window
+    objects hold them, and a learner's bucket policy grants no read of them."""
+    from diloco.trust.bucket_policy import allows, policy_for
+
+    figures = 0
+    for v in range(1, newest + 1):
+        raw = ctx.store.get(ctx.keys.manifest(v)).decode()
+        for word in ('"norms"', "norm_learners", "outlier_median", "outlier_bound", "median", '"norm"',
+                     "clip_scale", '"detail"'):
+            assert word not in raw, (v, word)
+        full = with_window(ctx.store, ctx.keys, read_manifest(ctx.store, ctx.keys, v))
+        figures += sum(1 for d in full.decisions if d.detail)
+        assert all(d.norm is not None for d in full.merged())
+    assert figures >= 4  # 3 rejected as outliers, 1 clipped: their figures kept apart
+    policy = policy_for("s3://bucket/runs", ctx.run_id, learner="local-0")
+    window = read_manifest(ctx.store, ctx.keys, newest).guard.window.key
+    assert not allows(policy, "s3:GetObject", "bucket", f"runs/{window}")
+    assert allows(policy, "s3:GetObject", "bucket", f"runs/{ctx.keys.manifest(newest)}")
+
+
+def _a_restart_replays_the_clip_it_cannot_read(ctx, merger: Merger, clipped_at: int) -> None:
+    """A merger started cold rebuilds the state from the checkpoint and the merges after it: the clipped
+    merge's scale comes from its window object (the stored manifest has none), and the state is the live
+    merger's bit for bit."""
+    restarted = Merger(ctx)
+    restarted.load()
+    state = restarted.state.held
+    assert state.checkpoint.version < clipped_at and restarted.state.last_load.replayed >= 1
+    for name, value in merger.state.held.params.items():
+        assert torch.equal(state.params[name], value), name
 
 
 def _audit_sees_tampered_settings(tmp_path: Path, run_id: str, version: int) -> None:
