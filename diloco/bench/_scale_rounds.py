@@ -117,10 +117,10 @@ def rejoin_child(storage: str, run_id: str, queue: Any) -> None:
     """A learner from nothing at the newest version (its checkpoint and the updates after it, every chain:
     what learner/resume.py reads), timed with the bytes it read; then today's full-params rejoin of the
     same version (one fp32 params object per chain, written here first) for reference."""
-    from diloco.learner.resume import read_params
+    from diloco.learner.resume import read_newest
     from diloco.run.context import open_run
     from diloco.run.objects import read_committed, write_state
-    from diloco.storage import open_store, read_latest
+    from diloco.storage import open_store
     from diloco.storage.traffic import CountingStore
 
     torch.set_num_threads(1)
@@ -128,12 +128,11 @@ def rejoin_child(storage: str, run_id: str, queue: Any) -> None:
     ctx = open_run(counting, run_id)
     counting.reset()
     t0 = time.perf_counter()
-    held, versions = [], []
-    for index, chain in enumerate(_chains(ctx)):
-        manifest = read_latest(counting, chain.keys)
-        held.append(read_params(ctx, index, manifest))
-        versions.append((manifest.version, manifest.state_version))
+    newest = read_newest(ctx)  # what resume() reads: every chain's newest manifest and params
     rejoin_s = time.perf_counter() - t0
+    held = [params for _, params in newest]
+    versions = [(manifest.version, manifest.state_version) for manifest, _ in newest]
+    del newest
     received = sum(counting.received.values())
     objects = []
     for index, (chain, params) in enumerate(zip(_chains(ctx), held, strict=True)):

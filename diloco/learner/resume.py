@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,27 @@ def read_params(ctx: RunContext, index: int, manifest: Manifest) -> Tensors:
     return chain_params(fragment_context(ctx, index), manifest, newest=True)
 
 
+CHAIN_READERS = 2  # chains a rejoin reads at once (each a checkpoint and its updates: I/O, hashing, decoding)
+
+
+def read_newest(ctx: RunContext) -> list[tuple[Manifest, Tensors]]:
+    """(newest manifest, committed params) of every chain, in chain order: chain_params of each, CHAIN_READERS
+    chains at a time (a fragmented run's rejoin reads P of them; the bits do not depend on the order)."""
+    links = chains(ctx)
+
+    def one(index: int) -> tuple[Manifest, Tensors]:
+        manifest = read_latest(ctx.store, links[index].keys)
+        if manifest is None:
+            raise RuntimeError(f"run {ctx.run_id} has no committed version")
+        return manifest, read_params(ctx, index, manifest)
+
+    count = len(links)
+    if count == 1:
+        return [one(0)]
+    with ThreadPoolExecutor(max_workers=CHAIN_READERS, thread_name_prefix="rejoin") as pool:
+        return list(pool.map(one, range(count)))
+
+
 def resume(ctx: RunContext, name: str, *, local: LocalState | None, events: EventLog, set_theta: SetTheta,
            import_optimizer: ImportOptimizer, requeue: Requeue, use_checkpoint: bool = True,
            set_buffers: SetTheta | None = None) -> Resumed:
@@ -86,11 +108,7 @@ def resume(ctx: RunContext, name: str, *, local: LocalState | None, events: Even
         if resumed is not None:
             return resumed
     states, globs, newest = [], [], []
-    for index, chain in enumerate(chains(ctx)):
-        manifest = read_latest(ctx.store, chain.keys)
-        if manifest is None:
-            raise RuntimeError(f"run {ctx.run_id} has no committed version")
-        params = read_params(ctx, index, manifest)
+    for chain, (manifest, params) in zip(chains(ctx), read_newest(ctx), strict=True):
         states.append(LearnerState.at_version(manifest.version, params, next_seq(chain, name, manifest),
                                               manifest.cursors.get(name, -1)))
         globs.append(params)

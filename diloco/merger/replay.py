@@ -87,7 +87,7 @@ def _delta(ctx: RunContext, m: Manifest, learner: str, seq: int, checksum: str, 
     key = ctx.keys.delta(learner, seq)
     try:
         data = read_checked(ctx.store, key, checksum)
-        header, delta = decode_tensors(data, fingerprint=ctx.fingerprint)
+        header, delta = decode_tensors(data, fingerprint=ctx.fingerprint, verified=bool(checksum))
     except CodecError as err:
         raise ReplayMismatch(f"replaying version {m.version} of run {ctx.run_id}: merged delta {key} no "
                              f"longer matches its manifest ({err})") from None

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from diloco.run.checkpoint import read_start
+import torch
+
+from diloco.run.checkpoint import checkpoint_of, read_start
 from diloco.run.context import RunContext
-from diloco.run.objects import read_ahead, read_committed
+from diloco.run.objects import CorruptObject, Prefetch, corrupt_message, read_committed, read_committed_lazy
 from diloco.storage import Manifest, NotFound, read_manifest
+from diloco.storage.codec import CodecError, LazyObject
 from diloco.storage.store import Store
-from diloco.training.tensors import Tensors, add_, clone
+from diloco.training.tensors import Tensors, clone
 
 
 def version_name(ctx: RunContext, version: int) -> str:
@@ -29,25 +32,67 @@ def version_name(ctx: RunContext, version: int) -> str:
 
 
 def apply_updates(ctx: RunContext, glob: Tensors, first: int, last: int, store: Store | None = None,
-                  last_manifest: Manifest | None = None) -> Manifest | None:
+                  last_manifest: Manifest | None = None, ahead: Prefetch | None = None) -> Manifest | None:
     """G += decode(update_j) for j = first..last, in place and in order; returns version last's manifest (None
-    when first > last). The next update is read, checked and decoded on a second thread while this one is
-    added (the adds stay in order: the same bits). NotFound when an update is gone (retention: start from a
-    checkpoint)."""
-    store = store or ctx.store
+    when first > last). The next update is read, checked and decompressed on a second thread while this one
+    is added (`ahead`: a Prefetch of update_fetcher's already started, e.g. during the checkpoint read; it
+    holds versions first..last); the adds stay in order: the same bits. NotFound when an update is gone
+    (retention: start from a checkpoint)."""
+    if first > last:
+        return None
+    own = ahead is None
+    if ahead is None:
+        ahead = Prefetch(range(first, last + 1), update_fetcher(ctx, store or ctx.store, last_manifest),
+                         "updates", depth=1)
+    try:
+        ahead.skip_to(first)
+        manifest = None
+        for version, (read, update) in ahead:
+            if version > last:
+                break
+            add_update(glob, update, f"{version_name(ctx, version)}'s update", read.update_key)
+            manifest = read
+            del update
+        return manifest
+    finally:
+        if own:
+            ahead.close()
 
-    def fetch(v: int) -> tuple[Manifest, Tensors]:
+
+def update_fetcher(ctx: RunContext, store: Store, last_manifest: Manifest | None = None):
+    """version -> (its manifest, its update read, checked and decompressed: LazyObject.unframe_all)."""
+    def fetch(v: int) -> tuple[Manifest, LazyObject]:
         m = last_manifest if last_manifest is not None and v == last_manifest.version else \
             read_manifest(store, ctx.keys, v)
-        return m, read_committed(store, m.update_key, fingerprint=ctx.fingerprint, checksum=m.update_checksum,
-                                 what=f"{version_name(ctx, v)}'s update")[1]
+        return m, read_committed_lazy(store, m.update_key, fingerprint=ctx.fingerprint,
+                                      checksum=m.update_checksum,
+                                      what=f"{version_name(ctx, v)}'s update").unframe_all()
+    return fetch
 
-    manifest = None
-    for _, (read, update) in read_ahead(range(first, last + 1), fetch, "updates"):
-        add_(glob, update)
-        manifest = read
-        del update
-    return manifest
+
+# threads that add one update's large tensors (row ranges: the same bits); a rejoin's reads and adds come
+# before the learner's first step, and a learner's read-ahead thread already decodes beside it
+ADD_WORKERS = 2
+
+
+def add_update(glob: Tensors, update: LazyObject, what: str, key: str) -> None:
+    """glob += the update, tensor by tensor, each decoded a chunk at a time into the tensor
+    (LazyObject.add_to: the bits of adding the decoded update, without it); CorruptObject naming the update
+    when it does not decode (its checksum matched the committed one: the writer's fault, no retry mends
+    it)."""
+    for name, value in glob.items():
+        try:
+            if value.is_contiguous() and value.dtype == torch.float32:
+                update.add_to(name, value.numpy(), workers=ADD_WORKERS)
+            else:
+                value.add_(torch.from_numpy(update.array(name)))
+        except (CodecError, KeyError, ValueError) as err:
+            raise CorruptObject(corrupt_message(what, key, f"{type(err).__name__}: {err}")) from None
+
+
+# updates a reader of a checkpoint fetches while it reads the checkpoint (each held decompressed until added:
+# ~0.56 B/param at int4), so their reads, checks and decompression are off the path of the adds
+UPDATES_AHEAD = 4
 
 
 def chain_params(ctx: RunContext, manifest: Manifest, *, newest: bool = False,
@@ -60,9 +105,15 @@ def chain_params(ctx: RunContext, manifest: Manifest, *, newest: bool = False,
                               checksum=manifest.params_checksum,
                               what=f"{version_name(ctx, manifest.version)}'s params")[1]
     reader = ctx if store is ctx.store else _with_store(ctx, store)
-    start = read_start(reader, manifest, outer=False, newest=newest)
-    glob = start.params
-    apply_updates(ctx, glob, start.version + 1, manifest.version, store, last_manifest=manifest)
+    ref = checkpoint_of(reader, manifest, newest=newest)
+    # the updates after the checkpoint start arriving while it is read (UPDATES_AHEAD of them at most)
+    fetch = update_fetcher(ctx, store, manifest)
+    versions = range(ref.version + 1, manifest.version + 1)
+    with Prefetch(versions, fetch, "updates", depth=UPDATES_AHEAD) as ahead:
+        start = read_start(reader, manifest, outer=False, newest=newest, ref=ref)
+        glob = start.params
+        apply_updates(ctx, glob, start.version + 1, manifest.version, store, last_manifest=manifest,
+                      ahead=ahead)
     return glob
 
 

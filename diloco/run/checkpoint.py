@@ -224,11 +224,13 @@ def checkpoint_of(ctx: RunContext, manifest: Manifest, *, newest: bool = False) 
     return manifest.checkpoint
 
 
-def read_start(ctx: RunContext, manifest: Manifest, *, outer: bool, newest: bool = False) -> ChainCheckpoint:
+def read_start(ctx: RunContext, manifest: Manifest, *, outer: bool, newest: bool = False,
+               ref: CheckpointRef | None = None) -> ChainCheckpoint:
     """The checkpoint a reader of `manifest`'s version (schema 2) starts from, read: the one it names (or,
-    `newest`, a newer one), or — when gc's retention removed that one — the chain's kept history's first
-    checkpoint, if it is at or before the version. NotFound when the version's history was removed."""
-    ref = checkpoint_of(ctx, manifest, newest=newest)
+    `newest`, a newer one; `ref`: checkpoint_of's answer, when the caller asked it already), or — when gc's
+    retention removed that one — the chain's kept history's first checkpoint, if it is at or before the
+    version. NotFound when the version's history was removed."""
+    ref = ref or checkpoint_of(ctx, manifest, newest=newest)
     try:
         return read_checkpoint(ctx, ref, outer=outer)
     except NotFound:

@@ -83,9 +83,12 @@ def encode_shipped(
 
 
 def decode_tensors(
-    data: bytes, *, fingerprint: str | None = None, max_bytes: int | None = None
+    data: bytes, *, fingerprint: str | None = None, max_bytes: int | None = None, verified: bool = False
 ) -> tuple[codec.Header, Tensors]:
-    header, arrays = codec.decode(data, max_bytes=max_bytes, expected_fingerprint=fingerprint)
+    """`verified`: `data` matched the checksum a manifest recorded for it (read_checked): the codec's own
+    payload crc32 is skipped (a second pass over the bytes that can only agree)."""
+    header, arrays = codec.decode(data, max_bytes=max_bytes, expected_fingerprint=fingerprint,
+                                  verified=verified)
     return header, to_torch(arrays)
 
 
@@ -128,7 +131,7 @@ def read_tensors(
     """Get, verify the recorded checksum (when given), decode; a CodecError names the key."""
     data = read_checked(store, key, checksum)
     try:
-        return decode_tensors(data, fingerprint=fingerprint, max_bytes=max_bytes)
+        return decode_tensors(data, fingerprint=fingerprint, max_bytes=max_bytes, verified=bool(checksum))
     except codec.CodecError as err:
         raise codec.CodecError(f"{key}: {err}") from None
 
@@ -145,7 +148,8 @@ def read_committed(store: Store, key: str, *, checksum: str, fingerprint: str | 
 def read_committed_lazy(store: Store, key: str, *, checksum: str, fingerprint: str | None = None,
                         what: str = "") -> LazyObject:
     """read_committed's checks and retries, the object left to decode one tensor at a time."""
-    return _committed(lambda: LazyObject(read_checked(store, key, checksum), fingerprint=fingerprint), key,
+    return _committed(lambda: LazyObject(read_checked(store, key, checksum), fingerprint=fingerprint,
+                                         verified=True), key,
                       what)
 
 
@@ -166,13 +170,57 @@ def read_ahead(items: Sequence[Item], fetch: Callable[[Item], T], name: str) -> 
         for item in items:
             yield item, fetch(item)
         return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) as pool:
-        ahead = pool.submit(fetch, items[0])
-        for i, item in enumerate(items):
-            got = ahead.result()
-            ahead = pool.submit(fetch, items[i + 1]) if i + 1 < len(items) else None
+    with Prefetch(items, fetch, name, depth=1) as ahead:
+        yield from ahead
+
+
+class Prefetch:
+    """fetch(item) of `items`, in order, on one thread, up to `depth` items ahead of the caller — started at
+    once, so the caller can do other work (read a checkpoint) while the first ones arrive. Iterating gives
+    (item, fetch(item)) in order (a fetch's exception is raised there, for its item); `skip_to(item)` drops
+    the items before it unconsumed (their failures unraised: a caller that starts further on never needed
+    them). `close()` (the with-block's end) cancels what has not started and waits for the rest."""
+
+    def __init__(self, items: Sequence[Item], fetch: Callable[[Item], T], name: str, depth: int) -> None:
+        self._items, self._fetch, self._depth = list(items), fetch, max(1, depth)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pending: list[tuple[Item, Any]] = []  # (item, future), in order
+        self._next = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self._pending) < self._depth and self._next < len(self._items):
+            item = self._items[self._next]
+            self._pending.append((item, self._pool.submit(self._fetch, item)))
+            self._next += 1
+
+    def skip_to(self, item: Item) -> None:
+        """Drop every item before `item` (a ValueError when it is not one of them)."""
+        index = self._items.index(item)
+        while self._pending and self._items.index(self._pending[0][0]) < index:
+            self._pending.pop(0)[1].cancel()
+        self._next = max(self._next, index)
+        self._fill()
+
+    def __iter__(self) -> Iterator[tuple[Item, T]]:
+        while self._pending:
+            item, future = self._pending.pop(0)
+            got = future.result()
+            self._fill()
             yield item, got
             del got  # the caller is done with it: not held while the next one is waited for
+
+    def close(self) -> None:
+        for _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Prefetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def corrupt_message(what: str, key: str, failure: str) -> str:

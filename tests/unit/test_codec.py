@@ -552,3 +552,36 @@ def test_bench_codec_cli_writes_json(tmp_path: Path) -> None:
         assert r["encode_mb_s"] > 0 and r["decode_mb_s"] > 0
         assert (r["max_abs_error"] == 0.0) == (codec == "fp32")
     assert report["codecs"]["int8"]["ratio"] > 3.0 and report["codecs"]["int4"]["ratio"] > 5.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tensors=tensor_sets(),
+    codec=st.sampled_from(sorted(CODECS)),
+    shuffle=st.booleans(),
+    block_size=st.sampled_from([4, 16, 64]),
+    workers=st.integers(1, 3),
+    chunk=st.sampled_from([4, 64, 1 << 16]),
+)
+def test_adding_a_tensor_as_it_decodes_is_adding_the_decoded_tensor(
+    tensors: dict[str, np.ndarray], codec: str, shuffle: bool, block_size: int, workers: int, chunk: int
+) -> None:
+    """LazyObject.add_to (a rejoin's updates, decoded a chunk at a time into the params, rows split between
+    threads) has the bits of `out + array(name)`, for every codec, shape (0-d, empty, a padded last block),
+    chunk size and number of workers."""
+    from diloco.storage.codec import LazyObject, payload
+
+    data = encode(tensors, codec=codec, kind="update", fingerprint="f", block_size=block_size,
+                  shuffle=shuffle)
+    rng = np.random.default_rng(len(data))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(payload, "_CHUNK_ELEMENTS", chunk)  # many chunks and worker ranges in small tensors
+        obj = LazyObject(data)
+        for name, x in tensors.items():
+            base = rng.standard_normal(x.shape).astype(np.float32)
+            want = base + obj.array(name)
+            got = base.copy()
+            obj.add_to(name, got, workers=workers)
+            assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        with pytest.raises(ValueError, match="contiguous f32"):
+            obj.add_to(next(iter(tensors)), np.zeros(7, np.float64))

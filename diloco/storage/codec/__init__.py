@@ -184,9 +184,11 @@ def verify(data: bytes) -> Header:
 
 
 def decode(
-    data: bytes, *, max_bytes: int | None = None, expected_fingerprint: str | None = None
+    data: bytes, *, max_bytes: int | None = None, expected_fingerprint: str | None = None,
+    verified: bool = False,
 ) -> tuple[Header, dict[str, np.ndarray]]:
     """bytes -> (header, float32 arrays). Verifies the checksum and every size before allocating (the checks
-    and the decoding are LazyObject's, every tensor at once)."""
-    obj = LazyObject(data, fingerprint=expected_fingerprint, max_bytes=max_bytes)
+    and the decoding are LazyObject's, every tensor at once; `verified`: the caller checked the object's
+    recorded checksum, the payload's crc32 is not computed again)."""
+    obj = LazyObject(data, fingerprint=expected_fingerprint, max_bytes=max_bytes, verified=verified)
     return obj.header, dict(obj.arrays())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import lz4.block
@@ -184,19 +185,65 @@ def decode_stream(
     if codec == "bf16":
         h = _unshuffle(stream, 2) if shuffle else stream.copy()
         return _from_bf16(h.view(np.uint16)).reshape(spec.shape)
-    nb, nfull = -(-n // bsz), n // bsz
-    scales = stream[: 4 * nb].copy().view(np.float32)  # copy: aligned, and small
-    if not (np.isfinite(scales).all() and (scales >= 0).all()):
-        raise CodecError(f"tensor {spec.name!r}: block scales must be finite and >= 0")
-    q = stream[4 * nb :].view(np.int8).reshape(nb, bsz // VALUES_PER_BYTE[codec])
+    scales, q, nfull = _blocks(stream, codec, bsz, spec)
     y = np.empty(n, np.float32)
     if nfull:
         _dequantize_rows(scales[:nfull], q[:nfull], y[: nfull * bsz].reshape(nfull, bsz), codec)
-    if nb > nfull:
+    if len(scales) > nfull:
         pad = np.empty((1, bsz), np.float32)
         _dequantize_rows(scales[nfull:], q[nfull:], pad, codec)
         y[nfull * bsz :] = pad[0, : n - nfull * bsz]
     return y.reshape(spec.shape)
+
+
+def _blocks(stream: np.ndarray, codec: str, bsz: int, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray, int]:
+    """A block-quantized stream's (scales, quantized rows, full blocks), its scales checked."""
+    n = elements_of(spec.shape)
+    nb, nfull = -(-n // bsz), n // bsz
+    scales = stream[: 4 * nb].copy().view(np.float32)  # copy: aligned, and small
+    if not (np.isfinite(scales).all() and (scales >= 0).all()):
+        raise CodecError(f"tensor {spec.name!r}: block scales must be finite and >= 0")
+    return scales, stream[4 * nb :].view(np.int8).reshape(nb, bsz // VALUES_PER_BYTE[codec]), nfull
+
+
+def add_decoded(stream: np.ndarray, codec: str, shuffle: bool, block_size: int, spec: TensorSpec,
+                out: np.ndarray, workers: int = 1) -> None:
+    """out (f32, spec's elements, contiguous) += decode_stream(...), the same bits as adding the decoded
+    array (f32 + f32, element by element): a block-quantized stream is dequantized a chunk of rows at a time
+    into a scratch that stays in cache, never whole (no fresh array, one pass over `out`); `workers` > 1
+    splits its rows into that many contiguous ranges, each on its own thread (elementwise: the same bits)."""
+    flat = out.reshape(-1)
+    if codec in ("fp32", "bf16") or shuffle:
+        np.add(flat, decode_stream(stream, codec, shuffle, block_size, spec).reshape(-1), out=flat)
+        return
+    n, bsz = flat.size, block_size
+    scales, q, nfull = _blocks(stream, codec, bsz, spec)
+    step = max(1, _CHUNK_ELEMENTS // bsz)
+
+    def add_rows(first: int, last: int) -> None:
+        scratch = np.empty((min(step, max(last - first, 1)), bsz), np.float32)
+        for s in range(first, last, step):
+            e = min(last, s + step)
+            part = scratch[: e - s]
+            _dequantize_rows(scales[s:e], q[s:e], part, codec)
+            rows = flat[s * bsz : e * bsz].reshape(e - s, bsz)
+            np.add(rows, part, out=rows)
+
+    ranges = max(1, min(workers, nfull // step))  # a range is at least one chunk
+    bounds = [nfull * i // ranges for i in range(ranges + 1)]
+    if ranges == 1:
+        add_rows(0, nfull)
+    else:
+        with ThreadPoolExecutor(max_workers=ranges - 1, thread_name_prefix="add-decoded") as pool:
+            others = [pool.submit(add_rows, a, b) for a, b in zip(bounds[1:-1], bounds[2:], strict=True)]
+            add_rows(bounds[0], bounds[1])
+            for done in others:
+                done.result()
+    if len(scales) > nfull:
+        pad = np.empty((1, bsz), np.float32)
+        _dequantize_rows(scales[nfull:], q[nfull:], pad, codec)
+        tail = flat[nfull * bsz :]
+        np.add(tail, pad[0, : n - nfull * bsz], out=tail)
 
 
 # ------------------------------------------------------------------------------------- framing
