@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ from diloco.run.checkpoint import checkpoint_of, read_start
 from diloco.run.context import RunContext, direct_names
 from diloco.run.objects import (
     CorruptObject,
+    Prefetch,
     decode_tensors,
     read_ahead,
     read_checked,
@@ -99,11 +101,12 @@ def _delta(ctx: RunContext, m: Manifest, learner: str, seq: int, checksum: str, 
 
 
 def replay_merge(ctx: RunContext, prev: Manifest, m: Manifest, params: Tensors,
-                 outer: OuterState | None) -> StepResult:
+                 outer: OuterState | None, deltas: Iterator | None = None) -> StepResult:
     """Merge m again on version prev's state (consumed: `params` becomes m's, `outer` is emptied) and check
     its update against m's; ReplayMismatch when it differs, CorruptObject/StorageError when an input cannot
     be read. The next delta is read, checked and decoded on a second thread while this one is folded (the
-    same bits: the fold's order is the recorded one)."""
+    same bits: the fold's order is the recorded one); `deltas`: a Prefetch's iterator of recover's, over the
+    merged deltas of this merge and those after it ((manifest, decision), (header, delta)), instead."""
     cfg = merge_config(ctx, m)
     layout = layout_of(ctx, params)
     stream = gradient_stream(layout, prev.version, cfg.outer, direct_names(ctx, layout), ctx.buffers,
@@ -114,8 +117,9 @@ def replay_merge(ctx: RunContext, prev: Manifest, m: Manifest, params: Tensors,
     def load(d):
         return _delta(ctx, m, d.learner, d.seq, d.checksum, d.clip_scale)
 
+    pairs = read_ahead(merged, load, "replay-read") if deltas is None else _taken(deltas, m, merged)
     # a learner's deltas are contiguous, in the merger's order
-    for d, (header, delta) in read_ahead(merged, load, "replay-read"):
+    for d, (header, delta) in pairs:
         if group is not None and group.learner != d.learner:
             stream.add(group)
             group = None
@@ -133,6 +137,17 @@ def replay_merge(ctx: RunContext, prev: Manifest, m: Manifest, params: Tensors,
             f"one committed ({m.update_key}): the state rebuilt from the log is not the chain's. The merger "
             "stops rather than merge on it; `diloco audit` replays and names the first version that differs")
     return result
+
+
+def _taken(deltas: Iterator, m: Manifest, merged: list) -> Iterator:
+    """(decision, (header, delta)) of m's merged deltas, taken from recover's shared prefetch in order."""
+    for d in merged:
+        (of, decided), got = next(deltas)
+        if of.version != m.version or (decided.learner, decided.seq) != (d.learner, d.seq):
+            raise RuntimeError(f"replay of version {m.version}: prefetched {decided.learner}/{decided.seq} "
+                               f"of version {of.version} out of order")
+        yield d, got
+        del got
 
 
 def _chain(ctx: RunContext) -> str:
@@ -178,6 +193,9 @@ def ema_of(ctx: RunContext, manifest: Manifest) -> dict[str, float]:
     return {k: float(v) for k, v in header.meta.get("ema", {}).items()}
 
 
+REPLAY_AHEAD = 2  # deltas a recovering merger reads ahead of its replay (each held decoded: fragment fp32)
+
+
 def recover(ctx: RunContext, manifest: Manifest, held: ChainState | None = None, *,
             newest: bool = True) -> ChainState:
     """The chain's state at `manifest`'s version: from `held` (a state at an older version of this chain,
@@ -190,26 +208,37 @@ def recover(ctx: RunContext, manifest: Manifest, held: ChainState | None = None,
         return _schema1_state(ctx, manifest)
     ref = checkpoint_of(ctx, manifest, newest=newest)
     t0 = time.perf_counter()
-    if usable and held.manifest.version >= ref.version:
-        state = held
-        state.checkpoint = ref
-    else:
-        held = None  # freed before the checkpoint is read
-        checkpoint = read_start(ctx, manifest, outer=True, newest=newest)
-        ref = checkpoint.ref
-        start = manifest if ref.version == manifest.version else \
-            read_full_manifest(ctx.store, ctx.keys, ref.version)
-        state = ChainState(start, checkpoint.params, checkpoint.outer, checkpoint.ema, checkpoint=ref,
-                           read_s=time.perf_counter() - t0)
-    t1 = time.perf_counter()
-    prev = state.manifest
-    for version in range(prev.version + 1, manifest.version + 1):
-        # with its window: a clipped delta's scale is the merger's own figure
-        m = manifest if version == manifest.version else read_full_manifest(ctx.store, ctx.keys, version)
-        result = replay_merge(ctx, prev, m, state.params, state.outer)
-        state.params, state.outer, prev = result.params, result.outer, m
-        state.replayed += 1
-        del result
+    first = held.manifest.version if usable and held.manifest.version >= ref.version else ref.version
+    # with their windows: a clipped delta's scale is the merger's own figure
+    logs = [manifest if v == manifest.version else read_full_manifest(ctx.store, ctx.keys, v)
+            for v in range(first + 1, manifest.version + 1)]
+    items = [(m, d) for m in logs for d in m.merged()]
+    # the merges' deltas start arriving while the checkpoint is read, the next merge's while this one steps
+    with Prefetch(items, lambda item: _delta(ctx, item[0], item[1].learner, item[1].seq, item[1].checksum,
+                                             item[1].clip_scale), "replay-read", depth=REPLAY_AHEAD) as ahead:
+        if usable and held.manifest.version >= ref.version:
+            state = held
+            state.checkpoint = ref
+        else:
+            held = None  # freed before the checkpoint is read
+            checkpoint = read_start(ctx, manifest, outer=True, newest=newest, ref=ref)
+            ref = checkpoint.ref
+            start = manifest if ref.version == manifest.version else \
+                read_full_manifest(ctx.store, ctx.keys, ref.version)
+            state = ChainState(start, checkpoint.params, checkpoint.outer, checkpoint.ema, checkpoint=ref,
+                               read_s=time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        prev = state.manifest
+        todo = [m for m in logs if m.version > prev.version]  # retention may have moved the start on
+        skip = next((item for item in items if item[0].version > prev.version), None)
+        if skip is not None:
+            ahead.skip_to(skip)
+        deltas = iter(ahead)
+        for m in todo:
+            result = replay_merge(ctx, prev, m, state.params, state.outer, deltas=deltas)
+            state.params, state.outer, prev = result.params, result.outer, m
+            state.replayed += 1
+            del result
     state.manifest, state.ema = manifest, ema_of(ctx, manifest)
     state.replay_s += time.perf_counter() - t1
     if state.replayed:
