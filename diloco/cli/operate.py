@@ -221,8 +221,8 @@ def outliers(storage: str = STORAGE, run_id: str = RUN_ID, json_out: bool = JSON
                    f"{summary['flagged_outlier']} flagged: ratio max {fmt(summary['max_ratio'])}, p99 "
                    f"{fmt(summary['p99_ratio'])}, median {fmt(summary['median_ratio'])}; would reject: "
                    + ", ".join(f"{k}: {v}" for k, v in summary["would_reject"].items()))
-        for name, figures in summary.get("directions", {}).items():
-            if isinstance(figures, dict):
-                typer.echo(f"{name}: {figures['n']} deltas, min {fmt(figures['min'])}, "
-                           f"p1 {fmt(figures['p01'])}, p5 {fmt(figures['p05'])}, "
-                           f"median {fmt(figures['median'])}; <= 0: {figures['at_or_below_0']}")
+        for name in ("cos_others", "cos_update") if directions else ():
+            figures = summary["directions"][name]
+            typer.echo(f"{name}: {figures['n']} deltas, min {fmt(figures['min'])}, "
+                       f"p1 {fmt(figures['p01'])}, p5 {fmt(figures['p05'])}, "
+                       f"median {fmt(figures['median'])}; <= 0: {figures['at_or_below_0']}")

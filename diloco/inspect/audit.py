@@ -24,7 +24,7 @@ from diloco.run.pin import note_pin, pin_state
 from diloco.storage import Manifest, StorageError, list_versions, read_manifest
 from diloco.storage.codec import CodecError
 from diloco.storage.keys import parse_delta_key
-from diloco.storage.window import KEPT_FROM_RULES, with_window
+from diloco.storage.window import with_window
 
 
 @dataclass
@@ -111,8 +111,7 @@ def load_chain(ctx: RunContext, report: AuditReport) -> list[Manifest]:
 def _with_window(ctx: RunContext, m: Manifest, report: AuditReport) -> Manifest:
     """The manifest with its outlier window (storage.window): a window object unreadable, or a run of trust
     rules 3 whose merge published its window in the manifest, is a problem."""
-    kept = ctx.trust_rules >= KEPT_FROM_RULES
-    if kept and m.version > 0 and m.guard is not None and m.guard.window is None:
+    if ctx.window_apart and m.version > 0 and m.guard is not None and m.guard.window is None:
         report.problem(f"version {m.version}: its outlier window is published in the manifest (trust rules "
                        f"{ctx.trust_rules} keep it in {ctx.keys.guard_prefix()})")
     try:

@@ -17,7 +17,6 @@ from diloco.run.controls import list_ops, read_op
 from diloco.storage import DeltaDecision, Manifest, NotFound
 from diloco.storage.codec import object_checksum
 from diloco.storage.records import RecordError
-from diloco.storage.window import KEPT_FROM_RULES
 from diloco.trust.guard import Policy, entry_of, fold, gate, policy_after, state_of
 from diloco.trust.judge import Judge
 
@@ -106,7 +105,7 @@ def replay_decisions(ctx: RunContext, prev: Manifest, m: Manifest, params, repor
         report.problem(f"version {m.version}: the control ops replay differently than recorded")
     judge = Judge(ctx.run_id, ctx.fingerprint, prev.version, params, policy,
                   keyring if ctx.cfg.learner.sign else None, buffers=ctx.buffers,
-                  apart=ctx.trust_rules >= KEPT_FROM_RULES)
+                  apart=ctx.window_apart)
     stream = gradient_stream(params, prev.version, policy.cfg.outer, direct_names(ctx, params), ctx.buffers,
                              counter_bounds(policy.cfg, ctx.tokens_per_step))
     group: LearnerGroup | None = None

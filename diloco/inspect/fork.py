@@ -25,13 +25,13 @@ from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.controls import operator_identity, read_op, write_op
 from diloco.run.fragments import chain_contexts, num_fragments, run_version
 from diloco.run.pin import pin_of
-from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, open_store, read_manifest
+from diloco.storage import Conflict, Manifest, NotFound, RunKeys, commit, open_store
 from diloco.storage.codec import object_checksum
 from diloco.storage.keys import new_nonce, validate_run_id
 from diloco.storage.manifest import ControlEntry, GuardState
 from diloco.storage.records import STORAGE_FORMAT, RunRecord, read_record, write_record
 from diloco.storage.store import Store
-from diloco.storage.window import KEPT_FROM_RULES, with_window, write_window
+from diloco.storage.window import read_full_manifest, write_window
 from diloco.training.fragments import put_
 from diloco.training.tensors import Tensors
 
@@ -48,8 +48,7 @@ def _parent_version(parent: RunContext, version: int) -> list[Manifest]:
     """Version `version` of every chain of the parent (a fragmented run's: its run version, on every
     fragment)."""
     try:
-        return [with_window(parent.store, chain.keys, read_manifest(parent.store, chain.keys, version))
-                for chain in chain_contexts(parent)]
+        return [read_full_manifest(parent.store, chain.keys, version) for chain in chain_contexts(parent)]
     except NotFound:
         newest = run_version(parent)
         what = "run version" if parent.fragments else "version"
@@ -178,7 +177,7 @@ def fork_run(store: Store, run_id: str, at_version: int, new_run_id: str, cfg: C
     for chain, head, fields in zip(chains, heads, objects, strict=True):
         guard = GuardState(members=sorted(learners), norms=list(head.guard.norms) if head.guard else [],
                            norm_learners=list(head.guard.norm_learners) if head.guard else [], ops_cursor=op)
-        if parent.trust_rules >= KEPT_FROM_RULES:  # the parent's window, kept as the fork's own (unpublished)
+        if parent.window_apart:  # the parent's window, kept as the fork's own (unpublished)
             guard.window = write_window(store, chain.keys, 0, guard, {})
         pinned = {"run_json_checksum": pin_of(record.to_bytes())} if chain.keys is keys else {}  # the root's
         commit(store, chain.keys, Manifest(run_id=new_run_id, version=0, created_at=time.time(),

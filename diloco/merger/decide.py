@@ -15,7 +15,6 @@ from diloco.merger.waiting import Pending
 from diloco.run.context import RunContext, direct_names
 from diloco.run.events import EventLog
 from diloco.storage import DeltaDecision, NotFound, StorageError
-from diloco.storage.window import KEPT_FROM_RULES
 from diloco.training.tensors import Tensors
 from diloco.trust.guard import Policy, gate
 from diloco.trust.judge import Judge
@@ -33,7 +32,7 @@ def decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, pol
     stream = gradient_stream(layout, version, policy.cfg.outer, direct_names(ctx, layout), ctx.buffers,
                              counter_bounds(policy.cfg, ctx.tokens_per_step))
     judge = Judge(ctx.run_id, ctx.fingerprint, version, layout, policy, keyring, buffers=ctx.buffers,
-                  apart=ctx.trust_rules >= KEPT_FROM_RULES)
+                  apart=ctx.window_apart)
     phase_times: list[float] = []
     for learner, (first, last) in sorted(pending.strangers.items()):  # one decision, no cursor, never again
         strangers.add(learner)

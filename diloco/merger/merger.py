@@ -46,7 +46,7 @@ from diloco.storage import (
     read_manifest,
 )
 from diloco.storage.keys import new_nonce
-from diloco.storage.window import KEPT_FROM_RULES, with_window, write_window
+from diloco.storage.window import with_window, write_window
 from diloco.training.tensors import Tensors
 from diloco.trust.guard import Policy, entry_of, fold, policy_after, state_of
 from diloco.trust.signing import SigningError
@@ -353,7 +353,7 @@ class Merger:
             merge_s = time.time() - plan.started_at
             ema = self._next_ema(plan.phase_times, plan.quorum_wait_s, merge_s)
             buffers = version_buffers(self.ctx, self.manifest, result.buffers, version, new_nonce())
-            if self.ctx.trust_rules >= KEPT_FROM_RULES:  # the window in its own object, unpublished
+            if self.ctx.window_apart:  # the window in its own object, unpublished
                 plan.guard.window = write_window(store, keys, version, plan.guard, plan.stats, plan.decisions)
             self.stage_hook("before_manifest")
             objects = {"update_key": update_key, "update_checksum": update_sum, "ema": ema,

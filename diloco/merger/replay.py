@@ -230,9 +230,7 @@ def recover(ctx: RunContext, manifest: Manifest, held: ChainState | None = None,
         t1 = time.perf_counter()
         prev = state.manifest
         todo = [m for m in logs if m.version > prev.version]  # retention may have moved the start on
-        skip = next((item for item in items if item[0].version > prev.version), None)
-        if skip is not None:
-            ahead.skip_to(skip)
+        ahead.skip_until(lambda item: item[0].version > prev.version)
         deltas = iter(ahead)
         for m in todo:
             result = replay_merge(ctx, prev, m, state.params, state.outer, deltas=deltas)

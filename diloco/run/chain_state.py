@@ -45,11 +45,9 @@ def apply_updates(ctx: RunContext, glob: Tensors, first: int, last: int, store: 
         ahead = Prefetch(range(first, last + 1), update_fetcher(ctx, store or ctx.store, last_manifest),
                          "updates", depth=1)
     try:
-        ahead.skip_to(first)
+        ahead.skip_until(lambda version: version >= first)
         manifest = None
-        for version, (read, update) in ahead:
-            if version > last:
-                break
+        for version, (read, update) in ahead:  # versions first..last
             add_update(glob, update, f"{version_name(ctx, version)}'s update", read.update_key)
             manifest = read
             del update

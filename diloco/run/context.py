@@ -16,6 +16,7 @@ from diloco.run.pin import pin_state
 from diloco.storage import NotFound, RunKeys, open_store
 from diloco.storage.records import RecordError, RunRecord
 from diloco.storage.store import Store
+from diloco.storage.window import KEPT_FROM_RULES
 
 
 class RunError(ValueError):
@@ -46,6 +47,12 @@ class RunContext:
     @property
     def run_id(self) -> str:
         return self.keys.run_id
+
+    @property
+    def window_apart(self) -> bool:
+        """The run's merges keep the outlier window and each decision's figures in the merger's guard/ object,
+        not in the manifests learners read (trust rules 3: storage/window.py)."""
+        return self.trust_rules >= KEPT_FROM_RULES
 
 
 def open_run(store: Store | str, run_id: str, *, check_pin: bool = True) -> RunContext:

@@ -177,34 +177,36 @@ def read_ahead(items: Sequence[Item], fetch: Callable[[Item], T], name: str) -> 
 class Prefetch:
     """fetch(item) of `items`, in order, on one thread, up to `depth` items ahead of the caller — started at
     once, so the caller can do other work (read a checkpoint) while the first ones arrive. Iterating gives
-    (item, fetch(item)) in order (a fetch's exception is raised there, for its item); `skip_to(item)` drops
-    the items before it unconsumed (their failures unraised: a caller that starts further on never needed
-    them). `close()` (the with-block's end) cancels what has not started and waits for the rest."""
+    (item, fetch(item)) in order (a fetch's exception is raised there, for its item); `skip_until(keep)` drops
+    the items before the first that `keep` accepts, unconsumed (their failures unraised: a caller that starts
+    further on never needed them). `close()` (the with-block's end) cancels what has not started and waits for
+    the rest."""
 
     def __init__(self, items: Sequence[Item], fetch: Callable[[Item], T], name: str, depth: int) -> None:
         self._items, self._fetch, self._depth = list(items), fetch, max(1, depth)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._pending: list[tuple[Item, Any]] = []  # (item, future), in order
+        self._pending: list[tuple[int, Any]] = []  # (position in items, future), in order
         self._next = 0
         self._fill()
 
     def _fill(self) -> None:
         while len(self._pending) < self._depth and self._next < len(self._items):
-            item = self._items[self._next]
-            self._pending.append((item, self._pool.submit(self._fetch, item)))
+            self._pending.append((self._next, self._pool.submit(self._fetch, self._items[self._next])))
             self._next += 1
 
-    def skip_to(self, item: Item) -> None:
-        """Drop every item before `item` (a ValueError when it is not one of them)."""
-        index = self._items.index(item)
-        while self._pending and self._items.index(self._pending[0][0]) < index:
+    def skip_until(self, keep: Callable[[Item], bool]) -> None:
+        """Drop the items not yet taken before the first one `keep` accepts (every one when none does)."""
+        start = self._pending[0][0] if self._pending else self._next
+        first = next((i for i in range(start, len(self._items)) if keep(self._items[i])), len(self._items))
+        while self._pending and self._pending[0][0] < first:
             self._pending.pop(0)[1].cancel()
-        self._next = max(self._next, index)
+        self._next = max(self._next, first)
         self._fill()
 
     def __iter__(self) -> Iterator[tuple[Item, T]]:
         while self._pending:
-            item, future = self._pending.pop(0)
+            position, future = self._pending.pop(0)
+            item = self._items[position]
             got = future.result()
             self._fill()
             yield item, got

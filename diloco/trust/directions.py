@@ -21,7 +21,7 @@ import torch
 
 from diloco.run.context import RunContext
 from diloco.run.fragments import chain_contexts, manifests
-from diloco.run.objects import decode_tensors, read_tensors
+from diloco.run.objects import read_tensors
 from diloco.storage import Manifest, NotFound
 
 
@@ -52,7 +52,7 @@ def _update(ctx: RunContext, parent: Manifest | None) -> torch.Tensor | None:
     if parent is None or not parent.update_key:
         return None
     try:
-        _, update = decode_tensors(ctx.store.get(parent.update_key))
+        _, update = read_tensors(ctx.store, parent.update_key, checksum=parent.update_checksum)
     except NotFound:
         return None
     return _flat(update, len(update))
