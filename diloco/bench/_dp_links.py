@@ -30,7 +30,7 @@ BARRIER_TIMEOUT_S = 900.0
 
 
 def _rank_main(net, rank: int, cfg: Config, corpus, compute_steps: int, plan: list[tuple[int, int]],
-               cut_s: float, barrier, out) -> None:
+               cut_s: float, barrier, out, pad_s: float = 0.0) -> None:
     """One DP rank (forked): enter site `rank`, join the gloo world over the links, then the phases above."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -50,14 +50,20 @@ def _rank_main(net, rank: int, cfg: Config, corpus, compute_steps: int, plan: li
         model = build_model(cfg.model, seed=cfg.data.seed)
         sampler = ShardSampler(corpus.train, 0, 1, m * cfg.data.batch_size, cfg.model.ctx_len, cfg.data.seed)
 
+        pad = 0.0  # slept before each step: pad_s less this rank's compute step
+
         def timed(step: Callable[..., float]) -> tuple[float, float]:
             batch = slice_batch(sampler.next_batch(), rank, m)
             t0 = time.perf_counter()
+            if pad > 0:
+                time.sleep(pad)
             step(*batch)
             return time.time(), time.perf_counter() - t0
 
         alone = InnerTrainer(model, cfg.inner)
-        out.put(("compute", rank, [timed(alone.train_step)[1] for _ in range(compute_steps)]))
+        compute = [timed(alone.train_step)[1] for _ in range(compute_steps)]
+        out.put(("compute", rank, compute))
+        pad = max(0.0, pad_s - statistics.median(compute))
         ddp = DistributedDataParallel(model)  # broadcasts rank 0's parameters: every rank starts equal
         trainer = InnerTrainer(model, cfg.inner, forward_model=ddp)
         for row, (warm, steps) in enumerate(plan):
@@ -117,23 +123,26 @@ def _wait(barrier) -> None:
 
 
 def measure_dp(net, cfg: Config, corpus, caps_mb_s: Callable[[float], list[float]], *, compute_steps: int,
-               warm_steps: int, steps: int, cut_s: float, num_caps: int) -> dict[str, Any]:
-    """Real DP over `net`'s sites. `caps_mb_s(compute_step_s)` gives the rows' caps from the ranks' measured
-    compute step (the median over ranks of each rank's median); returns {"compute_step_s", "caps", "rows":
-    [per cap: {"link_mb_s", "step_s" (all ranks' timed steps), "kernel" (per site, bytes over the timed
-    steps)}], "cut"}."""
+               warm_steps: int, steps: int, cut_s: float, num_caps: int,
+               pad_s: float | None = None) -> dict[str, Any]:
+    """Real DP over `net`'s sites. `caps_mb_s(compute_step_s)` gives the rows' caps from the ranks' compute
+    step (the median over ranks of each rank's measured median; with `pad_s`, the larger of it and pad_s, the
+    compute each step is padded to); returns {"compute_step_s", "compute_step_s_measured", "pad_s", "caps",
+    "rows": [per cap: {"link_mb_s", "step_s" (all ranks' timed steps), "kernel" (per site, bytes over the
+    timed steps)}], "cut"}."""
     ctx = mp.get_context("fork")
     m, plan = len(net.sites), [(warm_steps, steps)] * num_caps
     barrier, out = ctx.Barrier(m + 1), ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(net, r, cfg, corpus, compute_steps, plan, cut_s, barrier,
-                                                  out),
+                                                  out, pad_s or 0.0),
                          name=f"dp-{r}", daemon=True) for r in range(m)]
     for p in procs:
         p.start()
     inbox, finished = _Inbox(out, procs), False
     try:
         compute = [statistics.median(msg[2]) for msg in inbox.take("compute", m)]
-        compute_step_s = statistics.median(compute)
+        measured = statistics.median(compute)
+        compute_step_s = max(measured, pad_s or 0.0)
         caps = caps_mb_s(compute_step_s)
         rows = []
         for row, cap in enumerate(caps):
@@ -164,5 +173,5 @@ def measure_dp(net, cfg: Config, corpus, caps_mb_s: Callable[[float], list[float
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    return {"compute_step_s": compute_step_s, "compute_step_s_per_rank": compute, "caps": caps, "rows": rows,
-            "cut": cut}
+    return {"compute_step_s": compute_step_s, "compute_step_s_measured": measured, "pad_s": pad_s,
+            "compute_step_s_per_rank": compute, "caps": caps, "rows": rows, "cut": cut}

@@ -4,8 +4,9 @@ bytes.
 Contract: `RealLinks(m)` is a context manager holding a LinkNet of m sites, moto's S3 server on the bridge's
 host address and a fresh bucket; `measure(...)` times data-parallel over the links (bench/_dp_links.py) and
 fixes the rows' caps; `wan_run(run, row, cap)` turns a modelled WanRun into the same run over the real links
-(its own prefix in the bucket, learner i in site i, no padding, the link only counting what the application
-sends); `dp_entry` and `kernel_fields` make the JSON's entries from what was measured. DP's time to target is
+(its own prefix in the bucket, learner i in site i, unpadded or, with `pad_s`, every inner step padded to
+pad_s as DP's compute is then; the link only counting what the application sends); `dp_entry` and
+`kernel_fields` make the JSON's entries from what was measured. DP's time to target is
 its steps to target on the uncapped curve (the same seed) x its step time measured over the links: its loss
 per step does not depend on the link.
 """
@@ -32,7 +33,7 @@ DP_STEPS, DP_WARM_STEPS, DP_COMPUTE_STEPS = 20, 2, 10
 QUICK_DP = {"steps": 3, "warm_steps": 1, "compute_steps": 3}
 
 # what the JSON's config.model says in real mode (replacing the modelled mode's text)
-REAL_MODEL = {
+REAL_MODEL = {  # unpadded; real_model(pad_s) when padded
     "measured": "sync_diloco and decoupled: real learner processes, each in its own network namespace behind "
                 "a veth pair shaped by tbf at the cap each way, reaching a real S3 server (moto) over HTTP "
                 "through it; compute unpadded (this machine's CPU, under whatever load it has); held-out "
@@ -51,6 +52,20 @@ REAL_MODEL = {
 }
 
 
+def real_model(pad_s: float | None) -> dict[str, str]:
+    """REAL_MODEL, or with `pad_s` what padding changes in it."""
+    if pad_s is None:
+        return REAL_MODEL
+    text = (f"compute padded: every inner step of sync_diloco and decoupled and every DP rank's compute step "
+            f"last at least {pad_s:g} s (the rest slept), as if each site computed at that speed — this "
+            "machine's 2 cores are shared by the learners, the S3 server and the merger, which a deployment "
+            "runs apart")
+    measured = REAL_MODEL["measured"].replace("compute unpadded (this machine's CPU, under whatever load it "
+                                              "has)", text)
+    return {**REAL_MODEL, "measured": measured,
+            "cap": REAL_MODEL["cap"].replace("DP's compute step measured", "DP's padded compute step")}
+
+
 def first_at(curve: list[tuple[int, float]], target: float) -> int | None:
     return next((s for s, loss in curve if loss <= target), None)
 
@@ -66,6 +81,7 @@ class RealLinks:
         self.server = None
         self.dp: dict[str, Any] = {}
         self.cut_s = 0.0
+        self.pad_s: float | None = None  # every DiLoCo inner step and DP's compute padded to it (None: real)
 
     def __enter__(self) -> RealLinks:
         with contextlib.ExitStack() as stack:
@@ -79,12 +95,15 @@ class RealLinks:
     def __exit__(self, *exc: object) -> None:
         self.stack.close()
 
-    def measure(self, cfg, corpus, caps_of, *, quick: bool, cut_s: float, num_caps: int) -> list[float]:
-        """Data-parallel over the links; the rows' caps (from `caps_of(compute step s)`)."""
+    def measure(self, cfg, corpus, caps_of, *, quick: bool, cut_s: float, num_caps: int,
+                pad_s: float | None = None) -> list[float]:
+        """Data-parallel over the links; the rows' caps (from `caps_of(compute step s)`); `pad_s`: DP's
+        compute and every DiLoCo inner step padded to it."""
         counts = QUICK_DP if quick else {"steps": DP_STEPS, "warm_steps": DP_WARM_STEPS,
                                          "compute_steps": DP_COMPUTE_STEPS}
-        self.cut_s = cut_s
-        self.dp = measure_dp(self.net, cfg, corpus, caps_of, cut_s=cut_s, num_caps=num_caps, **counts)
+        self.cut_s, self.pad_s = cut_s, pad_s
+        self.dp = measure_dp(self.net, cfg, corpus, caps_of, cut_s=cut_s, num_caps=num_caps, pad_s=pad_s,
+                             **counts)
         return self.dp["caps"]
 
     def wan_run(self, run: WanRun, row: int, cap_mb_s: float, compute_step_s: float) -> WanRun:
@@ -93,9 +112,10 @@ class RealLinks:
         cut = None
         if self.cut_s > 0 and row == 0:
             cut = (0, run.steps * compute_step_s / 2, self.cut_s)
+        padded = {} if self.pad_s is None else {"step_time_s": self.pad_s}
         return dataclasses.replace(run, link=LinkSpec(),
                                    storage_url=f"s3://{self.bucket}/row{row}-{run.name}",
-                                   sites=self.net, pad=False, cut=cut)
+                                   sites=self.net, pad=self.pad_s is not None, cut=cut, **padded)
 
     def record(self) -> dict[str, Any]:
         """What the JSON's config says about the links."""
@@ -105,6 +125,8 @@ class RealLinks:
                 "s3_server_cpu_s": cpu_s(self.server) if self.server else None,
                 "tbf_at_cap": " ".join(tbf_args(self.dp["caps"][0])) if self.dp else None,
                 "dp_compute_step_s": self.dp.get("compute_step_s"),
+                "dp_compute_step_s_measured": self.dp.get("compute_step_s_measured"),
+                "padded_step_s": self.pad_s,
                 "dp_compute_step_s_per_rank": self.dp.get("compute_step_s_per_rank")}
 
 

@@ -47,10 +47,10 @@ def shown(result: dict[str, Any]) -> BenchResult:
                                f"{m[counted.format('sent')] / 1e6:.2f}",
                                f"{m[counted.format('received')] / 1e6:.2f}", vs])
         table.rows.append(None)
-    return BenchResult(result, [table], _notes(rows[0], factor, real))
+    return BenchResult(result, [table], _notes(rows[0], factor, real, result.get("padded_step_s")))
 
 
-def _notes(head: dict[str, Any], factor: float, real: bool) -> list[str]:
+def _notes(head: dict[str, Any], factor: float, real: bool, pad_s: float | None = None) -> list[str]:
     if factor == 1.0:
         speed = (f"speedup_vs_dp {head['speedup_vs_dp'] and round(head['speedup_vs_dp'], 1)} "
                  f"(target >= {TARGETS['speedup_vs_dp_min']:g})")
@@ -66,8 +66,11 @@ def _notes(head: dict[str, Any], factor: float, real: bool) -> list[str]:
     if real:
         dec, dp_m = head["methods"]["decoupled"], head["methods"]["dp"]
         ratio = head["traffic_ratio_vs_dp"]
+        padded = "" if pad_s is None else (
+            f"; every DiLoCo step and DP's compute padded to {pad_s * 1e3:g} ms (decoupled's real steps "
+            f"{dec['real_step_s_mean'] * 1e3:.1f} ms, {dec['steps_over_pad']:.1%} over the pad)")
         notes.append(f"real links: DP step {head['dp_step_s_measured']:.3f} s measured over gloo (compute "
-                     f"{dp_m['compute_s_per_step'] * 1e3:.1f} ms); decoupled per learner: kernel "
+                     f"{dp_m['compute_s_per_step'] * 1e3:.1f} ms){padded}; decoupled per learner: kernel "
                      f"{dec['kernel_bytes_sent_per_learner'] / 1e6:.2f} / "
                      f"{dec['kernel_bytes_received_per_learner'] / 1e6:.2f} MB sent / received, application "
                      f"{dec['bytes_sent_per_learner'] / 1e6:.2f} / "

@@ -65,6 +65,7 @@ class LearnerReport:
     sent: dict[str, int]
     received: dict[str, int]
     phase_ends_s: list[float] = field(default_factory=list)  # from the run's clock: when each phase ended
+    steps_over_pad: int = 0  # steps whose real time passed step_time_s (padded runs: the pad too short)
 
     @property
     def busy(self) -> float:
@@ -90,6 +91,7 @@ class PaddedSteps:
 
     def __init__(self, trainer, step_time_s: float) -> None:
         self.step_time_s, self.compute_s, self.real_s, self.steps = step_time_s, 0.0, 0.0, 0
+        self.over = 0  # steps that took longer than step_time_s by themselves
         self._inner = trainer.train_step
         trainer.train_step = self
 
@@ -99,6 +101,8 @@ class PaddedSteps:
         real = time.perf_counter() - t0
         if real < self.step_time_s:
             time.sleep(self.step_time_s - real)
+        elif self.step_time_s > 0:
+            self.over += 1
         self.compute_s += time.perf_counter() - t0
         self.real_s += real
         self.steps += 1
@@ -174,7 +178,7 @@ def _learner_main(url: str, run_id: str, name: str, run: WanRun, half_first: boo
         link = {k: v - joined_link.get(k, 0) for k, v in counting.inner.link.snapshot().items()}
         out.put(("ok", name, LearnerReport(name, padded.compute_s, padded.real_s, padded.steps, start, end,
                                            installs, link, dict(counting.sent), dict(counting.received),
-                                           phase_ends)))
+                                           phase_ends, padded.over)))
     # reported to the parent, which raises it: a bench must not hang on a dead child
     except BaseException as err:
         out.put(("error", name, f"{type(err).__name__}: {err}"))

@@ -114,6 +114,8 @@ def _engine_entry(result: WanResult, target: float) -> dict[str, Any]:
         "real_step_s_mean": sum(r.real_compute_s for r in result.learners)
                             / sum(r.steps for r in result.learners),
         "installs_per_learner": [r.installs for r in result.learners],
+        "steps_over_pad": sum(r.steps_over_pad for r in result.learners)
+                          / sum(r.steps for r in result.learners),
         "requests_per_learner": sum(r.link["requests"] for r in result.learners) / len(busy),
         "curve": [[round(t, 3), loss] for t, loss in result.curve], **result.extra,
     }
@@ -206,7 +208,9 @@ def bench_wan(
     steps: Annotated[int | None, Opt("--steps", min=1, help="Inner steps per learner (default: the "
                                                             "recipe's).")] = None,
     step_time_s: Annotated[float | None, Opt("--step-time-s", min=1e-4, help=(
-        "Emulated compute per inner step (each step is padded to it; default 0.04 s)."))] = None,
+        "Emulated compute per inner step (each step is padded to it; default 0.04 s). With --links real "
+        "(default there: unpadded): every DiLoCo inner step and data-parallel's compute padded to it."))] \
+        = None,
     rtt_ms: Annotated[float, Opt("--rtt-ms", min=0.0, help="Round trip added to every store request.")] = 2.0,
     peer: Annotated[bool, Opt("--peer/--no-peer", help="Run torchft's DiLoCo too (skipped if not "
                                                        "installed).")] = True,
@@ -243,6 +247,7 @@ def bench_wan(
     # step; `cut_s` > 0 (real links only): learner 0's link goes down for that long mid-run in the first row,
     # and across DP's steps.
     cap_factors = parse_cap_factors(caps)
+    pad_s = step_time_s if links == "real" else None  # real links: unpadded unless asked
     step_time_s = STEP_TIME_S if step_time_s is None else step_time_s
     torch.set_num_threads(1)
     cfg = load_config(config)
@@ -304,7 +309,7 @@ def bench_wan(
 
     links_record, model_record, record_step_s = None, None, step_time_s
     if links == "real":
-        from diloco.bench._wan_real import REAL_MODEL, REAL_PREFETCH_POLL_S, RealLinks
+        from diloco.bench._wan_real import REAL_PREFETCH_POLL_S, RealLinks, real_model
 
         real_cfg = d_cfg.with_overrides({"learner.prefetch_poll_s": REAL_PREFETCH_POLL_S})
         with RealLinks(m) as real:
@@ -314,20 +319,23 @@ def bench_wan(
             shrink = QUICK_STEP_TIME_S / STEP_TIME_S if quick else 1.0
             caps = real.measure(cfg, load_corpus(cfg.data), lambda compute_s: [
                 (link_mb_s or default_cap_mb_s(num_params, m, compute_s * shrink)) * f for f in cap_factors],
-                quick=quick, cut_s=cut_s, num_caps=len(cap_factors))
+                quick=quick, cut_s=cut_s, num_caps=len(cap_factors), pad_s=pad_s)
             base_cap = caps[0] / cap_factors[0]
-            log(f"  dp over the links: compute {real.dp['compute_step_s'] * 1e3:.1f} ms a step, caps "
+            padded = "" if pad_s is None else f", padded to {real.dp['compute_step_s'] * 1e3:.1f} ms"
+            log(f"  dp over the links: compute {real.dp['compute_step_s_measured'] * 1e3:.1f} ms a step"
+                f"{padded}, caps "
                 f"{', '.join(f'{c:.4g}' for c in caps)} MB/s ({time.time() - t_start:.0f}s)")
             rows = rows_at(caps, real)
             links_record = real.record()
             # the cap's arithmetic
-            model_record, record_step_s = REAL_MODEL, real.dp["compute_step_s"] * shrink
+            model_record, record_step_s = real_model(pad_s), real.dp["compute_step_s"] * shrink
     else:
         rows = rows_at([base_cap * f for f in cap_factors])
     record = config_record(cfg, steps, record_step_s, rtt_ms, num_params, base_cap, link_mb_s is None,
                            peer_run, time.time() - t_start)
     result = {**{k: v for k, v in rows[0].items() if k != "methods"}, "methods": rows[0]["methods"],
-              "rows": rows, "targets": REAL_TARGETS if links == "real" else TARGETS, "config": record}
+              "rows": rows, "targets": REAL_TARGETS if links == "real" else TARGETS, "config": record,
+              "padded_step_s": pad_s}
     result["config"].update(link_mode=links, links=links_record)
     if model_record is not None:
         result["config"]["model"] = model_record

@@ -168,9 +168,11 @@ def test_bad_link_flags_are_one_line_errors() -> None:
 @netadmin
 @pytest.mark.slow  # ~50 s: DP's curve, DP over gloo through the links, two real 40-step runs, a 3 s cut
 def test_quick_real_wan_counts_bytes_in_the_kernel_and_records_the_cut(tmp_path) -> None:
-    out = tmp_path / "wan.json"
+    """Padded (--step-time-s with real links: every DiLoCo step and DP's compute last at least that long);
+    the unpadded default differs only by not sleeping (the signal tests above run it up to DP's steps)."""
+    out, pad_s = tmp_path / "wan.json", 0.05
     proc = subprocess.run([sys.executable, "-m", "diloco.cli", "bench", "wan", "--links", "real", "--quick",
-                           "--no-peer", "--caps", "1", "--cut-s", "3", "--json",
+                           "--no-peer", "--caps", "1", "--cut-s", "3", "--step-time-s", str(pad_s), "--json",
                            str(out)], capture_output=True,
                           text=True, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -182,6 +184,15 @@ def test_quick_real_wan_counts_bytes_in_the_kernel_and_records_the_cut(tmp_path)
     m = r["config"]["num_learners"]
     dp, dec = r["methods"]["dp"], r["methods"]["decoupled"]
     assert not dp["modelled"] and dp["step_s"] == r["dp_step_s_measured"] > dp["compute_s_per_step"] > 0
+    # padded: DP's compute (and with it the cap) and every DiLoCo step at least pad_s, the real time recorded
+    assert r["padded_step_s"] == r["config"]["links"]["padded_step_s"] == pad_s
+    assert dp["compute_s_per_step"] >= pad_s and dp["step_s"] > pad_s
+    assert r["config"]["links"]["dp_compute_step_s_measured"] > 0
+    assert "padded" in r["config"]["model"]["measured"]
+    for name in ("sync_diloco", "decoupled"):
+        row = r["methods"][name]
+        assert row["step_s_mean"] >= pad_s and 0 < row["real_step_s_mean"] <= row["step_s_mean"]
+        assert 0.0 <= row["steps_over_pad"] <= 1.0
     ring = r["config"]["cap"]["dp_allreduce_bytes_per_step"]  # what a ring all-reduce of fp32 gradients moves
     for sent, received in dp["kernel_bytes_per_step"]:  # + Ethernet/IP/TCP headers and ACKs
         assert ring < sent < 1.12 * ring and ring < received < 1.12 * ring
