@@ -4,11 +4,16 @@ its manifest records and the gradient stream its outer step takes.
 Contract: streamed (memory does not grow with the number of learners); a learner that may not publish is
 rejected without a read, an oversized delta is never read, and no delta stops the merge (judging it failed:
 rejected), while the bucket's own trouble (StorageError) propagates for the loop to back off and retry.
+Two threads, the same bits: a second one computes each delta's norm (tensor by tensor, in order, while the
+delta is decoded) and folds each learner's group into the stream (freeing its tensors as they are folded,
+while the next learner's delta is read and decoded), so at most about one decoded delta is held; every
+operation runs whole on one thread (torch at one thread) in the order the one-thread merge runs it.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from diloco.merger.step import GradientStream, LearnerGroup, counter_bounds, gradient_stream
 from diloco.merger.waiting import Pending
@@ -28,11 +33,22 @@ def decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, pol
     """Read, judge and fold the deltas on top of `version` learner by learner (streamed: memory does not grow
     with the number of learners); a learner that may not publish is rejected without a read. Each stranger
     decided joins `strangers` (its folder is not listed again)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="merge-fold") as worker:
+        decided = _decide(ctx, version, layout, pending, policy, keyring, strangers, events, worker)
+        for fold in decided[-1]:
+            fold.result()  # a fold's error is the merge's
+    return decided[:-1]
+
+
+def _decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, policy: Policy,
+            keyring: dict[str, list[bytes]] | None, strangers: set[str], events: EventLog,
+            worker: ThreadPoolExecutor):
     decisions: list[DeltaDecision] = []
     stream = gradient_stream(layout, version, policy.cfg.outer, direct_names(ctx, layout), ctx.buffers,
                              counter_bounds(policy.cfg, ctx.tokens_per_step))
     judge = Judge(ctx.run_id, ctx.fingerprint, version, layout, policy, keyring, buffers=ctx.buffers,
-                  apart=ctx.window_apart)
+                  apart=ctx.window_apart, worker=worker)
+    folds: list[Future] = []
     phase_times: list[float] = []
     for learner, (first, last) in sorted(pending.strangers.items()):  # one decision, no cursor, never again
         strangers.add(learner)
@@ -53,6 +69,7 @@ def decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, pol
             decisions.append(decision)
             if decision.status == "merged":
                 group.add(seq, header, delta)
+                delta = None  # the group holds it (the fold frees it tensor by tensor)
                 phase_times.append(float(header.meta.get("phase_time_s", 0.0) or 0.0))
             elif decision.status == "rejected":
                 # the figures too (the outlier rule's detail): the merger's log and events are the operator's
@@ -60,9 +77,9 @@ def decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, pol
                 log.warning("rejected %s/%d: %s%s", learner, seq, decision.reason, detail)
                 events.emit("rejected", learner=learner, seq=seq, reason=decision.reason + detail,
                             check=decision.check, version=version)
-        if group.seqs:
-            stream.add(group)
-    return decisions, stream, phase_times, judge
+        if group.seqs:  # folded on the worker (after this group's norms, before the next's)
+            folds.append(worker.submit(stream.add, group, consume=True))
+    return decisions, stream, phase_times, judge, folds
 
 
 def read_one(ctx: RunContext, judge: Judge, learner: str, seq: int):

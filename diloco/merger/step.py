@@ -122,12 +122,14 @@ class GradientStream:
         self.tokens = 0  # merged, for the record
         self.steps = 0  # merged: the outer optimizer's round share counts these
 
-    def add(self, group: LearnerGroup) -> None:
+    def add(self, group: LearnerGroup, consume: bool = False) -> None:
+        """Fold `group` in; `consume`: its tensors are freed one by one as they are folded (no one else may
+        hold them)."""
         weight = group.weight(self.version, self.staleness_power, self.bounds)
         self.weights[group.learner] = weight
         self.tokens += group.tokens
         self.steps += group.counted(self.bounds)[1]
-        self.combiner.add(group.total, weight)
+        self.combiner.add(group.total, weight, consume=consume)
         group.total = None  # released: the combiner holds all that is needed
         if group.buffers is not None and self.buffer_merge is not None:
             # tokens / all merged (no staleness)

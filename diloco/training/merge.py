@@ -69,8 +69,9 @@ class Combiner:
             if tuple(delta[name].shape) != shape:
                 raise ValueError(f"delta[{name}]: shape {tuple(delta[name].shape)} != {shape}")
 
-    def add(self, delta: dict[str, torch.Tensor], weight: float) -> None:
-        """Fold one delta (name -> tensor) with its weight into the accumulators."""
+    def add(self, delta: dict[str, torch.Tensor], weight: float, consume: bool = False) -> None:
+        """Fold one delta (name -> tensor) with its weight into the accumulators; `consume`: each tensor is
+        taken out of `delta` once folded (the same bits; the caller's dict is emptied)."""
         weight = float(weight)
         self._validate(delta, weight)
         if self._shapes is None:
@@ -78,12 +79,14 @@ class Combiner:
             self._acc = {name: torch.zeros(shape, dtype=ACC_DTYPE) for name, shape in self._shapes.items()}
             self._norm_acc = {name: 0.0 for name in self._shapes if self._uses_rda(name)}
         for name in self._shapes:
+            value = delta.pop(name) if consume else delta[name]
             if not self._uses_rda(name):  # acc += w * fp64(d), chunk by chunk: the same bits, no fp64 copy
-                add_scaled_(self._acc[name], delta[name].detach(), weight, self._scratch)
+                add_scaled_(self._acc[name], value.detach(), weight, self._scratch)
                 continue
-            d = delta[name].detach().to("cpu", ACC_DTYPE)
+            d = value.detach().to("cpu", ACC_DTYPE)
             self._norm_acc[name] += weight * float(torch.linalg.vector_norm(d))
             self._acc[name].add_(_unit(d), alpha=weight)
+            del d
         self.num_added += 1
         self.total_weight += weight
 

@@ -5,20 +5,25 @@ config, the guard state and the parent's params — the merger and `audit` call 
 and get the same decision, reason and norm; it never raises on a bad delta (every failure is a rejection with
 a reason); a clipped delta is scaled in place and recorded with its scale. The buffers a delta carries are
 checked against the chain's (`buffers`, run.json's) and kept out of the norm, the outlier rule and the clip; a
-merged delta is handed back with them after its parameters (LearnerGroup takes them off).
+merged delta is handed back with them after its parameters (LearnerGroup takes them off). With a `worker`
+(the merger's second thread) each tensor's fp64 sum of squares is computed there while the next one is
+decoded, and summed in the delta's order: the same norm, bit for bit, as `delta_norm`.
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from diloco.configs import Config
 from diloco.run.objects import decode_tensors
 from diloco.storage import DeltaDecision
 from diloco.storage.codec import CodecError, Header, check_fingerprint, object_checksum, read_header
+from diloco.storage.codec.lazy import LazyObject
 from diloco.training.fp64 import Fp64Scratch, sum_squares
 from diloco.training.tensors import Tensors
 from diloco.trust.guard import Policy, window_median
@@ -47,6 +52,14 @@ def delta_norm(delta: Tensors, scratch: Fp64Scratch | None = None) -> float:
     return float(torch.sqrt(total))
 
 
+def _summed(delta: Tensors, squares: dict[str, Future]) -> float:
+    """delta_norm(delta) from the sums of squares a worker computed (in the delta's order: the same bits)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for name in delta:
+        total += squares[name].result()
+    return float(torch.sqrt(total))
+
+
 @dataclass
 class Judge:
     """The judgement of the deltas of one merge on top of `version` (params = that version's)."""
@@ -65,6 +78,9 @@ class Judge:
     # the window, and its `reason` says what happened without them (a learner reads reasons: they must not
     # tell the bound)
     apart: bool = False
+    # a second thread for the norms' squares (they run there, in turn, beside the decoding): the scratch is
+    # then the worker's alone; None: computed here, after the decoding
+    worker: Executor | None = None
     _bound: int | None = field(default=None, repr=False)  # delta_size_bound, computed once
 
     @property
@@ -94,7 +110,19 @@ class Judge:
             what = ("max_delta_bytes" if self.cfg.merger.max_delta_bytes is not None
                     else "the model's largest delta")
             return self._reject(d, "size", f"oversized: {size} bytes > {what} {limit}")
-        d.bytes, d.checksum = len(data), object_checksum(data)
+        d.bytes = len(data)
+        if self.worker is None:
+            d.checksum = object_checksum(data)
+            return self._judge_read(d, learner, seq, data, signature, limit)
+        checksum = self.worker.submit(object_checksum, data)  # hashed there while this thread decodes
+        try:
+            return self._judge_read(d, learner, seq, data, signature, limit)
+        finally:
+            d.checksum = checksum.result()
+
+    def _judge_read(self, d: DeltaDecision, learner: str, seq: int, data: bytes, signature: bytes | None,
+                    limit: int) -> tuple[DeltaDecision, Header | None, Tensors | None]:
+        """judge() once the delta's size passed."""
         if self.cfg.learner.sign and self.keyring is not None:
             why = verify(self.keyring.get(learner, []), self.run_id, learner, seq, data, signature)
             if why:
@@ -103,11 +131,12 @@ class Judge:
             header = read_header(data, max_bytes=limit)
             check_fingerprint(header, self.fingerprint)
             check_tensors(header, self.params, self.buffers)
-            header, delta = decode_tensors(data, fingerprint=self.fingerprint, max_bytes=limit)
+            header, delta, squares = self._decoded(data, limit)
             buffers = split_buffers(header, delta, self.buffers)
             staleness = validate_delta(header, delta, learner=learner, seq=seq, version=self.version,
                                        params=self.params, cfg=self.cfg, check_finite=False)
-            norm = delta_norm(delta, self.scratch)  # finite <=> every value is (fp32): validate's last check
+            # finite <=> every value is (fp32): validate's last check
+            norm = delta_norm(delta, self.scratch) if squares is None else _summed(delta, squares)
             if not math.isfinite(norm):
                 raise DeltaInvalid(NON_FINITE)
         except DeltaStale as err:
@@ -124,6 +153,20 @@ class Judge:
         if decided[2] is not None:
             decided[2].update(buffers)  # after the parameters, as stored: LearnerGroup.add takes them off
         return decided
+
+    def _decoded(self, data: bytes, limit: int) -> tuple[Header, Tensors, dict[str, Future] | None]:
+        """(header, delta, squares): decode_tensors' (header, delta); with a worker, each tensor's fp64 sum of
+        squares handed to it as soon as the tensor is decoded (None without one)."""
+        if self.worker is None:
+            return (*decode_tensors(data, fingerprint=self.fingerprint, max_bytes=limit), None)
+        obj = LazyObject(data, fingerprint=self.fingerprint, max_bytes=limit)
+        delta: Tensors = {}
+        squares: dict[str, Future] = {}
+        for name, array in obj.arrays():
+            # to_torch's conversion
+            delta[name] = value = torch.from_numpy(np.asarray(array, dtype=np.float32, order="C"))
+            squares[name] = self.worker.submit(sum_squares, value, self.scratch)
+        return obj.header, delta, squares
 
     def _outlier(self, d: DeltaDecision, header: Header, delta: Tensors):
         median, cfg = self.median(), self.cfg.merger
