@@ -6,13 +6,15 @@ rejected without a read, an oversized delta is never read, and no delta stops th
 rejected), while the bucket's own trouble (StorageError) propagates for the loop to back off and retry.
 Two threads, the same bits: a second one computes each delta's norm (tensor by tensor, in order, while the
 delta is decoded) and folds each learner's group into the stream (freeing its tensors as they are folded,
-while the next learner's delta is read and decoded), so at most about one decoded delta is held; every
-operation runs whole on one thread (torch at one thread) in the order the one-thread merge runs it.
+while the next learner's delta is read and decoded: tensor i of the next one only once tensor i of the fold
+is freed, FoldGate), so about one decoded delta is held, as in one thread; every operation runs whole on one
+thread (torch at one thread) in the order the one-thread merge runs it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from diloco.merger.step import GradientStream, LearnerGroup, counter_bounds, gradient_stream
@@ -46,9 +48,17 @@ def _decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, po
     decisions: list[DeltaDecision] = []
     stream = gradient_stream(layout, version, policy.cfg.outer, direct_names(ctx, layout), ctx.buffers,
                              counter_bounds(policy.cfg, ctx.tokens_per_step))
+    fold_gate = FoldGate()
     judge = Judge(ctx.run_id, ctx.fingerprint, version, layout, policy, keyring, buffers=ctx.buffers,
-                  apart=ctx.window_apart, worker=worker)
+                  apart=ctx.window_apart, worker=worker, gate=fold_gate)
     folds: list[Future] = []
+
+    def fold(group: LearnerGroup) -> None:
+        try:
+            stream.add(group, consume=True, on_folded=fold_gate.folded)
+        finally:
+            fold_gate.finished()
+
     phase_times: list[float] = []
     for learner, (first, last) in sorted(pending.strangers.items()):  # one decision, no cursor, never again
         strangers.add(learner)
@@ -78,8 +88,38 @@ def _decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, po
                 events.emit("rejected", learner=learner, seq=seq, reason=decision.reason + detail,
                             check=decision.check, version=version)
         if group.seqs:  # folded on the worker (after this group's norms, before the next's)
-            folds.append(worker.submit(stream.add, group, consume=True))
+            fold_gate.started()
+            folds.append(worker.submit(fold, group))
+            group = None
     return decisions, stream, phase_times, judge, folds
+
+
+class FoldGate:
+    """How far the pending fold has got through its group's tensors: decoding tensor i of the next delta
+    waits until tensor i of the fold is folded and freed (`wait(i)`), so the two deltas together stay near
+    one. Every earlier fold has finished when the next starts (its norms ran after it on the one worker)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._folded: int | None = None  # None: no fold pending
+
+    def started(self) -> None:
+        with self._cond:
+            self._folded = -1
+
+    def folded(self, index: int) -> None:
+        with self._cond:
+            self._folded = index
+            self._cond.notify_all()
+
+    def finished(self) -> None:
+        with self._cond:
+            self._folded = None
+            self._cond.notify_all()
+
+    def wait(self, index: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._folded is None or self._folded >= index)
 
 
 def read_one(ctx: RunContext, judge: Judge, learner: str, seq: int):

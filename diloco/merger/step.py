@@ -12,6 +12,7 @@ its tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -122,14 +123,15 @@ class GradientStream:
         self.tokens = 0  # merged, for the record
         self.steps = 0  # merged: the outer optimizer's round share counts these
 
-    def add(self, group: LearnerGroup, consume: bool = False) -> None:
+    def add(self, group: LearnerGroup, consume: bool = False,
+            on_folded: Callable[[int], None] | None = None) -> None:
         """Fold `group` in; `consume`: its tensors are freed one by one as they are folded (no one else may
-        hold them)."""
+        hold them), `on_folded(i)` called after the i-th."""
         weight = group.weight(self.version, self.staleness_power, self.bounds)
         self.weights[group.learner] = weight
         self.tokens += group.tokens
         self.steps += group.counted(self.bounds)[1]
-        self.combiner.add(group.total, weight, consume=consume)
+        self.combiner.add(group.total, weight, consume=consume, on_folded=on_folded)
         group.total = None  # released: the combiner holds all that is needed
         if group.buffers is not None and self.buffer_merge is not None:
             # tokens / all merged (no staleness)

@@ -7,6 +7,7 @@ depends only on the inputs and their order (deterministic).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -69,24 +70,29 @@ class Combiner:
             if tuple(delta[name].shape) != shape:
                 raise ValueError(f"delta[{name}]: shape {tuple(delta[name].shape)} != {shape}")
 
-    def add(self, delta: dict[str, torch.Tensor], weight: float, consume: bool = False) -> None:
+    def add(self, delta: dict[str, torch.Tensor], weight: float, consume: bool = False,
+            on_folded: Callable[[int], None] | None = None) -> None:
         """Fold one delta (name -> tensor) with its weight into the accumulators; `consume`: each tensor is
-        taken out of `delta` once folded (the same bits; the caller's dict is emptied)."""
+        taken out of `delta` once folded (the same bits; the caller's dict is emptied); `on_folded(i)` after
+        the i-th tensor is."""
         weight = float(weight)
         self._validate(delta, weight)
         if self._shapes is None:
             self._shapes = {name: tuple(t.shape) for name, t in delta.items()}
             self._acc = {name: torch.zeros(shape, dtype=ACC_DTYPE) for name, shape in self._shapes.items()}
             self._norm_acc = {name: 0.0 for name in self._shapes if self._uses_rda(name)}
-        for name in self._shapes:
+        for index, name in enumerate(self._shapes):
             value = delta.pop(name) if consume else delta[name]
             if not self._uses_rda(name):  # acc += w * fp64(d), chunk by chunk: the same bits, no fp64 copy
                 add_scaled_(self._acc[name], value.detach(), weight, self._scratch)
-                continue
-            d = value.detach().to("cpu", ACC_DTYPE)
-            self._norm_acc[name] += weight * float(torch.linalg.vector_norm(d))
-            self._acc[name].add_(_unit(d), alpha=weight)
-            del d
+            else:
+                d = value.detach().to("cpu", ACC_DTYPE)
+                self._norm_acc[name] += weight * float(torch.linalg.vector_norm(d))
+                self._acc[name].add_(_unit(d), alpha=weight)
+                del d
+            del value  # consumed: freed here
+            if on_folded is not None:
+                on_folded(index)
         self.num_added += 1
         self.total_weight += weight
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,6 +82,7 @@ class Judge:
     # a second thread for the norms' squares (they run there, in turn, beside the decoding): the scratch is
     # then the worker's alone; None: computed here, after the decoding
     worker: Executor | None = None
+    gate: Any = None  # with a worker: wait(i) before decoding tensor i (merger/decide.FoldGate); None: none
     _bound: int | None = field(default=None, repr=False)  # delta_size_bound, computed once
 
     @property
@@ -162,9 +164,11 @@ class Judge:
         obj = LazyObject(data, fingerprint=self.fingerprint, max_bytes=limit)
         delta: Tensors = {}
         squares: dict[str, Future] = {}
-        for name, array in obj.arrays():
+        for index, name in enumerate(obj.names()):
+            if self.gate is not None:
+                self.gate.wait(index)  # the previous delta's tensor `index` folded and freed first
             # to_torch's conversion
-            delta[name] = value = torch.from_numpy(np.asarray(array, dtype=np.float32, order="C"))
+            delta[name] = value = torch.from_numpy(np.asarray(obj.array(name), dtype=np.float32, order="C"))
             squares[name] = self.worker.submit(sum_squares, value, self.scratch)
         return obj.header, delta, squares
 
