@@ -47,7 +47,7 @@ class InstallSection:
             try:
                 if not manifest_exists(self.quick, keys, lane.base + 1):
                     continue
-                latest = latest_version(self.ctx.store, keys)
+                latest = latest_version(self.ctx.store, keys, after=lane.base)  # listed from what it holds
                 if latest is None or latest <= lane.base:
                     continue
                 moved.append((lane.index, self.install(latest, index=lane.index)))
@@ -96,13 +96,18 @@ class InstallSection:
         the lane's version, or None when the time ran out or should_stop said so."""
         self.settle()
         self.publisher.drain()
-        keys, deadline = self.chain_keys(index), time.time() + timeout_s
+        keys, deadline, first = self.chain_keys(index), time.time() + timeout_s, True
         while time.time() < deadline and not should_stop():
             self.heartbeat("waiting")
             try:
-                manifest = read_latest(self.ctx.store, keys)
+                base = self.lanes.lanes[index].base
+                # listed from the version it holds (never the whole chain): the first time whatever is there
+                # (the held version may decide `seq`), then only after a HEAD found a newer one
+                manifest = None
+                if first or manifest_exists(self.quick, keys, base + 1):
+                    manifest = read_latest(self.ctx.store, keys, after=base)
+                first = False
                 if manifest is not None and manifest.cursors.get(self.name, -1) >= seq:
-                    base = self.lanes.lanes[index].base
                     return self.install(manifest.version, index=index) if manifest.version > base else base
             except StorageError as err:
                 log.warning("learner %s: waiting for version failed (%s)", self.name, err)

@@ -179,7 +179,7 @@ class Prefetcher:
             base, glob = self._base, self._glob
         if not manifest_exists(self.store, self.ctx.keys, base + 1):
             return
-        latest = latest_version(self.store, self.ctx.keys)
+        latest = latest_version(self.store, self.ctx.keys, after=base)  # what is new: not the whole chain
         if latest is None or latest <= base:
             return
         fetched, manifest = fetch_spilled(self.ctx, self.store, base, glob, latest, self.max_updates_behind,

@@ -123,9 +123,19 @@ def test_a_learner_stops_on_a_corrupt_update_naming_it(tmp_path: Path, prefetch:
     other.publish(other.run_phase())
     for one in (learner, other):
         one.publisher.drain()
+
+    def damage(stage: str) -> None:  # after the writer checked the update, before the manifest makes it seen
+        if stage == "before_manifest":  # (a prefetcher polling every 10 ms must not get the good bytes first)
+            stem = ctx.keys.update(2, "0" * 8).rsplit("-", 1)[0]  # <chain>/global/<version 2>
+            for key in ctx.store.list(ctx.keys.global_prefix()):
+                if key.startswith(stem + "-") and key.endswith(".update"):
+                    _corrupt(ctx.store, key)
+
+    merger.stage_hook = damage
     manifest = merger.merge_once()
-    _corrupt(ctx.store, manifest.update_key)  # the bucket damaged it after the commit (the writer checked it)
-    # (the manifest's checksum is of the good bytes: a torn read would pass on a retry; this never will)
+    merger.stage_hook = lambda stage: None
+    # the bucket damaged it after the writer's check: the manifest's checksum is of the good bytes (a torn
+    # read would pass on a retry; this never will)
     with pytest.raises(CorruptObject,
                        match=rf"version 2's update {manifest.update_key} is corrupt .*read 3 times"):
         # with a prefetcher the thread meets it first (slowly on a loaded machine), and the training thread

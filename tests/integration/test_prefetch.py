@@ -16,6 +16,7 @@ from diloco.configs import load_config
 from diloco.learner.learner import Learner
 from diloco.learner.prefetch import Prefetcher
 from diloco.merger.merger import Merger
+from diloco.run.chain_state import params_at
 from diloco.run.create import create_run
 from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import TransientError, open_store
@@ -141,3 +142,52 @@ def test_storage_errors_are_retried_on_the_next_poll(corpus) -> None:
     assert version == 2 and set(glob) == set(b.state.glob)
     fetcher.close()
     a.close(), b.close()
+
+
+class Listed(WrapperStore):
+    """Records how many keys every listing returned (shared by its retrying views)."""
+
+    def __init__(self, inner, log: list[int]) -> None:
+        super().__init__(inner)
+        self.log = log
+
+    def _over(self, inner):
+        return Listed(inner, self.log)
+
+    def list(self, prefix: str, after: str = "") -> list[str]:
+        keys = self.inner.list(prefix, after)
+        self.log.append(len(keys))
+        return keys
+
+
+def test_learners_list_only_the_versions_after_the_one_they_hold(corpus) -> None:
+    """An install's probe and a prefetcher's poll list the chain from the version the learner holds (S3's
+    StartAfter), never the whole chain: their cost follows what is new, not the run's age."""
+    log: list[int] = []
+    cfg = _run(False).cfg
+    ctx = create_run(Listed(open_store(f"memory://listed-{uuid.uuid4().hex[:10]}"), log), "pf", cfg)
+    a, b = _two_versions(ctx, corpus)
+    merger = Merger(ctx)
+    merger.load()
+
+    def merged(times: int) -> None:
+        for _ in range(times):
+            a.maybe_install()  # it sees its deltas merged (else it holds the next ones back)
+            a.publish(a.run_phase())
+            a.publisher.drain()
+            merger.merge_once()
+
+    assert b.maybe_install() == 2
+    merged(3)
+    log.clear()
+    assert b.maybe_install() == 5
+    assert log and max(log) <= 3, log  # versions 3..5; the whole chain is 6 versions
+    merged(1)
+    glob, _ = params_at(ctx, 5)
+    log.clear()
+    prefetcher = Prefetcher(ctx, ctx.store, "local-1", 5, glob, poll_s=60.0, max_updates_behind=8)
+    try:
+        _wait_for(lambda: prefetcher.fetches == 1)
+    finally:
+        prefetcher.close(timeout_s=1.0)
+    assert log == [1], log  # version 6 alone
