@@ -8,6 +8,7 @@ Run: .venv/bin/pytest tests/unit/test_guard.py -q
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -202,3 +203,50 @@ def test_a_window_kept_apart_leaves_the_manifest_and_an_inline_one_stays():
     stored = Manifest.from_bytes(kept.to_bytes())
     assert stored.guard.norms == [] and stored.guard.norm_learners == [] and stored.guard.window == ref
     assert "outlier_median" not in stored.stats and "outlier_bound" not in stored.stats
+
+
+@pytest.mark.parametrize("rule", ["reject", "clip", "off"])
+def test_a_judge_with_a_worker_thread_decides_the_same_bits(rule: str) -> None:
+    """The merger's judge computes the norms' squares and the checksum on a second thread while it decodes:
+    the decision (norm, checksum, clip scale, reason) and the delta are bit for bit the one-thread judge's
+    (audit judges on one thread and compares)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from diloco.merger.decide import FoldGate
+
+    params = _params()
+    honest_per_step = delta_norm(params) / 10
+    for scale, seq in ((1000.0, 0), (1.5, 1), (float("nan"), 2)):
+        data = _delta_bytes(params, scale, seq=seq)
+        one = _judge(rule, [honest_per_step] * 8).judge("a", seq, len(data), data)
+        with ThreadPoolExecutor(1) as worker:
+            two = dataclasses.replace(_judge(rule, [honest_per_step] * 8), worker=worker,
+                                      gate=FoldGate()).judge("a", seq, len(data), data)
+        assert two[0] == one[0] and two[0].checksum and (scale == scale) == (two[0].norm is not None)
+        assert (one[2] is None) == (two[2] is None)
+        for name in one[2] or {}:
+            assert torch.equal(one[2][name], two[2][name])
+
+
+def test_the_fold_gate_lets_a_decode_pass_once_the_fold_freed_that_tensor() -> None:
+    import threading
+
+    from diloco.merger.decide import FoldGate
+
+    gate, passed = FoldGate(), []
+    gate.wait(5)  # no fold pending: no wait
+    gate.started()
+    waiter = threading.Thread(target=lambda: (gate.wait(1), passed.append(1)))
+    waiter.start()
+    gate.folded(0)
+    waiter.join(0.2)
+    assert not passed, "tensor 1 of the fold is not freed yet"
+    gate.folded(1)
+    waiter.join(5)
+    assert passed == [1]
+    gate.started()
+    waiter = threading.Thread(target=lambda: (gate.wait(7), passed.append(7)))
+    waiter.start()
+    gate.finished()  # a fold that ends (or fails) lets every waiter go
+    waiter.join(5)
+    assert passed == [1, 7]
