@@ -214,14 +214,23 @@ def test_a_judge_with_a_worker_thread_decides_the_same_bits(rule: str) -> None:
 
     from diloco.merger.decide import FoldGate
 
-    params = _params()
+    gen = torch.Generator().manual_seed(0)  # tensors of very different sizes and scales: an order would show
+    params = {f"t{i}": torch.randn(n, generator=gen) * 10.0 ** e
+              for i, (n, e) in enumerate([(3, 9), (300, 0), (1, 1), (257, 0), (64, 0)])}
     honest_per_step = delta_norm(params) / 10
+    cfg = CFG.with_overrides({"merger.outlier_rule": rule, "merger.outlier_threshold": 10.0})
+
+    def judge() -> Judge:
+        state = initial_state(["a"]).model_copy(update={"norms": [honest_per_step] * 8})
+        return Judge("r", "f" * 16, 3, params, policy_after(state, [], cfg))
+
+    assert delta_norm(dict(reversed(params.items()))) != delta_norm(params)  # the order would show
     for scale, seq in ((1000.0, 0), (1.5, 1), (float("nan"), 2)):
         data = _delta_bytes(params, scale, seq=seq)
-        one = _judge(rule, [honest_per_step] * 8).judge("a", seq, len(data), data)
+        one = judge().judge("a", seq, len(data), data)
         with ThreadPoolExecutor(1) as worker:
-            two = dataclasses.replace(_judge(rule, [honest_per_step] * 8), worker=worker,
-                                      gate=FoldGate()).judge("a", seq, len(data), data)
+            two = dataclasses.replace(judge(), worker=worker, gate=FoldGate()).judge("a", seq, len(data),
+                                                                                      data)
         assert two[0] == one[0] and two[0].checksum and (scale == scale) == (two[0].norm is not None)
         assert (one[2] is None) == (two[2] is None)
         for name in one[2] or {}:
