@@ -330,6 +330,7 @@ def run_wan(cfg: Config, run: WanRun, held: HeldOut, seed: int) -> WanResult:
         until_done = _merge_fragments_until_done if ctx.fragments else _merge_until_done
         until_done(merger, procs, drain, deadline_s=max(600.0,
                                                         20 * expected_s + (run.cut[2] if run.cut else 0)))
+        merger.close()  # its checkpoint writer done before the run's directory goes
         for p in procs:
             p.join(30)
         kernel = None

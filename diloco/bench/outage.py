@@ -65,6 +65,7 @@ def run_rule(rule: str, at: int, down: int, rounds: int, config: str) -> dict[st
             curve.append((r, merger.version, held.loss(merger.params)))
         for learner in learners:
             learner.close()
+        merger.close()  # its checkpoint writer done before the directory goes (a late write: "not empty")
     before = curve[at - 1][2] if at > 0 else curve[0][2]
     after = [loss for r, _, loss in curve if r >= at + down]
     return {"curve": curve, "final_loss": curve[-1][2], "loss_before_outage": before,
