@@ -17,7 +17,6 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from diloco.configs import Config
@@ -26,7 +25,7 @@ from diloco.storage import DeltaDecision
 from diloco.storage.codec import CodecError, Header, check_fingerprint, object_checksum, read_header
 from diloco.storage.codec.lazy import LazyObject
 from diloco.training.fp64 import Fp64Scratch, sum_squares
-from diloco.training.tensors import Tensors
+from diloco.training.tensors import Tensors, to_torch
 from diloco.trust.guard import Policy, window_median
 from diloco.trust.signing import verify
 from diloco.trust.validate import (
@@ -40,24 +39,18 @@ from diloco.trust.validate import (
 )
 
 
-def delta_norm(delta: Tensors, scratch: Fp64Scratch | None = None) -> float:
+def delta_norm(delta: Tensors, scratch: Fp64Scratch | None = None,
+               squares: dict[str, Future] | None = None) -> float:
     """The L2 norm over every tensor, in fp64, in the delta's order (deterministic with one torch thread):
-    the sum of `(value.double() ** 2).sum()`, squared through `scratch` (a fresh one when None).
+    the sum of `(value.double() ** 2).sum()`, squared through `scratch` (a fresh one when None), or taken from
+    `squares` (each tensor's, computed by a worker thread) — the same bits.
 
     For fp32 values (all the codec decodes) it is finite exactly when every value is: a finite fp32 squared
     is below 1.2e77, so no sum of them overflows fp64, while a NaN or an Inf makes the sum NaN or Inf."""
     scratch = scratch or Fp64Scratch()
     total = torch.zeros((), dtype=torch.float64)
-    for value in delta.values():
-        total += sum_squares(value, scratch)
-    return float(torch.sqrt(total))
-
-
-def _summed(delta: Tensors, squares: dict[str, Future]) -> float:
-    """delta_norm(delta) from the sums of squares a worker computed (in the delta's order: the same bits)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for name in delta:
-        total += squares[name].result()
+    for name, value in delta.items():
+        total += sum_squares(value, scratch) if squares is None else squares[name].result()
     return float(torch.sqrt(total))
 
 
@@ -138,7 +131,7 @@ class Judge:
             staleness = validate_delta(header, delta, learner=learner, seq=seq, version=self.version,
                                        params=self.params, cfg=self.cfg, check_finite=False)
             # finite <=> every value is (fp32): validate's last check
-            norm = delta_norm(delta, self.scratch) if squares is None else _summed(delta, squares)
+            norm = delta_norm(delta, self.scratch, squares)
             if not math.isfinite(norm):
                 raise DeltaInvalid(NON_FINITE)
         except DeltaStale as err:
@@ -167,8 +160,7 @@ class Judge:
         for index, name in enumerate(obj.names()):
             if self.gate is not None:
                 self.gate.wait(index)  # the previous delta's tensor `index` folded and freed first
-            # to_torch's conversion
-            delta[name] = value = torch.from_numpy(np.asarray(obj.array(name), dtype=np.float32, order="C"))
+            delta[name] = value = to_torch({name: obj.array(name)})[name]
             squares[name] = self.worker.submit(sum_squares, value, self.scratch)
         return obj.header, delta, squares
 
