@@ -5,10 +5,12 @@ Run: .venv/bin/pytest tests/integration/test_hostile_deltas.py -q
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import time
 
+import numpy as np
 import torch
 
 from diloco.api.operate import admit_learner
@@ -74,7 +76,7 @@ def test_hostile_deltas_are_rejected_and_merging_goes_on(tmp_path):
 
     merger = Merger(ctx)
     merger.load()
-    manifest = merger.merge_once()
+    manifest = _freed_without_collection(merger.merge_once)
     assert manifest is not None
     decided = {d.learner: d for d in manifest.decisions}
     assert decided["local-0"].status == "merged"
@@ -94,6 +96,25 @@ def test_hostile_deltas_are_rejected_and_merging_goes_on(tmp_path):
     assert second is not None and [d.learner for d in second.merged()] == ["local-0"]
     assert all(second.cursors[name] == 0 for name in hostile)  # decided once, never again
     learner.close()
+
+
+def _freed_without_collection(merge):
+    """merge(), checking that it leaves no tensor, array or delta bytes to the cyclic collector: the merger
+    frees every merge's temporaries by reference counting (it runs no gc.collect())."""
+    gc.collect()
+    gc.disable()
+    try:
+        out = merge()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+    finally:
+        gc.set_debug(0)
+        gc.enable()
+    held = [o for o in gc.garbage if isinstance(o, torch.Tensor | np.ndarray)
+            or (isinstance(o, bytes | bytearray | memoryview) and len(o) > 4096)]
+    gc.garbage.clear()
+    assert not held, f"a merge left {len(held)} tensors/buffers in reference cycles: {held[:3]!r}"
+    return out
 
 
 def _bomb(ctx, learner: str, shapes: list[tuple[str, list[int]]]) -> bytes:
