@@ -24,10 +24,10 @@ from diloco.bench._wan_runs import WanResult, WanRun
 from diloco.bench.links import LinkNet, tbf_args
 from diloco.bench.throttle import LinkSpec
 
-# learners poll for new versions on a thin link every this often per fragment lane: each poll is an HTTP
-# request of ~0.7 kB (SigV4 headers) and its answer, which the modelled link did not charge
-# (docs/BENCHMARKS.md, "Real links")
-REAL_PREFETCH_POLL_S = 0.5
+# how learners look for new versions on a thin link, where each poll is an HTTP request of ~0.7 kB (SigV4
+# headers) and its answer, which the modelled link did not charge: one GET of the merger's heads every 0.1 s
+# wakes the lanes that moved; each lane polls its own chain only every 5 s (docs/bench/wan.md, "Real links")
+REAL_PREFETCH = {"learner.prefetch_poll_s": 0.1, "learner.prefetch_idle_poll_s": 5.0}
 # timed DP steps per cap: the mean is stable to ~2% here
 DP_STEPS, DP_WARM_STEPS, DP_COMPUTE_STEPS = 20, 2, 10
 QUICK_DP = {"steps": 3, "warm_steps": 1, "compute_steps": 3}

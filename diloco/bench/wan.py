@@ -309,9 +309,9 @@ def bench_wan(
 
     links_record, model_record, record_step_s = None, None, step_time_s
     if links == "real":
-        from diloco.bench._wan_real import REAL_PREFETCH_POLL_S, RealLinks, real_model
+        from diloco.bench._wan_real import REAL_PREFETCH, RealLinks, real_model
 
-        real_cfg = d_cfg.with_overrides({"learner.prefetch_poll_s": REAL_PREFETCH_POLL_S})
+        real_cfg = d_cfg.with_overrides(REAL_PREFETCH)
         with RealLinks(m) as real:
             log(f"  links: tag {real.net.tag}, bridge {real.net.bridge} at {real.net.host_addr}, S3 "
                 f"{real.endpoint}")

@@ -191,6 +191,11 @@ class LearnerConfig(_Strict):
     # step: on a thin link the training thread never waits for a download (off: the probe fetches itself)
     prefetch: bool = False
     prefetch_poll_s: float = Field(0.25, gt=0)
+    # with fragments, one poll every prefetch_poll_s reads the merger shards' heads (one small object per
+    # shard: each chain's newest version) and wakes the lanes whose chain moved; each lane polls its chain by
+    # itself only every prefetch_idle_poll_s (None: 20 x prefetch_poll_s; a whole-model learner:
+    # prefetch_poll_s)
+    prefetch_idle_poll_s: float | None = Field(None, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int = Field(1, ge=1)  # torch threads per learner process (per rank)
     # a fragmented learner encodes each fragment's delta on a thread of its own while the next steps run,

@@ -22,7 +22,7 @@ from diloco.run.context import RunContext
 from diloco.run.controls import operator_identity
 from diloco.run.fragments import chain_contexts, fragment_context, manifests
 from diloco.storage import Manifest, NotFound, StorageError
-from diloco.storage.keys import parse_checkpoint_key, parse_delta_key
+from diloco.storage.keys import parse_checkpoint_key, parse_delta_key, parse_heads_key
 from diloco.storage.records import CheckpointRecord, RecordError, RetentionRecord, read_record, write_record
 
 DEFAULT_MIN_AGE_S = 600.0  # far longer than any merge takes to go from its first object to its manifest
@@ -92,7 +92,7 @@ def _collect_chain(ctx: RunContext, report: GcReport, min_age_s: float, dry_run:
     checkpoint_keys = ctx.store.list(ctx.keys.checkpoints_prefix())
     complete = _complete_checkpoints(ctx, checkpoint_keys, referenced)
     listed = ctx.store.list(ctx.keys.global_prefix()) + ctx.store.list(ctx.keys.guard_prefix())
-    candidates = [k for k in listed if k not in referenced]
+    candidates = [k for k in listed if k not in referenced and parse_heads_key(k) is None]  # heads: no orphan
     candidates += [k for k in checkpoint_keys if k.rpartition("/")[0] + "/" not in complete]
     for key in candidates:
         report.orphans.append(key)

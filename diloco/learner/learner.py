@@ -26,6 +26,7 @@ from dataclasses import fields
 import torch
 
 from diloco.learner.checkpoint import read_pointer
+from diloco.learner.heads import HeadsWatcher
 from diloco.learner.install import InstallSection
 from diloco.learner.parts import wire
 from diloco.learner.phase import PhaseSection
@@ -72,6 +73,7 @@ class Learner(PhaseSection, ShipSection, InstallSection):
         self.cursor = 0  # batches of this learner's shard consumed so far (what a resume continues from)
         self._batches: Iterator | None = None  # the spec's batches from `cursor`, opened at join
         self.lane_prefetch: dict[int, Prefetcher] = {}  # learner.prefetch: each lane's, fetching off-thread
+        self.heads: HeadsWatcher | None = None  # ... and with fragments, the one poll that wakes them
         # inner.schedule_clock "run" before the first step (tokens per step unknown): (tokens_total, own step)
         self._clock_pending: tuple[int, int] | None = None
         self.loss_ema = float("nan")
@@ -194,13 +196,23 @@ class Learner(PhaseSection, ShipSection, InstallSection):
         cfg = self.cfg.learner
         if not cfg.prefetch or cfg.mode == "sync":
             return
+        # a fragmented learner's lanes are woken by one poll of the merger shards' heads (HeadsWatcher) and
+        # poll by themselves only every prefetch_idle_poll_s (default 20 x prefetch_poll_s)
+        idle_s = cfg.prefetch_idle_poll_s or (cfg.prefetch_poll_s if self.whole else 20 * cfg.prefetch_poll_s)
         for lane in self.lanes.lanes:
             who = self.name if self.whole else f"{self.name}-f{lane.index}"
             self.lane_prefetch[lane.index] = Prefetcher(
                 self.chain(lane.index), self.ctx.store, who, lane.base, lane.glob, poll_s=cfg.prefetch_poll_s,
-                max_updates_behind=cfg.max_updates_behind, spill=self.lanes.spill, gate=self.gate)
+                max_updates_behind=cfg.max_updates_behind, spill=self.lanes.spill, gate=self.gate,
+                idle_poll_s=idle_s)
+        if not self.whole:
+            self.heads = HeadsWatcher(self.ctx.store, self.ctx.keys, self.lane_prefetch,
+                                      self.cfg.merger.shards, cfg.prefetch_poll_s, self.name)
 
     def _close_prefetch(self) -> None:
+        if self.heads is not None:
+            self.heads.close()
+            self.heads = None
         for prefetcher in self.lane_prefetch.values():
             prefetcher.close()
         self.lane_prefetch = {}

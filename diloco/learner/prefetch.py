@@ -10,7 +10,12 @@ everything up to the newest version and hands it over with `take()` — the very
 copy; it keeps it as the base of its next fetch — so the training thread installs without a single request
 to the bucket; storage trouble is logged and retried on the next poll, never raised; a corrupt committed
 object (CorruptObject) ends the thread and is raised by the next `take()`, on the training thread; `rebase`
-follows an install made another way (a sync wait, a resume).
+follows an install made another way (a sync wait, a resume). It polls every `idle_poll_s` (default
+poll_s), and every `poll_s` from an `expect()` (a HeadsWatcher saw a newer version of its chain) until one
+newer than the base then arrives, or EXPECT_POLLS polls passed. A HeadsWatcher reads the heads every merger
+shard writes after each commit (the newest version of each chain it owns: one small object, a hint; the
+manifests stay the truth) every `poll_s` and wakes the prefetchers whose chain moved: one request a poll for
+every lane of a fragmented learner.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from diloco.storage.store import Store
 from diloco.training.tensors import Tensors, clone
 
 log = logging.getLogger("diloco.learner")
+# an expected version is polled for at most this many times at poll_s before idle polling resumes
+EXPECT_POLLS = 20
 
 
 def fetch_global(ctx: RunContext, store: Store, base: int, glob: Tensors, version: int,
@@ -120,9 +127,15 @@ class Prefetcher:
     def __init__(self, ctx: RunContext, store: Store, name: str, base: int,
                  glob: Mapping[str, torch.Tensor], *,
                  poll_s: float, max_updates_behind: int, spill: SpillDir | None = None,
-                 gate: StepGate | None = None) -> None:
+                 gate: StepGate | None = None, idle_poll_s: float | None = None) -> None:
         self.ctx, self.store, self.name = ctx, store, name
         self.poll_s, self.max_updates_behind = poll_s, max_updates_behind
+        self.idle_poll_s = poll_s if idle_poll_s is None else max(poll_s, idle_poll_s)
+        self._wake = threading.Event()  # expect() or close(): the wait between polls ends now
+        self._expect_base, self._until = -1, 0.0  # a version > _expect_base is expected until then
+        self._hint: int | None = None  # expect()'s version: fetched to without a probe
+        self._last_poll = -float("inf")
+        self.polls = 0  # polls made (for a report)
         self.spill = spill or SpillDir(scratch_dir(), persist=False)
         self.gate = gate  # a CPU learner's: folds between its inner steps
         self._lock = threading.Lock()
@@ -158,12 +171,42 @@ class Prefetcher:
                 self._base, self._glob = base, glob
                 self._ready = None
 
+    def expect(self, version: int | None = None) -> None:
+        """A version newer than the base is there or due: poll now, then every poll_s until one arrives or
+        EXPECT_POLLS polls passed. `version`: the version said to be there (a heads object's): the next poll
+        fetches up to it without a probe or a listing (a version that is not there: the usual poll after)."""
+        with self._lock:
+            self._expect_base, self._until = self._base, time.monotonic() + EXPECT_POLLS * self.poll_s
+            self._last_poll = -float("inf")
+            self._hint = version
+        self._wake.set()
+
+    @property
+    def base(self) -> int:
+        """The newest version fetched (or rebased to)."""
+        with self._lock:
+            return self._base
+
     def close(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout_s)
+
+    def _until_next_poll(self) -> float:
+        """Seconds until the next poll: poll_s apart while a version is expected, else idle_poll_s apart."""
+        with self._lock:
+            expected = self._base <= self._expect_base and time.monotonic() < self._until
+            return self._last_poll + (self.poll_s if expected else self.idle_poll_s) - time.monotonic()
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            wait_s = self._until_next_poll()
+            if wait_s > 0:
+                self._wake.wait(wait_s)
+                self._wake.clear()
+                continue
+            self._last_poll = time.monotonic()
+            self.polls += 1
             try:
                 self._poll()
             except (StorageError, CodecError) as err:
@@ -172,16 +215,25 @@ class Prefetcher:
                 with self._lock:
                     self._fatal = err
                 return
-            self._stop.wait(self.poll_s)
 
     def _poll(self) -> None:
         with self._lock:
-            base, glob = self._base, self._glob
+            base, glob, hint, self._hint = self._base, self._glob, self._hint, None
+        if hint is not None and hint > base:  # said to be there: its manifests are read, no probe, no listing
+            try:
+                self._fetched(base, glob, hint)
+                return
+            except NotFound:  # not there (stale or false heads): look for what is
+                pass
         if not manifest_exists(self.store, self.ctx.keys, base + 1):
             return
         latest = latest_version(self.store, self.ctx.keys, after=base)  # what is new: not the whole chain
         if latest is None or latest <= base:
             return
+        self._fetched(base, glob, latest)
+
+    def _fetched(self, base: int, glob: Mapping[str, torch.Tensor], latest: int) -> None:
+        """Fetch base -> latest and make it the next take() (unless rebased meanwhile)."""
         fetched, manifest = fetch_spilled(self.ctx, self.store, base, glob, latest, self.max_updates_behind,
                                           self.spill, self.gate)
         with self._lock:

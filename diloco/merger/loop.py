@@ -26,6 +26,7 @@ from diloco.run.fragments import fragment_context, num_fragments, shard_merger_i
 from diloco.run.target import Target
 from diloco.storage import Manifest, StorageError
 from diloco.storage.errors import Backoff
+from diloco.storage.heads import write_heads
 from diloco.training.fragments import owned_by
 
 log = logging.getLogger("diloco.merger")
@@ -107,7 +108,19 @@ class ShardMerger:
         chain = self.chain(index)
         # no gc.collect() after it: a merge frees its tensors by reference counting (no reference cycle holds
         # one: test_hostile_deltas), and a full collection costs ~60 ms in a busy process, per chain
-        return (merge or merge_once)(chain, should_stop)
+        manifest = (merge or merge_once)(chain, should_stop)
+        if manifest is not None and self.ctx.fragments:
+            self._write_heads()
+        return manifest
+
+    def _write_heads(self) -> None:
+        """The newest version of every chain it holds, for the learners' one poll (diloco.storage.heads): a
+        hint, so a failed write is logged, never raised."""
+        versions = {i: m.version for i, m in self.chains.items() if i not in self._stale}
+        try:
+            write_heads(self.ctx.store, self.ctx.keys, self.shard, self.merger_id, versions)
+        except StorageError as err:
+            log.warning("%s: heads not written (%s); learners' lanes poll by themselves", self.merger_id, err)
 
     def close(self) -> None:
         """Wait for the checkpoints in flight to land (before the process ends)."""

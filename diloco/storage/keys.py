@@ -17,6 +17,7 @@ _NAME_RE = re.compile(r"[a-z0-9_-][a-z0-9._-]{0,63}")  # checkpoint / event / co
 _MANIFEST_RE = re.compile(r"(?:.*/)?versions/([0-9]{20})\.json")
 _LEASE_RE = re.compile(r"(?:.*/)?control/lease-([0-9]{12})")
 _DELTA_RE = re.compile(r"(?:.*/)?deltas/([a-z0-9-]{1,48})/([0-9]{12})\.delta")
+_HEADS_RE = re.compile(r"(?:.*/)?global/heads-([0-9]{4})\.json")
 _OP_RE = re.compile(r"[0-9]{20}-[0-9a-f]{8}")  # a control operation: <time ns:020d>-<nonce>
 _OP_KEY_RE = re.compile(r"(?:.*/)?control/ops/([0-9]{20}-[0-9a-f]{8})\.json")
 # a chain's checkpoint: its folder <version:020d>-<nonce>/ under checkpoints/, the small JSON that lists its
@@ -129,6 +130,10 @@ class RunKeys:
 
     def global_prefix(self) -> str:
         return f"{self.chain_root}/global/"
+
+    def heads(self, shard: int) -> str:
+        """Merger shard `shard`'s heads (diloco.storage.heads): in the run's root global/, any chain's."""
+        return f"{self.run_id}/global/heads-{_check_int(shard, 'shard', MAX_FRAGMENT):04d}.json"
 
     def params(self, version: int, nonce: str) -> str:
         return self._global(version, nonce, "params")
@@ -263,6 +268,12 @@ def parse_delta_key(key: str) -> tuple[str, int] | None:
     """(learner, seq) of a delta key, or None if the key is not a well-formed delta key."""
     match = _DELTA_RE.fullmatch(key) if isinstance(key, str) else None
     return (match.group(1), int(match.group(2))) if match else None
+
+
+def parse_heads_key(key: str) -> int | None:
+    """The shard of a heads key (RunKeys.heads), else None."""
+    m = _HEADS_RE.fullmatch(key)
+    return int(m.group(1)) if m else None
 
 
 def parse_op_key(key: str) -> str | None:

@@ -136,6 +136,41 @@ def test_prefetched_lanes_install_the_merged_fragment_bit_for_bit(tmp_path, corp
     assert reader.lane_prefetch == {} and not any(pf._thread.is_alive() for pf in prefetchers)
 
 
+def test_one_poll_of_the_heads_wakes_the_lanes_that_moved(tmp_path, corpus) -> None:
+    """A fragmented learner's lanes learn of new versions from one poll of the merger shard's heads (written
+    after each commit), not from a poll per lane: with the lanes' own polls 10 minutes apart, every lane still
+    fetches its merged version within seconds; heads that are garbage are no news."""
+    from diloco.storage.heads import read_heads
+
+    ctx = _run(tmp_path, **{"learner.prefetch": True, "learner.prefetch_poll_s": 0.02,
+                            "learner.prefetch_idle_poll_s": 600.0, "learner.probe_every_steps": 1000})
+    learners = [_learner(ctx, name, corpus) for name in ctx.learners]
+    for learner in learners:
+        learner.join()
+    reader = learners[1]
+    shard = ShardMerger(ctx, 0)
+    time.sleep(0.3)
+    assert all(pf.polls == 1 for pf in reader.lane_prefetch.values())  # each lane's first; then idle
+    assert reader.heads is not None and reader.heads.polls > 3  # the watcher polls, finding no heads yet
+    learners[0].run_phase(num_steps=H)  # ships every fragment once
+    learners[0].drain()
+    merged, deadline = [], time.time() + 30
+    while len(merged) < COUNT and time.time() < deadline:
+        merged += shard.poll_once()
+    assert read_heads(ctx.store, ctx.keys, 0) == {p: 1 for p in range(COUNT)}
+    deadline = time.time() + 30
+    while time.time() < deadline and any(pf.fetches == 0 for pf in reader.lane_prefetch.values()):
+        time.sleep(0.02)
+    assert all(pf.fetches == 1 for pf in reader.lane_prefetch.values())  # woken: not the 600 s idle poll
+    assert all(pf.polls <= 3 for pf in reader.lane_prefetch.values())
+    ctx.store.put(ctx.keys.heads(0), b"\x00garbage{")
+    reader.heads.poll()  # no news, no error
+    assert read_heads(ctx.store, ctx.keys, 0) is None
+    for learner in learners:
+        learner.close()
+    assert reader.heads is None
+
+
 def test_a_fragmented_runs_model_is_its_run_version(tmp_path, corpus) -> None:
     from diloco.inspect.model_out import version_params
     from diloco.run.context import RunError

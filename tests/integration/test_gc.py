@@ -17,6 +17,7 @@ from diloco.merger.merger import Merger
 from diloco.run.create import create_run
 from diloco.specs.gpt import load_corpus, make_spec
 from diloco.storage import open_store
+from diloco.storage.heads import read_heads, write_heads
 
 
 class CrashBeforeManifest(Exception):
@@ -45,6 +46,7 @@ def test_orphans_of_a_crashed_merge_are_collected(tmp_path):
     merger.load()
     assert merger.merge_once() is not None  # the delta is merged once, by the survivor
     learner.close()
+    write_heads(ctx.store, ctx.keys, 0, "merger", {0: 1})  # a shard's heads (fragmented runs): no orphan
 
     fresh = collect_orphans(ctx)  # too young: a live merger may be about to commit them
     # the crash's update and its outlier window (written before the manifest it never committed)
@@ -58,3 +60,4 @@ def test_orphans_of_a_crashed_merge_are_collected(tmp_path):
     audit = audit_run(ctx)
     assert audit.ok and audit.replay_ok and audit.deltas_merged == 1, audit.problems
     assert collect_orphans(ctx, min_age_s=0).orphans == []
+    assert read_heads(ctx.store, ctx.keys, 0) == {0: 1}

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diloco.configs import load_config
+from diloco.learner import prefetch
 from diloco.learner.learner import Learner
 from diloco.learner.prefetch import Prefetcher
 from diloco.merger.merger import Merger
@@ -28,11 +29,11 @@ def corpus():
     return load_corpus(load_config("tiny").data)
 
 
-def _run(prefetch: bool):
+def _run(prefetch: bool, **learner):
     cfg = load_config("tiny").with_overrides({
         "run.num_learners": 2, "merger.quorum": 1, "merger.grace_cap_s": 0.0, "learner.prefetch": prefetch,
         "learner.prefetch_poll_s": 0.01, "learner.checkpoint": False, "learner.local_state_every_steps": 0,
-        "learner.probe_every_steps": 1000})
+        "learner.probe_every_steps": 1000, **{f"learner.{k}": v for k, v in learner.items()}})
     return create_run(open_store(f"memory://prefetch-{uuid.uuid4().hex[:10]}"), "pf", cfg)
 
 
@@ -191,3 +192,69 @@ def test_learners_list_only_the_versions_after_the_one_they_hold(corpus) -> None
     finally:
         prefetcher.close(timeout_s=1.0)
     assert log == [1], log  # version 6 alone
+
+
+class Probes(WrapperStore):
+    """Counts the probes (HEADs) and listings made through it (shared by its retrying views)."""
+
+    def __init__(self, inner, counts: dict[str, int]) -> None:
+        super().__init__(inner)
+        self.counts = counts
+
+    def _over(self, inner):
+        return Probes(inner, self.counts)
+
+    def exists(self, key: str) -> bool:
+        self.counts["exists"] += 1
+        return self.inner.exists(key)
+
+    def list(self, prefix: str, after: str = "") -> list[str]:
+        self.counts["list"] += 1
+        return self.inner.list(prefix, after)
+
+
+def test_an_expected_version_is_polled_for_at_once_and_idle_polls_are_slow(corpus, monkeypatch) -> None:
+    """Prefetcher(idle_poll_s=...): it polls every idle_poll_s (here: never within the test) until expect() (a
+    heads watcher saw its chain move): then at once and every poll_s until a newer version arrives, or
+    EXPECT_POLLS polls passed. expect(v) fetches up to v with no probe or listing; a v that is not there falls
+    back to the usual poll."""
+    monkeypatch.setattr(prefetch, "EXPECT_POLLS", 10)
+    ctx = _run(False)
+    a, b = _two_versions(ctx, corpus)
+    glob, _ = params_at(ctx, 2)
+    counts = {"exists": 0, "list": 0}
+    fetcher = Prefetcher(ctx, Probes(ctx.store, counts), "local-1", 2, glob, poll_s=0.02,
+                         max_updates_behind=4, idle_poll_s=600.0)
+    _wait_for(lambda: fetcher.polls == 1)
+    fetcher.expect()  # nothing newer yet: 10 polls 0.02 s apart, then idle
+    _wait_for(lambda: fetcher.polls >= 11)
+    time.sleep(0.3)
+    assert fetcher.polls <= 12 and fetcher.fetches == 0
+    merger = Merger(ctx)
+    merger.load()
+
+    def merged() -> int:
+        a.maybe_install()
+        a.publish(a.run_phase())
+        a.publisher.drain()
+        return merger.merge_once().version
+
+    assert merged() == 3
+    time.sleep(0.3)
+    assert fetcher.fetches == 0  # idle: not polled
+    fetcher.expect(99)  # a version that is not there: the usual probe finds 3
+    _wait_for(lambda: fetcher.fetches == 1)
+    polls = fetcher.polls
+    time.sleep(0.3)
+    assert fetcher.polls == polls  # it arrived: idle again
+    assert fetcher.take()[0] == 3
+    assert merged() == 4
+    counts.update(exists=0, list=0)
+    fetcher.expect(4)
+    _wait_for(lambda: fetcher.fetches == 2)
+    assert counts == {"exists": 0, "list": 0}, counts  # straight to version 4's manifest and update
+    version, fetched = fetcher.take()
+    expected, _ = params_at(ctx, 4)
+    assert version == 4 and all(torch.equal(fetched[k], expected[k]) for k in expected)
+    fetcher.close()
+    a.close(), b.close()

@@ -13,11 +13,13 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from diloco.storage.heads import encode_heads, parse_heads
 from diloco.storage.keys import (
     InvalidName,
     RunKeys,
     new_nonce,
     parse_delta_key,
+    parse_heads_key,
     parse_manifest_key,
     validate_learner_name,
     validate_run_id,
@@ -205,3 +207,20 @@ def test_no_accepted_input_escapes_the_run(
 @given(st.from_regex(r"[a-z0-9-]{1,48}", fullmatch=True), st.integers(0, 10**12 - 1))
 def test_delta_keys_roundtrip_through_the_parser(learner: str, seq: int) -> None:
     assert parse_delta_key(K.delta(learner, seq)) == (learner, seq)
+
+
+@given(st.integers(0, 9999))
+def test_heads_keys_roundtrip_and_stay_in_the_runs_global(shard: int) -> None:
+    key = K.for_fragment(3).heads(shard)  # any chain's keys: the run's root global/
+    assert key == f"{K.run_id}/global/heads-{shard:04d}.json" and parse_heads_key(key) == shard
+    assert parse_heads_key(K.params(1, "0123abcd")) is None
+
+
+def test_heads_objects_that_are_not_heads_are_no_news() -> None:
+    assert parse_heads(encode_heads("merger", {0: 3, 7: 2})) == {0: 3, 7: 2}
+    for bad in [b"", b"\x00", b"[]", b'{"format": 2, "versions": {}}', b'{"format": 1, "versions": []}',
+                b'{"format": 1, "versions": {"x": 1}}', b'{"format": 1, "versions": {"0": -1}}',
+                b'{"format": 1, "versions": {"0": 1.5}}', b'{"format": 1, "versions": {"0": true}}',
+                b'{"format": 1, "versions": {"10000": 1}}', b"[" * 100_000,
+                b'{"format": 1, "versions": {"0": 1}, "pad": "' + b"x" * (1 << 20) + b'"}']:
+        assert parse_heads(bad) is None, bad[:40]
