@@ -17,6 +17,9 @@ from diloco.storage import RunKeys
 from diloco.storage.heads import read_heads
 from diloco.storage.store import Store
 
+# a lane polls its own chain every this many heads polls when learner.prefetch_idle_poll_s is unset
+IDLE_POLLS = 20
+
 
 class HeadsWatcher:
     """A daemon thread polling the heads of `shards` merger shards every `poll_s` for `prefetchers` (chain

@@ -26,7 +26,7 @@ from dataclasses import fields
 import torch
 
 from diloco.learner.checkpoint import read_pointer
-from diloco.learner.heads import HeadsWatcher
+from diloco.learner.heads import IDLE_POLLS, HeadsWatcher
 from diloco.learner.install import InstallSection
 from diloco.learner.parts import wire
 from diloco.learner.phase import PhaseSection
@@ -197,8 +197,8 @@ class Learner(PhaseSection, ShipSection, InstallSection):
         if not cfg.prefetch or cfg.mode == "sync":
             return
         # a fragmented learner's lanes are woken by one poll of the merger shards' heads (HeadsWatcher) and
-        # poll by themselves only every prefetch_idle_poll_s (default 20 x prefetch_poll_s)
-        idle_s = cfg.prefetch_idle_poll_s or (cfg.prefetch_poll_s if self.whole else 20 * cfg.prefetch_poll_s)
+        # poll by themselves only every prefetch_idle_poll_s (default IDLE_POLLS x prefetch_poll_s)
+        idle_s = cfg.prefetch_idle_poll_s or cfg.prefetch_poll_s * (1 if self.whole else IDLE_POLLS)
         for lane in self.lanes.lanes:
             who = self.name if self.whole else f"{self.name}-f{lane.index}"
             self.lane_prefetch[lane.index] = Prefetcher(

@@ -11,44 +11,35 @@ wins until the next).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
 from diloco.storage.errors import StorageError
-from diloco.storage.keys import MAX_FRAGMENT, MAX_VERSION, RunKeys
+from diloco.storage.keys import RunKeys
+from diloco.storage.records import HeadsRecord, RecordError, write_record
 from diloco.storage.store import Store
 
-FORMAT = 1
 MAX_HEADS_BYTES = 1 << 20  # a heads object of every fragment (10,000) is ~0.3 MB
 
 
 def encode_heads(merger_id: str, versions: Mapping[int, int]) -> bytes:
     """The heads object `merger_id` writes: chain index -> its newest committed version."""
-    return json.dumps({"format": FORMAT, "merger": merger_id,
-                       "versions": {str(i): int(v) for i, v in sorted(versions.items())}},
-                      separators=(",", ":")).encode()
+    return HeadsRecord(merger=merger_id, versions=dict(versions)).to_bytes()
 
 
 def write_heads(store: Store, keys: RunKeys, shard: int, merger_id: str, versions: Mapping[int, int]) -> None:
     """Overwrite shard `shard`'s heads object. StorageError from the bucket."""
-    store.put(keys.heads(shard), encode_heads(merger_id, versions))
+    write_record(store, keys.heads(shard), HeadsRecord(merger=merger_id, versions=dict(versions)))
 
 
 def parse_heads(data: bytes) -> dict[int, int] | None:
-    """chain index -> version from a heads object's bytes; None when it is not one (malformed, oversized,
-    another format, out-of-range numbers)."""
+    """chain index -> version from a heads object's bytes (HeadsRecord); None when it is not one (malformed,
+    oversized, another format, out-of-range numbers)."""
     if len(data) > MAX_HEADS_BYTES:
         return None
     try:
-        doc = json.loads(data)
-        versions = doc["versions"] if isinstance(doc, dict) and doc.get("format") == FORMAT else None
-        if not isinstance(versions, dict):
-            return None
-        out = {int(i): v for i, v in versions.items()}
-    except (ValueError, TypeError, KeyError, RecursionError):
+        return HeadsRecord.from_bytes(data).versions
+    except RecordError:
         return None
-    ok = all(0 <= i <= MAX_FRAGMENT and type(v) is int and 0 <= v <= MAX_VERSION for i, v in out.items())
-    return out if ok else None
 
 
 def read_heads(store: Store, keys: RunKeys, shard: int) -> dict[int, int] | None:

@@ -1,6 +1,7 @@
 """Typed bucket records: every JSON object of a run other than the manifest — run.json, a learner's
 status.json, evals/<version>.json, the control flags (control/stop, control/removed-<learner>) and the
-operator's control ops (control/ops/...), the supervisor's lease (control/lease-<epoch>).
+operator's control ops (control/ops/...), the supervisor's lease (control/lease-<epoch>), a merger shard's
+heads (global/heads-<shard>.json).
 
 Contract: a record is written with to_bytes() and read with from_bytes(), which raises RecordError
 naming the object and what is wrong (never a pydantic error); optional fields left unset are not written.
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, ClassVar, Literal, Self, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
+from diloco.storage.keys import MAX_FRAGMENT, MAX_VERSION
 from diloco.storage.store import Store
 
 RUN_SCHEMA_VERSION = 1
@@ -45,7 +47,8 @@ class Record(BaseModel):
         name = f"{cls.what} {key!r}" if key else cls.what
         try:
             obj = json.loads(data)
-        except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        # JSONDecodeError and UnicodeDecodeError are ValueErrors; RecursionError: hostile nesting
+        except (ValueError, TypeError, RecursionError) as exc:
             raise RecordError(f"{name} is not valid JSON: {exc}") from None
         if not isinstance(obj, dict):
             raise RecordError(f"{name} must be a JSON object, got {type(obj).__name__}")
@@ -273,6 +276,17 @@ class RetentionRecord(Record):
     by: str
     removed_objects: int = 0  # by every gc so far
     removed_bytes: int = 0
+
+
+class HeadsRecord(Record):
+    """global/heads-<shard>.json: the newest version of each chain a merger shard holds, rewritten after each
+    of its commits (diloco.storage.heads: a hint for the learners' one poll, never the truth)."""
+
+    what: ClassVar[str] = "heads"
+    format: Literal[1] = 1
+    merger: str
+    versions: dict[Annotated[int, Field(ge=0, le=MAX_FRAGMENT)],  # chain index -> its newest version
+                   Annotated[StrictInt, Field(ge=0, le=MAX_VERSION)]]
 
 
 OP_KINDS = ("admit", "remove", "readmit", "pause-merges", "resume-merges", "set", "resume", "fork")

@@ -145,19 +145,26 @@ def test_storage_errors_are_retried_on_the_next_poll(corpus) -> None:
     a.close(), b.close()
 
 
-class Listed(WrapperStore):
-    """Records how many keys every listing returned (shared by its retrying views)."""
+class Probes(WrapperStore):
+    """Counts the probes (HEADs) and listings made through it, and records how many keys each listing returned
+    (shared by its retrying views)."""
 
-    def __init__(self, inner, log: list[int]) -> None:
+    def __init__(self, inner, counts: dict[str, int] | None = None, listed: list[int] | None = None) -> None:
         super().__init__(inner)
-        self.log = log
+        self.counts = {"exists": 0, "list": 0} if counts is None else counts
+        self.listed = [] if listed is None else listed
 
     def _over(self, inner):
-        return Listed(inner, self.log)
+        return Probes(inner, self.counts, self.listed)
+
+    def exists(self, key: str) -> bool:
+        self.counts["exists"] += 1
+        return self.inner.exists(key)
 
     def list(self, prefix: str, after: str = "") -> list[str]:
         keys = self.inner.list(prefix, after)
-        self.log.append(len(keys))
+        self.counts["list"] += 1
+        self.listed.append(len(keys))
         return keys
 
 
@@ -166,7 +173,7 @@ def test_learners_list_only_the_versions_after_the_one_they_hold(corpus) -> None
     StartAfter), never the whole chain: their cost follows what is new, not the run's age."""
     log: list[int] = []
     cfg = _run(False).cfg
-    ctx = create_run(Listed(open_store(f"memory://listed-{uuid.uuid4().hex[:10]}"), log), "pf", cfg)
+    ctx = create_run(Probes(open_store(f"memory://listed-{uuid.uuid4().hex[:10]}"), listed=log), "pf", cfg)
     a, b = _two_versions(ctx, corpus)
     merger = Merger(ctx)
     merger.load()
@@ -192,25 +199,6 @@ def test_learners_list_only_the_versions_after_the_one_they_hold(corpus) -> None
     finally:
         prefetcher.close(timeout_s=1.0)
     assert log == [1], log  # version 6 alone
-
-
-class Probes(WrapperStore):
-    """Counts the probes (HEADs) and listings made through it (shared by its retrying views)."""
-
-    def __init__(self, inner, counts: dict[str, int]) -> None:
-        super().__init__(inner)
-        self.counts = counts
-
-    def _over(self, inner):
-        return Probes(inner, self.counts)
-
-    def exists(self, key: str) -> bool:
-        self.counts["exists"] += 1
-        return self.inner.exists(key)
-
-    def list(self, prefix: str, after: str = "") -> list[str]:
-        self.counts["list"] += 1
-        return self.inner.list(prefix, after)
 
 
 def test_an_expected_version_is_polled_for_at_once_and_idle_polls_are_slow(corpus, monkeypatch) -> None:
