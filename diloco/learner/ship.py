@@ -185,8 +185,11 @@ class ShipSection:
 
     def _complete(self, job: Shipping, data: bytes, shipped: Mapping[str, torch.Tensor],
                   stats: PhaseStats | None) -> None:
-        """An encoded delta: its error feedback into r_p, its upload queued (spooled first with local state;
-        the checkpoint after fragment 0's), the local state saved, its `publish` event."""
+        """An encoded delta: its error feedback into r_p, the local state saved, its upload queued (spooled
+        first; the checkpoint after fragment 0's), its `publish` event. Saved before the upload is queued: a
+        delta in the bucket is always in the local state too, so a learner killed at any point after its
+        upload lands resumes from this host (a state saved after it could lose the race to a kill, and be
+        dropped as behind the bucket); killed between the save and the upload, it ships the spooled delta."""
         self.lanes.feedback(job.index, shipped)
         del shipped
         keys = self.chain_keys(job.index)
@@ -194,10 +197,10 @@ class ShipSection:
         checkpoint = self._checkpoint(job.seq, job.base) if due else None
         if self.local is not None:  # until it lands: a crash while the bucket is away loses nothing
             self.local.spool(job.seq, data, keys.fragment)
+        self.save_local()  # after the spool write (save flushes it), before the upload
         stall = self.publisher.submit(keys.delta(self.name, job.seq), data, seq=job.seq,
                                       checkpoint=checkpoint, sidecar=self._signature(keys, job.seq, data),
                                       fragment=keys.fragment)
-        self.save_local()
         if stats is not None:
             stats.seq, stats.stall_s = job.seq, stats.stall_s + stall
             stats.delta_bytes += len(data)
