@@ -6,7 +6,8 @@ Contract: `LinkNet(num_sites, mb_s)` is a context manager; on entry it refuses w
 line) when the process lacks CAP_NET_ADMIN or `ip`/`tc`, then builds everything under names starting with
 PREFIX and addresses in one /24 of the benchmarking range 198.18.0.0/15 (RFC 2544) only; on exit — normal, an
 exception, or SIGINT/SIGTERM (turned into an exception in the main thread while it is up) — it removes every
-namespace, veth and bridge it made. A forked child joins site i with `enter(i)` (setns) before it opens a
+namespace, veth and bridge it made; a process a signal did not end within SIGNAL_GRACE_S (its exception
+lost) removes them and exits by itself. A forked child joins site i with `enter(i)` (setns) before it opens a
 socket; only the creating process ever tears down. A harness whose owner was killed outright (SIGKILL) is
 swept by the next.
 """
@@ -37,6 +38,10 @@ MTU_BYTES = 1514  # an Ethernet frame at MTU 1500: tbf's bucket must hold one
 # tbf's queue: packets waiting longer than this are dropped (a router buffer; TCP backs off on the drops)
 QUEUE_S = 0.2
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# a signal's exception can be lost (raised while a finalizer runs, where Python prints and ignores it, or
+# taken by code that catches everything): a process still up this long after a signal removes its links, ends
+# its helpers and exits by itself (128 + the signal)
+SIGNAL_GRACE_S = 10.0
 
 
 class LinksUnavailable(ConfigError):
@@ -118,6 +123,7 @@ class LinkNet:
         self._lock = threading.Lock()  # cuts from a timer thread against teardown
         self._critical, self._pending = 0, 0  # a signal during a build or teardown waits for its end
         self._helpers: tuple[int, ...] = ()
+        self._watchdog: threading.Thread | None = None  # started by the first signal
 
     # --- life ---
     def __enter__(self) -> LinkNet:
@@ -198,10 +204,27 @@ class LinkNet:
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        if self._watchdog is None and os.getpid() == self._owner:  # a forked child never tears down
+            self._watchdog = threading.Thread(target=self._last_resort, args=(signum,), daemon=True,
+                                              name="links-signal-watchdog")
+            self._watchdog.start()
         if self._critical:
             self._pending = signum
             return
         self._raise(signum)
+
+    def _last_resort(self, signum: int) -> None:
+        """The watchdog a signal starts: SIGNAL_GRACE_S later, a process still running tears down and exits
+        (the daemon thread dies with a process that ended in time)."""
+        time.sleep(SIGNAL_GRACE_S)
+        try:
+            with self._lock:
+                _teardown(self.bridge, self.sites)
+                (STATE_DIR / self.tag).unlink(missing_ok=True)
+            for pid in self._helpers:
+                _end_helper(pid)
+        finally:
+            os._exit(128 + signum)
 
     @staticmethod
     def _raise(signum: int) -> None:

@@ -141,6 +141,33 @@ def test_bench_stopped_mid_run_leaves_no_namespace_veth_bridge_or_server(sig: si
     assert f"moto.server -H {host}" not in servers
 
 
+LOST_SIGNAL = """
+import sys, time
+import diloco.bench.links as links
+links.SIGNAL_GRACE_S = 1.0
+with links.LinkNet(1, None) as net:
+    print(net.tag, flush=True)
+    try:
+        time.sleep(60)
+    except SystemExit:
+        pass  # the signal's exception lost, as when it is raised inside a finalizer
+    time.sleep(60)
+"""
+
+
+@netadmin
+def test_a_signal_whose_exception_is_lost_still_ends_the_process_and_its_links() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", LOST_SIGNAL], stdout=subprocess.PIPE, text=True)
+    tag = proc.stdout.readline().strip()
+    assert tag and leftovers(tag)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert leftovers(tag) == []
+
+
 def test_without_the_privilege_it_refuses_in_one_line(monkeypatch) -> None:
     monkeypatch.setattr(links, "has_net_admin", lambda: False)
     with pytest.raises(LinksUnavailable, match=r"--links real needs CAP_NET_ADMIN .*--links modelled"):
