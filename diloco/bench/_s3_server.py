@@ -6,7 +6,10 @@ Contract: `s3_server(host)` yields the endpoint URL and the server's process onc
 AWS_ENDPOINT_URL and moto's fake credentials in os.environ for its duration (forked learners inherit them),
 restoring both and ending the server on exit. moto, because no S3-compatible server that runs here (MinIO,
 SeaweedFS, Garage) is offered by the package registries this machine reaches: docs/BENCHMARKS.md ("Real
-links").
+links"). moto's application is served by uvicorn (Prefect's HTTP server), which keeps HTTP/1.1 connections
+open between requests as S3 does, not by moto's own werkzeug server, which answers every request with
+`Connection: close`: a TCP handshake and teardown per request (200 GETs opened 200 connections, 7.1 packets
+sent per GET), bytes and round trips a real bucket does not cost.
 """
 
 from __future__ import annotations
@@ -23,6 +26,17 @@ from pathlib import Path
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 START_TIMEOUT_S = 60.0  # moto's imports on a loaded 2-core box
+# an idle connection is kept this long by the server: longer than the client's own idle limit (aiohttp's,
+# 15 s by default), so the client closes it first and never sends on a connection the server is closing
+KEEP_ALIVE_S = 60
+SERVER_MODULE = "diloco.bench._s3_server"  # the server process's command line names it (links' sweep)
+
+
+def moto_app():
+    """moto's WSGI application: every AWS service it fakes, by the request's host and path."""
+    from moto.server import DomainDispatcherApplication, create_backend_app
+
+    return DomainDispatcherApplication(create_backend_app)
 
 
 def _free_port(host: str) -> int:
@@ -37,7 +51,10 @@ def s3_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
     port = _free_port(host)
     env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", **CREDENTIALS}
     saved = {k: os.environ.get(k) for k in (*env, "AWS_ENDPOINT_URL_S3", "AWS_PROFILE")}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", f"{SERVER_MODULE}:moto_app", "--factory",
+                             "--interface", "wsgi", "--host", host, "--port", str(port),
+                             "--timeout-keep-alive", str(KEEP_ALIVE_S), "--log-level", "warning",
+                             "--no-access-log"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + START_TIMEOUT_S

@@ -121,7 +121,8 @@ class RealLinks:
         """What the JSON's config says about the links."""
         return {"tag": self.net.tag, "host_addr": self.net.host_addr,
                 "sites": [s.addr for s in self.net.sites],
-                "s3_server": "moto (python -m moto.server) on the bridge's host address",
+                "s3_server": "moto (its application served by uvicorn: HTTP/1.1 keep-alive) on the bridge's "
+                              "host address",
                 "s3_server_cpu_s": cpu_s(self.server) if self.server else None,
                 "tbf_at_cap": " ".join(tbf_args(self.dp["caps"][0])) if self.dp else None,
                 "dp_compute_step_s": self.dp.get("compute_step_s"),

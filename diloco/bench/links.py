@@ -122,7 +122,7 @@ class LinkNet:
         self._old_handlers: dict[int, object] = {}
         self._lock = threading.Lock()  # cuts from a timer thread against teardown
         self._critical, self._pending = 0, 0  # a signal during a build or teardown waits for its end
-        self._helpers: tuple[int, ...] = ()
+        self._helpers: tuple[tuple[int, int], ...] = ()  # (pid, start time): the S3 server
         self._watchdog: threading.Thread | None = None  # started by the first signal
 
     # --- life ---
@@ -184,15 +184,16 @@ class LinkNet:
         if self._pending:
             self._raise(self._pending)
 
-    def _record(self, helpers: tuple[int, ...] = ()) -> None:
+    def _record(self, helpers: tuple[tuple[int, int], ...] = ()) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        names = [self.bridge] + [f"{s.netns} {s.host_if}" for s in self.sites] + [f"pid {p}" for p in helpers]
+        names = [self.bridge] + [f"{s.netns} {s.host_if}" for s in self.sites] \
+            + [f"pid {p} {started}" for p, started in helpers]
         (STATE_DIR / self.tag).write_text(f"{os.getpid()}\n" + "\n".join(names) + "\n")
 
     def adopt(self, pid: int) -> None:
         """A helper process of this harness (the S3 server): the sweep ends it if the owner was killed
         outright."""
-        self._helpers = (*self._helpers, pid)
+        self._helpers = (*self._helpers, (pid, _start_time(pid)))
         self._record(self._helpers)
 
     def _catch_signals(self) -> None:
@@ -221,8 +222,8 @@ class LinkNet:
             with self._lock:
                 _teardown(self.bridge, self.sites)
                 (STATE_DIR / self.tag).unlink(missing_ok=True)
-            for pid in self._helpers:
-                _end_helper(pid)
+            for pid, started in self._helpers:
+                _end_helper(pid, started)
         finally:
             os._exit(128 + signum)
 
@@ -340,8 +341,8 @@ def sweep_stale() -> list[str]:
             if pid_alive(int(lines[0])):
                 continue
             rest = [line.split() for line in lines[2:] if line]
-            for pid in (int(words[1]) for words in rest if words[0] == "pid"):
-                _end_helper(pid)
+            for words in (w for w in rest if w[0] == "pid" and len(w) == 3):
+                _end_helper(int(words[1]), int(words[2]))
             sites = [Site(i, *words, "", "") for i, words in enumerate(w for w in rest if w[0] != "pid")]
             _teardown(lines[1], sites)
         path.unlink(missing_ok=True)
@@ -349,10 +350,19 @@ def sweep_stale() -> list[str]:
     return swept
 
 
-def _end_helper(pid: int) -> None:
-    """SIGKILL a helper left by a killed owner, if that pid is still the S3 server it was."""
-    with contextlib.suppress(OSError):
-        if b"moto.server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+def _start_time(pid: int) -> int:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat): with the pid, who it is (a pid
+    is reused, the pair is not); -1 when it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _end_helper(pid: int, started: int) -> None:
+    """SIGKILL a helper left by a killed owner, if that pid is still the process it was (its start time)."""
+    if started >= 0 and _start_time(pid) == started:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
 
 

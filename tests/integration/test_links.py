@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -101,17 +102,38 @@ def test_a_cut_link_is_down_then_up_and_an_error_inside_tears_down() -> None:
 @netadmin
 def test_a_harness_whose_owner_was_killed_outright_is_swept() -> None:
     code = textwrap.dedent("""
-        import os, signal
+        import os, signal, subprocess
         from diloco.bench.links import LinkNet
         net = LinkNet(2, 1.0).__enter__()
-        print(net.tag, flush=True)
+        helper = subprocess.Popen(["sleep", "600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)  # as the S3 server is
+        net.adopt(helper.pid)
+        print(net.tag, helper.pid, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    tag = proc.stdout.strip()
+    tag, helper = proc.stdout.split()
     assert proc.returncode == -signal.SIGKILL and tag and leftovers(tag)
+    assert Path(f"/proc/{helper}").exists()
     assert tag in links.sweep_stale()
     assert leftovers(tag) == []
+    deadline = time.time() + 10  # SIGKILLed by the sweep; init reaps it
+    while Path(f"/proc/{helper}").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{helper}").exists()
+
+
+def test_a_helper_is_ended_only_while_its_pid_is_still_the_process_it_was() -> None:
+    helper = subprocess.Popen(["sleep", "600"])
+    try:
+        started = links._start_time(helper.pid)
+        assert started > 0
+        links._end_helper(helper.pid, started + 1)  # the pid reused by another process: left alone
+        assert helper.poll() is None
+        links._end_helper(helper.pid, started)
+        assert helper.wait(10) == -signal.SIGKILL
+    finally:
+        helper.kill()
 
 
 @netadmin
@@ -138,7 +160,7 @@ def test_bench_stopped_mid_run_leaves_no_namespace_veth_bridge_or_server(sig: si
     assert proc.returncode != 0
     assert leftovers(tag) == []
     servers = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert f"moto.server -H {host}" not in servers
+    assert f"--host {host}" not in servers  # the S3 server (uvicorn serving moto) on the bridge
 
 
 LOST_SIGNAL = """
