@@ -40,18 +40,11 @@ def s3_server() -> Iterator[str]:
     if endpoint:
         yield endpoint
         return
-    from moto.server import ThreadedMotoServer
+    from diloco.bench._s3_server import moto_server
 
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in MOTO_CREDENTIALS.items():
-            mp.setenv(name, value)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        try:
-            yield f"http://{host}:{port}"
-        finally:
-            server.stop()
+    # a process of its own (not a thread beside the tests: the second core), keeping connections open
+    with moto_server("127.0.0.1") as (url, _):
+        yield url
 
 
 def _ensure_bucket(endpoint: str, bucket: str, credentials: dict[str, str]) -> None:

@@ -46,11 +46,10 @@ def _free_port(host: str) -> int:
 
 
 @contextlib.contextmanager
-def s3_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """moto's S3 server on host:<free port>; yields (its endpoint URL, its process)."""
+def moto_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """moto's S3 server on host:<free port>, in a process of its own (the test suite's too); yields (its
+    endpoint URL, its process) once it answers, and ends it on exit. The environment is not touched."""
     port = _free_port(host)
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", **CREDENTIALS}
-    saved = {k: os.environ.get(k) for k in (*env, "AWS_ENDPOINT_URL_S3", "AWS_PROFILE")}
     proc = subprocess.Popen([sys.executable, "-m", "uvicorn", f"{SERVER_MODULE}:moto_app", "--factory",
                              "--interface", "wsgi", "--host", host, "--port", str(port),
                              "--timeout-keep-alive", str(KEEP_ALIVE_S), "--log-level", "warning",
@@ -65,22 +64,33 @@ def s3_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
                 raise RuntimeError(f"moto's S3 server did not start on {host}:{port} (exit code "
                                    f"{proc.poll()})")
             time.sleep(0.2)
-        for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
-            os.environ.pop(k, None)
-        os.environ.update(env)
-        yield env["AWS_ENDPOINT_URL"], proc
+        yield f"http://{host}:{port}", proc
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+@contextlib.contextmanager
+def s3_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """moto_server, with AWS_ENDPOINT_URL and moto's credentials in os.environ for its duration."""
+    with moto_server(host) as (endpoint, proc):
+        env = {"AWS_ENDPOINT_URL": endpoint, **CREDENTIALS}
+        saved = {k: os.environ.get(k) for k in (*env, "AWS_ENDPOINT_URL_S3", "AWS_PROFILE")}
+        try:
+            for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+                os.environ.pop(k, None)
+            os.environ.update(env)
+            yield endpoint, proc
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def cpu_s(proc: subprocess.Popen) -> float | None:
