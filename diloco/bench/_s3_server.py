@@ -77,20 +77,13 @@ def moto_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
 @contextlib.contextmanager
 def s3_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """moto_server, with AWS_ENDPOINT_URL and moto's credentials in os.environ for its duration."""
-    with moto_server(host) as (endpoint, proc):
-        env = {"AWS_ENDPOINT_URL": endpoint, **CREDENTIALS}
-        saved = {k: os.environ.get(k) for k in (*env, "AWS_ENDPOINT_URL_S3", "AWS_PROFILE")}
-        try:
-            for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
-                os.environ.pop(k, None)
-            os.environ.update(env)
-            yield endpoint, proc
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    from unittest import mock  # patch.dict: os.environ as it was on exit, added keys removed
+
+    with moto_server(host) as (endpoint, proc), mock.patch.dict(os.environ, {"AWS_ENDPOINT_URL": endpoint,
+                                                                            **CREDENTIALS}):
+        for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+            os.environ.pop(k, None)
+        yield endpoint, proc
 
 
 def cpu_s(proc: subprocess.Popen) -> float | None:
