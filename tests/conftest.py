@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-MOTO_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+from diloco.bench._s3_server import CREDENTIALS as MOTO_CREDENTIALS
+from diloco.bench._s3_server import moto_server
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -40,8 +41,6 @@ def s3_server() -> Iterator[str]:
     if endpoint:
         yield endpoint
         return
-    from diloco.bench._s3_server import moto_server
-
     # a process of its own (not a thread beside the tests: the second core), keeping connections open
     with moto_server("127.0.0.1") as (url, _):
         yield url

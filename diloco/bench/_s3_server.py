@@ -29,7 +29,6 @@ START_TIMEOUT_S = 60.0  # moto's imports on a loaded 2-core box
 # an idle connection is kept this long by the server: longer than the client's own idle limit (aiohttp's,
 # 15 s by default), so the client closes it first and never sends on a connection the server is closing
 KEEP_ALIVE_S = 60
-SERVER_MODULE = "diloco.bench._s3_server"  # the server process's command line names it (links' sweep)
 
 
 def moto_app():
@@ -50,7 +49,7 @@ def moto_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """moto's S3 server on host:<free port>, in a process of its own (the test suite's too); yields (its
     endpoint URL, its process) once it answers, and ends it on exit. The environment is not touched."""
     port = _free_port(host)
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", f"{SERVER_MODULE}:moto_app", "--factory",
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", f"{__name__}:moto_app", "--factory",
                              "--interface", "wsgi", "--host", host, "--port", str(port),
                              "--timeout-keep-alive", str(KEEP_ALIVE_S), "--log-level", "warning",
                              "--no-access-log"],

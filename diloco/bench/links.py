@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from diloco.configs import ConfigError
 from diloco.run.lease import pid_alive
 
@@ -122,7 +124,7 @@ class LinkNet:
         self._old_handlers: dict[int, object] = {}
         self._lock = threading.Lock()  # cuts from a timer thread against teardown
         self._critical, self._pending = 0, 0  # a signal during a build or teardown waits for its end
-        self._helpers: tuple[tuple[int, int], ...] = ()  # (pid, start time): the S3 server
+        self._helpers: tuple[tuple[int, float], ...] = ()  # (pid, start time): the S3 server
         self._watchdog: threading.Thread | None = None  # started by the first signal
 
     # --- life ---
@@ -175,19 +177,23 @@ class LinkNet:
             return
         self._critical += 1
         try:
-            with self._lock:
-                _teardown(self.bridge, self.sites)
-                (STATE_DIR / self.tag).unlink(missing_ok=True)
+            self._remove()
         finally:
             self._critical -= 1
         self._restore_signals()
         if self._pending:
             self._raise(self._pending)
 
-    def _record(self, helpers: tuple[tuple[int, int], ...] = ()) -> None:
+    def _remove(self) -> None:
+        """Every name this harness made, and its record (the sweep's)."""
+        with self._lock:
+            _teardown(self.bridge, self.sites)
+            (STATE_DIR / self.tag).unlink(missing_ok=True)
+
+    def _record(self, helpers: tuple[tuple[int, float], ...] = ()) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         names = [self.bridge] + [f"{s.netns} {s.host_if}" for s in self.sites] \
-            + [f"pid {p} {started}" for p, started in helpers]
+            + [f"pid {p} {started!r}" for p, started in helpers]
         (STATE_DIR / self.tag).write_text(f"{os.getpid()}\n" + "\n".join(names) + "\n")
 
     def adopt(self, pid: int) -> None:
@@ -219,9 +225,7 @@ class LinkNet:
         (the daemon thread dies with a process that ended in time)."""
         time.sleep(SIGNAL_GRACE_S)
         try:
-            with self._lock:
-                _teardown(self.bridge, self.sites)
-                (STATE_DIR / self.tag).unlink(missing_ok=True)
+            self._remove()
             for pid, started in self._helpers:
                 _end_helper(pid, started)
         finally:
@@ -342,7 +346,7 @@ def sweep_stale() -> list[str]:
                 continue
             rest = [line.split() for line in lines[2:] if line]
             for words in (w for w in rest if w[0] == "pid" and len(w) == 3):
-                _end_helper(int(words[1]), int(words[2]))
+                _end_helper(int(words[1]), float(words[2]))
             sites = [Site(i, *words, "", "") for i, words in enumerate(w for w in rest if w[0] != "pid")]
             _teardown(lines[1], sites)
         path.unlink(missing_ok=True)
@@ -350,19 +354,19 @@ def sweep_stale() -> list[str]:
     return swept
 
 
-def _start_time(pid: int) -> int:
-    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat): with the pid, who it is (a pid
-    is reused, the pair is not); -1 when it is gone."""
+def _start_time(pid: int) -> float:
+    """When process `pid` started (psutil's create_time): with the pid, who it is (a pid is reused, the pair
+    is not); -1 when it is gone."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return -1
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return -1.0
 
 
-def _end_helper(pid: int, started: int) -> None:
+def _end_helper(pid: int, started: float) -> None:
     """SIGKILL a helper left by a killed owner, if that pid is still the process it was (its start time)."""
     if started >= 0 and _start_time(pid) == started:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
 
 
