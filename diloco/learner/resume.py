@@ -70,27 +70,30 @@ def next_seq(ctx: RunContext, name: str, manifest: Manifest | None, store: Store
     return max([*seqs, manifest.cursors.get(name, -1) if manifest else -1]) + 1
 
 
-def read_params(ctx: RunContext, index: int, manifest: Manifest) -> Tensors:
+def read_params(ctx: RunContext, index: int, manifest: Manifest, add_workers: int | None = None) -> Tensors:
     """Chain `index`'s committed parameters at `manifest`, the newest version: the chain's newest checkpoint
     and the updates after it (diloco.run.chain_state; CorruptObject names an object that fails its checks)."""
-    return chain_params(fragment_context(ctx, index), manifest, newest=True)
+    return chain_params(fragment_context(ctx, index), manifest, newest=True, add_workers=add_workers)
 
 
-CHAIN_READERS = 2  # chains a rejoin reads at once (each a checkpoint and its updates: I/O, hashing, decoding)
+# chains a rejoin reads at once (each a checkpoint and its updates: I/O, hashing, decoding), each adding its
+# updates on its own thread: at 124M, P = 24, a second thread per add (a thread pool per tensor and update)
+# made the rejoin 1.56 -> 1.88 s (docs/bench/scale.md)
+CHAIN_READERS = 2
 
 
 def read_newest(ctx: RunContext) -> list[tuple[Manifest, Tensors]]:
     """(newest manifest, committed params) of every chain, in chain order: chain_params of each, CHAIN_READERS
     chains at a time (a fragmented run's rejoin reads P of them; the bits do not depend on the order)."""
     links = chains(ctx)
+    count = len(links)
 
     def one(index: int) -> tuple[Manifest, Tensors]:
         manifest = read_latest(ctx.store, links[index].keys)
         if manifest is None:
             raise RuntimeError(f"run {ctx.run_id} has no committed version")
-        return manifest, read_params(ctx, index, manifest)
+        return manifest, read_params(ctx, index, manifest, add_workers=None if count == 1 else 1)
 
-    count = len(links)
     if count == 1:
         return [one(0)]
     with ThreadPoolExecutor(max_workers=CHAIN_READERS, thread_name_prefix="rejoin") as pool:

@@ -32,12 +32,13 @@ def version_name(ctx: RunContext, version: int) -> str:
 
 
 def apply_updates(ctx: RunContext, glob: Tensors, first: int, last: int, store: Store | None = None,
-                  last_manifest: Manifest | None = None, ahead: Prefetch | None = None) -> Manifest | None:
+                  last_manifest: Manifest | None = None, ahead: Prefetch | None = None,
+                  add_workers: int | None = None) -> Manifest | None:
     """G += decode(update_j) for j = first..last, in place and in order; returns version last's manifest (None
     when first > last). The next update is read, checked and decompressed on a second thread while this one
     is added (`ahead`: a Prefetch of update_fetcher's already started, e.g. during the checkpoint read; it
-    holds versions first..last); the adds stay in order: the same bits. NotFound when an update is gone
-    (retention: start from a checkpoint)."""
+    holds versions first..last); the adds stay in order: the same bits. `add_workers`: threads per add
+    (default ADD_WORKERS). NotFound when an update is gone (retention: start from a checkpoint)."""
     if first > last:
         return None
     own = ahead is None
@@ -48,7 +49,8 @@ def apply_updates(ctx: RunContext, glob: Tensors, first: int, last: int, store: 
         ahead.skip_until(lambda version: version >= first)
         manifest = None
         for version, (read, update) in ahead:  # versions first..last
-            add_update(glob, update, f"{version_name(ctx, version)}'s update", read.update_key)
+            add_update(glob, update, f"{version_name(ctx, version)}'s update", read.update_key,
+                       ADD_WORKERS if add_workers is None else add_workers)
             manifest = read
             del update
         return manifest
@@ -69,11 +71,12 @@ def update_fetcher(ctx: RunContext, store: Store, last_manifest: Manifest | None
 
 
 # threads that add one update's large tensors (row ranges: the same bits); a rejoin's reads and adds come
-# before the learner's first step, and a learner's read-ahead thread already decodes beside it
+# before the learner's first step, and a learner's read-ahead thread already decodes beside it. A reader
+# of several chains at once adds on one thread each (their chains already share the cores)
 ADD_WORKERS = 2
 
 
-def add_update(glob: Tensors, update: LazyObject, what: str, key: str) -> None:
+def add_update(glob: Tensors, update: LazyObject, what: str, key: str, workers: int = ADD_WORKERS) -> None:
     """glob += the update, tensor by tensor, each decoded a chunk at a time into the tensor
     (LazyObject.add_to: the bits of adding the decoded update, without it); CorruptObject naming the update
     when it does not decode (its checksum matched the committed one: the writer's fault, no retry mends
@@ -81,7 +84,7 @@ def add_update(glob: Tensors, update: LazyObject, what: str, key: str) -> None:
     for name, value in glob.items():
         try:
             if value.is_contiguous() and value.dtype == torch.float32:
-                update.add_to(name, value.numpy(), workers=ADD_WORKERS)
+                update.add_to(name, value.numpy(), workers=workers)
             else:
                 value.add_(torch.from_numpy(update.array(name)))
         except (CodecError, KeyError, ValueError) as err:
@@ -94,9 +97,10 @@ UPDATES_AHEAD = 4
 
 
 def chain_params(ctx: RunContext, manifest: Manifest, *, newest: bool = False,
-                 store: Store | None = None) -> Tensors:
+                 store: Store | None = None, add_workers: int | None = None) -> Tensors:
     """The chain's parameters at `manifest`'s version: its own params object (schema 1), or the checkpoint it
-    names (`newest`: or a newer one that landed since, found by one listing) plus the updates after it."""
+    names (`newest`: or a newer one that landed since, found by one listing) plus the updates after it
+    (`add_workers`: apply_updates')."""
     store = store or ctx.store
     if manifest.params_key:
         return read_committed(store, manifest.params_key, fingerprint=ctx.fingerprint,
@@ -111,7 +115,7 @@ def chain_params(ctx: RunContext, manifest: Manifest, *, newest: bool = False,
         start = read_start(reader, manifest, outer=False, newest=newest, ref=ref)
         glob = start.params
         apply_updates(ctx, glob, start.version + 1, manifest.version, store, last_manifest=manifest,
-                      ahead=ahead)
+                      ahead=ahead, add_workers=add_workers)
     return glob
 
 

@@ -13,6 +13,7 @@ manifest names one at or before its version, never older than its parent's).
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from collections.abc import Callable
@@ -149,8 +150,9 @@ def read_checkpoint(ctx: RunContext, ref: CheckpointRef, *, outer: bool = True) 
     record = read_record_checked(ctx, ref)
     shapes = dict(record.tensors)
     wanted = {name for name in shapes if outer or name.startswith("params/")}
-    out = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items() if name in wanted}
-    filled = dict.fromkeys(out, 0)
+    # a tensor a part holds whole is the decoded tensor itself (no copy); one split over parts is filled
+    out: Tensors = {}
+    filled = dict.fromkeys(wanted, 0)
     parts = [(i, part) for i, part in enumerate(record.parts)
              if any(name in wanted for name, _, _ in part.slices)]
 
@@ -158,20 +160,33 @@ def read_checkpoint(ctx: RunContext, ref: CheckpointRef, *, outer: bool = True) 
         return read_committed(ctx.store, part.key, checksum=part.checksum, fingerprint=ctx.fingerprint,
                               what=f"checkpoint {ref.key}'s part {i}")[1]
 
-    # the next part is read and decoded on a second thread while this one is copied
+    # the next part is read and decoded on a second thread while this one is taken or copied
     for (index, part), got in read_ahead(parts, lambda p: fetch(*p), "checkpoint-read"):
         names = [f"{name}[{start}:{stop}]" for name, start, stop in part.slices]
         if list(got) != names:
             raise CorruptObject(f"checkpoint {ref.key}'s part {index} holds {list(got)[:4]}, not "
                                 f"{names[:4]}")
         for (name, start, stop), value in zip(part.slices, got.values(), strict=True):
-            if name in out:
+            if name not in wanted:
+                continue
+            shape = shapes[name]
+            if value.numel() != stop - start or not 0 <= start <= stop <= math.prod(shape):
+                raise CorruptObject(f"checkpoint {ref.key}'s part {index}: {name}[{start}:{stop}] holds "
+                                    f"{value.numel()} values of a tensor of {math.prod(shape)}")
+            if name not in out and start == 0 and stop == math.prod(shape):
+                out[name] = value.reshape(shape)
+            else:
+                if name not in out:
+                    out[name] = torch.empty(shape, dtype=torch.float32)
                 out[name].view(-1)[start:stop] = value.reshape(-1)
-                filled[name] += stop - start
+            filled[name] += stop - start
         del got
-    short = [n for n, count in filled.items() if count != out[n].numel()]
+    short = [n for n, count in filled.items() if count != math.prod(shapes[n])]
     if short:
         raise CorruptObject(f"checkpoint {ref.key}: its parts do not cover {short[:4]}")
+    # the record's order (a tensor of no elements that no part names is still there, empty)
+    out = {name: out[name] if name in out else torch.empty(shape, dtype=torch.float32)
+           for name, shape in shapes.items() if name in wanted}
     params = {name.removeprefix("params/"): t for name, t in out.items() if name.startswith("params/")}
     state = None
     if outer and record.outer:

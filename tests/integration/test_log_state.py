@@ -12,7 +12,8 @@ far-behind one catches up) with the merger's exact bits; the evaluator follows t
 keeps what the kept versions need (rejoin, a merger's restart, audit of the kept history, export) and
 refuses what it removed by name; a replay that does not make the committed update stops the merger; a run
 of the format before the log (storage format 1, tests/integration/data/format1) still audits, exports,
-forks and merges on; a checkpoint's parts split a tensor and a damaged part is named.
+forks and merges on; a checkpoint's parts split a tensor, and a damaged part, or one whose values do not
+fill its slices, is named.
 
 Run: .venv/bin/pytest tests/integration/test_log_state.py -q   (about a minute)
 """
@@ -41,8 +42,10 @@ from diloco.run.checkpoint import checkpoint_of, plan_parts, read_checkpoint, wr
 from diloco.run.context import RunContext, RunError, open_run
 from diloco.run.create import create_run
 from diloco.run.fragments import chain_contexts
-from diloco.run.objects import CorruptObject
+from diloco.run.objects import CorruptObject, encode_tensors
 from diloco.storage import list_versions, open_store, read_manifest
+from diloco.storage.codec import object_checksum
+from diloco.storage.manifest import CheckpointRef
 from diloco.storage.records import RetentionRecord, RunRecord, read_record
 
 OVERRIDES = {"run.num_learners": 2, "merger.quorum": 2, "inner.steps_per_phase": 8,
@@ -344,6 +347,19 @@ def test_a_checkpoint_splits_tensors_over_parts_and_names_a_damaged_one(tmp_path
     assert all(len(k) == 1 for k in kinds) and kinds[0] == {True} and kinds[-1] == {False}
     assert same(got.params, params) and same(got.outer.to_tensors(), outer.to_tensors())
     assert same(read_checkpoint(chain, ref, outer=False).params, params)
+    assert list(got.params) == list(params)  # the model's order, whole tensors and split ones alike
+    # a part whose values do not fill the slice its name and the record give is named, not reshaped
+    first = got.record.parts[0]
+    short = {f"{n}[{a}:{b}]": torch.zeros(b - a - (k == 0)) for k, (n, a, b) in enumerate(first.slices)}
+    data = encode_tensors(short, codec_name="fp32", kind="checkpoint", fingerprint=ctx.fingerprint)
+    ctx.store.put(f"{first.key}-short", data)
+    lying = first.model_copy(update={"key": f"{first.key}-short", "checksum": object_checksum(data),
+                                     "bytes": len(data)})
+    record = got.record.model_copy(update={"parts": [lying, *got.record.parts[1:]]}).to_bytes()
+    ctx.store.put(f"{ref.key}-short", record)
+    lying_ref = CheckpointRef(version=0, key=f"{ref.key}-short", checksum=object_checksum(record))
+    with pytest.raises(CorruptObject, match="part 0: params/.* holds .* values of a tensor of"):
+        read_checkpoint(chain, lying_ref)
     part = got.record.parts[3].key
     data = bytearray(ctx.store.get(part))
     data[-1] ^= 0xFF
