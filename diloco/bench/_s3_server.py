@@ -9,20 +9,24 @@ SeaweedFS, Garage) is offered by the package registries this machine reaches: do
 links"). moto's application is served by uvicorn (Prefect's HTTP server), which keeps HTTP/1.1 connections
 open between requests as S3 does, not by moto's own werkzeug server, which answers every request with
 `Connection: close`: a TCP handshake and teardown per request (200 GETs opened 200 connections, 7.1 packets
-sent per GET), bytes and round trips a real bucket does not cost.
+sent per GET), bytes and round trips a real bucket does not cost. In the server's process its LISTs visit
+only the keys under their prefix, as S3's do, not every key of the bucket (index_listings).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import inspect
+import itertools
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 START_TIMEOUT_S = 60.0  # moto's imports on a loaded 2-core box
@@ -32,10 +36,131 @@ KEEP_ALIVE_S = 60
 
 
 def moto_app():
-    """moto's WSGI application: every AWS service it fakes, by the request's host and path."""
+    """moto's WSGI application: every AWS service it fakes, by the request's host and path; its listings
+    indexed (index_listings)."""
     from moto.server import DomainDispatcherApplication, create_backend_app
 
+    index_listings()
     return DomainDispatcherApplication(create_backend_app)
+
+
+# the server's key-name indexes: one lock for building, reading and updating them and for the store mutations
+# that update them, so an index never misses a key added while it was built
+_INDEX_LOCK = threading.RLock()
+_INDEX = "_diloco_sorted_names"  # a key store's sorted names, in its __dict__ (absent: the next LIST builds)
+
+
+def _under(store: dict, prefix: str, after: str | None = None) -> list[str]:
+    """The names in `store` that start with `prefix` (and, `after`, sort after it), sorted (its index built
+    first if it has none)."""
+    with _INDEX_LOCK:
+        names = store.__dict__.get(_INDEX)
+        if names is None:
+            names = store.__dict__[_INDEX] = sorted(dict.keys(store))
+        first = bisect.bisect_left(names, prefix)
+        if after is not None:
+            first = max(first, bisect.bisect_right(names, after))
+        found = []
+        for name in itertools.islice(names, first, None):
+            if not name.startswith(prefix):
+                break
+            found.append(name)
+        return found
+
+
+class _Under:
+    """What moto's list_objects reads of a bucket — `keys.items()`, each key's (name, newest version) — for
+    the names under one prefix (after one name) only."""
+
+    def __init__(self, store: dict, prefix: str, after: str | None = None) -> None:
+        self._store, self._names = store, _under(store, prefix, after)
+
+    @property
+    def keys(self) -> _Under:
+        return self
+
+    def items(self) -> Iterator[tuple[str, object]]:
+        for name in self._names:
+            versions = self._store.getlist(name)
+            if versions:  # removed since
+                yield name, versions[-1]
+
+
+# the moto listing index_listings wraps (moto 5.x): anything else is left alone
+LIST_PARAMETERS = ["self", "bucket", "prefix", "delimiter", "marker", "max_keys"]
+LIST_V2_PARAMETERS = ["self", "bucket", "prefix", "delimiter", "continuation_token", "start_after",
+                      "max_keys"]
+
+
+def index_listings() -> None:
+    """moto's S3 LIST scans a copy of every key in the bucket, in Python: O(objects in the bucket) a request,
+    where S3 lists a prefix in O(what it returns) — a listing of one learner's new deltas cost more the older
+    the run (and the more runs the server held) and took the server's CPU from the learners beside it. In this
+    server process every bucket's key names are kept sorted as moto adds and removes keys, and a LIST with a
+    prefix hands moto's own listing (delimiters, markers, StartAfter, truncation: its code, unchanged) only
+    the keys under the prefix, and after the StartAfter or continuation token: the same results
+    (tests/integration/test_s3_listing_index.py compares them)."""
+    try:
+        from moto.s3.models import FakeTableStorageBucket, S3Backend
+        from moto.s3.utils import _VersionedKeyStore as Store
+
+        known = (list(inspect.signature(S3Backend.list_objects).parameters) == LIST_PARAMETERS
+                 and list(inspect.signature(S3Backend.list_objects_v2).parameters) == LIST_V2_PARAMETERS
+                 and all(hasattr(Store, name) for name in ("setlist", "getlist", "pop")))
+    except (ImportError, AttributeError, TypeError, ValueError):
+        known = False
+    if not known:  # another moto: its own listing (the same answers, O(objects) each)
+        print("diloco: this moto's S3 listing is not the one index_listings knows; moto's own is used",
+              file=sys.stderr)
+        return
+    if getattr(S3Backend.list_objects, "_diloco_indexed", False):
+        return
+    listing, listing_v2, pop = S3Backend.list_objects, S3Backend.list_objects_v2, Store.pop
+
+    def list_objects(self, bucket, prefix, delimiter, marker, max_keys):
+        if isinstance(bucket, _Under) or not prefix or isinstance(bucket, FakeTableStorageBucket):
+            return listing(self, bucket, prefix, delimiter, marker, max_keys)
+        return listing(self, _Under(bucket.keys, prefix), prefix, delimiter, marker, max_keys)
+
+    def list_objects_v2(self, bucket, prefix, delimiter, continuation_token, start_after, max_keys):
+        # moto lists every key under the prefix, then drops those up to the StartAfter (or the continuation
+        # token's key): the keys up to it are not handed over (a folder is dropped or kept as before: its
+        # name sorts before its keys)
+        after = self._pagination_tokens.get(continuation_token) if continuation_token else start_after
+        if prefix and after and not isinstance(bucket, FakeTableStorageBucket):
+            bucket = _Under(bucket.keys, prefix, after)
+        return listing_v2(self, bucket, prefix, delimiter, continuation_token, start_after, max_keys)
+
+    def adding(method):  # __setitem__, setlist (a PUT's): a new name joins the index
+        def add(self, key, *args, **kwargs):
+            with _INDEX_LOCK:
+                names, new = self.__dict__.get(_INDEX), not dict.__contains__(self, key)
+                method(self, key, *args, **kwargs)
+                if names is not None and new and dict.__contains__(self, key):
+                    bisect.insort(names, key)
+        return add
+
+    def removed(self, key):
+        with _INDEX_LOCK:
+            pop(self, key)
+            names = self.__dict__.get(_INDEX)
+            at = -1 if names is None else bisect.bisect_left(names, key)
+            if 0 <= at < len(names) and names[at] == key:
+                del names[at]
+
+    def dropping_the_index(method):
+        def mutate(self, *args, **kwargs):
+            with _INDEX_LOCK:
+                self.__dict__.pop(_INDEX, None)
+                return method(self, *args, **kwargs)
+        return mutate
+
+    list_objects._diloco_indexed = True
+    S3Backend.list_objects, S3Backend.list_objects_v2 = list_objects, list_objects_v2
+    Store.__setitem__, Store.setlist = adding(Store.__setitem__), adding(Store.setlist)
+    Store.pop = removed
+    for name in ("__delitem__", "popitem", "clear", "update", "setdefault", "__ior__"):
+        setattr(Store, name, dropping_the_index(getattr(Store, name)))
 
 
 def _free_port(host: str) -> int:
@@ -87,11 +212,13 @@ def s3_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
 
 def cpu_s(proc: subprocess.Popen) -> float | None:
     """CPU seconds (user + system) the server has used so far; None once it is gone."""
+    import psutil
+
     try:
-        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+        times = psutil.Process(proc.pid).cpu_times()
+    except psutil.Error:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return times.user + times.system
 
 
 def new_bucket(endpoint: str) -> str:

@@ -5,10 +5,11 @@ Contract: for each N in --deltas, a fresh run prefix under the storage gets N de
 learner's cursor is its last seq) but one new delta per learner. Timed, median of --repeats: the listing the
 merger made at every poll before 2026-12-05 (every key under deltas/, parsed) and the merger's `deltas_after`
 now (the learners' folders, then each learner's keys after its cursor: S3's StartAfter). Both must find
-exactly the new deltas. With --moto, moto's S3 server is started in this process on a free port (the test
-suite's server; a dev dependency); else --storage (s3:// with AWS_ENDPOINT_URL for a real endpoint, or
-file://; default a temporary folder). Prints a table; JSON {"storage", "learners", "rows": [{"deltas",
-"full_listing_s", "after_cursor_s", "keys_full", "keys_after_cursor"}], "version_rows": [...]}.
+exactly the new deltas. With --moto, moto's S3 server is started in a process of its own on a free port (the
+test suite's server, diloco/bench/_s3_server.py; a dev dependency); else --storage (s3:// with
+AWS_ENDPOINT_URL for a real endpoint, or file://; default a temporary folder). Prints a table; JSON
+{"storage", "learners", "rows": [{"deltas", "full_listing_s", "after_cursor_s", "keys_full",
+"keys_after_cursor"}], "version_rows": [...]}.
 
 The same for the version listing every role's stop check, the evaluator's and the supervisor's polls make: for
 each V in --versions, V manifest keys (tiny objects: the newest version is read from the listing), timed as
@@ -19,8 +20,6 @@ listing after the version it knows: one new version). Rows {"versions", "full_li
 
 from __future__ import annotations
 
-import logging
-import os
 import statistics
 import tempfile
 import time
@@ -116,19 +115,13 @@ def measure_versions(store: Store, versions: int, repeats: int) -> dict:
 
 
 def _moto_endpoint(stack: ExitStack) -> str:
-    from moto.server import ThreadedMotoServer
+    from diloco.bench._s3_server import CREDENTIALS, s3_server
 
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    stack.callback(server.stop)
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
-                       "AWS_SECRET_ACCESS_KEY": "bench"})
+    endpoint, _ = stack.enter_context(s3_server("127.0.0.1"))  # AWS_ENDPOINT_URL and its credentials set
     import s3fs
 
-    s3fs.S3FileSystem(endpoint_url=endpoint, key="bench", secret="bench").mkdir("diloco-bench-poll")
+    s3fs.S3FileSystem(endpoint_url=endpoint, key=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                      secret=CREDENTIALS["AWS_SECRET_ACCESS_KEY"]).mkdir("diloco-bench-poll")
     return "s3://diloco-bench-poll/runs"
 
 
@@ -136,8 +129,8 @@ def _moto_endpoint(stack: ExitStack) -> str:
 def bench_poll(
     storage: Annotated[str | None, Opt("--storage", help="Where (s3://bucket/prefix, file://DIR); default a "
                                                           "temporary folder.")] = None,
-    moto: Annotated[bool, Opt("--moto", help="Start moto's S3 server in this process and use it (dev "
-                                             "dependency).")] = False,
+    moto: Annotated[bool, Opt("--moto", help="Start moto's S3 server (the test suite's, in a "
+                                             "process of its own) and use it (dev dependency).")] = False,
     learners: Annotated[int, Opt("--learners", min=1, help="Learners the deltas are spread over.")] = 3,
     deltas: Annotated[str, Opt("--deltas",
                                help="Comma-separated numbers of deltas in the run.")] = "1000,5000,10000",
