@@ -50,30 +50,22 @@ _INDEX_LOCK = threading.RLock()
 _INDEX = "_diloco_sorted_names"  # a key store's sorted names, in its __dict__ (absent: the next LIST builds)
 
 
-def _under(store: dict, prefix: str, after: str | None = None) -> list[str]:
-    """The names in `store` that start with `prefix` (and, `after`, sort after it), sorted (its index built
-    first if it has none)."""
-    with _INDEX_LOCK:
-        names = store.__dict__.get(_INDEX)
-        if names is None:
-            names = store.__dict__[_INDEX] = sorted(dict.keys(store))
-        first = bisect.bisect_left(names, prefix)
-        if after is not None:
-            first = max(first, bisect.bisect_right(names, after))
-        found = []
-        for name in itertools.islice(names, first, None):
-            if not name.startswith(prefix):
-                break
-            found.append(name)
-        return found
-
-
 class _Under:
     """What moto's list_objects reads of a bucket — `keys.items()`, each key's (name, newest version) — for
-    the names under one prefix (after one name) only."""
+    the names under one prefix (and after one name) only, from the store's sorted names (built first if it
+    has none)."""
 
     def __init__(self, store: dict, prefix: str, after: str | None = None) -> None:
-        self._store, self._names = store, _under(store, prefix, after)
+        with _INDEX_LOCK:
+            names = store.__dict__.get(_INDEX)
+            if names is None:
+                names = store.__dict__[_INDEX] = sorted(dict.keys(store))
+            first = bisect.bisect_left(names, prefix)
+            if after is not None:
+                first = max(first, bisect.bisect_right(names, after))
+            self._names = list(itertools.takewhile(lambda name: name.startswith(prefix),
+                                                   itertools.islice(names, first, None)))
+        self._store = store
 
     @property
     def keys(self) -> _Under:
@@ -144,9 +136,10 @@ def index_listings() -> None:
         with _INDEX_LOCK:
             pop(self, key)
             names = self.__dict__.get(_INDEX)
-            at = -1 if names is None else bisect.bisect_left(names, key)
-            if 0 <= at < len(names) and names[at] == key:
-                del names[at]
+            if names is not None:
+                at = bisect.bisect_left(names, key)
+                if names[at:at + 1] == [key]:
+                    del names[at]
 
     def dropping_the_index(method):
         def mutate(self, *args, **kwargs):
@@ -221,13 +214,17 @@ def cpu_s(proc: subprocess.Popen) -> float | None:
     return times.user + times.system
 
 
-def new_bucket(endpoint: str) -> str:
-    """A fresh bucket on the server at `endpoint`; its name."""
+def s3_client(endpoint: str):
+    """A boto3 S3 client of the server at `endpoint`, with moto's credentials."""
     import boto3
 
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+
+
+def new_bucket(endpoint: str) -> str:
+    """A fresh bucket on the server at `endpoint`; its name."""
     name = f"diloco-wan-{uuid.uuid4().hex[:8]}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                          aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
-    client.create_bucket(Bucket=name)
+    s3_client(endpoint).create_bucket(Bucket=name)
     return name

@@ -115,14 +115,10 @@ def measure_versions(store: Store, versions: int, repeats: int) -> dict:
 
 
 def _moto_endpoint(stack: ExitStack) -> str:
-    from diloco.bench._s3_server import CREDENTIALS, s3_server
+    from diloco.bench._s3_server import new_bucket, s3_server
 
     endpoint, _ = stack.enter_context(s3_server("127.0.0.1"))  # AWS_ENDPOINT_URL and its credentials set
-    import s3fs
-
-    s3fs.S3FileSystem(endpoint_url=endpoint, key=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                      secret=CREDENTIALS["AWS_SECRET_ACCESS_KEY"]).mkdir("diloco-bench-poll")
-    return "s3://diloco-bench-poll/runs"
+    return f"s3://{new_bucket(endpoint)}/runs"
 
 
 @benchmark()

@@ -24,7 +24,7 @@ from diloco.learner.checkpoint import read_checkpoint
 from diloco.learner.local_state import LocalState, Saved
 from diloco.learner.state import QUICK_RETRIES, LearnerState
 from diloco.run.buffers import read_buffers
-from diloco.run.chain_state import chain_params
+from diloco.run.chain_state import ADD_WORKERS, chain_params
 from diloco.run.context import RunContext
 from diloco.run.events import EventLog
 from diloco.run.fragments import fragment_context, num_fragments
@@ -70,7 +70,7 @@ def next_seq(ctx: RunContext, name: str, manifest: Manifest | None, store: Store
     return max([*seqs, manifest.cursors.get(name, -1) if manifest else -1]) + 1
 
 
-def read_params(ctx: RunContext, index: int, manifest: Manifest, add_workers: int | None = None) -> Tensors:
+def read_params(ctx: RunContext, index: int, manifest: Manifest, add_workers: int = ADD_WORKERS) -> Tensors:
     """Chain `index`'s committed parameters at `manifest`, the newest version: the chain's newest checkpoint
     and the updates after it (diloco.run.chain_state; CorruptObject names an object that fails its checks)."""
     return chain_params(fragment_context(ctx, index), manifest, newest=True, add_workers=add_workers)
@@ -92,7 +92,7 @@ def read_newest(ctx: RunContext) -> list[tuple[Manifest, Tensors]]:
         manifest = read_latest(ctx.store, links[index].keys)
         if manifest is None:
             raise RuntimeError(f"run {ctx.run_id} has no committed version")
-        return manifest, read_params(ctx, index, manifest, add_workers=None if count == 1 else 1)
+        return manifest, read_params(ctx, index, manifest, add_workers=ADD_WORKERS if count == 1 else 1)
 
     if count == 1:
         return [one(0)]

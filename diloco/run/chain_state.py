@@ -24,6 +24,11 @@ from diloco.storage.codec import CodecError, LazyObject
 from diloco.storage.store import Store
 from diloco.training.tensors import Tensors, clone
 
+# threads that add one update's large tensors (row ranges: the same bits); a rejoin's reads and adds come
+# before the learner's first step, and a learner's read-ahead thread already decodes beside it. A reader
+# of several chains at once adds on one thread each (their chains already share the cores)
+ADD_WORKERS = 2
+
 
 def version_name(ctx: RunContext, version: int) -> str:
     """How an error names a chain's version: \"version v\", or \"fragment p's version v\"."""
@@ -33,12 +38,12 @@ def version_name(ctx: RunContext, version: int) -> str:
 
 def apply_updates(ctx: RunContext, glob: Tensors, first: int, last: int, store: Store | None = None,
                   last_manifest: Manifest | None = None, ahead: Prefetch | None = None,
-                  add_workers: int | None = None) -> Manifest | None:
+                  add_workers: int = ADD_WORKERS) -> Manifest | None:
     """G += decode(update_j) for j = first..last, in place and in order; returns version last's manifest (None
     when first > last). The next update is read, checked and decompressed on a second thread while this one
     is added (`ahead`: a Prefetch of update_fetcher's already started, e.g. during the checkpoint read; it
-    holds versions first..last); the adds stay in order: the same bits. `add_workers`: threads per add
-    (default ADD_WORKERS). NotFound when an update is gone (retention: start from a checkpoint)."""
+    holds versions first..last); the adds stay in order: the same bits. `add_workers`: threads per add.
+    NotFound when an update is gone (retention: start from a checkpoint)."""
     if first > last:
         return None
     own = ahead is None
@@ -49,8 +54,7 @@ def apply_updates(ctx: RunContext, glob: Tensors, first: int, last: int, store: 
         ahead.skip_until(lambda version: version >= first)
         manifest = None
         for version, (read, update) in ahead:  # versions first..last
-            add_update(glob, update, f"{version_name(ctx, version)}'s update", read.update_key,
-                       ADD_WORKERS if add_workers is None else add_workers)
+            add_update(glob, update, f"{version_name(ctx, version)}'s update", read.update_key, add_workers)
             manifest = read
             del update
         return manifest
@@ -68,12 +72,6 @@ def update_fetcher(ctx: RunContext, store: Store, last_manifest: Manifest | None
                                       checksum=m.update_checksum,
                                       what=f"{version_name(ctx, v)}'s update").unframe_all()
     return fetch
-
-
-# threads that add one update's large tensors (row ranges: the same bits); a rejoin's reads and adds come
-# before the learner's first step, and a learner's read-ahead thread already decodes beside it. A reader
-# of several chains at once adds on one thread each (their chains already share the cores)
-ADD_WORKERS = 2
 
 
 def add_update(glob: Tensors, update: LazyObject, what: str, key: str, workers: int = ADD_WORKERS) -> None:
@@ -97,7 +95,7 @@ UPDATES_AHEAD = 4
 
 
 def chain_params(ctx: RunContext, manifest: Manifest, *, newest: bool = False,
-                 store: Store | None = None, add_workers: int | None = None) -> Tensors:
+                 store: Store | None = None, add_workers: int = ADD_WORKERS) -> Tensors:
     """The chain's parameters at `manifest`'s version: its own params object (schema 1), or the checkpoint it
     names (`newest`: or a newer one that landed since, found by one listing) plus the updates after it
     (`add_workers`: apply_updates')."""

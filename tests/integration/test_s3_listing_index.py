@@ -12,17 +12,10 @@ from __future__ import annotations
 
 import random
 
-import boto3
 import pytest
 from moto.server import ThreadedMotoServer
 
-from diloco.bench._s3_server import CREDENTIALS, moto_server
-
-
-def _client(endpoint: str):
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+from diloco.bench._s3_server import moto_server, s3_client
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +25,7 @@ def servers():
     host, port = reference.get_host_and_port()
     try:
         with moto_server("127.0.0.1") as (endpoint, _):
-            clients = [_client(f"http://{host}:{port}"), _client(endpoint)]
+            clients = [s3_client(f"http://{host}:{port}"), s3_client(endpoint)]
             for c in clients:
                 c.create_bucket(Bucket="listing")
             yield clients
