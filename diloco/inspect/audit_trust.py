@@ -105,7 +105,7 @@ def replay_decisions(ctx: RunContext, prev: Manifest, m: Manifest, params, repor
         report.problem(f"version {m.version}: the control ops replay differently than recorded")
     judge = Judge(ctx.run_id, ctx.fingerprint, prev.version, params, policy,
                   keyring if ctx.cfg.learner.sign else None, buffers=ctx.buffers,
-                  apart=ctx.window_apart)
+                  apart=ctx.window_apart, chunked_norms=ctx.chunked_norms)
     stream = gradient_stream(params, prev.version, policy.cfg.outer, direct_names(ctx, params), ctx.buffers,
                              counter_bounds(policy.cfg, ctx.tokens_per_step))
     group: LearnerGroup | None = None

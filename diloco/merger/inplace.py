@@ -13,11 +13,13 @@ a failure it reads the state again from the bucket).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from diloco.merger.step import GradientStream, OuterOptimizer, OuterState, StepResult
 from diloco.storage.codec import Encoder
-from diloco.training.fp64 import CHUNK_ELEMENTS, Fp64Scratch, sum_squares
+from diloco.training.fp64 import CHUNK_ELEMENTS, Fp64Scratch, sum_squares_chunked
 from diloco.training.tensors import Tensors
 
 
@@ -64,13 +66,31 @@ class _Tensor:
         return share, new_share
 
 
+def _ship(encoder: Encoder, name: str, param: torch.Tensor, exact: torch.Tensor,
+          scratch: Fp64Scratch) -> torch.Tensor:
+    """Tensor `name`'s exact update quantized into the encoder, its shipment (the codec's own decode of the
+    stream just encoded) added to the param and taken off `exact` (which becomes the residual); the shipment's
+    fp64 sum of squares."""
+    # the stream of a shuffled or quantized codec is a fresh array, never a view of `exact`
+    source = exact.numpy() if encoder.shuffle or encoder.codec != "fp32" else exact.numpy().copy()
+    raw = encoder.add(name, source)
+    shipped = torch.from_numpy(encoder.shipped(name, tuple(exact.shape), raw))
+    del raw, source
+    param.add_(shipped)
+    exact.sub_(shipped)  # the residual: exact - shipped
+    return sum_squares_chunked(shipped, scratch)  # in cache: one chunk's fp64 copy, not the tensor's
+
+
 def outer_step_in_place(params: Tensors, outer: OuterState | None, stream: GradientStream, fingerprint: str,
                         optimizer: OuterOptimizer,
                         finished: tuple[Tensors | None, dict[str, float]] | None = None) -> StepResult:
     """outer_step, one tensor at a time: the optimizer's update (chunked, in place), its quantized shipment
     (the codec's own decode of the stream it just encoded), the new global (params += shipped) and the
     residual (exact - shipped). `finished`: what stream.finish() returned, when the caller called it first
-    (to free the fp64 sums before it reads the params)."""
+    (to free the fp64 sums before it reads the params).
+
+    Two threads, the same bits: tensor i is shipped on a second thread (in params order, one at a time)
+    while this one computes the update of tensor i + 1; nothing of one tensor touches another's."""
     scratch = Fp64Scratch()
     grad, normalised = stream.finish() if finished is None else finished
     encoder = Encoder(codec=optimizer.update_codec, kind="update", fingerprint=fingerprint,
@@ -79,23 +99,18 @@ def outer_step_in_place(params: Tensors, outer: OuterState | None, stream: Gradi
     share = optimizer.round_share(stream.steps)
     pending_share = 0.0 if outer is None else outer.pending_share
     new_share = pending_share
-    total = torch.zeros((), dtype=torch.float64)  # the shipped update's sum of squares, in params order
-    for name in list(params):
-        t = _Tensor(name, params, outer, grad)
-        share, new_share = t.step(optimizer, pending_share, stream.steps)
-        exact = t.residual
-        # the stream of a shuffled or quantized codec is a fresh array, never a view of `exact`
-        source = exact.numpy() if encoder.shuffle or encoder.codec != "fp32" else exact.numpy().copy()
-        raw = encoder.add(name, source)
-        shipped = torch.from_numpy(encoder.shipped(name, tuple(exact.shape), raw))
-        del raw, source
-        t.param.add_(shipped)
-        exact.sub_(shipped)  # the residual: exact - shipped
-        total += sum_squares(shipped, scratch)
-        scratch.release()  # an fp64 copy of the largest tensor is not kept through the step
-        momentum[name], residual[name] = t.momentum, exact
-        if t.new_pending is not None:
-            pending[name] = t.new_pending
-        del t, exact, shipped
+    with ThreadPoolExecutor(1, thread_name_prefix="merge-ship") as shipper:
+        shipping = []
+        for name in list(params):
+            t = _Tensor(name, params, outer, grad)
+            share, new_share = t.step(optimizer, pending_share, stream.steps)
+            momentum[name], residual[name] = t.momentum, t.residual  # the residual once shipped
+            if t.new_pending is not None:
+                pending[name] = t.new_pending
+            shipping.append(shipper.submit(_ship, encoder, name, t.param, t.residual, scratch))
+            del t
+        total = torch.zeros((), dtype=torch.float64)  # the shipped update's sum of squares, in params order
+        for squares in shipping:
+            total += squares.result()  # a shipment's error (a non-finite update) is the step's
     return StepResult(encoder.finish(), params, OuterState(momentum, residual, pending, new_share),
                       normalised, float(torch.sqrt(total)), share, stream.merged_buffers())

@@ -22,6 +22,7 @@ from diloco.run.context import LEGACY_DIRECT
 from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.storage.codec import Header
 from diloco.training.buffers import BufferMerge
+from diloco.training.fp64 import Fp64Scratch, sum_squares_chunked
 from diloco.training.merge import Combiner, delta_weight
 from diloco.training.outer import OuterOptimizer, OuterState
 from diloco.training.tensors import Tensors, add_, clone
@@ -124,14 +125,15 @@ class GradientStream:
         self.steps = 0  # merged: the outer optimizer's round share counts these
 
     def add(self, group: LearnerGroup, consume: bool = False,
-            on_folded: Callable[[int], None] | None = None) -> None:
+            on_folded: Callable[[int], None] | None = None,
+            recycle: Callable[[str, torch.Tensor], None] | None = None) -> None:
         """Fold `group` in; `consume`: its tensors are freed one by one as they are folded (no one else may
-        hold them), `on_folded(i)` called after the i-th."""
+        hold them), or handed to `recycle(name, tensor)`; `on_folded(i)` called after the i-th."""
         weight = group.weight(self.version, self.staleness_power, self.bounds)
         self.weights[group.learner] = weight
         self.tokens += group.tokens
         self.steps += group.counted(self.bounds)[1]
-        self.combiner.add(group.total, weight, consume=consume, on_folded=on_folded)
+        self.combiner.add(group.total, weight, consume=consume, on_folded=on_folded, recycle=recycle)
         group.total = None  # released: the combiner holds all that is needed
         if group.buffers is not None and self.buffer_merge is not None:
             # tokens / all merged (no staleness)
@@ -180,6 +182,9 @@ def outer_step(params: Tensors, outer: OuterState, stream: GradientStream, finge
     _, shipped = decode_tensors(update_bytes)
     new_global = clone(params)
     add_(new_global, shipped)
-    norm = float(torch.sqrt(sum((v.double() ** 2).sum() for v in shipped.values())))
+    scratch, total = Fp64Scratch(), torch.zeros((), dtype=torch.float64)
+    for value in shipped.values():
+        total += sum_squares_chunked(value, scratch)
+    norm = float(torch.sqrt(total))
     return StepResult(update_bytes, new_global, optimizer.state_after(update, shipped), normalised, norm,
                       update.share, stream.merged_buffers())

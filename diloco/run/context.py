@@ -14,7 +14,7 @@ from diloco.configs import Config, config_from_record
 from diloco.run.controls import run_overrides
 from diloco.run.pin import pin_state
 from diloco.storage import NotFound, RunKeys, open_store
-from diloco.storage.records import RecordError, RunRecord
+from diloco.storage.records import CHUNKED_NORMS_FROM_RULES, RecordError, RunRecord
 from diloco.storage.store import Store
 from diloco.storage.window import KEPT_FROM_RULES
 
@@ -53,6 +53,12 @@ class RunContext:
         """The run's merges keep the outlier window and each decision's figures in the merger's guard/ object,
         not in the manifests learners read (trust rules 3: storage/window.py)."""
         return self.trust_rules >= KEPT_FROM_RULES
+
+    @property
+    def chunked_norms(self) -> bool:
+        """The run's merges sum each tensor's squares a chunk at a time for a delta's norm (trust rules 4:
+        training/fp64.sum_squares_chunked), not the whole tensor's at once: audit replays a run by its own."""
+        return self.trust_rules >= CHUNKED_NORMS_FROM_RULES
 
 
 def open_run(store: Store | str, run_id: str, *, check_pin: bool = True) -> RunContext:

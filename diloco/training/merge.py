@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from diloco.training.fp64 import Fp64Scratch, add_scaled_
+from diloco.training.fp64 import Fp64Scratch, add_scaled_, quotient_fp32
 
 MERGE_RULES = ("mean", "rda")
 ACC_DTYPE = torch.float64  # accumulate in fp64, hand back fp32
@@ -71,10 +71,12 @@ class Combiner:
                 raise ValueError(f"delta[{name}]: shape {tuple(delta[name].shape)} != {shape}")
 
     def add(self, delta: dict[str, torch.Tensor], weight: float, consume: bool = False,
-            on_folded: Callable[[int], None] | None = None) -> None:
+            on_folded: Callable[[int], None] | None = None,
+            recycle: Callable[[str, torch.Tensor], None] | None = None) -> None:
         """Fold one delta (name -> tensor) with its weight into the accumulators; `consume`: each tensor is
-        taken out of `delta` once folded (the same bits; the caller's dict is emptied); `on_folded(i)` after
-        the i-th tensor is."""
+        taken out of `delta` once folded (the same bits; the caller's dict is emptied) and handed to
+        `recycle(name, tensor)` when given (nobody else may hold it: its memory is reused); `on_folded(i)`
+        after the i-th tensor is."""
         weight = float(weight)
         self._validate(delta, weight)
         if self._shapes is None:
@@ -90,7 +92,9 @@ class Combiner:
                 self._norm_acc[name] += weight * float(torch.linalg.vector_norm(d))
                 self._acc[name].add_(_unit(d), alpha=weight)
                 del d
-            del value  # consumed: freed here
+            if consume and recycle is not None:
+                recycle(name, value)
+            del value  # consumed: freed here (or recycled)
             if on_folded is not None:
                 on_folded(index)
         self.num_added += 1
@@ -113,11 +117,15 @@ class Combiner:
         out: dict[str, torch.Tensor] = {}
         for name in list(self._acc):
             acc = self._acc.pop(name) if consume else self._acc[name]
-            mean = acc.div_(self.total_weight) if consume else acc / self.total_weight  # the same division
             if self._uses_rda(name):
+                # the same division either way
+                mean = acc.div_(self.total_weight) if consume else acc / self.total_weight
                 mean = _unit(mean) * (self._norm_acc[name] / self.total_weight)
-            out[name] = mean.to(torch.float32)
-            del acc, mean
+                out[name] = mean.to(torch.float32)
+                del mean
+            else:  # (acc / total).to(fp32), a chunk at a time in cache: the same bits
+                out[name] = quotient_fp32(acc, self.total_weight, self._scratch)
+            del acc
         if consume:  # as new: the next add() starts a fresh combination
             self._shapes, self._norm_acc, self.num_added, self.total_weight = None, {}, 0, 0.0
             self._scratch.release()

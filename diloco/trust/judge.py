@@ -7,7 +7,9 @@ a reason); a clipped delta is scaled in place and recorded with its scale. The b
 checked against the chain's (`buffers`, run.json's) and kept out of the norm, the outlier rule and the clip; a
 merged delta is handed back with them after its parameters (LearnerGroup takes them off). With a `worker`
 (the merger's second thread) each tensor's fp64 sum of squares is computed there while the next one is
-decoded, and summed in the delta's order: the same norm, bit for bit, as `delta_norm`.
+decoded, and summed in the delta's order: the same norm, bit for bit, as `delta_norm`. A run's trust rules
+say how each tensor's sum of squares is taken (`chunked_norms`, rules 4: a chunk at a time; before: whole),
+and audit replays a run's merges by its own rules.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from diloco.run.objects import decode_tensors
 from diloco.storage import DeltaDecision
 from diloco.storage.codec import CodecError, Header, check_fingerprint, object_checksum, read_header
 from diloco.storage.codec.lazy import LazyObject
-from diloco.training.fp64 import Fp64Scratch, sum_squares
+from diloco.training.fp64 import Fp64Scratch, sum_squares, sum_squares_chunked
 from diloco.training.tensors import Tensors, to_torch
 from diloco.trust.guard import Policy, window_median
 from diloco.trust.signing import verify
@@ -40,18 +42,24 @@ from diloco.trust.validate import (
 
 
 def delta_norm(delta: Tensors, scratch: Fp64Scratch | None = None,
-               squares: dict[str, Future] | None = None) -> float:
+               squares: dict[str, Future] | None = None, chunked: bool = False) -> float:
     """The L2 norm over every tensor, in fp64, in the delta's order (deterministic with one torch thread):
-    the sum of `(value.double() ** 2).sum()`, squared through `scratch` (a fresh one when None), or taken from
-    `squares` (each tensor's, computed by a worker thread) — the same bits.
+    the sum of `(value.double() ** 2).sum()` (`chunked`: of `sum_squares_chunked(value)`, a chunk at a time),
+    squared through `scratch` (a fresh one when None), or taken from `squares` (each tensor's, computed by a
+    worker thread with the same function) — the same bits.
 
     For fp32 values (all the codec decodes) it is finite exactly when every value is: a finite fp32 squared
     is below 1.2e77, so no sum of them overflows fp64, while a NaN or an Inf makes the sum NaN or Inf."""
-    scratch = scratch or Fp64Scratch()
+    scratch, square = scratch or Fp64Scratch(), squares_of(chunked)
     total = torch.zeros((), dtype=torch.float64)
     for name, value in delta.items():
-        total += sum_squares(value, scratch) if squares is None else squares[name].result()
+        total += square(value, scratch) if squares is None else squares[name].result()
     return float(torch.sqrt(total))
+
+
+def squares_of(chunked: bool):
+    """The sum of squares a norm takes of each tensor: a chunk at a time (trust rules 4), or whole."""
+    return sum_squares_chunked if chunked else sum_squares
 
 
 @dataclass
@@ -76,6 +84,11 @@ class Judge:
     # then the worker's alone; None: computed here, after the decoding
     worker: Executor | None = None
     gate: Any = None  # with a worker: wait(i) before decoding tensor i (merger/decide.FoldGate); None: none
+    # each tensor's sum of squares a chunk at a time (RunContext.chunked_norms: trust rules 4); False: whole
+    chunked_norms: bool = False
+    # with a worker: buffers to decode into, by tensor name (merger/decide.Recycler: `take(name)`, an array
+    # or None); None: every tensor decoded into a fresh array
+    reuse: Any = None
     _bound: int | None = field(default=None, repr=False)  # delta_size_bound, computed once
 
     @property
@@ -131,7 +144,7 @@ class Judge:
             staleness = validate_delta(header, delta, learner=learner, seq=seq, version=self.version,
                                        params=self.params, cfg=self.cfg, check_finite=False)
             # finite <=> every value is (fp32): validate's last check
-            norm = delta_norm(delta, self.scratch, squares)
+            norm = delta_norm(delta, self.scratch, squares, chunked=self.chunked_norms)
             if not math.isfinite(norm):
                 raise DeltaInvalid(NON_FINITE)
         except DeltaStale as err:
@@ -160,8 +173,10 @@ class Judge:
         for index, name in enumerate(obj.names()):
             if self.gate is not None:
                 self.gate.wait(index)  # the previous delta's tensor `index` folded and freed first
-            delta[name] = value = to_torch({name: obj.array(name)})[name]
-            squares[name] = self.worker.submit(sum_squares, value, self.scratch)
+            out = None if self.reuse is None else self.reuse.take(name)
+            delta[name] = value = to_torch({name: obj.array(name, out)})[name]
+            del out
+            squares[name] = self.worker.submit(squares_of(self.chunked_norms), value, self.scratch)
         return obj.header, delta, squares
 
     def _outlier(self, d: DeltaDecision, header: Header, delta: Tensors):

@@ -254,7 +254,7 @@ def test_the_judged_cannot_steer_the_outlier_window(tmp_path: Path) -> None:
     one sample per learner per merge and its median is over learners: with two honest learners the median
     stays theirs, and no honest delta is rejected or clipped."""
     ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 3, "merger.outlier_min_samples": 4})
-    assert ctx.trust_rules == 3
+    assert ctx.trust_rules >= 3  # the window's rules (3), kept by every later rule set
     admit_learner(ctx, None, "steer-0")
     for _ in range(4):  # the window fills with the honest learners' samples
         one_round(learners, merger)

@@ -1,6 +1,7 @@
 """The codec's streaming encoder: consuming a dict tensor by tensor into a bytearray writes the bytes of
 `encode`, and `Encoder.shipped` is what `decode` gives back, for every codec (so is `encode_shipped`'s, the
-learners' ship); fp32's plane-wise unshuffle round-trips NaN, Inf and -0.0 bit for bit.
+learners' ship); fp32's plane-wise unshuffle round-trips NaN, Inf and -0.0 bit for bit; a tensor decoded
+into a used buffer (the merge's recycled memory) is decode's, bit for bit, in that buffer.
 Run: .venv/bin/pytest tests/unit/test_codec_stream.py -q
 """
 
@@ -12,6 +13,7 @@ import torch
 
 from diloco.run.objects import decode_tensors, encode_shipped, encode_tensors
 from diloco.storage.codec import Encoder
+from diloco.storage.codec.lazy import LazyObject
 
 SHAPES = {"a": (40, 64), "b": (33, 7), "c": (5,), "d": (1 << 17,)}
 
@@ -57,3 +59,20 @@ def test_fp32_round_trips_special_values_bit_for_bit():
                                            fingerprint="fp"))
     assert out["x"].numpy().tobytes() == x.tobytes()
 
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "int3", "int2", "nf2"])
+def test_a_tensor_decoded_into_a_used_buffer_is_decodes_bits(codec):
+    gen = torch.Generator().manual_seed(9)
+    tensors = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    data = encode_tensors(tensors, codec_name=codec, kind="delta", fingerprint="fp")
+    _, decoded = decode_tensors(data)
+    obj = LazyObject(data)
+    for name, shape in SHAPES.items():
+        used = np.full(int(np.prod(shape)), np.nan, np.float32)  # a folded tensor's memory: old values
+        got = obj.array(name, out=used)
+        assert got.shape == shape and np.array_equal(got, decoded[name].numpy())
+        # block-quantized streams decode into the buffer; the others into a fresh array, the buffer untouched
+        assert np.shares_memory(got, used) == (codec not in ("fp32", "bf16"))
+    wrong = np.zeros(7, np.float32)  # a buffer that does not fit is not used
+    assert not np.shares_memory(LazyObject(data).array("a", out=wrong), wrong)

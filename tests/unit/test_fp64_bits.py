@@ -1,20 +1,34 @@
-"""The merger's fp64 shortcuts keep the bits of the plain expressions: `sum_squares` and `add_scaled_`
-against `(x.double() ** 2).sum()` and `acc.add_(x.double(), alpha=w)` over shapes across a chunk boundary;
-a delta's norm through a scratch against the old norm, and non-finite exactly when a value is NaN or Inf
-(the judge's finiteness check folded into it); Combiner.take_result against result.
+"""The merger's fp64 shortcuts keep the bits of the plain expressions: `sum_squares`, `add_scaled_` and
+`quotient_fp32` against `(x.double() ** 2).sum()`, `acc.add_(x.double(), alpha=w)` and `(acc / d).float()`
+over shapes across a chunk boundary, `sum_squares_chunked` against that sum taken chunk by chunk; a delta's
+norm through a scratch against the old norm, and non-finite exactly when a value is NaN or Inf (the judge's
+finiteness check folded into it), both ways; the judge sums squares as the run's trust rules say, with its
+worker thread or without; Combiner.take_result against result.
 Run: .venv/bin/pytest tests/unit/test_fp64_bits.py -q
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from diloco.training.fp64 import CHUNK_ELEMENTS, Fp64Scratch, add_scaled_, sum_squares
+from diloco.configs import load_config
+from diloco.run.objects import encode_tensors
+from diloco.training.fp64 import (
+    CHUNK_ELEMENTS,
+    NORM_CHUNK_ELEMENTS,
+    Fp64Scratch,
+    add_scaled_,
+    quotient_fp32,
+    sum_squares,
+    sum_squares_chunked,
+)
 from diloco.training.merge import Combiner
-from diloco.trust.judge import delta_norm
+from diloco.trust.guard import initial_state, policy_after
+from diloco.trust.judge import Judge, delta_norm
 
 SHAPES = {"wte.weight": (40, 64), "h.0.w": (33, 7), "ln.b": (5,), "odd": (CHUNK_ELEMENTS + 77,)}
 
@@ -36,6 +50,23 @@ def test_fp64_helpers_keep_the_bits_of_the_plain_expressions(shape):
     expected = acc.clone().add_(x.double(), alpha=0.123456789)
     add_scaled_(acc, x, 0.123456789, scratch)
     assert torch.equal(acc, expected)
+    assert torch.equal(quotient_fp32(acc, 2.718281828, scratch), (acc / 2.718281828).to(torch.float32))
+
+
+CHUNKED_SIZES = [(), (0,), (1,), (NORM_CHUNK_ELEMENTS,), (NORM_CHUNK_ELEMENTS + 1,),
+                 (3, NORM_CHUNK_ELEMENTS - 7), (2 * NORM_CHUNK_ELEMENTS + 5,)]
+
+
+@pytest.mark.parametrize("shape", CHUNKED_SIZES)
+def test_a_chunked_sum_of_squares_is_the_plain_sum_chunk_by_chunk(shape):
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-20, 20, shape, generator=gen).float()
+    expected = torch.zeros((), dtype=torch.float64)
+    for chunk in x.reshape(-1).split(NORM_CHUNK_ELEMENTS):
+        expected += (chunk.double() ** 2).sum()
+    assert torch.equal(sum_squares_chunked(x, Fp64Scratch()), expected)
+    if x.numel() <= NORM_CHUNK_ELEMENTS:  # one chunk: the whole tensor's sum
+        assert torch.equal(sum_squares_chunked(x, Fp64Scratch()), sum_squares(x, Fp64Scratch()))
 
 
 def test_the_fused_norm_is_the_old_norm_and_non_finite_exactly_when_a_value_is():
@@ -49,6 +80,29 @@ def test_the_fused_norm_is_the_old_norm_and_non_finite_exactly_when_a_value_is()
         hostile = {k: v.clone() for k, v in delta.items()}
         hostile["odd"][CHUNK_ELEMENTS + 5] = bad
         assert not math.isfinite(delta_norm(hostile))
+        assert not math.isfinite(delta_norm(hostile, chunked=True))
+    assert math.isfinite(delta_norm(big, chunked=True))
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_the_judge_sums_squares_by_the_run_s_rules(threaded):
+    """Trust rules 4 (chunked_norms) take each tensor's squares a chunk at a time, earlier rules whole: a
+    tensor of several chunks tells them apart, and audit replays each run by its own."""
+    gen = torch.Generator().manual_seed(7)
+    params = {"w": torch.randn(3 * NORM_CHUNK_ELEMENTS + 11, generator=gen),
+              "b": torch.randn(5, generator=gen)}
+    delta = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    meta = {"learner": "a", "seq": 0, "base_version": 3, "tokens": 100, "steps": 10}
+    data = encode_tensors(delta, codec_name="fp32", kind="delta", fingerprint="f" * 16, meta=meta)
+    whole, chunked = delta_norm(delta), delta_norm(delta, chunked=True)
+    assert whole != chunked  # this delta tells the two apart (another order of summation)
+    policy = policy_after(initial_state(["a"]), [], load_config("tiny"))
+    for rules_chunked, expected in ((False, whole), (True, chunked)):
+        with ThreadPoolExecutor(1) as worker:
+            judge = Judge("r", "f" * 16, 3, params, policy, worker=worker if threaded else None,
+                          chunked_norms=rules_chunked)
+            d, _, _ = judge.judge("a", 0, len(data), data)
+        assert d.status == "merged" and d.norm == expected, (d, expected)
 
 
 @pytest.mark.parametrize("rule", ["mean", "rda"])

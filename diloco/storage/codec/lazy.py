@@ -46,10 +46,11 @@ class LazyObject:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def array(self, name: str) -> np.ndarray:
-        """Tensor `name`, decoded (KeyError when the object has none of that name)."""
+    def array(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """Tensor `name`, decoded (KeyError when the object has none of that name); into `out` where
+        decode_stream can (a block-quantized stream, a buffer that fits), else a fresh array."""
         spec, codec, stream = self._stream(name)
-        return decode_stream(stream, codec, self.header.shuffle, self.header.block_size, spec)
+        return decode_stream(stream, codec, self.header.shuffle, self.header.block_size, spec, out)
 
     def add_to(self, name: str, out: np.ndarray, workers: int = 1) -> None:
         """out += tensor `name` (f32, its shape, contiguous: e.g. a model's tensor's numpy view), decoded a

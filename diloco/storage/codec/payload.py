@@ -174,9 +174,13 @@ def encode_stream(x: np.ndarray, codec: str, shuffle: bool, block_size: int, nam
 
 
 def decode_stream(
-    stream: np.ndarray, codec: str, shuffle: bool, block_size: int, spec: TensorSpec
+    stream: np.ndarray, codec: str, shuffle: bool, block_size: int, spec: TensorSpec,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Inverse of encode_stream; returns a fresh writable f32 array of spec.shape."""
+    """Inverse of encode_stream; returns a writable f32 array of spec.shape: fresh, or for a block-quantized
+    stream `out` itself when given and it fits (f32, spec's elements, contiguous; its values overwritten) —
+    a caller decoding one object after another into the same buffers spares the fresh pages (~1M page
+    faults per decoded 124M-parameter delta)."""
     n, bsz = elements_of(spec.shape), block_size
     # an unshuffled stream unframe_stream just assembled is fresh already: not copied again
     if codec == "fp32":
@@ -186,7 +190,8 @@ def decode_stream(
         h = _unshuffle(stream, 2) if shuffle else stream.copy()
         return _from_bf16(h.view(np.uint16)).reshape(spec.shape)
     scales, q, nfull = _blocks(stream, codec, bsz, spec)
-    y = np.empty(n, np.float32)
+    fits = out is not None and out.dtype == np.float32 and out.size == n and out.flags.c_contiguous
+    y = out.reshape(-1) if fits else np.empty(n, np.float32)
     if nfull:
         _dequantize_rows(scales[:nfull], q[:nfull], y[: nfull * bsz].reshape(nfull, bsz), codec)
     if len(scales) > nfull:
