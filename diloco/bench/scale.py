@@ -134,7 +134,7 @@ def measure_row(size: str, num_learners: int, num_fragments: int,
                                 timeout_s=3600.0)
     params = sum(fp32) // 4
     merge_s = statistics.median(first["merge_s"] + last["merge_s"])
-    read_decode_s = first["read_decode_s"]
+    read_decode_s = statistics.median(first["read_decode_s"])  # of PASSES (_scale_rounds)
     per_version = (first["sent_bytes"] + last["sent_bytes"]) / rounds
     return {"fragments": num_fragments, "largest_fragment_mb": max(fp32) / 1e6,
             # the run's first merge (version 0 -> 1) also allocates the outer state the merger then holds
@@ -149,8 +149,11 @@ def measure_row(size: str, num_learners: int, num_fragments: int,
             "bucket_bytes_per_version": per_version,
             "bucket_bytes_per_param_per_version": per_version / params,
             "recovery_s": last["load_s"], "recovery_replayed": last["replayed"],
-            "rejoin_s": rejoin["rejoin_s"], "rejoin_bytes": rejoin["rejoin_bytes"],
-            "rejoin_full_params_s": rejoin["rejoin_full_params_s"],
+            "rejoin_s": statistics.median(rejoin["rejoin_s"]), "rejoin_bytes": rejoin["rejoin_bytes"],
+            "rejoin_full_params_s": statistics.median(rejoin["rejoin_full_params_s"]),
+            # every timed pass of the three figures above measured once a row (their medians)
+            "read_decode_runs_s": first["read_decode_s"], "rejoin_runs_s": rejoin["rejoin_s"],
+            "rejoin_full_params_runs_s": rejoin["rejoin_full_params_s"],
             "merger_rss_mb": max(first["rss_high_bytes"] + last["rss_high_bytes"]) / 1e6,
             "state_held_mb": 12 * params / 1e6, "checkpoint_every": k, "rounds": rounds, "_params": params}
 

@@ -8,7 +8,9 @@ Run: .venv/bin/pytest tests/integration/test_bench_scale.py -q
 from __future__ import annotations
 
 import json
+import statistics
 
+from diloco.bench._scale_rounds import PASSES
 from diloco.bench.scale import bench_scale, peak_window_bytes
 
 
@@ -25,7 +27,8 @@ def test_quick_scale_bench_writes_the_issue_keys(tmp_path):
     log = {"bucket_bytes_per_version", "bucket_bytes_per_param_per_version", "recovery_s",
            "recovery_replayed", "rejoin_s", "rejoin_bytes", "rejoin_full_params_s", "merger_rss_mb",
            "state_held_mb", "checkpoint_every", "rounds", "first_merge_peak_rss_mb"}  # issue #41
-    assert [set(r) for r in result["rows"]] == [keys | floor | log, keys | floor | log]
+    runs = {"read_decode_runs_s", "rejoin_runs_s", "rejoin_full_params_runs_s"}  # the medians' passes
+    assert [set(r) for r in result["rows"]] == [keys | floor | log | runs] * 2
     for row in result["rows"]:
         assert row["read_decode_s"] > 0 and row["state_io_s"] > 0
         assert row["rounds"] == 3 * row["checkpoint_every"]
@@ -33,6 +36,9 @@ def test_quick_scale_bench_writes_the_issue_keys(tmp_path):
         k, p = row["checkpoint_every"], row["fragments"]  # fragment f's checkpoint grid is shifted by f*K//P
         assert row["recovery_replayed"] == sum((3 * k - 1 + f * k // p) % k for f in range(p))  # K-1 at P = 1
         assert row["rejoin_s"] > 0 and row["rejoin_bytes"] > 0 and row["recovery_s"] > 0
+        for median, passes in (("read_decode_s", "read_decode_runs_s"), ("rejoin_s", "rejoin_runs_s"),
+                               ("rejoin_full_params_s", "rejoin_full_params_runs_s")):
+            assert len(row[passes]) == PASSES and row[median] == statistics.median(row[passes])
         # per version: the update (~0.5 B/param at int4), the manifest, 12 B/param of state every K versions
         assert 0.4 < row["bucket_bytes_per_param_per_version"] < 0.6 + 12 / row["checkpoint_every"] + 0.5
     whole, four = result["rows"]
