@@ -105,13 +105,15 @@ def rounds_child(storage: str, run_id: str, first: int, last: int, decode: bool,
         if len(merged) != len(shard.fragments) or any(len(m.merged()) != len(ctx.learners) for m in merged):
             raise RuntimeError(f"round {r}: {len(merged)} merges for {len(shard.fragments)} chains")
     shard.close()
-    read_decode_s = None
-    for _ in range(PASSES if decode else 0):
+
+    def read_decode() -> float:
         t0 = time.perf_counter()
         for chain in _chains(ctx):
             for name in ctx.learners:
                 decode_tensors(raw.get(chain.keys.delta(name, last)))
-        read_decode_s = [*(read_decode_s or []), time.perf_counter() - t0]
+        return time.perf_counter() - t0
+
+    read_decode_s = [read_decode() for _ in range(PASSES)] if decode else None
     queue.put({"merge_s": merge_s, "peak_rss_bytes": peaks, "rss_high_bytes": highs,
                "read_decode_s": read_decode_s,
                "sent_bytes": sum(counting.sent.values()), "sent": dict(counting.sent), "checkpoint_s": writes,

@@ -41,11 +41,12 @@ def decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, pol
     with the number of learners); a learner that may not publish is rejected without a read. Each stranger
     decided joins `strangers` (its folder is not listed again)."""
     with ThreadPoolExecutor(1, thread_name_prefix="merge-fold") as worker:
-        decided = _decide(ctx, version, layout, pending, policy, keyring, strangers, events, worker)
-        for fold in decided[-1]:
+        decisions, stream, phase_times, judge, folds = _decide(ctx, version, layout, pending, policy, keyring,
+                                                               strangers, events, worker)
+        for fold in folds:
             fold.result()  # a fold's error is the merge's
-    decided[3].reuse = None  # the last delta's buffers freed before the outer step
-    return decided[:-1]
+    judge.reuse = None  # the last delta's buffers freed before the outer step
+    return decisions, stream, phase_times, judge
 
 
 def _decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, policy: Policy,

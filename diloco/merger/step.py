@@ -22,10 +22,10 @@ from diloco.run.context import LEGACY_DIRECT
 from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.storage.codec import Header
 from diloco.training.buffers import BufferMerge
-from diloco.training.fp64 import Fp64Scratch, sum_squares_chunked
 from diloco.training.merge import Combiner, delta_weight
 from diloco.training.outer import OuterOptimizer, OuterState
 from diloco.training.tensors import Tensors, add_, clone
+from diloco.trust.judge import delta_norm
 
 __all__ = ["GradientStream", "LearnerGroup", "OuterOptimizer", "OuterState", "StepResult", "gradient_stream",
            "outer_optimizer", "outer_step"]
@@ -182,9 +182,6 @@ def outer_step(params: Tensors, outer: OuterState, stream: GradientStream, finge
     _, shipped = decode_tensors(update_bytes)
     new_global = clone(params)
     add_(new_global, shipped)
-    scratch, total = Fp64Scratch(), torch.zeros((), dtype=torch.float64)
-    for value in shipped.values():
-        total += sum_squares_chunked(value, scratch)
-    norm = float(torch.sqrt(total))
+    norm = delta_norm(shipped, chunked=True)
     return StepResult(update_bytes, new_global, optimizer.state_after(update, shipped), normalised, norm,
                       update.share, stream.merged_buffers())

@@ -175,7 +175,6 @@ class Judge:
                 self.gate.wait(index)  # the previous delta's tensor `index` folded and freed first
             out = None if self.reuse is None else self.reuse.take(name)
             delta[name] = value = to_torch({name: obj.array(name, out)})[name]
-            del out
             squares[name] = self.worker.submit(squares_of(self.chunked_norms), value, self.scratch)
         return obj.header, delta, squares
 

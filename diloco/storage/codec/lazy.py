@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from diloco.storage.codec.header import CodecError, Header, codec_of, elements_of, read_layout, stream_bytes
-from diloco.storage.codec.payload import add_decoded, decode_stream, unframe_stream
+from diloco.storage.codec.payload import add_decoded, decode_stream, fits, unframe_stream
 
 
 class LazyObject:
@@ -57,7 +57,7 @@ class LazyObject:
         chunk at a time (`workers` threads on ranges of it): the bits of `out + array(name)` without the
         decoded array."""
         spec, codec, stream = self._stream(name)
-        if out.dtype != np.float32 or out.size != elements_of(spec.shape) or not out.flags.c_contiguous:
+        if not fits(out, elements_of(spec.shape)):
             raise ValueError(f"add_to {name!r}: needs a contiguous f32 array of {list(spec.shape)}")
         add_decoded(stream, codec, self.header.shuffle, self.header.block_size, spec, out, workers)
 

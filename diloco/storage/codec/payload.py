@@ -173,6 +173,11 @@ def encode_stream(x: np.ndarray, codec: str, shuffle: bool, block_size: int, nam
     return stream
 
 
+def fits(out: np.ndarray | None, n: int) -> bool:
+    """`out` can hold a decoded tensor of n elements in place: f32, n elements, contiguous."""
+    return out is not None and out.dtype == np.float32 and out.size == n and out.flags.c_contiguous
+
+
 def decode_stream(
     stream: np.ndarray, codec: str, shuffle: bool, block_size: int, spec: TensorSpec,
     out: np.ndarray | None = None,
@@ -190,8 +195,7 @@ def decode_stream(
         h = _unshuffle(stream, 2) if shuffle else stream.copy()
         return _from_bf16(h.view(np.uint16)).reshape(spec.shape)
     scales, q, nfull = _blocks(stream, codec, bsz, spec)
-    fits = out is not None and out.dtype == np.float32 and out.size == n and out.flags.c_contiguous
-    y = out.reshape(-1) if fits else np.empty(n, np.float32)
+    y = out.reshape(-1) if fits(out, n) else np.empty(n, np.float32)
     if nfull:
         _dequantize_rows(scales[:nfull], q[:nfull], y[: nfull * bsz].reshape(nfull, bsz), codec)
     if len(scales) > nfull:
