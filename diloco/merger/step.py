@@ -122,6 +122,8 @@ class GradientStream:
         self.buffer_merge = BufferMerge(list(buffers)) if buffers else None
         self.weights: dict[str, float] = {}
         self.tokens = 0  # merged, for the record
+        # merged as counted (within `bounds`): the run's tokens_total, its token budget and its schedule clock
+        self.counted_tokens = 0
         self.steps = 0  # merged: the outer optimizer's round share counts these
 
     def add(self, group: LearnerGroup, consume: bool = False,
@@ -132,7 +134,9 @@ class GradientStream:
         weight = group.weight(self.version, self.staleness_power, self.bounds)
         self.weights[group.learner] = weight
         self.tokens += group.tokens
-        self.steps += group.counted(self.bounds)[1]
+        counted_tokens, counted_steps = group.counted(self.bounds)
+        self.counted_tokens += counted_tokens
+        self.steps += counted_steps
         self.combiner.add(group.total, weight, consume=consume, on_folded=on_folded, recycle=recycle)
         group.total = None  # released: the combiner holds all that is needed
         if group.buffers is not None and self.buffer_merge is not None:

@@ -222,7 +222,9 @@ def test_an_admitted_learner_cannot_buy_weight_with_its_counters(tmp_path: Path)
     """Issue #44, invariant 5, planted in a live run: an admitted learner whose deltas claim 1000x the steps
     and tokens of an honest phase got weight 0.9986 of every merge it joined. Now a learner's counters count
     up to merger.max_phases_per_merge phases and 1.25x the run's tokens per step: its share of a 3-learner
-    merge is at most 3.125 / (3.125 + 2) (the honest two count one phase each), and audit replays it."""
+    merge is at most 3.125 / (3.125 + 2) (the honest two count one phase each), and audit replays it. Its
+    tokens count as bounded in the run's tokens_total too: a liar's counters cannot end a token budget (nor move
+    the learners' schedule clock)."""
     ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 3})
     assert ctx.tokens_per_step == ctx.cfg.data.batch_size * ctx.cfg.model.ctx_len  # recorded at creation
     admit_learner(ctx, None, "liar-0")
@@ -237,11 +239,18 @@ def test_an_admitted_learner_cannot_buy_weight_with_its_counters(tmp_path: Path)
                 "steps": header.meta["steps"] * 1000}
         ctx.store.put(ctx.keys.delta("liar-0", seq), encode_tensors(delta, codec_name="fp32", kind="delta",
                                                                     fingerprint=ctx.fingerprint, meta=meta))
+        parent = merger.manifest
         m = merger.merge_once()
         install_all(learners, m.version)
         weights = {d.learner: d.weight for d in m.merged()}
         assert set(weights) == {"local-0", "local-1", "liar-0"}, m.decisions
         assert weights["liar-0"] <= 3.125 / 5.125 + 1e-9, weights  # was 0.9986
+        claimed = {d.learner: d.tokens for d in m.merged()}
+        liar_bound = ctx.cfg.merger.max_phases_per_merge * ctx.cfg.inner.steps_per_phase * 1.25 * \
+            ctx.tokens_per_step
+        assert claimed["liar-0"] > 100 * liar_bound  # its header's claim, recorded as claimed
+        # the honest learners' tokens as claimed, the liar's within its bound (was its 1000x claim)
+        assert m.tokens_total - parent.tokens_total == claimed["local-0"] + claimed["local-1"] + liar_bound
     for learner in learners:
         learner.close()
     report = audit_run(ctx)
