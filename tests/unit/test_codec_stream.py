@@ -1,7 +1,8 @@
 """The codec's streaming encoder: consuming a dict tensor by tensor into a bytearray writes the bytes of
 `encode`, and `Encoder.shipped` is what `decode` gives back, for every codec (so is `encode_shipped`'s, the
 learners' ship); fp32's plane-wise unshuffle round-trips NaN, Inf and -0.0 bit for bit; a tensor decoded
-into a used buffer (the merge's recycled memory) is decode's, bit for bit, in that buffer.
+into a used buffer (the merge's recycled memory) is decode's, bit for bit, in that buffer; the block codecs'
+chunked dequantizer (torch's kernels) gives the plain numpy formula's bits.
 Run: .venv/bin/pytest tests/unit/test_codec_stream.py -q
 """
 
@@ -13,7 +14,9 @@ import torch
 
 from diloco.run.objects import decode_tensors, encode_shipped, encode_tensors
 from diloco.storage.codec import Encoder
+from diloco.storage.codec.header import VALUES_PER_BYTE, TensorSpec
 from diloco.storage.codec.lazy import LazyObject
+from diloco.storage.codec.payload import _DEQUANT_CHUNK_ELEMENTS, add_decoded, decode_stream, encode_stream
 
 SHAPES = {"a": (40, 64), "b": (33, 7), "c": (5,), "d": (1 << 17,)}
 
@@ -76,3 +79,38 @@ def test_a_tensor_decoded_into_a_used_buffer_is_decodes_bits(codec):
         assert np.shares_memory(got, used) == (codec not in ("fp32", "bf16"))
     wrong = np.zeros(7, np.float32)  # a buffer that does not fit is not used
     assert not np.shares_memory(LazyObject(data).array("a", out=wrong), wrong)
+
+
+def _reference_dequantize(stream: np.ndarray, codec: str, n: int, bsz: int = 64) -> np.ndarray:
+    """The block codecs' decode written plainly in numpy, whole: the nibbles sign-extended, times their
+    block's scale in f32 (nf2: plus half the scale)."""
+    nb, per = -(-n // bsz), VALUES_PER_BYTE[codec]
+    scales = stream[: 4 * nb].copy().view(np.float32)[:, None]
+    q = stream[4 * nb :].view(np.int8).reshape(nb, bsz // per)
+    bits, c = 8 // per, bsz // per
+    out = np.empty((nb, bsz), np.float32)
+    for k in range(per):
+        top = 8 - bits * (k + 1)
+        value = q if per == 1 else (np.left_shift(q, top) if top else q) >> (8 - bits)
+        out[:, k * c : (k + 1) * c] = value * scales
+        if codec == "nf2":
+            out[:, k * c : (k + 1) * c] += 0.5 * scales
+    return out.reshape(-1)[:n]
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int3", "int2", "nf2"])
+def test_dequantizing_by_chunks_gives_the_plain_formulas_bits(codec):
+    """decode_stream and add_decoded (torch's kernels, a chunk of rows at a time, workers on ranges) give the
+    bits of the plain numpy formula, at every size around a block's and a chunk's edge."""
+    rng = np.random.default_rng(3)
+    chunk = _DEQUANT_CHUNK_ELEMENTS
+    for n in (1, 63, 64, 65, 1000, chunk - 1, chunk + 65, 2 * chunk + 7):
+        x = rng.standard_normal(n, dtype=np.float32)
+        stream, spec = encode_stream(x, codec, False, 64, "w"), TensorSpec("w", (n,))
+        expected = _reference_dequantize(stream, codec, n)
+        assert np.array_equal(decode_stream(stream, codec, False, 64, spec), expected), n
+        base = rng.standard_normal(n, dtype=np.float32)
+        for workers in (1, 2):
+            out = base.copy()
+            add_decoded(stream, codec, False, 64, spec, out, workers)
+            assert np.array_equal(out, base + expected), (n, workers)

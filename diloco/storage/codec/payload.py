@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import struct
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,6 +40,9 @@ TERNARY_SCALE = 1.5
 NF2_SCALE = 1.25
 _SCALE_OF_MEAN = {"int2": TERNARY_SCALE, "nf2": NF2_SCALE}
 _CHUNK_ELEMENTS = 1 << 16  # quantize in 256 KiB chunks so temporaries stay in L2
+# dequantize 1 MiB of f32 at a time: torch's per-call cost (~5 us) small against the chunk's work, its
+# temporaries within the caches (a 124M int4 update added in 0.11 s against 0.19 s with numpy's 64K chunks)
+_DEQUANT_CHUNK_ELEMENTS = 1 << 18
 
 
 # ---------------------------------------------------------------------------------- quantizers
@@ -94,27 +98,62 @@ def _pack(ts: np.ndarray, q8: np.ndarray, packed: np.ndarray, per_byte: int) -> 
         np.bitwise_or(packed, part, out=packed)
 
 
-def _dequantize_rows(scales: np.ndarray, q: np.ndarray, y2: np.ndarray, codec: str) -> None:
-    """Inverse of _quantize_rows: scales (rows,), q int8 (rows, B) or packed (rows, B/per_byte) -> y2."""
+def _dequantize_rows(scales: np.ndarray, q: np.ndarray, y2: np.ndarray, codec: str,
+                     add: bool = False) -> None:
+    """Inverse of _quantize_rows: scales (rows,), q int8 (rows, B) or packed (rows, B/per_byte) -> y2 (f32
+    (rows, B), rows may be strided), or y2 += it (`add`). torch's kernels, _DEQUANT_CHUNK_ELEMENTS values at a
+    time (numpy's took 1.5-1.7 ns a value, these 0.7-0.8 with the add): the same bits — each value an exact
+    int8 -> f32 times its block's scale, one f32 rounding (nf2: plus half the scale, rounded again), then one
+    f32 add."""
     rows, bsz = y2.shape
-    if codec == "int8":
-        np.multiply(q, scales[:, None], out=y2)
+    if rows == 0:
         return
     per_byte = VALUES_PER_BYTE[codec]
     c, bits = bsz // per_byte, 8 // per_byte
-    step = max(1, _CHUNK_ELEMENTS // bsz)
-    t = np.empty((min(step, rows), c), np.int8)
+    step = max(1, _DEQUANT_CHUNK_ELEMENTS // bsz)
+    torch = _torch()
+    tq, ts, ty = torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(y2)
+    part_int = torch.empty((min(step, rows), c), dtype=torch.int8) if per_byte > 1 else None
+    product = torch.empty((min(step, rows), c), dtype=torch.float32) if add or codec == "nf2" else None
     for s in range(0, rows, step):
         e = min(rows, s + step)
-        p, ts, sc = q[s:e], t[: e - s], scales[s:e, None]
+        p, sc, y = tq[s:e], ts[s:e, None], ty[s:e]
+        half = sc * 0.5 if codec == "nf2" else None
         for k in range(per_byte):
-            top = 8 - bits * (k + 1)  # part k shifted to the top bits (the last part is there already)
-            # arithmetic: sign-extends
-            np.right_shift(np.left_shift(p, top, out=ts) if top else p, 8 - bits, out=ts)
-            part = y2[s:e, k * c : (k + 1) * c]
-            np.multiply(ts, sc, out=part)
-            if codec == "nf2":  # (q + 1/2) x s
-                part += 0.5 * sc
+            if part_int is None:
+                value = p  # int8: the byte is the value
+            else:
+                value = part_int[: e - s]
+                top = 8 - bits * (k + 1)  # part k shifted to the top bits (the last part is there already)
+                # arithmetic: sign-extends
+                if top:
+                    torch.bitwise_left_shift(p, top, out=value)
+                    value.bitwise_right_shift_(8 - bits)
+                else:
+                    torch.bitwise_right_shift(p, 8 - bits, out=value)
+            part = y[:, k * c : (k + 1) * c]
+            if product is None:
+                torch.mul(value, sc, out=part)
+                continue
+            prod = product[: e - s]
+            torch.mul(value, sc, out=prod)
+            if half is not None:  # nf2: (q + 1/2) x s
+                prod.add_(half)
+            if add:
+                part.add_(prod)
+            else:
+                part.copy_(prod)
+
+
+@functools.cache
+def _torch() -> Any:
+    """torch, imported on the first dequantization (the storage layer imports none at module level). Its
+    warning about a read-only array is filtered, that message only: an object's bytes are read here, never
+    written (catch_warnings per call is not thread-safe)."""
+    import torch
+
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+    return torch
 
 
 def _to_bf16(x: np.ndarray) -> np.ndarray:
@@ -227,19 +266,14 @@ def add_decoded(stream: np.ndarray, codec: str, shuffle: bool, block_size: int, 
         return
     n, bsz = flat.size, block_size
     scales, q, nfull = _blocks(stream, codec, bsz, spec)
-    step = max(1, _CHUNK_ELEMENTS // bsz)
-
-    def add_rows(first: int, last: int) -> None:
-        scratch = np.empty((min(step, max(last - first, 1)), bsz), np.float32)
-        for s in range(first, last, step):
-            e = min(last, s + step)
-            part = scratch[: e - s]
-            _dequantize_rows(scales[s:e], q[s:e], part, codec)
-            rows = flat[s * bsz : e * bsz].reshape(e - s, bsz)
-            np.add(rows, part, out=rows)
-
+    step = max(1, _DEQUANT_CHUNK_ELEMENTS // bsz)
+    rows = flat[: nfull * bsz].reshape(nfull, bsz)
     ranges = max(1, min(workers, nfull // step))  # a range is at least one chunk
     bounds = [nfull * i // ranges for i in range(ranges + 1)]
+
+    def add_rows(first: int, last: int) -> None:
+        _dequantize_rows(scales[first:last], q[first:last], rows[first:last], codec, add=True)
+
     if ranges == 1:
         add_rows(0, nfull)
     else:
