@@ -13,6 +13,7 @@ import os
 import secrets
 import stat
 import threading
+import weakref
 from typing import Any, Protocol
 
 import fsspec
@@ -124,11 +125,43 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
+# The S3 backends this process opened. A forked child inherits them with their sessions, bound to the parent's
+# event loop and sharing its connections (an inherited s3fs instance cannot be used there: fsspec refuses it).
+# Were the child to collect one, s3fs's finalizer would close its session on the child's own fsspec loop —
+# asyncio prints "Task exception was never retrieved ... attached to a different loop" (bench wan's forked
+# learners and evaluators printed six, 2026-12-07) — and aiohttp's would close the shared connections: the
+# parent's next request on one stalled ~15 s (tests/integration/test_fork_sessions.py). So a child holds its
+# copies for its whole life, their sessions marked closed: the connections are the parent's to close.
+_S3_BACKENDS: weakref.WeakSet[FsspecBackend] = weakref.WeakSet()
+_INHERITED: list[Any] = []  # a forked child's copies of its parent's S3 filesystems: held, never torn down
+
+
+async def _closed_already(*_: Any) -> None:
+    return None
+
+
+def _disown_inherited_sessions() -> None:
+    for backend in list(_S3_BACKENDS):
+        _INHERITED.append(backend.fs)
+        creator = getattr(backend.fs, "_s3creator", None)  # set with the session, on first use
+        if creator is not None:
+            # what s3fs's finalizer awaits (an instance attribute wins), and the attribute its fallback
+            # closes the sockets through (it passes over one that is gone): should it run at the child's exit
+            creator.__aexit__ = _closed_already
+            creator._client = None
+    _S3_BACKENDS.clear()
+
+
+os.register_at_fork(after_in_child=_disown_inherited_sessions)
+
+
 class FsspecBackend:
     """An fsspec filesystem (s3fs, memory) rooted at a path inside it."""
 
     def __init__(self, fs: Any, root: str, protocol: str) -> None:
         self.fs, self.root, self.protocol = fs, root.rstrip("/"), protocol
+        if protocol in _ATOMIC_CREATE_PROTOCOLS:
+            _S3_BACKENDS.add(self)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key

@@ -1,0 +1,68 @@
+"""A forked child that lets go of the S3 store it inherited: nothing of the parent's session is torn down in
+the child — s3fs's finalizer closed it on the child's event loop ("Task exception was never retrieved ...
+attached to a different loop", printed by `bench wan --links real`'s forked learners and evaluators) and
+aiohttp's collection printed "Unclosed client session" and closed the connections the child shares with its
+parent. The collection is run on the child's fsspec loop thread, where s3fs's finalizer schedules the close
+(the case that printed); every exception the loop reports and everything the child prints is collected.
+Run: .venv/bin/pytest tests/integration/test_fork_sessions.py -q
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import sys
+from pathlib import Path
+
+import fsspec.asyn
+import pytest
+
+from diloco.storage import open_store
+
+pytestmark = pytest.mark.s3
+_INHERITED: list = []
+
+
+async def _collect() -> None:
+    gc.collect()
+
+
+async def _nothing() -> None:
+    return None
+
+
+def _child(url: str, stderr: str, out) -> None:
+    os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT), 2)  # what the child prints, for the test to read
+    loop = fsspec.asyn.get_loop()  # the child's own fsspec loop (fsspec makes a new one after a fork)
+    reported: list[str] = []
+    loop.set_exception_handler(lambda _, context: reported.append(
+        f"{context.get('message')}: {context.get('exception')!r}"))
+    own = open_store(url)
+    own.put("child", b"mine")  # the child's own store works
+    held = [_INHERITED.pop()]
+    held.append(held)  # the inherited store in a reference cycle: freed by a collection, not at once
+    del held
+    fsspec.asyn.sync(loop, _collect)  # the collection on the loop's thread, as when it ran there by chance
+    fsspec.asyn.sync(loop, _nothing)  # a tick for a close the finalizer scheduled
+    gc.collect()  # the finished task, were there one: its unretrieved exception is reported now
+    fsspec.asyn.sync(loop, _nothing)
+    out.put((own.get("child"), reported))
+    sys.stderr.flush()
+
+
+def test_a_forked_child_lets_go_of_its_inherited_s3_store_quietly(s3_url: str, tmp_path: Path) -> None:
+    _INHERITED.append(open_store(s3_url))  # held there only: the child's copy of this frame holds none
+    _INHERITED[0].put("parent", b"ours")  # the session exists (s3fs makes it on first use)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    stderr = tmp_path / "child.err"
+    child = ctx.Process(target=_child, args=(s3_url, str(stderr), out))
+    child.start()
+    got, reported = out.get(timeout=60)
+    child.join(30)
+    assert child.exitcode == 0 and got == b"mine"
+    assert reported == []
+    printed = stderr.read_text()
+    assert "Unclosed" not in printed and "Task exception" not in printed, printed
+    assert _INHERITED.pop().get("parent") == b"ours"  # the parent's session is untouched
