@@ -324,7 +324,7 @@ class Merger:
         plan = MergePlan(decisions=decisions, result=result, num_learners=len(stream.weights),
                          quorum_wait_s=wait.quorum_wait_s, grace_s=wait.grace_waited_s, started_at=t0,
                          phase_times=phase_times, guard=guard, controls=policy.entries, stats=stats,
-                         counted_tokens=stream.counted_tokens)
+                         merged_tokens=stream.tokens)
         manifest = self._write_and_commit(plan)
         if manifest is not None:
             for name in newly:

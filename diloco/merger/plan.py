@@ -29,17 +29,9 @@ class MergePlan:
     guard: GuardState  # the guard state after this merge (trust/guard.py: fold)
     controls: list[ControlEntry]  # the control ops this merge applied, as filed
     stats: dict[str, float]  # the outlier rule's median and bound, once it applies
-
-    # the tokens merged as counted: each learner's within the run's counter bounds (GradientStream.
-    # counted_tokens), so no learner's counters end a token budget or move the schedule clock (None: as
-    # claimed, every merged delta's header)
-    counted_tokens: int | None = None
-
-    @property
-    def merged_tokens(self) -> int:
-        if self.counted_tokens is not None:
-            return self.counted_tokens
-        return sum(d.tokens for d in self.decisions if d.status == "merged")
+    # the tokens merged, each learner's as counted within the run's counter bounds (GradientStream.tokens):
+    # no learner's counters end a token budget or move the schedule clock
+    merged_tokens: int
 
     def manifest(self, parent: Manifest, merger_id: str, objects: dict[str, str], merge_s: float,
                  update_bytes: int) -> Manifest:

@@ -121,9 +121,8 @@ class GradientStream:
         self.combiner = Combiner(merge_rule, direct=direct)
         self.buffer_merge = BufferMerge(list(buffers)) if buffers else None
         self.weights: dict[str, float] = {}
-        self.tokens = 0  # merged, for the record
-        # merged as counted (within `bounds`): the run's tokens_total, its token budget and its schedule clock
-        self.counted_tokens = 0
+        # merged, as counted (within `bounds`): the run's tokens_total, token budget and schedule clock
+        self.tokens = 0
         self.steps = 0  # merged: the outer optimizer's round share counts these
 
     def add(self, group: LearnerGroup, consume: bool = False,
@@ -133,15 +132,13 @@ class GradientStream:
         hold them), or handed to `recycle(name, tensor)`; `on_folded(i)` called after the i-th."""
         weight = group.weight(self.version, self.staleness_power, self.bounds)
         self.weights[group.learner] = weight
-        self.tokens += group.tokens
-        counted_tokens, counted_steps = group.counted(self.bounds)
-        self.counted_tokens += counted_tokens
-        self.steps += counted_steps
+        tokens, steps = group.counted(self.bounds)
+        self.tokens += tokens
+        self.steps += steps
         self.combiner.add(group.total, weight, consume=consume, on_folded=on_folded, recycle=recycle)
         group.total = None  # released: the combiner holds all that is needed
         if group.buffers is not None and self.buffer_merge is not None:
-            # tokens / all merged (no staleness)
-            self.buffer_merge.add(group.counted(self.bounds)[0], group.buffers)
+            self.buffer_merge.add(tokens, group.buffers)  # tokens / all merged (no staleness)
         group.buffers = None
 
     def merged_buffers(self) -> Tensors | None:

@@ -156,7 +156,7 @@ class Manifest(BaseModel):
     run_json_checksum: str = ""
     decisions: list[DeltaDecision] = []
     cursors: dict[str, int] = {}  # learner -> highest decided seq (merged, rejected or lost)
-    tokens_total: int = 0  # tokens merged up to and including this version (as counted: merger/step.py bounds)
+    tokens_total: int = 0  # tokens merged up to and including this version (as counted: merger/step.py)
     timing: dict[str, float] = {}  # quorum_wait_s, grace_s, merge_s, ...
     stats: dict[str, float] = {}  # update_norm, outlier_median, ...
     guard: GuardState | None = None

@@ -62,7 +62,8 @@ def test_the_merger_stops_at_the_first_version_that_reaches_the_budget(tmp_path)
             and state.title() == f"finished: version 2, {per_delta + piled:,} of {budget:,} tokens")
     assert run_role("merger", url, "tok", merges=5) == 0  # nothing more to merge: the run is done
     [listed] = list_runs(open_store(url))
-    assert (listed["state"], listed["tokens"], listed["token_budget"]) == ("finished", per_delta + piled, budget)
+    assert (listed["state"], listed["tokens"], listed["token_budget"]) == \
+        ("finished", per_delta + piled, budget)
 
     report = prepare_resume(url, "tok", versions=10)
     resumed = open_run(url, "tok")

@@ -223,8 +223,8 @@ def test_an_admitted_learner_cannot_buy_weight_with_its_counters(tmp_path: Path)
     and tokens of an honest phase got weight 0.9986 of every merge it joined. Now a learner's counters count
     up to merger.max_phases_per_merge phases and 1.25x the run's tokens per step: its share of a 3-learner
     merge is at most 3.125 / (3.125 + 2) (the honest two count one phase each), and audit replays it. Its
-    tokens count as bounded in the run's tokens_total too: a liar's counters cannot end a token budget (nor move
-    the learners' schedule clock)."""
+    tokens count as bounded in the run's tokens_total too: a liar's counters cannot end a token budget (nor
+    move the learners' schedule clock)."""
     ctx, learners, merger = tiny_run(tmp_path, **{"merger.quorum": 3})
     assert ctx.tokens_per_step == ctx.cfg.data.batch_size * ctx.cfg.model.ctx_len  # recorded at creation
     admit_learner(ctx, None, "liar-0")
