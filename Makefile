@@ -31,19 +31,21 @@ $(STAMP): pyproject.toml
 run: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/diloco run --config demo
 
-# Order matters for time: the Prefect server + workers that deployment/ and browser/ share start
-# last, so they do not load the two cores while the chaos runs and e2e runs train.
 TEST_ORDER := tests/unit tests/integration tests/e2e tests/chaos tests/browser tests/deployment
+# Two xdist workers: the suite waits on processes (servers, learners, signals) as much as it computes, and
+# one worker left a core idle half the time. tests/conftest.py schedules every test alone except those of
+# browser/ and deployment/, which share one Prefect stack and run together, in order, on one worker.
+XDIST   := -n 2
 
 test: setup
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q $(TEST_ORDER) -m "not long"
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q $(XDIST) $(TEST_ORDER) -m "not long"
 
 # the tests marked `long` (minutes each: real Prefect servers, workers and signalled runs), not in `make test`
 test-long: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q $(TEST_ORDER) -m long
 
 test-fast: setup
-	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q tests -m "not deployment and not browser and not chaos and not slow"
+	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q $(XDIST) tests -m "not deployment and not browser and not chaos and not slow"
 
 lint: setup
 	$(BIN)/ruff check diloco tests

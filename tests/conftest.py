@@ -16,6 +16,24 @@ import pytest
 from diloco.bench._s3_server import CREDENTIALS as MOTO_CREDENTIALS
 from diloco.bench._s3_server import moto_server
 
+# tests/browser and tests/deployment share one Prefect server, its workers and a training run per session
+# (tests/deployment/prefect_stack.py): under `make test`'s two xdist workers they run on one worker, in order
+PREFECT_STACK_TESTS = ("tests/browser/", "tests/deployment/")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Every other test is scheduled alone (as `--dist load`); the Prefect-stack tests as one unit, so the
+    stack starts once and the test that stops its run ends its training. (xdist's own `loadgroup` does not
+    group under pytest 9, whose node ids it can no longer rewrite.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class PrefectStackTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "prefect-stack" if nodeid.startswith(PREFECT_STACK_TESTS) else nodeid
+
+    return PrefectStackTogether(config, log)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _learner_local_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:

@@ -13,6 +13,7 @@ import gc
 import multiprocessing as mp
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import fsspec.asyn
@@ -34,6 +35,21 @@ async def _nothing() -> None:
 
 def _child(url: str, stderr: str, out) -> None:
     os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT), 2)  # what the child prints, for the test to read
+    # Python's own prints there too (pytest's capture had replaced sys.stderr), for the child's life
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    try:
+        out.put(_in_child(url))
+    except BaseException:  # the test's own steps failed: the test says how
+        out.put((None, [traceback.format_exc()]))
+    sys.stderr.flush()
+    out.close()
+    out.join_thread()
+    # ended here: what multiprocessing's exit would run next is the finalizers of whatever this worker
+    # process held before the fork (other tests' leftovers under xdist), not what this test checks
+    os._exit(0)
+
+
+def _in_child(url: str) -> tuple[bytes, list[str]]:
     loop = fsspec.asyn.get_loop()  # the child's own fsspec loop (fsspec makes a new one after a fork)
     reported: list[str] = []
     loop.set_exception_handler(lambda _, context: reported.append(
@@ -47,8 +63,7 @@ def _child(url: str, stderr: str, out) -> None:
     fsspec.asyn.sync(loop, _nothing)  # a tick for a close the finalizer scheduled
     gc.collect()  # the finished task, were there one: its unretrieved exception is reported now
     fsspec.asyn.sync(loop, _nothing)
-    out.put((own.get("child"), reported))
-    sys.stderr.flush()
+    return own.get("child"), reported
 
 
 def test_a_forked_child_lets_go_of_its_inherited_s3_store_quietly(s3_url: str, tmp_path: Path) -> None:
@@ -61,8 +76,7 @@ def test_a_forked_child_lets_go_of_its_inherited_s3_store_quietly(s3_url: str, t
     child.start()
     got, reported = out.get(timeout=60)
     child.join(30)
-    assert child.exitcode == 0 and got == b"mine"
-    assert reported == []
+    assert child.exitcode == 0 and reported == [] and got == b"mine", reported
     printed = stderr.read_text()
     assert "Unclosed" not in printed and "Task exception" not in printed, printed
     assert _INHERITED.pop().get("parent") == b"ours"  # the parent's session is untouched
