@@ -132,7 +132,9 @@ class Prefetcher:
         self.poll_s, self.max_updates_behind = poll_s, max_updates_behind
         self.idle_poll_s = poll_s if idle_poll_s is None else max(poll_s, idle_poll_s)
         self._wake = threading.Event()  # expect() or close(): the wait between polls ends now
-        self._expect_base, self._until = -1, 0.0  # a version > _expect_base is expected until then
+        # a version > _expect_base is expected for _expect_polls more polls (counted, not timed: a loaded
+        # machine's slower polls still make EXPECT_POLLS of them)
+        self._expect_base, self._expect_polls = -1, 0
         self._hint: int | None = None  # expect()'s version: fetched to without a probe
         self._last_poll = -float("inf")
         self.polls = 0  # polls made (for a report)
@@ -176,7 +178,7 @@ class Prefetcher:
         EXPECT_POLLS polls passed. `version`: the version said to be there (a heads object's): the next poll
         fetches up to it without a probe or a listing (a version that is not there: the usual poll after)."""
         with self._lock:
-            self._expect_base, self._until = self._base, time.monotonic() + EXPECT_POLLS * self.poll_s
+            self._expect_base, self._expect_polls = self._base, EXPECT_POLLS
             self._last_poll = -float("inf")
             self._hint = version
         self._wake.set()
@@ -195,7 +197,7 @@ class Prefetcher:
     def _until_next_poll(self) -> float:
         """Seconds until the next poll: poll_s apart while a version is expected, else idle_poll_s apart."""
         with self._lock:
-            expected = self._base <= self._expect_base and time.monotonic() < self._until
+            expected = self._base <= self._expect_base and self._expect_polls > 0
             return self._last_poll + (self.poll_s if expected else self.idle_poll_s) - time.monotonic()
 
     def _run(self) -> None:
@@ -205,7 +207,9 @@ class Prefetcher:
                 self._wake.wait(wait_s)
                 self._wake.clear()
                 continue
-            self._last_poll = time.monotonic()
+            with self._lock:
+                self._last_poll = time.monotonic()
+                self._expect_polls = max(0, self._expect_polls - 1)
             self.polls += 1
             try:
                 self._poll()
