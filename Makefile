@@ -32,10 +32,11 @@ run: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/diloco run --config demo
 
 TEST_ORDER := tests/unit tests/integration tests/e2e tests/chaos tests/browser tests/deployment
-# Two xdist workers: the suite waits on processes (servers, learners, signals) as much as it computes, and
-# one worker left a core idle half the time. tests/conftest.py schedules every test alone except those of
-# browser/ and deployment/, which share one Prefect stack and run together, in order, on one worker.
-XDIST   := -n 2
+# `make test XDIST="-n 2"`: two xdist workers (31.5 -> 23.5 min on a 2-core machine: serially the suite keeps
+# 1.1 cores busy). tests/conftest.py schedules every test alone except those of browser/ and deployment/, which
+# share one Prefect stack and run together, in order, on one worker. Serial by default until a whole two-worker
+# run has passed clean (the two so far each found one load-dependent test, both mended).
+XDIST   ?=
 
 test: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q $(XDIST) $(TEST_ORDER) -m "not long"
