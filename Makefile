@@ -31,6 +31,8 @@ $(STAMP): pyproject.toml
 run: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/diloco run --config demo
 
+# Order matters for time (serially): the Prefect server + workers that deployment/ and browser/ share start
+# last, so they do not load the two cores while the chaos runs and e2e runs train.
 TEST_ORDER := tests/unit tests/integration tests/e2e tests/chaos tests/browser tests/deployment
 # `make test XDIST="-n 2"`: two xdist workers (31.5 -> 23.5 min on a 2-core machine: serially the suite keeps
 # 1.1 cores busy). tests/conftest.py schedules every test alone except those of browser/ and deployment/, which
