@@ -34,11 +34,11 @@ run: setup
 # Order matters for time (serially): the Prefect server + workers that deployment/ and browser/ share start
 # last, so they do not load the two cores while the chaos runs and e2e runs train.
 TEST_ORDER := tests/unit tests/integration tests/e2e tests/chaos tests/browser tests/deployment
-# `make test XDIST="-n 2"`: two xdist workers (31.5 -> 23.5 min on a 2-core machine: serially the suite keeps
-# 1.1 cores busy). tests/conftest.py schedules every test alone except those of browser/ and deployment/, which
-# share one Prefect stack and run together, in order, on one worker. Serial by default until a whole two-worker
-# run has passed clean (the two so far each found one load-dependent test, both mended).
-XDIST   ?=
+# Two xdist workers by default (31.5 -> 23 min on a 2-core machine: serially the suite keeps 1.1 cores busy; a
+# fresh clone's two-worker run passed clean in 22 min 56 s after two runs had each found one load-dependent test,
+# both mended). tests/conftest.py schedules every test alone except those of browser/ and deployment/, which
+# share one Prefect stack and run together, in order, on one worker. `make test XDIST=` runs serially.
+XDIST   ?= -n 2
 
 test: setup
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(BIN)/python -m pytest -q $(XDIST) $(TEST_ORDER) -m "not long"

@@ -17,7 +17,7 @@ from diloco.bench._s3_server import CREDENTIALS as MOTO_CREDENTIALS
 from diloco.bench._s3_server import moto_server
 
 # tests/browser and tests/deployment share one Prefect server, its workers and a training run per session
-# (tests/deployment/prefect_stack.py): under xdist (`make test XDIST="-n 2"`) they run on one worker, in order
+# (tests/deployment/prefect_stack.py): under xdist (`make test`: two workers) they run on one worker, in order
 PREFECT_STACK_TESTS = ("tests/browser/", "tests/deployment/")
 
 
