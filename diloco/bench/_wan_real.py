@@ -1,14 +1,14 @@
 """`bench wan --links real`: the links, the S3 server, data-parallel measured over gloo, and the rows' kernel
 bytes.
 
-Contract: `RealLinks(m)` is a context manager holding a LinkNet of m sites, moto's S3 server on the bridge's
-host address and a fresh bucket; `measure(...)` times data-parallel over the links (bench/_dp_links.py) and
-fixes the rows' caps; `wan_run(run, row, cap)` turns a modelled WanRun into the same run over the real links
-(its own prefix in the bucket, learner i in site i, unpadded or, with `pad_s`, every inner step padded to
-pad_s as DP's compute is then; the link only counting what the application sends); `dp_entry` and
-`kernel_fields` make the JSON's entries from what was measured. DP's time to target is
-its steps to target on the uncapped curve (the same seed) x its step time measured over the links: its loss
-per step does not depend on the link.
+Contract: `RealLinks(m, server=)` is a context manager holding a LinkNet of m sites, an S3 server (`server`:
+rclone or moto, _s3_server.SERVERS) on the bridge's host address and a fresh bucket; `measure(...)` times
+data-parallel over the links (bench/_dp_links.py) and fixes the rows' caps; `wan_run(run, row, cap)` turns a
+modelled WanRun into the same run over the real links (its own prefix in the bucket, learner i in site i,
+unpadded or, with `pad_s`, every inner step padded to pad_s as DP's compute is then; the link only counting
+what the application sends); `dp_entry` and `kernel_fields` make the JSON's entries from what was measured.
+DP's time to target is its steps to target on the uncapped curve (the same seed) x its step time measured over
+the links: its loss per step does not depend on the link.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import statistics
 from typing import Any
 
 from diloco.bench._dp_links import measure_dp
-from diloco.bench._s3_server import cpu_s, new_bucket, s3_server
+from diloco.bench._s3_server import SERVERS, cpu_s, new_bucket, s3_server
 from diloco.bench._wan_runs import WanResult, WanRun
 from diloco.bench.links import LinkNet, tbf_args
 from diloco.bench.throttle import LinkSpec
@@ -74,8 +74,9 @@ class RealLinks:
     """The links, the server and the bucket for one `bench wan --links real`; `dp` holds the DP
     measurement."""
 
-    def __init__(self, num_learners: int, tag: str | None = None) -> None:
+    def __init__(self, num_learners: int, tag: str | None = None, server: str = "moto") -> None:
         self.net = LinkNet(num_learners, None, tag)
+        self.server_kind = server  # _s3_server.SERVERS
         self.stack = contextlib.ExitStack()
         self.endpoint = self.bucket = ""
         self.server = None
@@ -86,7 +87,8 @@ class RealLinks:
     def __enter__(self) -> RealLinks:
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.net)
-            self.endpoint, self.server = stack.enter_context(s3_server(self.net.host_addr))
+            self.endpoint, self.server = stack.enter_context(s3_server(self.net.host_addr,
+                                                                                 self.server_kind))
             self.net.adopt(self.server.pid)
             self.bucket = new_bucket(self.endpoint)
             self.stack = stack.pop_all()
@@ -121,8 +123,8 @@ class RealLinks:
         """What the JSON's config says about the links."""
         return {"tag": self.net.tag, "host_addr": self.net.host_addr,
                 "sites": [s.addr for s in self.net.sites],
-                "s3_server": "moto (its application served by uvicorn: HTTP/1.1 keep-alive) on the bridge's "
-                              "host address",
+                "s3_server": f"{SERVERS[self.server_kind]} on the bridge's host address",
+                "s3_server_kind": self.server_kind,
                 "s3_server_cpu_s": cpu_s(self.server) if self.server else None,
                 "tbf_at_cap": " ".join(tbf_args(self.dp["caps"][0])) if self.dp else None,
                 "dp_compute_step_s": self.dp.get("compute_step_s"),

