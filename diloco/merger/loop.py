@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 
 from diloco.merger.checkpointer import ChainCheckpoints, CheckpointWriter
 from diloco.merger.merger import Merger
@@ -32,9 +31,6 @@ from diloco.training.fragments import owned_by
 
 log = logging.getLogger("diloco.merger")
 STORAGE_BACKOFF_S = (0.5, 10.0)  # first wait, cap (doubled per failed pass) while the bucket is in trouble
-# chains one pass looks at at once: each look is a HEAD and a few listings, mostly waiting on round trips (8
-# fragments over real links: a pass took 0.86 s one chain after another; docs/bench/wan.md)
-LOOK_THREADS = 8
 
 MergeUnit = Callable[[Merger, Callable[[], bool]], Manifest | None]
 
@@ -64,7 +60,6 @@ class ShardMerger:
             self.chains[index] = Merger(chain, self.merger_id, events=self.events, stage_hook=stage_hook,
                                         keyring=keyring, checkpoints=checkpoints)
         self._stale = set(owned)  # chains to (re)load before their next use: at start, after a storage error
-        self._lookers: ThreadPoolExecutor | None = None  # poll_once's looks at the chains, made on first use
 
     @property
     def fragments(self) -> list[int]:
@@ -92,36 +87,19 @@ class ShardMerger:
 
     def poll_once(self, should_stop: Callable[[], bool] = lambda: False, target: Target | None = None,
                   merge: MergeUnit | None = None) -> list[Manifest]:
-        """One pass over the chains: each that is due (and short of the target) is merged by `merge`, in
-        chain order. The chains are looked at (Merger.due: a HEAD and a few listings each) at once, on up to
-        LOOK_THREADS threads, so a pass waits for the slowest chain's round trips, not for their sum; the
-        merges run one after another on this thread."""
-        looks = []
-        for index in self.chains:
-            chain = self.chain(index)  # loaded here, on this thread
-            if target is None or not target.reached_by(chain.manifest):
-                looks.append(index)
+        """One pass over the chains: each that is due (and short of the target) is merged by `merge`."""
         merged = []
-        for index, due in self._look(looks, should_stop):
+        for index in self.chains:
             if should_stop():
                 break
-            if due:
+            chain = self.chain(index)
+            if target is not None and target.reached_by(chain.manifest):
+                continue
+            if chain.due():
                 manifest = self.merge_chain(index, should_stop, merge)
                 if manifest is not None:
                     merged.append(manifest)
         return merged
-
-    def _look(self, indices: list[int], should_stop: Callable[[], bool]) -> list[tuple[int, bool]]:
-        """(index, due) for every chain in `indices`, in order; one chain alone is looked at on this thread.
-        A look's error (the bucket's trouble) is raised here, after every look has ended."""
-        if len(indices) <= 1 or should_stop():
-            return [(index, not should_stop() and self.chains[index].due()) for index in indices]
-        if self._lookers is None:
-            self._lookers = ThreadPoolExecutor(min(LOOK_THREADS, len(self.chains)),
-                                               thread_name_prefix=f"{self.merger_id}-look")
-        futures = [(index, self._lookers.submit(self.chains[index].due)) for index in indices]
-        wait([f for _, f in futures])
-        return [(index, future.result()) for index, future in futures]
 
     def merge_chain(self, index: int, should_stop: Callable[[], bool] = lambda: False,
                     merge: MergeUnit | None = None) -> Manifest | None:
@@ -146,9 +124,6 @@ class ShardMerger:
 
     def close(self) -> None:
         """Wait for the checkpoints in flight to land (before the process ends)."""
-        if self._lookers is not None:
-            self._lookers.shutdown()
-            self._lookers = None
         self.writer.close()
         for merger in self.chains.values():
             merger.checkpoints.landed()

@@ -13,7 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "deployment"))
 
-from prefect_stack import deployed_run  # noqa: E402, F401 - the shared session fixture
+# the shared session fixture, and the hook that stops its stack after the last test sharing it
+from prefect_stack import deployed_run, pytest_runtest_teardown  # noqa: E402, F401
 
 CHROMIUM_PATHS = ("/usr/lib/chromium/chromium", "/usr/bin/chromium", "/usr/bin/chromium-browser")
 

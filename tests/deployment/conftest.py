@@ -11,4 +11,5 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "chaos"))  # removal.py, shared with tests/chaos
 
-from prefect_stack import deployed_run  # noqa: E402, F401 - re-exported fixture
+# the shared fixture, and the hook that stops its stack after the last test sharing it
+from prefect_stack import deployed_run, pytest_runtest_teardown  # noqa: E402, F401

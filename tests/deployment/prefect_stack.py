@@ -230,6 +230,22 @@ def kill_leftovers(api_url: str) -> None:
 
 
 _RUN = pytest.StashKey[object]()
+_CLOSE = pytest.StashKey[object]()  # the running stack's close, until it has run
+# the tests that share it (tests/conftest.py schedules them together)
+STACK_TESTS = ("tests/browser/", "tests/deployment/")
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own teardown
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last test that shares the stack (the next one is none or another's), the stack stops: under
+    `make test`'s two workers it runs first on its worker (the largest unit), which then goes on with other
+    tests, beside an idle Prefect server and its workers, and whose end could cut the session's cleanup short
+    (a run left the three running). A later request starts a new one."""
+    if nextitem is not None and nextitem.nodeid.startswith(STACK_TESTS):
+        return
+    close = item.config.stash.get(_CLOSE, None)
+    if close is not None:
+        close()
 
 
 @pytest.fixture(scope="session")
@@ -257,13 +273,19 @@ def _start_deployed_run(config: pytest.Config, root: Path) -> DeployedRun:
     run = DeployedRun(stack, f"file://{root}/bucket", "deployed-1", "")
 
     def close() -> None:
+        if config.stash.get(_CLOSE, None) is not close:
+            return  # closed already
+        del config.stash[_CLOSE]
+        config.stash.setdefault(_RUN, None)
+        del config.stash[_RUN]  # the next request starts another
         if run.train_flow_run_id:
             with contextlib.suppress(Exception):  # best effort: the stack is killed below regardless
                 stop_run(run, timeout_s=60)
         stack.close()
         kill_leftovers(stack.api_url)
 
-    config.add_cleanup(close)
+    config.stash[_CLOSE] = close
+    config.add_cleanup(close)  # if the session ends first (an interrupt)
     run.train_flow_run_id = launch_train(stack, run.storage, run.run_id).train_flow_run_id
     wait_for(lambda: latest_version(run) >= 3 and _heartbeats(run) >= 2, 300,
              "version 3 of the deployed run and a heartbeat of both learners", every_s=2)

@@ -7,16 +7,13 @@ skipped. On the real S3 server, through s3fs. Run: .venv/bin/pytest tests/integr
 
 from __future__ import annotations
 
-import threading
-
 import botocore
 
 from diloco.configs import load_config
-from diloco.merger.loop import ShardMerger
 from diloco.merger.merger import Merger
 from diloco.run.chain_state import chain_params
 from diloco.run.create import create_run
-from diloco.run.fragments import fragment_context, manifests
+from diloco.run.fragments import manifests
 from diloco.run.objects import encode_tensors
 from diloco.storage import open_store, read_latest
 from diloco.storage.wrapper import WrapperStore
@@ -107,42 +104,3 @@ def test_a_listing_is_one_request_a_page_even_of_an_empty_folder(s3_url: str) ->
     assert store.list("run/deltas/b/") == [] and store.list("run/deltas/") == store.list("run/deltas/a/")
     assert calls == ["list_objects_v2"] * 5
 
-
-class HeldLooks(WrapperStore):
-    """While `gate["barrier"]` is set, each HEAD of a chain's next manifest (Merger.due's look) waits there
-    until every chain's look is in flight, and records the thread that made it."""
-
-    def __init__(self, inner, gate: dict) -> None:
-        super().__init__(inner)
-        self.gate = gate
-
-    def _over(self, inner):
-        return HeldLooks(inner, self.gate)
-
-    def exists(self, key: str) -> bool:
-        barrier = self.gate.get("barrier")
-        if barrier is not None and "/versions/" in key:
-            self.gate["threads"].add(threading.current_thread().name)
-            barrier.wait(10)  # broken (and raised by poll_once) unless the looks run at once
-        return super().exists(key)
-
-
-def test_a_shard_looks_at_its_chains_at_once_and_merges_on_its_own_thread(tmp_path) -> None:
-    """A pass's looks (a HEAD and a few listings per chain) overlap, so it waits for the slowest chain, not
-    for every chain one after another; a chain due is merged as before."""
-    cfg = load_config("tiny").with_overrides({"fragments.count": 4, "merger.shards": 1, "run.num_learners": 2,
-                                              "merger.quorum": 1, "merger.grace_cap_s": 0.0})
-    gate: dict = {}
-    ctx = create_run(HeldLooks(open_store(f"file://{tmp_path}/bucket"), gate), "looks", cfg)
-    shard = ShardMerger(ctx, 0)
-    for index in shard.fragments:
-        shard.chain(index)  # loaded on this thread
-    gate.update(barrier=threading.Barrier(len(shard.fragments)), threads=set())
-    assert shard.poll_once() == []  # no delta yet: every look found nothing due
-    assert len(gate["threads"]) == 4 and threading.current_thread().name not in gate["threads"]
-    gate["barrier"] = None
-    chain = fragment_context(ctx, 2)
-    plant(chain, ctx.learners[0], 0, base_version=0)
-    assert [m.version for m in shard.poll_once()] == [1]
-    assert read_latest(ctx.store, ctx.keys.for_fragment(2)).version == 1
-    shard.close()
