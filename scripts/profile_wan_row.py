@@ -9,7 +9,7 @@ measurement) — for STEPS steps per learner, and prints:
 - the merger's passes (ShardMerger.poll_once): how many, the median of those that merged nothing and of those
   that merged;
 - the merger's store calls by kind (count, mean ms), the slowest first;
-- CPU seconds over the row per process and per thread (/proc, sampled every 5 s): the learners, the merger
+- CPU seconds over the row per process and per thread (psutil, sampled every 5 s): the learners, the merger
   (this process), the S3 server.
 
 Needs root (CAP_NET_ADMIN). Usage, from the repository root after `make setup`:
@@ -29,7 +29,9 @@ import sys
 import threading
 import time
 
+import psutil
 import torch
+import yaml
 
 from diloco.bench import _wan_runs
 from diloco.bench._quality_runs import HeldOut
@@ -41,51 +43,11 @@ from diloco.merger.loop import ShardMerger
 from diloco.specs.gpt import build_model, load_corpus
 from diloco.storage.store import ObjectStore
 
-HZ = os.sysconf("SC_CLK_TCK")
 STORE_CALLS = ("get", "get_size", "put", "put_if_absent", "list", "folders", "sizes")
 
 
-def descendants(root: int) -> list[int]:
-    """root and every process below it."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    children[int(f.read().rsplit(")", 1)[1].split()[1])].append(int(entry))
-            except OSError:
-                continue
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    """tid -> CPU seconds (user + system) of each thread of pid."""
-    out = {}
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out[int(tid)] = (int(fields[11]) + int(fields[12])) / HZ
-    except OSError:
-        pass
-    return out
-
-
-def command(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline") as f:
-            return f.read().replace("\0", " ").strip()[:70]
-    except OSError:
-        return "?"
-
-
 class CpuSampler:
-    """Every thread's CPU below this process, first and last seen, every `every_s`."""
+    """Every thread's CPU below this process (psutil), first and last seen, every `every_s`."""
 
     def __init__(self, every_s: float = 5.0) -> None:
         self.first: dict[tuple[int, int], float] = {}
@@ -96,12 +58,17 @@ class CpuSampler:
         self._thread.start()
 
     def _run(self, every_s: float) -> None:
+        me = psutil.Process()
         while not self._stop.is_set():
-            for pid in descendants(os.getpid()):
-                self.names.setdefault(pid, command(pid))
-                for tid, cpu in thread_cpu(pid).items():
-                    self.first.setdefault((pid, tid), cpu)
-                    self.last[(pid, tid)] = cpu
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    self.names.setdefault(proc.pid, " ".join(proc.cmdline())[:70])
+                    for thread in proc.threads():
+                        key = (proc.pid, thread.id)
+                        self.first.setdefault(key, thread.user_time + thread.system_time)
+                        self.last[key] = thread.user_time + thread.system_time
+                except psutil.Error:
+                    continue  # gone since
             self._stop.wait(every_s)
 
     def stop(self) -> list[tuple[float, int, int]]:
@@ -158,8 +125,6 @@ def main() -> None:
     parser.add_argument("--server", default="rclone", choices=("rclone", "moto"))
     parser.add_argument("-o", "--override", action="append", default=[], help="key=value (YAML value)")
     args = parser.parse_args()
-    import yaml
-
     overrides = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.override)}
     torch.set_num_threads(1)
     cfg = load_config("bench").with_overrides({"inner.total_steps": args.steps})

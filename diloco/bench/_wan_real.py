@@ -87,8 +87,7 @@ class RealLinks:
     def __enter__(self) -> RealLinks:
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.net)
-            self.endpoint, self.server = stack.enter_context(s3_server(self.net.host_addr,
-                                                                                 self.server_kind))
+            self.endpoint, self.server = stack.enter_context(s3_server(self.net.host_addr, self.server_kind))
             self.net.adopt(self.server.pid)
             self.bucket = new_bucket(self.endpoint)
             self.stack = stack.pop_all()

@@ -270,7 +270,10 @@ def bench_wan(
     if not cap_factors or any(not 0 < f <= 100 for f in cap_factors):
         raise ConfigError(f"--caps must be one or more factors in (0, 100], got {list(cap_factors)}")
     check_links(links, cut_s)
-    server = _server_kind(s3_server) if links == "real" else None
+    if links == "real":
+        from diloco.bench._s3_server import server_kind
+
+        server = server_kind(s3_server)
     d_steps = diloco_steps(steps, tokens_factor, cfg.inner.steps_per_phase)
     d_cfg = cfg.with_overrides({"inner.total_steps": d_steps})  # the DiLoCo methods' own length and schedule
     m, log = cfg.run.num_learners, (lambda s: print(s, file=sys.stderr, flush=True))
@@ -361,12 +364,6 @@ def check_links(links: str, cut_s: float) -> None:
         from diloco.bench.links import check_privilege
 
         check_privilege()
-
-
-def _server_kind(requested: str) -> str:
-    from diloco.bench._s3_server import server_kind
-
-    return server_kind(requested)
 
 
 def _cut_record(real, runs: dict[str, WanResult], row: dict[str, Any], h: int) -> dict[str, Any]:

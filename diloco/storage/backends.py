@@ -211,7 +211,7 @@ class FsspecBackend:
 
     def walk(self, folder: str, after: str = "") -> list[str]:
         if self.protocol in _ATOMIC_CREATE_PROTOCOLS:  # one request a page (s3fs's find adds a HEAD and a
-            return self._walk_s3_after(folder, after)  # listing when the folder is empty)
+            return self._walk_s3(folder, after)  # listing when the folder is empty)
         top = self._path(folder) if folder else self.root
         root = self.root.lstrip("/")
         keys = []
@@ -235,7 +235,7 @@ class FsspecBackend:
                 sizes[path[len(root) + 1 :]] = int(info.get("size") or 0)
         return sizes
 
-    def _walk_s3_after(self, folder: str, after: str) -> list[str]:
+    def _walk_s3(self, folder: str, after: str) -> list[str]:
         """One listing (paginated) of the keys under folder, from after `after` when given (StartAfter):
         O(keys after it), not O(folder). A folder marker (a key ending in '/') is not an object."""
         bucket, _, top = (self._path(folder) if folder else self.root).lstrip("/").partition("/")
