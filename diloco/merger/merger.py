@@ -32,7 +32,7 @@ from diloco.merger.version_state import VersionState
 from diloco.merger.waiting import Pending, Wait, deltas_after, plausible_ahead
 from diloco.run.buffers import version_buffers
 from diloco.run.context import RunContext
-from diloco.run.controls import read_ops
+from diloco.run.controls import OpsFeed
 from diloco.run.events import EventLog
 from diloco.run.heap import release_freed_memory
 from diloco.run.objects import put_checksummed, verify_written
@@ -53,6 +53,9 @@ from diloco.trust.signing import SigningError
 
 log = logging.getLogger("diloco.merger")
 CONTROLS_EVERY_S = 1.0  # control ops (pause, set, admit, ...) are listed at most this often while waiting
+# the learners' folders under deltas/ are listed at most this often while every member has one (a look lists
+# each learner's folder after its cursor; a new folder then is a never-admitted writer's, rejected once found)
+FOLDERS_EVERY_S = 10.0
 EMA = 0.3  # weight of the newest observation in the grace-window moving averages
 
 
@@ -62,7 +65,7 @@ class Merger:
     def __init__(self, ctx: RunContext, merger_id: str = "merger", events: EventLog | None = None,
                  stage_hook: Callable[[str], None] | None = None,
                  keyring: dict[str, list[bytes]] | None = None,
-                 checkpoints: ChainCheckpoints | None = None) -> None:
+                 checkpoints: ChainCheckpoints | None = None, ops: OpsFeed | None = None) -> None:
         self.ctx, self.base_cfg, self.merger_id = ctx, ctx.cfg, merger_id
         self.cfg = ctx.cfg  # the next merge's live config (run.json's + `diloco set`), see refresh_policy
         self.keyring = keyring  # learner -> keys, when learner.sign is on (trust/signing.py)
@@ -70,6 +73,10 @@ class Merger:
             raise SigningError("learner.sign is on: the merger needs a keyring (DILOCO_KEYRING or "
                                "DILOCO_KEYRING_BLOCK)")
         self._controls_at = 0.0
+        # the run's control ops: a shard's chains share one feed (diloco.merger.loop)
+        self.ops = ops or OpsFeed(ctx.store, ctx.keys, CONTROLS_EVERY_S)
+        self._folders: set[str] = set()  # the folders under deltas/ at their last listing (pending) ...
+        self._folders_at = 0.0  # ... and when
         torch.set_num_threads(1)  # reductions in one fixed order: `audit` replays them bit for bit
         self.events = events or EventLog(None, None, merger_id)
         self.stage_hook = stage_hook or (lambda stage: None)  # chaos: kill at a named stage
@@ -146,14 +153,14 @@ class Merger:
 
     def refresh_policy(self, force: bool = True) -> Policy:
         """Apply the control ops filed after the last merge's to the last merge's guard state (at most once
-        every CONTROLS_EVERY_S unless forced); a bucket in trouble keeps the policy as it was."""
+        every CONTROLS_EVERY_S unless forced: then as the shard's chains listed them under CONTROLS_EVERY_S
+        ago, else listed now); a bucket in trouble keeps the policy as it was."""
         if not force and time.time() - self._controls_at < CONTROLS_EVERY_S:
             return self.policy
         self._controls_at = time.time()
         state = state_of(self.manifest, self.ctx.learners)
         try:
-            entries = [entry_of(name, op)
-                       for name, op in read_ops(self.ctx.store, self.ctx.keys, state.ops_cursor)]
+            entries = [entry_of(name, op) for name, op in self.ops.read(state.ops_cursor, newest=force)]
         except StorageError as err:
             log.warning("control ops unreadable (%s); merging by the last policy", err)
             return self.policy
@@ -162,15 +169,23 @@ class Merger:
         return self.policy
 
     # ---- waiting -------------------------------------------------------------------------
-    def pending(self) -> Pending:
+    def pending(self, every_folder: bool = True) -> Pending:
         """List deltas (never cached); per learner the contiguous seqs after the cursor; an old gap lost, as
         one range. Admission first, and bounded work per key: a name that is no member's (never admitted) and
         a seq further past its member's cursor than it can be (waiting.plausible_ahead) are ignored, each
-        reported once (an `ignored` event), never decided one by one, never given a cursor."""
-        found = deltas_after(self.ctx.store, self.ctx.keys, self.manifest.cursors, self._strangers)
+        reported once (an `ignored` event), never decided one by one, never given a cursor. Without
+        `every_folder`, the learners' folders are those listed last while every member has one and that was
+        under FOLDERS_EVERY_S ago (due() lists them at a wait's start): a member's first delta is found at
+        once, a never-admitted writer's by the next merge or within FOLDERS_EVERY_S, and a look costs one
+        request a learner."""
         out, now = Pending(), time.time()
         state, ahead = self.policy.state, plausible_ahead(self.cfg.learner.max_unmerged)
         known = {*state.members, *state.removed, *self.manifest.cursors}  # removed members' still decided
+        unseen = not set(state.members) <= self._folders  # a member without a folder: listed till it has one
+        if every_folder or unseen or now - self._folders_at >= FOLDERS_EVERY_S:
+            self._folders, self._folders_at = set(self.ctx.store.folders(self.ctx.keys.deltas_prefix())), now
+        found = deltas_after(self.ctx.store, self.ctx.keys, self.manifest.cursors, self._strangers,
+                             sorted(self._folders))
         self._strangers -= known  # admitted since: listed and decided as every member's
         for learner, seqs in sorted(found.items()):
             seqs.sort()
@@ -223,8 +238,8 @@ class Merger:
         pause ends it. Due once a quorum of eligible learners has deltas pending (or any has, quorum_timeout_s
         into the wait), then once the grace window after the quorum is over or every learner that may publish
         (the members, less the removed and quarantined) has a delta pending: nobody is left to wait for."""
-        now = time.time()
-        if self.wait is None:
+        now, first = time.time(), self.wait is None
+        if first:
             self.wait = Wait(now)
             self.refresh_policy()  # the guard state of the version just committed or loaded, the ops since
             self.stage_hook("listing")
@@ -239,7 +254,7 @@ class Merger:
             self._note_pause(wait, now)
             return False
         self._paused = False
-        pending = self.pending()
+        pending = self.pending(every_folder=first)  # the learners' folders at a wait's start, and see pending
         if wait.quorum_at is None:
             eligible = sum(1 for name, seqs in pending.ready.items() if seqs and policy.eligible(name))
             if not wait.quorum_reached(eligible, min(cfg.quorum, max(1, len(policy.state.members))),

@@ -10,6 +10,7 @@ every learner that may publish has a delta pending (nobody is left to wait for).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from diloco.storage import RunKeys, Store
@@ -45,13 +46,15 @@ class Pending:
 
 
 def deltas_after(store: Store, keys: RunKeys, cursors: dict[str, int],
-                 skip: frozenset[str] | set[str] = frozenset()) -> dict[str, list[int]]:
+                 skip: frozenset[str] | set[str] = frozenset(),
+                 learners: Iterable[str] | None = None) -> dict[str, list[int]]:
     """Per learner, the seqs of its deltas after its cursor (sorted; a learner without any: absent). One
-    listing of the learners' folders, then one per learner from its cursor's key on (S3's StartAfter):
-    O(learners + new deltas) a poll, not O(every delta of the run). A folder that is not a learner's name
-    holds no delta; the folders in `skip` (strangers already decided) are not listed again."""
+    listing of the learners' folders (or the folders of `learners` only, when given), then one per learner
+    from its cursor's key on (S3's StartAfter): O(learners + new deltas) a poll, not O(every delta of the
+    run). A folder that is not a learner's name holds no delta; the folders in `skip` (strangers already
+    decided) are not listed again."""
     found: dict[str, list[int]] = {}
-    for learner in store.folders(keys.deltas_prefix()):
+    for learner in store.folders(keys.deltas_prefix()) if learners is None else learners:
         if learner in skip:
             continue
         try:

@@ -10,9 +10,11 @@ admitted, minus the removed.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,7 @@ from typing import Any
 from diloco.configs import ConfigError
 from diloco.run.events import EventLog
 from diloco.storage import Conflict, NotFound, RunKeys
-from diloco.storage.keys import new_nonce, parse_op_key
+from diloco.storage.keys import InvalidName, new_nonce, parse_op_key
 from diloco.storage.records import ControlOp, RecordError, finite_json, read_record, write_record
 from diloco.storage.store import Store
 
@@ -40,8 +42,12 @@ def operator_identity() -> str:
 
 
 def list_ops(store: Store, keys: RunKeys, after: str = "") -> list[str]:
-    """The names of the run's control ops after `after` (one fresh listing), in order."""
-    names = (parse_op_key(k) for k in store.list(keys.ops_prefix()))
+    """The names of the run's control ops after `after` (one fresh listing from its key on), in order."""
+    start = ""
+    if after:
+        with contextlib.suppress(InvalidName):  # a cursor that is no op's name: the whole listing, filtered
+            start = keys.op(after)
+    names = (parse_op_key(k) for k in store.list(keys.ops_prefix(), start))
     return sorted(n for n in names if n is not None and n > after)
 
 
@@ -61,6 +67,28 @@ def read_ops(store: Store, keys: RunKeys, after: str = "") -> list[tuple[str, Co
         except NotFound:
             continue
     return out
+
+
+class OpsFeed:
+    """The run's control ops as the chains of one merger process read them: the ops are the run's, not a
+    chain's, so one listing (and the ops it read) serves every chain that asks within `fresh_s` of it, and a
+    reader that must see the newest (a wait's start, a merge) lists again. A shard of 8 chains lists the ops
+    about once a second instead of 8 times; an op reaches each chain's policy within 2 x fresh_s."""
+
+    def __init__(self, store: Store, keys: RunKeys, fresh_s: float) -> None:
+        self.store, self.keys, self.fresh_s = store, keys, fresh_s
+        self._lock = threading.Lock()
+        self._after: str | None = None  # the cursor the held listing started after (None: nothing held)
+        self._at = 0.0  # when it was made (time.monotonic())
+        self._entries: list[tuple[str, ControlOp | RecordError]] = []
+
+    def read(self, after: str = "", newest: bool = True) -> list[tuple[str, ControlOp | RecordError]]:
+        """read_ops(after): listed now when `newest`, otherwise from a listing made under fresh_s ago."""
+        with self._lock:
+            now = time.monotonic()
+            if newest or self._after is None or after < self._after or now - self._at >= self.fresh_s:
+                self._entries, self._after, self._at = read_ops(self.store, self.keys, after), after, now
+            return [(name, op) for name, op in self._entries if name > after]
 
 
 def _next_name(store: Store, keys: RunKeys) -> str:

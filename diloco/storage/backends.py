@@ -132,7 +132,10 @@ def _unlink_quietly(path: str) -> None:
 # learners and evaluators printed six, 2026-12-07) — and aiohttp's would close the shared connections: the
 # parent's next request on one stalled ~15 s (tests/integration/test_fork_sessions.py). So a child holds its
 # copies for its whole life, their sessions marked closed: the connections are the parent's to close.
-_S3_BACKENDS: weakref.WeakSet[FsspecBackend] = weakref.WeakSet()
+# The filesystems are tracked, not their backends (one outlives its backend in a reference cycle until a
+# collection: under xdist a store an earlier test dropped was collected in the fork test's child, 2026-12-07
+# CI), and by identity (fsspec filesystems with the same options are equal: a WeakSet would hold one of them).
+_S3_FILESYSTEMS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _INHERITED: list[Any] = []  # a forked child's copies of its parent's S3 filesystems: held, never torn down
 
 
@@ -141,15 +144,15 @@ async def _closed_already(*_: Any) -> None:
 
 
 def _disown_inherited_sessions() -> None:
-    for backend in list(_S3_BACKENDS):
-        _INHERITED.append(backend.fs)
-        creator = getattr(backend.fs, "_s3creator", None)  # set with the session, on first use
+    for fs in list(_S3_FILESYSTEMS.values()):
+        _INHERITED.append(fs)
+        creator = getattr(fs, "_s3creator", None)  # set with the session, on first use
         if creator is not None:
             # what s3fs's finalizer awaits (an instance attribute wins), and the attribute its fallback
             # closes the sockets through (it passes over one that is gone): should it run at the child's exit
             creator.__aexit__ = _closed_already
             creator._client = None
-    _S3_BACKENDS.clear()
+    _S3_FILESYSTEMS.clear()
 
 
 os.register_at_fork(after_in_child=_disown_inherited_sessions)
@@ -161,7 +164,7 @@ class FsspecBackend:
     def __init__(self, fs: Any, root: str, protocol: str) -> None:
         self.fs, self.root, self.protocol = fs, root.rstrip("/"), protocol
         if protocol in _ATOMIC_CREATE_PROTOCOLS:
-            _S3_BACKENDS.add(self)
+            _S3_FILESYSTEMS[id(fs)] = fs
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key

@@ -11,6 +11,7 @@ Run: .venv/bin/pytest tests/integration/test_fragment_merger.py -q
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from diloco.run.fragments import (
 )
 from diloco.run.objects import encode_tensors
 from diloco.storage import list_versions, open_store, read_latest, read_manifest
+from diloco.storage.wrapper import WrapperStore
 from diloco.training.fragments import put_, take
 
 LEARNERS = ["a-0", "a-1"]
@@ -225,3 +227,68 @@ def test_a_fork_of_a_fragmented_run_starts_every_chain_at_its_version_v(tmp_path
         fork_run(store, "parent", 1, "child-2", cfg=_cfg(2, 1))
     with pytest.raises(RunError, match="no run version 5"):
         fork_run(store, "parent", 5, "child-3")
+
+
+class _Calls(WrapperStore):
+    """Records the requests a poll makes: (call, key or prefix)."""
+
+    def __init__(self, inner, log: list | None = None) -> None:
+        super().__init__(inner)
+        self.log = [] if log is None else log
+
+    def _over(self, inner):
+        return _Calls(inner, self.log)
+
+    def exists(self, key: str) -> bool:
+        self.log.append(("exists", key))
+        return self.inner.exists(key)
+
+    def list(self, prefix: str, after: str = "") -> list[str]:
+        self.log.append(("list", prefix))
+        return self.inner.list(prefix, after)
+
+    def folders(self, prefix: str) -> list[str]:
+        self.log.append(("folders", prefix))
+        return self.inner.folders(prefix)
+
+
+def test_a_shard_looks_at_each_chain_with_a_head_and_a_listing_a_learner(tmp_path, monkeypatch):
+    """A look at a waiting chain costs a HEAD of its next version and one listing per learner's folder; the
+    folder of folders is listed at a wait's start, while a member has no folder, and every FOLDERS_EVERY_S;
+    the run's control ops, between a wait's start and the merge, once a second for all the shard's chains,
+    not once per chain (8 chains over real links listed control/ops/ 8 times a second: docs/bench/wan.md)."""
+    from diloco.merger import merger as merger_module
+    from diloco.run import controls
+
+    clock = [1_000.0]
+    fake = types.SimpleNamespace(time=lambda: clock[0], monotonic=lambda: clock[0], sleep=lambda s: None)
+    monkeypatch.setattr(merger_module, "time", fake)
+    monkeypatch.setattr(controls, "time", fake)
+    store = _Calls(open_store(f"file://{tmp_path}"))
+    ctx = create_run(store, "polls", _cfg(4).with_overrides({"merger.quorum_timeout_s": 3600.0}))
+    rounds = _full_deltas(_params(ctx, ctx.keys, 0), 2)
+    shard = ShardMerger(ctx)
+    ops, chains = ctx.keys.ops_prefix(), [ctx.keys.for_fragment(i) for i in range(4)]
+
+    def one_pass(at: float, merges: int = 0) -> list:
+        clock[0] = at
+        store.log.clear()
+        assert len(shard.poll_once()) == merges
+        return list(store.log)
+
+    one_pass(1_000.0)  # every chain loads; no member has a folder yet: the folders listed at every look
+    assert sum(c[0] == "folders" for c in one_pass(1_000.1)) == 4
+    _publish_round(ctx, rounds[0], 0, 0)
+    one_pass(1_000.2, merges=4)  # version 1 of every chain; the folders listed then
+    waiting = one_pass(1_000.3)  # each chain's wait starts: its ops listed fresh, its folders
+    assert waiting.count(("list", ops)) == 4 and sum(c[0] == "folders" for c in waiting) == 4
+    _publish_round(ctx, {"a-0": rounds[1]["a-0"]}, 1, 1)  # one of the two: no quorum, nothing merges
+    look = sorted([("exists", k.manifest(2)) for k in chains] + [("list", k.deltas_prefix(n)) for k in chains
+                                                                 for n in LEARNERS])
+    assert sorted(one_pass(1_000.8)) == look  # a HEAD and one listing a learner, per chain
+    assert sorted(one_pass(1_001.5)) == sorted([*look, ("list", ops)])  # the ops, once for the four chains
+    assert sorted(one_pass(1_010.1)) == sorted([*look, ("list", ops)])  # the folders listed 9.8 s ago
+    assert sorted(one_pass(1_010.3)) == sorted(look + [("folders", k.deltas_prefix()) for k in chains])
+    _publish_round(ctx, {"a-1": rounds[1]["a-1"]}, 1, 1)
+    one_pass(1_010.4, merges=4)
+    assert fragment_versions(ctx) == [2] * 4
