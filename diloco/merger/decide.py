@@ -69,10 +69,13 @@ def _decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, po
 
     phase_times: list[float] = []
     for learner, (first, last) in sorted(pending.strangers.items()):  # one decision, no cursor, never again
+        rejected = gate(policy, learner, first)
+        if rejected is None:  # admitted since its keys were listed (the ops read again): merged next time
+            continue
         strangers.add(learner)
         decisions.append(DeltaDecision(learner=learner, seq=first, seq_last=last if last != first else None,
                                        status="rejected", check="admission",
-                                       reason=gate(policy, learner, first).reason))  # its keys not read
+                                       reason=rejected.reason))  # its keys not read
     for learner, (first, last) in sorted(pending.lost.items()):
         seqs = f"seq {first}" if first == last else f"seqs {first}..{last}"
         decisions.append(DeltaDecision(

@@ -76,7 +76,7 @@ class Merger:
         # the run's control ops: a shard's chains share one feed (diloco.merger.loop)
         self.ops = ops or OpsFeed(ctx.store, ctx.keys, CONTROLS_EVERY_S)
         self._folders: set[str] = set()  # the folders under deltas/ at their last listing (pending) ...
-        self._folders_at = 0.0  # ... and when
+        self._folders_at = -FOLDERS_EVERY_S  # ... and when (time.monotonic())
         torch.set_num_threads(1)  # reductions in one fixed order: `audit` replays them bit for bit
         self.events = events or EventLog(None, None, merger_id)
         self.stage_hook = stage_hook or (lambda stage: None)  # chaos: kill at a named stage
@@ -178,12 +178,13 @@ class Merger:
         under FOLDERS_EVERY_S ago (due() lists them at a wait's start): a member's first delta is found at
         once, a never-admitted writer's by the next merge or within FOLDERS_EVERY_S, and a look costs one
         request a learner."""
-        out, now = Pending(), time.time()
+        out, now, clock = Pending(), time.time(), time.monotonic()
         state, ahead = self.policy.state, plausible_ahead(self.cfg.learner.max_unmerged)
         known = {*state.members, *state.removed, *self.manifest.cursors}  # removed members' still decided
         unseen = not set(state.members) <= self._folders  # a member without a folder: listed till it has one
-        if every_folder or unseen or now - self._folders_at >= FOLDERS_EVERY_S:
-            self._folders, self._folders_at = set(self.ctx.store.folders(self.ctx.keys.deltas_prefix())), now
+        if every_folder or unseen or clock - self._folders_at >= FOLDERS_EVERY_S:
+            self._folders = set(self.ctx.store.folders(self.ctx.keys.deltas_prefix()))
+            self._folders_at = clock
         found = deltas_after(self.ctx.store, self.ctx.keys, self.manifest.cursors, self._strangers,
                              sorted(self._folders))
         self._strangers -= known  # admitted since: listed and decided as every member's

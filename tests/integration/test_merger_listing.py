@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import botocore
 
+from diloco.api.operate import admit_learner
 from diloco.configs import load_config
+from diloco.inspect.audit import audit_run
 from diloco.merger.merger import Merger
 from diloco.run.chain_state import chain_params
 from diloco.run.create import create_run
@@ -104,3 +106,27 @@ def test_a_listing_is_one_request_a_page_even_of_an_empty_folder(s3_url: str) ->
     assert store.list("run/deltas/b/") == [] and store.list("run/deltas/") == store.list("run/deltas/a/")
     assert calls == ["list_objects_v2"] * 5
 
+
+
+def test_a_writer_admitted_between_the_listing_and_the_merge_is_merged_next_not_a_crash(tmp_path) -> None:
+    """The wait ended with a never-admitted writer's keys (a stranger); its admission lands before the merge
+    reads the ops again: the merge leaves its keys to the next one, which merges them as a member's (it raised
+    AttributeError on the gate's None, and the merger process died)."""
+    cfg = load_config("tiny").with_overrides({"run.num_learners": 1, "merger.quorum": 1,
+                                              "merger.grace_cap_s": 0.0})
+    ctx = create_run(open_store(f"file://{tmp_path}"), "admitted", cfg)
+    merger = Merger(ctx)
+    merger.load()
+    plant(ctx, ctx.learners[0], 0, base_version=0)
+    plant(ctx, "late-0", 0, base_version=0)
+    assert merger.due() and merger.wait.ready.strangers == {"late-0": (0, 0)}
+    admit_learner(ctx, None, "late-0")
+    first = merger.merge_once()
+    assert [(d.learner, d.status) for d in first.decisions] == [(ctx.learners[0], "merged")]
+    assert "late-0" not in first.cursors
+    plant(ctx, ctx.learners[0], 1, base_version=1)
+    second = merger.merge_once()
+    assert {(d.learner, d.seq, d.status) for d in second.decisions} == {
+        (ctx.learners[0], 1, "merged"), ("late-0", 0, "merged")}
+    report = audit_run(ctx)
+    assert report.ok, report.problems
