@@ -255,7 +255,7 @@ class Merger:
             self._note_pause(wait, now)
             return False
         self._paused = False
-        pending = self.pending(every_folder=first)  # the learners' folders at a wait's start, and see pending
+        pending = self.pending(every_folder=first)  # the learners' folders listed again at a wait's start
         if wait.quorum_at is None:
             eligible = sum(1 for name, seqs in pending.ready.items() if seqs and policy.eligible(name))
             if not wait.quorum_reached(eligible, min(cfg.quorum, max(1, len(policy.state.members))),
