@@ -12,6 +12,7 @@ a checkpoint every K versions on its writer thread, which lands before the next 
 from __future__ import annotations
 
 import gc
+import resource
 import time
 from typing import Any
 
@@ -67,7 +68,9 @@ PASSES = 3
 
 def rounds_child(storage: str, run_id: str, first: int, last: int, decode: bool, queue: Any) -> None:
     """Rounds first..last (round r makes version r + 1) by one merger process: per round the merge time and
-    the growth of peak RSS over it; the bytes it wrote; the checkpoint writes' time; read + decode of the
+    its memory (the growth of peak RSS over it, plus the blocks its merges keep between rounds, held before
+    it), the page faults its process took over it (every thread's: the merge and the checkpoint writer beside
+    it); the bytes it wrote; the checkpoint writes' time; read + decode of the
     last round, PASSES times (`decode`; else read_decode_s is None)."""
     from diloco.bench.scale import peak_rss_bytes, reset_peak_rss
     from diloco.merger.loop import ShardMerger
@@ -90,17 +93,22 @@ def rounds_child(storage: str, run_id: str, first: int, last: int, decode: bool,
     replayed = sum(shard.chains[i].state.last_load.replayed for i in shard.fragments)
     counting.reset()
     keep = checkpoint_every(ctx.cfg)
-    merge_s, peaks, highs = [], [], []
+    merge_s, peaks, highs, kept, faults = [], [], [], [], []
+    arenas = next(iter(shard.chains.values())).arenas  # the blocks its merges keep (shared by its chains)
     for r in range(first, last + 1):
         publish_round(raw, ctx, r, keep)
         for merger in shard.chains.values():
             merger.checkpoints.flush()  # the last round's checkpoint lands before this one is timed
         gc.collect()
+        # a merge's memory: what its blocks kept from the merges before, and its growth over the round
+        kept.append(arenas.sums.held_bytes + arenas.buffers.held_bytes)
         before = reset_peak_rss()
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         merged = shard.poll_once()
         merge_s.append(time.perf_counter() - t0)
-        peaks.append(peak_rss_bytes() - before)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0)
+        peaks.append(peak_rss_bytes() - before + kept[-1])
         highs.append(peak_rss_bytes())
         if len(merged) != len(shard.fragments) or any(len(m.merged()) != len(ctx.learners) for m in merged):
             raise RuntimeError(f"round {r}: {len(merged)} merges for {len(shard.fragments)} chains")
@@ -114,7 +122,7 @@ def rounds_child(storage: str, run_id: str, first: int, last: int, decode: bool,
         return time.perf_counter() - t0
 
     read_decode_s = [read_decode() for _ in range(PASSES)] if decode else None
-    queue.put({"merge_s": merge_s, "peak_rss_bytes": peaks, "rss_high_bytes": highs,
+    queue.put({"merge_s": merge_s, "peak_rss_bytes": peaks, "rss_high_bytes": highs, "kept_bytes": kept, "faults": faults,
                "read_decode_s": read_decode_s,
                "sent_bytes": sum(counting.sent.values()), "sent": dict(counting.sent), "checkpoint_s": writes,
                "load_s": load_s, "replayed": replayed})

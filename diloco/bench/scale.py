@@ -139,7 +139,10 @@ def measure_row(size: str, num_learners: int, num_fragments: int,
     return {"fragments": num_fragments, "largest_fragment_mb": max(fp32) / 1e6,
             # the run's first merge (version 0 -> 1) also allocates the outer state the merger then holds
             # (momentum and residual: 8 B/param, zeros until then): held state, reported apart
+            # the growth over a round plus the blocks its merges keep (MergeArenas: held between rounds)
             "merge_peak_rss_mb": max(first["peak_rss_bytes"][1:] + last["peak_rss_bytes"]) / 1e6,
+            "merge_kept_mb": max(first["kept_bytes"] + last["kept_bytes"]) / 1e6,
+            "merge_page_faults": statistics.median(first["faults"][1:] + last["faults"]),  # minor, a round
             "first_merge_peak_rss_mb": first["peak_rss_bytes"][0] / 1e6,
             "merge_s_per_round": merge_s, "publish_mb": sum(sizes) / len(sizes) / 1e6,
             "_peak_window_bytes": peak_window_bytes(sizes, cfg.inner.steps_per_phase),

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from diloco.merger.step import GradientStream, LearnerGroup, counter_bounds, gradient_stream
+from diloco.merger.step import GradientStream, LearnerGroup, MergeArenas, counter_bounds, gradient_stream
 from diloco.merger.waiting import Pending
 from diloco.run.context import RunContext, direct_names
 from diloco.run.events import EventLog
@@ -36,26 +36,32 @@ log = logging.getLogger("diloco.merger")
 
 def decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, policy: Policy,
            keyring: dict[str, list[bytes]] | None, strangers: set[str],
-           events: EventLog) -> tuple[list[DeltaDecision], GradientStream, list[float], Judge]:
+           events: EventLog, arenas: MergeArenas | None = None,
+           ) -> tuple[list[DeltaDecision], GradientStream, list[float], Judge]:
     """Read, judge and fold the deltas on top of `version` learner by learner (streamed: memory does not grow
     with the number of learners); a learner that may not publish is rejected without a read. Each stranger
-    decided joins `strangers` (its folder is not listed again)."""
+    decided joins `strangers` (its folder is not listed again). `arenas`: the merger's kept blocks the fp64
+    sums are laid in and the deltas first decoded into (None: fresh); then `judge.reuse` holds the folded
+    deltas' buffers, for the pseudo-gradient (GradientStream.finish(into=judge.reuse.tensor)), until the
+    caller lets it go."""
     with ThreadPoolExecutor(1, thread_name_prefix="merge-fold") as worker:
         decisions, stream, phase_times, judge, folds = _decide(ctx, version, layout, pending, policy, keyring,
-                                                               strangers, events, worker)
+                                                               strangers, events, worker, arenas)
         for fold in folds:
             fold.result()  # a fold's error is the merge's
-    judge.reuse = None  # the last delta's buffers freed before the outer step
     return decisions, stream, phase_times, judge
 
 
 def _decide(ctx: RunContext, version: int, layout: Tensors, pending: Pending, policy: Policy,
             keyring: dict[str, list[bytes]] | None, strangers: set[str], events: EventLog,
-            worker: ThreadPoolExecutor):
+            worker: ThreadPoolExecutor, arenas: MergeArenas | None):
     decisions: list[DeltaDecision] = []
     stream = gradient_stream(layout, version, policy.cfg.outer, direct_names(ctx, layout), ctx.buffers,
-                             counter_bounds(policy.cfg, ctx.tokens_per_step))
-    fold_gate, recycler = FoldGate(), Recycler()
+                             counter_bounds(policy.cfg, ctx.tokens_per_step),
+                             arena=None if arenas is None else arenas.sums)
+    # each tensor's first delta is decoded into the kept fp32 block, the next into what the fold gave back
+    seed = None if arenas is None else arenas.buffers.views({k: tuple(v.shape) for k, v in layout.items()})
+    fold_gate, recycler = FoldGate(), Recycler(seed)
     judge = Judge(ctx.run_id, ctx.fingerprint, version, layout, policy, keyring, buffers=ctx.buffers,
                   apart=ctx.window_apart, worker=worker, gate=fold_gate, chunked_norms=ctx.chunked_norms,
                   reuse=recycler)
@@ -136,11 +142,14 @@ class FoldGate:
 class Recycler:
     """The fold's consumed tensors kept by name for the next delta's tensor of that name to be decoded into
     (Judge.reuse): the fold gives tensor i back before FoldGate hears it is folded, so the decoder, which
-    waits for that, finds it. Nobody else holds a consumed tensor (the stream pops it from its group)."""
+    waits for that, finds it. Nobody else holds a consumed tensor (the stream pops it from its group).
+    `seed`: fp32 buffers nobody holds (an arena's views), one per name, the first ones handed out."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: dict[str, torch.Tensor] | None = None) -> None:
         self._lock = threading.Lock()
         self._free: dict[str, np.ndarray] = {}
+        for name, value in (seed or {}).items():
+            self.give(name, value)
 
     def give(self, name: str, value: torch.Tensor) -> None:
         if value.dtype == torch.float32 and value.is_contiguous():
@@ -150,6 +159,11 @@ class Recycler:
     def take(self, name: str) -> np.ndarray | None:
         with self._lock:
             return self._free.pop(name, None)
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """take(name) as a tensor (sharing its memory), or None."""
+        free = self.take(name)
+        return None if free is None else torch.from_numpy(free)
 
 
 def read_one(ctx: RunContext, judge: Judge, learner: str, seq: int):

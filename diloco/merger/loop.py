@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from diloco.merger.checkpointer import ChainCheckpoints, CheckpointWriter
 from diloco.merger.merger import CONTROLS_EVERY_S, Merger
+from diloco.merger.step import MergeArenas
 from diloco.run.context import RunContext
 from diloco.run.controls import OpsFeed
 from diloco.run.events import EventLog
@@ -55,12 +56,13 @@ class ShardMerger:
         owned = owned_by(shard, ctx.cfg.merger.shards if ctx.fragments else 1, num_fragments(ctx))
         self.writer = CheckpointWriter()  # one thread writes every owned chain's checkpoints, one at a time
         ops = OpsFeed(ctx.store, ctx.keys, CONTROLS_EVERY_S)  # the run's ops: one listing serves every chain
+        arenas = MergeArenas()  # the chains merge one at a time: kept blocks of the largest chain's size
         self.chains = {}
         for index in owned:
             chain = fragment_context(ctx, index)
             checkpoints = ChainCheckpoints(chain, self.writer, self.merger_id, self.events, stage_hook)
             self.chains[index] = Merger(chain, self.merger_id, events=self.events, stage_hook=stage_hook,
-                                        keyring=keyring, checkpoints=checkpoints, ops=ops)
+                                        keyring=keyring, checkpoints=checkpoints, ops=ops, arenas=arenas)
         self._stale = set(owned)  # chains to (re)load before their next use: at start, after a storage error
 
     @property

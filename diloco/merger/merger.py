@@ -24,6 +24,7 @@ from diloco.merger.decide import decide
 from diloco.merger.inplace import outer_step_in_place
 from diloco.merger.plan import MergePlan
 from diloco.merger.step import (
+    MergeArenas,
     OuterState,
     StepResult,
     outer_optimizer,
@@ -65,7 +66,8 @@ class Merger:
     def __init__(self, ctx: RunContext, merger_id: str = "merger", events: EventLog | None = None,
                  stage_hook: Callable[[str], None] | None = None,
                  keyring: dict[str, list[bytes]] | None = None,
-                 checkpoints: ChainCheckpoints | None = None, ops: OpsFeed | None = None) -> None:
+                 checkpoints: ChainCheckpoints | None = None, ops: OpsFeed | None = None,
+                 arenas: MergeArenas | None = None) -> None:
         self.ctx, self.base_cfg, self.merger_id = ctx, ctx.cfg, merger_id
         self.cfg = ctx.cfg  # the next merge's live config (run.json's + `diloco set`), see refresh_policy
         self.keyring = keyring  # learner -> keys, when learner.sign is on (trust/signing.py)
@@ -84,7 +86,10 @@ class Merger:
         self._ignored_said: set[str] = set()  # learners whose implausible keys were reported (once a process)
         self._strangers: set[str] = set()  # never-admitted names already rejected: their folders go unlisted
         self.ema = {"phase_s": 0.0, "quorum_s": 0.0, "merge_s": 0.0}
-        self.state = VersionState(ctx)  # the chain's params and outer state, held between merges
+        # the memory its merges use, kept between them (a shard's chains share it: they merge one at a time)
+        self.arenas = arenas or MergeArenas()
+        # the chain's params and outer state, held between merges
+        self.state = VersionState(ctx, self.arenas.sums)
         # its checkpoints (a process's chains share one writer thread: diloco.merger.loop)
         self.checkpoints = checkpoints or ChainCheckpoints(ctx, CheckpointWriter(), merger_id, self.events,
                                                            self.stage_hook)
@@ -321,10 +326,12 @@ class Merger:
         policy = self.policy  # frozen for this merge: the ops it applies, the config it merges by
         decisions, stream, phase_times, judge = decide(self.ctx, self.version, self.state.layout(),
                                                        wait.ready, policy, self.keyring, self._strangers,
-                                                       self.events)
+                                                       self.events, self.arenas)
         optimizer = outer_optimizer(policy.cfg, len(self.ctx.learners))
         judge.scratch.release()
-        finished = stream.finish()  # the fp64 sums become the fp32 pseudo-gradient before the step
+        # the fp64 sums become the fp32 pseudo-gradient before the step, in the folded deltas' buffers
+        finished = stream.finish(into=judge.reuse.tensor)
+        judge.reuse = None  # what the pseudo-gradient did not take is let go before the step
         self.checkpoints.before_step(self.version + 1, self.state.snapshot)  # no checkpoint copying the state
         params, outer = self.state.take(judge.params)
         result = outer_step_in_place(params, outer, stream, self.ctx.fingerprint, optimizer, finished)

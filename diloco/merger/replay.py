@@ -45,6 +45,7 @@ from diloco.storage import Manifest, StorageError
 from diloco.storage.codec import CodecError, decode, object_checksum, read_header
 from diloco.storage.manifest import CheckpointRef
 from diloco.storage.window import read_full_manifest
+from diloco.training.fp64 import Arena
 from diloco.training.tensors import Tensors
 from diloco.trust.guard import check_settings
 
@@ -101,16 +102,18 @@ def _delta(ctx: RunContext, m: Manifest, learner: str, seq: int, checksum: str, 
 
 
 def replay_merge(ctx: RunContext, prev: Manifest, m: Manifest, params: Tensors,
-                 outer: OuterState | None, deltas: Iterator | None = None) -> StepResult:
+                 outer: OuterState | None, deltas: Iterator | None = None,
+                 arena: Arena | None = None) -> StepResult:
     """Merge m again on version prev's state (consumed: `params` becomes m's, `outer` is emptied) and check
     its update against m's; ReplayMismatch when it differs, CorruptObject/StorageError when an input cannot
     be read. The next delta is read, checked and decoded on a second thread while this one is folded (the
     same bits: the fold's order is the recorded one); `deltas`: a Prefetch's iterator of recover's, over the
-    merged deltas of this merge and those after it ((manifest, decision), (header, delta)), instead."""
+    merged deltas of this merge and those after it ((manifest, decision), (header, delta)), instead;
+    `arena`: the merger's kept block the fp64 sums are laid in (None: fresh)."""
     cfg = merge_config(ctx, m)
     layout = layout_of(ctx, params)
     stream = gradient_stream(layout, prev.version, cfg.outer, direct_names(ctx, layout), ctx.buffers,
-                             counter_bounds(cfg, ctx.tokens_per_step))  # the merge's own bounds
+                             counter_bounds(cfg, ctx.tokens_per_step), arena=arena)  # the merge's own bounds
     group: LearnerGroup | None = None
     merged = m.merged()
 
@@ -197,10 +200,10 @@ REPLAY_AHEAD = 2  # deltas a recovering merger reads ahead of its replay (each h
 
 
 def recover(ctx: RunContext, manifest: Manifest, held: ChainState | None = None, *,
-            newest: bool = True) -> ChainState:
+            newest: bool = True, arena: Arena | None = None) -> ChainState:
     """The chain's state at `manifest`'s version: from `held` (a state at an older version of this chain,
     consumed) when it is at or past the checkpoint, else from the checkpoint (`newest`: or a newer one that
-    landed since); then every merge after it replayed and checked."""
+    landed since); then every merge after it replayed and checked (`arena`: the merger's fp64 block)."""
     if held is not None and held.manifest.version == manifest.version:
         return held
     usable = held is not None and held.manifest.version < manifest.version
@@ -233,7 +236,7 @@ def recover(ctx: RunContext, manifest: Manifest, held: ChainState | None = None,
         ahead.skip_until(lambda item: item[0].version > prev.version)
         deltas = iter(ahead)
         for m in todo:
-            result = replay_merge(ctx, prev, m, state.params, state.outer, deltas=deltas)
+            result = replay_merge(ctx, prev, m, state.params, state.outer, deltas=deltas, arena=arena)
             state.params, state.outer, prev = result.params, result.outer, m
             state.replayed += 1
             del result

@@ -22,13 +22,24 @@ from diloco.run.context import LEGACY_DIRECT
 from diloco.run.objects import decode_tensors, encode_tensors
 from diloco.storage.codec import Header
 from diloco.training.buffers import BufferMerge
+from diloco.training.fp64 import Arena
 from diloco.training.merge import Combiner, delta_weight
 from diloco.training.outer import OuterOptimizer, OuterState
 from diloco.training.tensors import Tensors, add_, clone
 from diloco.trust.judge import delta_norm
 
-__all__ = ["GradientStream", "LearnerGroup", "OuterOptimizer", "OuterState", "StepResult", "gradient_stream",
-           "outer_optimizer", "outer_step"]
+__all__ = ["GradientStream", "LearnerGroup", "MergeArenas", "OuterOptimizer", "OuterState", "StepResult",
+           "gradient_stream", "outer_optimizer", "outer_step"]
+
+
+@dataclass
+class MergeArenas:
+    """The memory a merger keeps between its merges (diloco.run.heap.Arena), one merge at a time: the block
+    its fp64 sums are laid in, and the fp32 block its deltas are first decoded into and its pseudo-gradient
+    is written to. The largest chain's size: 12 B a parameter of it, what each merge's peak held anyway."""
+
+    sums: Arena = field(default_factory=lambda: Arena(torch.float64))
+    buffers: Arena = field(default_factory=lambda: Arena(torch.float32))
 
 
 @dataclass
@@ -116,9 +127,10 @@ class GradientStream:
     chain merges (run.json's): each group's newest are folded by its tokens."""
 
     def __init__(self, version: int, merge_rule: str, staleness_power: float, direct: tuple[str, ...] = (),
-                 buffers: list[dict] = (), bounds: CounterBounds | None = None) -> None:
+                 buffers: list[dict] = (), bounds: CounterBounds | None = None,
+                 arena: Arena | None = None) -> None:
         self.version, self.staleness_power, self.bounds = version, staleness_power, bounds
-        self.combiner = Combiner(merge_rule, direct=direct)
+        self.combiner = Combiner(merge_rule, direct=direct, arena=arena)
         self.buffer_merge = BufferMerge(list(buffers)) if buffers else None
         self.weights: dict[str, float] = {}
         # merged, as counted (within `bounds`): the run's tokens_total, token budget and schedule clock
@@ -145,26 +157,29 @@ class GradientStream:
         """The merged buffers, or None when no group carried any (the chain's parent's carry forward)."""
         return None if self.buffer_merge is None else self.buffer_merge.finish()
 
-    def finish(self) -> tuple[Tensors | None, dict[str, float]]:
-        """(combined pseudo-gradient, learner -> normalised weight); None when nothing has weight."""
+    def finish(self, into: Callable[[str], torch.Tensor | None] | None = None,
+               ) -> tuple[Tensors | None, dict[str, float]]:
+        """(combined pseudo-gradient, learner -> normalised weight); None when nothing has weight. `into`:
+        fp32 buffers the pseudo-gradient may be written to (Combiner.take_result)."""
         total_w = sum(self.weights.values())
         normalised = {k: (w / total_w if total_w > 0 else 0.0) for k, w in self.weights.items()}
         if not self.weights or total_w <= 0:
             return None, normalised
-        return self.combiner.take_result(), normalised  # the fp64 sums freed tensor by tensor
+        return self.combiner.take_result(into), normalised  # the fp64 sums freed tensor by tensor
 
 
 def gradient_stream(params: Tensors, version: int, outer: OuterConfig,
                     direct: tuple[str, ...] | None = None, buffers: list[dict] = (),
-                    bounds: CounterBounds | None = None) -> GradientStream:
+                    bounds: CounterBounds | None = None, arena: Arena | None = None) -> GradientStream:
     """The stream of the merge on top of `version`, with the run's merge rule and staleness power; `direct`:
     the tensors averaged directly (the run's layout marks its embeddings; None: the built-in GPT's);
     `buffers`: the buffers the chain merges (RunContext.buffers); `bounds`: what a learner's counters count
-    for (counter_bounds; None: as claimed, the merges of runs made before the bound)."""
+    for (counter_bounds; None: as claimed, the merges of runs made before the bound); `arena`: the merger's
+    kept fp64 block the sums are laid in (None: fresh zeros)."""
     if direct is None:
         direct = tuple(k for k in params if k in LEGACY_DIRECT)  # the paper averages embeddings directly
     return GradientStream(version, outer.merge_rule, outer.staleness_power, direct=direct, buffers=buffers,
-                          bounds=bounds)
+                          bounds=bounds, arena=arena)
 
 
 def outer_optimizer(cfg: Config, num_learners: int) -> OuterOptimizer:

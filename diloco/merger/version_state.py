@@ -18,12 +18,13 @@ from diloco.merger.replay import ChainState, recover
 from diloco.merger.step import OuterState
 from diloco.run.context import RunContext
 from diloco.storage import Manifest
+from diloco.training.fp64 import Arena
 from diloco.training.tensors import Tensors, same_layout
 
 
 class VersionState:
-    def __init__(self, ctx: RunContext) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: RunContext, arena: Arena | None = None) -> None:
+        self.ctx, self.arena = ctx, arena  # the merger's fp64 block, for the merges a load replays
         self.held: ChainState | None = None
         self.manifest: Manifest | None = None
         self.last_load: ChainState | None = None  # how the last load got there (replayed merges, seconds)
@@ -34,7 +35,7 @@ class VersionState:
         held, self.held = self.held, None
         if held is not None and held.manifest.version > manifest.version:
             held = None  # a newer state than the chain's newest cannot be: rebuilt from the checkpoint
-        state = recover(self.ctx, manifest, held)
+        state = recover(self.ctx, manifest, held, arena=self.arena)
         self.held, self.manifest, self.last_load = state, manifest, state
         return dict(state.ema)
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from diloco.training.fp64 import Fp64Scratch, add_scaled_, quotient_fp32
+from diloco.training.fp64 import Arena, Fp64Scratch, add_scaled_, quotient_fp32
 
 MERGE_RULES = ("mean", "rda")
 ACC_DTYPE = torch.float64  # accumulate in fp64, hand back fp32
@@ -38,14 +38,16 @@ class Combiner:
     rule "mean": sum(w * d) / sum(w).  rule "rda" (radial-directional averaging, per tensor):
     (sum(w*|d|)/sum(w)) * unit(sum(w * unit(d)) / sum(w)); tensors named in `direct` (the
     embedding) use the mean. ValueError (nothing changed) for a bad weight or a delta whose
-    names/shapes differ from the first one; result() with no deltas or zero total weight.
+    names/shapes differ from the first one; result() with no deltas or zero total weight. `arena`: the
+    accumulators are its views (zeroed: the same bits as fresh zeros), valid until its next combination.
     """
 
-    def __init__(self, rule: str, direct: tuple[str, ...] = ()) -> None:
+    def __init__(self, rule: str, direct: tuple[str, ...] = (), arena: Arena | None = None) -> None:
         if rule not in MERGE_RULES:
             raise ValueError(f"merge rule {rule!r} must be one of {MERGE_RULES}")
         self.rule = rule
         self.direct = frozenset(direct)
+        self.arena = arena
         self.num_added = 0
         self.total_weight = 0.0
         self._shapes: dict[str, tuple[int, ...]] | None = None
@@ -81,7 +83,8 @@ class Combiner:
         self._validate(delta, weight)
         if self._shapes is None:
             self._shapes = {name: tuple(t.shape) for name, t in delta.items()}
-            self._acc = {name: torch.zeros(shape, dtype=ACC_DTYPE) for name, shape in self._shapes.items()}
+            self._acc = self.arena.views(self._shapes, zero=True) if self.arena is not None else \
+                {name: torch.zeros(shape, dtype=ACC_DTYPE) for name, shape in self._shapes.items()}
             self._norm_acc = {name: 0.0 for name in self._shapes if self._uses_rda(name)}
         for index, name in enumerate(self._shapes):
             value = delta.pop(name) if consume else delta[name]
@@ -104,12 +107,16 @@ class Combiner:
         """The combined pseudo-gradient: name -> fp32 CPU tensor, in the first delta's order."""
         return self._result(consume=False)
 
-    def take_result(self) -> dict[str, torch.Tensor]:
+    def take_result(self, into: Callable[[str], torch.Tensor | None] | None = None,
+                    ) -> dict[str, torch.Tensor]:
         """result(), consuming the accumulators tensor by tensor (the same bits; the combiner is empty
-        after it): the fp64 sums and the fp32 result are never both held whole."""
-        return self._result(consume=True)
+        after it): the fp64 sums and the fp32 result are never both held whole. `into(name)`: an fp32 buffer
+        nobody else holds that a mean tensor's result is written to, when it has that tensor's shape (e.g. a
+        folded delta's, given back), or None."""
+        return self._result(consume=True, into=into)
 
-    def _result(self, consume: bool) -> dict[str, torch.Tensor]:
+    def _result(self, consume: bool, into: Callable[[str], torch.Tensor | None] | None = None,
+                ) -> dict[str, torch.Tensor]:
         if self._shapes is None:
             raise ValueError("no deltas to combine")
         if self.total_weight <= 0:
@@ -124,7 +131,11 @@ class Combiner:
                 out[name] = mean.to(torch.float32)
                 del mean
             else:  # (acc / total).to(fp32), a chunk at a time in cache: the same bits
-                out[name] = quotient_fp32(acc, self.total_weight, self._scratch)
+                buffer = None if into is None else into(name)
+                if buffer is not None and (buffer.shape != acc.shape or buffer.dtype != torch.float32
+                                           or not buffer.is_contiguous()):
+                    buffer = None
+                out[name] = quotient_fp32(acc, self.total_weight, self._scratch, out=buffer)
             del acc
         if consume:  # as new: the next add() starts a fresh combination
             self._shapes, self._norm_acc, self.num_added, self.total_weight = None, {}, 0, 0.0

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import statistics
 
+import pytest
+
 from diloco.bench._scale_rounds import PASSES
 from diloco.bench.scale import bench_scale, peak_window_bytes
 
@@ -26,12 +28,16 @@ def test_quick_scale_bench_writes_the_issue_keys(tmp_path):
     floor = {"read_decode_s", "state_io_s", "merge_vs_read_decode"}  # the merge-time target's reference
     log = {"bucket_bytes_per_version", "bucket_bytes_per_param_per_version", "recovery_s",
            "recovery_replayed", "rejoin_s", "rejoin_bytes", "rejoin_full_params_s", "merger_rss_mb",
-           "state_held_mb", "checkpoint_every", "rounds", "first_merge_peak_rss_mb"}  # issue #41
+           "state_held_mb", "checkpoint_every", "rounds", "first_merge_peak_rss_mb",
+           "merge_kept_mb", "merge_page_faults"}  # issue #41
     runs = {"read_decode_runs_s", "rejoin_runs_s", "rejoin_full_params_runs_s"}  # the medians' passes
     assert [set(r) for r in result["rows"]] == [keys | floor | log | runs] * 2
     for row in result["rows"]:
         assert row["read_decode_s"] > 0 and row["state_io_s"] > 0
         assert row["rounds"] == 3 * row["checkpoint_every"]
+        # the blocks a merger keeps between merges (8 + 4 B a parameter of the largest chain), in its memory
+        assert row["merge_kept_mb"] == pytest.approx(3 * row["largest_fragment_mb"], rel=1e-9)
+        assert row["merge_peak_rss_mb"] >= row["merge_kept_mb"]
         assert row["merge_vs_read_decode"] == row["merge_s_per_round"] / row["read_decode_s"]
         k, p = row["checkpoint_every"], row["fragments"]  # fragment f's checkpoint grid is shifted by f*K//P
         assert row["recovery_replayed"] == sum((3 * k - 1 + f * k // p) % k for f in range(p))  # K-1 at P = 1

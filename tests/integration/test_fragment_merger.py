@@ -292,3 +292,35 @@ def test_a_shard_looks_at_each_chain_with_a_head_and_a_listing_a_learner(tmp_pat
     _publish_round(ctx, {"a-1": rounds[1]["a-1"]}, 1, 1)
     one_pass(1_010.4, merges=4)
     assert fragment_versions(ctx) == [2] * 4
+
+
+def test_a_shard_merges_in_the_blocks_it_keeps_and_commits_the_bits_audit_replays(tmp_path):
+    """A shard's merges lay their fp64 sums and decode their deltas' first tensors in blocks the process
+    keeps (MergeArenas: one pair for all its chains, the largest chain's size), left dirty by the chain
+    before: no fresh block after the first merge, and audit — which replays every merge in fresh tensors —
+    finds the committed bits (int4 deltas: decoded into the kept buffers)."""
+    store = open_store(f"file://{tmp_path}")
+    ctx = create_run(store, "kept", _cfg(3).with_overrides({"learner.codec": "int4"}))
+    shard = ShardMerger(ctx)
+    arenas = shard.chains[0].arenas
+    assert all(m.arenas is arenas for m in shard.chains.values())
+    largest = max(sum(p.numel() for p in _params(ctx, ctx.keys.for_fragment(i), 0).values())
+                  for i in range(3))
+    blocks = None
+    for seq, deltas in enumerate(_full_deltas(_params(ctx, ctx.keys, 0), 3)):
+        for index, fragment in enumerate(ctx.fragments):
+            for learner, full in deltas.items():
+                meta = {"learner": learner, "seq": seq, "base_version": seq, "tokens": 640, "steps": 10,
+                        "phase_time_s": 0.0, "train_loss": 2.0, "created_at": 0.0}
+                data = encode_tensors(take(full, fragment), codec_name="int4", kind="delta",
+                                      fingerprint=ctx.fingerprint, meta=meta)
+                store.put_if_absent(ctx.keys.for_fragment(index).delta(learner, seq), data)
+        assert len(shard.poll_once()) == 3
+        now = (arenas.sums._block.data_ptr(), arenas.buffers._block.data_ptr())
+        assert blocks in (None, now)  # the first merge's blocks, kept
+        blocks = now
+        assert (arenas.sums.held_bytes, arenas.buffers.held_bytes) == (8 * largest, 4 * largest)
+    assert fragment_versions(ctx) == [3] * 3
+    report = audit_run(ctx)
+    assert report.ok, report.problems
+    assert report.deltas_merged == 3 * 3 * 2

@@ -3,7 +3,8 @@
 over shapes across a chunk boundary, `sum_squares_chunked` against that sum taken chunk by chunk; a delta's
 norm through a scratch against the old norm, and non-finite exactly when a value is NaN or Inf (the judge's
 finiteness check folded into it), both ways; the judge sums squares as the run's trust rules say, with its
-worker thread or without; Combiner.take_result against result.
+worker thread or without; Combiner.take_result against result; a combination laid in a kept arena that an
+earlier one left dirty, its result written into given buffers, against fresh zeros and fresh tensors.
 Run: .venv/bin/pytest tests/unit/test_fp64_bits.py -q
 """
 
@@ -20,6 +21,7 @@ from diloco.run.objects import encode_tensors
 from diloco.training.fp64 import (
     CHUNK_ELEMENTS,
     NORM_CHUNK_ELEMENTS,
+    Arena,
     Fp64Scratch,
     add_scaled_,
     quotient_fp32,
@@ -114,3 +116,43 @@ def test_take_result_is_result(rule):
         a.add(delta, w)
         b.add(delta, w)
     assert _same(a.take_result(), b.result())
+
+
+def test_an_arena_hands_out_views_of_one_kept_block():
+    arena = Arena(torch.float64)
+    first = arena.views({"a": (3, 4), "b": (5,)}, zero=True)
+    assert [tuple(v.shape) for v in first.values()] == [(3, 4), (5,)] and arena.held_bytes == 17 * 8
+    assert all(v.dtype == torch.float64 and v.is_contiguous() and not v.any() for v in first.values())
+    assert first["b"].data_ptr() == first["a"].data_ptr() + 12 * 8  # laid one after another
+    for v in first.values():
+        v.fill_(float("nan"))
+    again = arena.views({"c": (2, 2)}, zero=True)  # a smaller request: the same block, zeroed
+    assert again["c"].data_ptr() == first["a"].data_ptr() and not again["c"].any()
+    assert arena.held_bytes == 17 * 8
+    grown = arena.views({"d": (40,)})  # a larger one: a new block, kept from then on
+    assert arena.held_bytes == 40 * 8 and grown["d"].numel() == 40
+    arena.release()
+    assert arena.held_bytes == 0
+
+
+@pytest.mark.parametrize("rule", ["mean", "rda"])
+def test_a_combination_in_a_dirty_arena_has_the_bits_of_fresh_zeros(rule):
+    """The merger's kept blocks (MergeArenas): its fp64 sums laid in a block an earlier merge left full of
+    NaN, its pseudo-gradient written into buffers that held another delta — the bits of fresh zeros and a
+    fresh result."""
+    gen = torch.Generator().manual_seed(11)
+    deltas = [({k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}, w) for w in (1.0, 0.3, 2.75)]
+    arena = Arena(torch.float64)
+    for v in arena.views({k: s for k, s in SHAPES.items()}).values():
+        v.fill_(float("nan"))
+    fresh, kept = Combiner(rule, direct=("ln.b",)), Combiner(rule, direct=("ln.b",), arena=arena)
+    for delta, w in deltas:
+        fresh.add({k: v.clone() for k, v in delta.items()}, w)
+        kept.add({k: v.clone() for k, v in delta.items()}, w)
+    buffers = {k: torch.full(s, float("nan")) for k, s in SHAPES.items()}
+    where = {k: v.data_ptr() for k, v in buffers.items()}
+    given = kept.take_result(into=lambda name: buffers.pop(name, None))
+    assert _same(given, fresh.take_result())
+    # a mean tensor's result is the buffer given; rda's is its own (the unit vector is fresh)
+    mean = {k for k in SHAPES if rule == "mean" or k == "ln.b"}
+    assert {k for k in SHAPES if given[k].data_ptr() == where[k]} == mean
