@@ -122,8 +122,8 @@ def rounds_child(storage: str, run_id: str, first: int, last: int, decode: bool,
         return time.perf_counter() - t0
 
     read_decode_s = [read_decode() for _ in range(PASSES)] if decode else None
-    queue.put({"merge_s": merge_s, "peak_rss_bytes": peaks, "rss_high_bytes": highs, "kept_bytes": kept, "faults": faults,
-               "read_decode_s": read_decode_s,
+    queue.put({"merge_s": merge_s, "peak_rss_bytes": peaks, "rss_high_bytes": highs, "kept_bytes": kept,
+               "faults": faults, "read_decode_s": read_decode_s,
                "sent_bytes": sum(counting.sent.values()), "sent": dict(counting.sent), "checkpoint_s": writes,
                "load_s": load_s, "replayed": replayed})
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import fsspec
 import numpy as np
 
+from diloco.storage.backends import hold_across_fork
 from diloco.training.data import DataError
 
 log = logging.getLogger("diloco.data")
@@ -155,6 +156,7 @@ def _files(source: str) -> tuple[fsspec.AbstractFileSystem, list[str], bool]:
                                          else source)
     except (ValueError, ImportError) as err:
         raise DataError(f"data.corpus {source!r}: cannot open: {err}") from None
+    hold_across_fork(fs)  # an S3 corpus's session: a forked learner must not close it (storage/backends.py)
     if any(ch in path for ch in "*?["):
         files = sorted(p for p in fs.glob(path) if fs.isfile(p))
         if not files:

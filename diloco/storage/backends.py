@@ -158,13 +158,22 @@ def _disown_inherited_sessions() -> None:
 os.register_at_fork(after_in_child=_disown_inherited_sessions)
 
 
+def hold_across_fork(fs: Any) -> None:
+    """Track an fsspec filesystem this process opened outside a store (an S3 corpus read through fsspec's
+    instance cache, which a forked child clears on its first filesystem): a forked child holds its copy with
+    the session marked closed, as it does a store's. A no-op for any other protocol."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if any(p in _ATOMIC_CREATE_PROTOCOLS for p in protocols):
+        _S3_FILESYSTEMS[id(fs)] = fs
+
+
 class FsspecBackend:
     """An fsspec filesystem (s3fs, memory) rooted at a path inside it."""
 
     def __init__(self, fs: Any, root: str, protocol: str) -> None:
         self.fs, self.root, self.protocol = fs, root.rstrip("/"), protocol
         if protocol in _ATOMIC_CREATE_PROTOCOLS:
-            _S3_FILESYSTEMS[id(fs)] = fs
+            hold_across_fork(fs)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key

@@ -44,7 +44,7 @@ def check_removal(tmp_path: Path, *, prefect: bool, env: dict[str, str] | None =
             if seqs_of(ctx, gone) and seqs_of(ctx, ctx.learners[0]):  # both learners publish
                 done = subprocess.run([sys.executable, "-m", "diloco.cli", "remove-learner", "--storage", url,
                                        "--run-id", ctx.run_id, "--learner", gone],
-                                      capture_output=True, text=True, timeout=60, env={**s.backend.env})
+                                      capture_output=True, text=True, timeout=180, env={**s.backend.env})
                 assert done.returncode == 0, done.stderr
                 state["removed_at"], state["version"] = now, latest_version(ctx.store, ctx.keys)
             return False

@@ -104,3 +104,14 @@ def test_a_forked_child_lets_go_of_a_store_its_parent_dropped_but_had_not_collec
     finally:
         gc.enable()
     assert open_store(s3_url).get("parent") == b"ours"
+
+
+def test_a_forked_child_lets_go_of_an_s3_corpus_its_parent_read_quietly(s3_url: str, tmp_path: Path) -> None:
+    """A corpus on S3 is read through fsspec's own instance cache, not a store; a forked child clears that
+    cache on its first filesystem (fsspec: a new process), which freed the parent's s3fs instance there."""
+    from diloco.specs.text import read_documents
+
+    open_store(s3_url).put("corpus/a.txt", b"to be, or not to be\n")
+    docs, _ = read_documents(f"{s3_url}/corpus/a.txt")  # the corpus's filesystem has its session now
+    assert docs
+    _fork_and_check(s3_url, tmp_path)
