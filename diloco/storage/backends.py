@@ -172,8 +172,7 @@ class FsspecBackend:
 
     def __init__(self, fs: Any, root: str, protocol: str) -> None:
         self.fs, self.root, self.protocol = fs, root.rstrip("/"), protocol
-        if protocol in _ATOMIC_CREATE_PROTOCOLS:
-            hold_across_fork(fs)
+        hold_across_fork(fs)  # an S3 filesystem's session, held by a forked child (a no-op for the others)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key
